@@ -1,0 +1,5 @@
+"""``python -m fpaudit``: the same as the ``fpaudit`` command."""
+
+from fpaudit.cli import main
+
+main()

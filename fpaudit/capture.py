@@ -1,0 +1,438 @@
+"""Capture every backward op output, attributed to the module that owns it.
+
+How attribution works, in plain words:
+
+* In forward, hooks on every module note the thread's autograd *sequence
+  number* each time a module starts or finishes (``_ModuleClock``). Autograd
+  stamps every node it creates with the next sequence number, so the node
+  created by an op inside ``encoder.layer.0.fc1`` carries a number that falls
+  in a stretch of time when ``encoder.layer.0.fc1`` was the innermost module.
+* In backward, a ``TorchDispatchMode`` sees every aten op. The engine tells us
+  which node is executing (``current_autograd_node``); its sequence number
+  looks the module up. ``AccumulateGrad`` nodes carry their parameter instead,
+  which names its module.
+
+This holds when the model's own forward computes the loss (Hugging Face style)
+and when a module's inputs do not require grad, where backward module hooks
+(``torch.utils.module_tracker``) see nothing. Nodes created outside every
+module of the model (the loss, other top-level code) belong to the pseudo-module
+``LOSS_MODULE``.
+
+Each captured tensor is handed to one recording function with
+``(kind, module, node, op, output_index, tensor)``; statistics accumulate in
+``histogram.Histogram`` on the tensor's device and nothing is retained.
+``Audit.step`` brings a step's statistics to the host with one transfer.
+
+Known limitations:
+
+* Attribution assumes forward runs on one thread (not ``nn.DataParallel``).
+* Activation checkpointing is supported when the checkpointed callable is a
+  module of the model: its recomputation in backward is recognised as forward
+  work and not recorded. A checkpointed plain function's recomputed ops are
+  recorded as backward ops of the node that triggered them.
+* Compiled models (``torch.compile``) bypass dispatch modes; audit the eager model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fpaudit import histogram
+from fpaudit.report import (
+    KIND_BACKWARD,
+    KIND_GRAD,
+    LOSS_MODULE,
+    RecordKey,
+    Report,
+    ReportBuilder,
+    run_metadata,
+)
+
+_ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes have no sequence number
+
+_aten = torch.ops.aten
+# Ops that only copy, move or zero-pad values: their outputs hold no value
+# that is not already in an input (when the dtype is kept). ``SplitBackward0``,
+# for one, concatenates gradients that were recorded when they were made.
+_DATA_MOVEMENT = frozenset(
+    {
+        _aten.clone.default,
+        _aten._unsafe_view.default,
+        _aten.copy_.default,
+        _aten._to_copy.default,
+        _aten.lift_fresh_copy.default,
+        _aten.cat.default,
+        _aten.stack.default,
+        _aten.slice_backward.default,
+        _aten.select_backward.default,
+        _aten.diagonal_backward.default,
+        _aten.constant_pad_nd.default,
+        _aten.repeat.default,
+        _aten.flip.default,
+        _aten.roll.default,
+    }
+)
+
+
+# Ops whose output values do not come from their inputs' values. Outside
+# backward their outputs are not forward values: the loss seed of
+# ``loss.backward()`` is ``ones_like(loss)``.
+_VALUE_FREE = frozenset(
+    {
+        _aten.ones_like.default,
+        _aten.zeros_like.default,
+        _aten.empty_like.default,
+        _aten.full_like.default,
+        _aten.new_ones.default,
+        _aten.new_zeros.default,
+        _aten.new_empty.default,
+        _aten.new_full.default,
+    }
+)
+
+
+def current_autograd_node() -> torch.autograd.graph.Node | None:
+    """The autograd node the engine is executing on this thread, or None outside backward.
+
+    Wraps the private ``torch._C._current_autograd_node`` in one tested place.
+    """
+    return torch._C._current_autograd_node()
+
+
+def autograd_sequence_number() -> int:
+    """The sequence number autograd will give the next node created on this thread.
+
+    Wraps the private ``torch._C._autograd._get_sequence_nr``.
+    """
+    return int(torch._C._autograd._get_sequence_nr())
+
+
+def _float_tensors(output: Any) -> Iterator[tuple[int, torch.Tensor]]:
+    for index, leaf in enumerate(tree_leaves(output)):
+        if (
+            isinstance(leaf, torch.Tensor)
+            and leaf.is_floating_point()
+            and leaf.layout == torch.strided
+            and leaf.device.type != "meta"
+        ):
+            yield index, leaf
+
+
+def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
+    for leaf in tree_leaves(args):
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    return None
+
+
+def creates_new_values(func: torch._ops.OpOverload, args: tuple[Any, ...], output: Any) -> bool:
+    """False for ops that only re-present values: views, detach, same-dtype copies and moves."""
+    if func.is_view:
+        return False
+    if func in _DATA_MOVEMENT:
+        source = args[1] if func is _aten.copy_.default else _first_tensor(args)
+        target = output if isinstance(output, torch.Tensor) else None
+        return not (source is not None and target is not None and source.dtype == target.dtype)
+    return True
+
+
+class _Provenance:
+    """Which tensors hold values that do not scale with the loss ("fixed" values).
+
+    Loss scaling multiplies the gradient flowing backward, not the forward
+    values that backward formulas read from saved tensors. ``pow``'s backward,
+    for one, computes ``2 * x`` from the saved input before multiplying by the
+    incoming gradient; that intermediate stays put whatever the scale.
+
+    Fixed: parameters, buffers, every output of an op run outside backward
+    (forward, recomputation), and every backward output computed from fixed
+    values alone. Everything else computed in backward, the loss seed
+    included, scales with the loss. A tensor fixed values never reached
+    (a batch tensor, a saved output rewrapped by autograd) counts as scaling:
+    the conservative side, as if this tracking did not exist.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._fixed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.mark(model.parameters())
+        self.mark(model.buffers())
+
+    def mark(self, tensors: Any) -> None:
+        for leaf in tensors:
+            if isinstance(leaf, torch.Tensor):
+                self._fixed[leaf] = True
+
+    def unmark(self, tensors: Any) -> None:
+        for leaf in tensors:
+            if isinstance(leaf, torch.Tensor):
+                self._fixed.pop(leaf, None)
+
+    def all_fixed(self, args: Any) -> bool:
+        return all(leaf in self._fixed for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor))
+
+
+class _ModuleClock:
+    """Remembers, by autograd sequence number, which module was innermost in forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names: dict[int, str] = {}
+        self.param_owner: dict[int, tuple[str, str]] = {}
+        for name, module in model.named_modules():
+            self.names.setdefault(id(module), name)
+            for param_name, param in module.named_parameters(recurse=False):
+                self.param_owner.setdefault(id(param), (name, param_name))
+        self._stack = threading.local()
+        self._starts: list[int] = []
+        self._modules: list[str] = []
+        self._cache: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def _frames(self) -> list[str]:
+        frames = getattr(self._stack, "frames", None)
+        if frames is None:
+            frames = self._stack.frames = []
+        return frames
+
+    def in_forward(self) -> bool:
+        """True while a module of the model runs forward on this thread (also recomputation)."""
+        return bool(getattr(self._stack, "frames", None))
+
+    def _mark(self, module_name: str) -> None:
+        with self._lock:
+            self._starts.append(autograd_sequence_number())
+            self._modules.append(module_name)
+
+    def enter(self, name: str) -> None:
+        frames = self._frames()
+        frames.append(name)
+        self._mark(name)
+
+    def exit(self) -> None:
+        frames = self._frames()
+        if frames:
+            frames.pop()
+        self._mark(frames[-1] if frames else LOSS_MODULE)
+
+    def install(self, model: nn.Module, stack: ExitStack) -> None:
+        for name, module in model.named_modules():
+            if self.names.get(id(module)) != name:
+                continue  # a shared module keeps its first name
+            stack.enter_context(module.register_forward_pre_hook(lambda _m, _a, n=name: self.enter(n)))
+            stack.enter_context(
+                module.register_forward_hook(lambda _m, _a, _o: self.exit(), always_call=True)
+            )
+
+    def module_of(self, node: torch.autograd.graph.Node) -> str:
+        sequence = node._sequence_nr()
+        if sequence == _ACCUMULATE_GRAD_SEQUENCE:
+            variable = getattr(node, "variable", None)
+            owner = self.param_owner.get(id(variable)) if variable is not None else None
+            return owner[0] if owner is not None else LOSS_MODULE
+        cached = self._cache.get(sequence)
+        if cached is not None:
+            return cached
+        position = bisect.bisect_right(self._starts, sequence) - 1
+        name = self._modules[position] if position >= 0 else LOSS_MODULE
+        self._cache[sequence] = name
+        return name
+
+    def forget(self) -> None:
+        """Drop what forward remembered (called when a step closes)."""
+        with self._lock:
+            self._starts.clear()
+            self._modules.clear()
+            self._cache.clear()
+
+
+Recorder = Callable[[str, str, str, str, int, bool, torch.Tensor], None]
+
+
+class _BackwardMode(TorchDispatchMode):
+    """Sees every aten op; hands backward outputs to the recorder."""
+
+    def __init__(self, clock: _ModuleClock, provenance: _Provenance, record: Recorder) -> None:
+        super().__init__()
+        self._clock = clock
+        self._provenance = provenance
+        self._record = record
+        self._op_names: dict[torch._ops.OpOverload, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        node = current_autograd_node()
+        if node is None or self._clock.in_forward():
+            if func not in _VALUE_FREE:
+                self._provenance.mark(tree_leaves(output))
+            return output
+        fixed = self._provenance.all_fixed((args, kwargs))
+        if fixed:
+            self._provenance.mark(tree_leaves(output))
+        elif func._schema.is_mutable:
+            self._provenance.unmark(tree_leaves(output))  # e.g. grad += scaled value
+        if not creates_new_values(func, args, output):
+            return output
+        op = self._op_names.get(func)
+        if op is None:
+            op = self._op_names[func] = str(func)
+        module = self._clock.module_of(node)
+        node_name = node.name()
+        for index, tensor in _float_tensors(output):
+            self._record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor)
+        return output
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """What a closed step looked like, for the caller's decisions (optimizer step, progress)."""
+
+    step: int
+    loss: float | None
+    loss_finite: bool
+    nonfinite_grads: int  # inf/NaN elements in parameter gradients
+    records: int
+
+
+class Audit:
+    """Records backward-op outputs and parameter gradients of ``model``, step by step.
+
+    Use it as a context manager::
+
+        with fpaudit.audit(model) as audit:
+            for batch in batches:
+                loss_fn(model, batch).backward()
+                audit.step(loss=loss)
+        audit.report.write("report-dir")
+
+    Hooks and the dispatch mode are removed on exit, also when the body raises.
+    A step with records still open at exit is closed then.
+    """
+
+    def __init__(self, model: nn.Module, *, loss_scale: float = 1.0) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.loss_scale = loss_scale
+        self._clock = _ModuleClock(model)
+        self._provenance = _Provenance(model)
+        self._open: dict[RecordKey, histogram.Histogram] = {}
+        self._builder = ReportBuilder(
+            modules=[LOSS_MODULE, *self._clock.names.values()],
+        )
+        self._stack: ExitStack | None = None
+        self._step_started = time.perf_counter()
+        self._lock = threading.Lock()
+
+    # -- context manager -------------------------------------------------
+    def __enter__(self) -> Audit:
+        stack = ExitStack()
+        try:
+            self._clock.install(self.model, stack)
+            stack.enter_context(_BackwardMode(self._clock, self._provenance, self.record))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        self._step_started = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+        if self._open and exc_type is None:
+            self.step()
+        self._open.clear()
+        self._clock.forget()
+
+    # -- recording -------------------------------------------------------
+    def record(
+        self,
+        kind: str,
+        module: str,
+        node: str,
+        op: str,
+        output: int,
+        scales_with_loss: bool,
+        tensor: torch.Tensor,
+    ) -> None:
+        """Add ``tensor``'s values to the open step's record for this key."""
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        key = RecordKey(kind, module, node, op, output, dtype, scales_with_loss)
+        with self._lock:
+            entry = self._open.get(key)
+            if entry is None:
+                entry = self._open[key] = histogram.Histogram(tensor.device)
+        entry.add(tensor)
+
+    def _record_parameter_gradients(self) -> None:
+        for name, param in self.model.named_parameters():
+            grad = param.grad
+            if grad is None or not grad.is_floating_point() or grad.layout != torch.strided:
+                continue
+            module, _, param_name = name.rpartition(".")
+            self.record(KIND_GRAD, module, "AccumulateGrad", param_name, 0, True, grad)
+
+    def step(self, loss: torch.Tensor | None = None) -> StepSummary:
+        """Close the current step: record parameter gradients, then gather its statistics.
+
+        ``loss`` (optional) is stored with the step. A non-finite loss marks the
+        step as a forward problem and its backward records are dropped, so they
+        never count as backward overflow. This is the one host sync per step.
+        """
+        if loss is not None and (not isinstance(loss, torch.Tensor) or loss.numel() != 1):
+            raise ValueError("step(loss=...) needs a tensor with exactly one element")
+        self._record_parameter_gradients()
+        keys = list(self._open)
+        scalars = (loss.detach().reshape(()),) if loss is not None else ()
+        host, values = histogram.gather([self._open[k] for k in keys], scalars)
+        records = dict(zip(keys, host, strict=True))
+        loss_value = values[0] if values else None
+        self._builder.add_step(
+            records,
+            loss=loss_value,
+            loss_scale=self.loss_scale,
+            seconds=time.perf_counter() - self._step_started,
+        )
+        self._open.clear()
+        self._clock.forget()
+        self._step_started = time.perf_counter()
+        nonfinite_grads = sum(h.infs + h.nans for k, h in records.items() if k.kind == KIND_GRAD)
+        return StepSummary(
+            step=self._builder.steps - 1,
+            loss=loss_value,
+            loss_finite=loss_value is None or math.isfinite(loss_value),
+            nonfinite_grads=nonfinite_grads,
+            records=len(records),
+        )
+
+    def mark_optimizer_step(self, stepped: bool) -> None:
+        """Note whether an optimizer step followed the last closed step."""
+        self._builder.mark_optimizer_step(stepped)
+
+    @property
+    def steps(self) -> int:
+        return self._builder.steps
+
+    @property
+    def report(self) -> Report:
+        """Everything recorded so far, as a :class:`~fpaudit.report.Report`."""
+        return self._builder.build(run_metadata(self.model))
+
+
+def audit(model: nn.Module, *, loss_scale: float = 1.0) -> Audit:
+    """Audit the backward pass of ``model``: see :class:`Audit`."""
+    return Audit(model, loss_scale=loss_scale)

@@ -1,0 +1,362 @@
+"""The ``fpaudit`` command line: parse, call the library, render, exit.
+
+Exit codes: 0 success/pass, 1 the gate failed, 2 bad input or usage, 130
+interrupted. Errors are one line on stderr; ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from fpaudit import __version__, analysis, config, render
+from fpaudit.errors import FpauditError, UsageError
+from fpaudit.formats import FORMATS, Format, get_format
+from fpaudit.gate import gate as run_gate
+from fpaudit.recommend import DEFAULT_HEADROOM_BITS, recommend
+from fpaudit.report import KIND_BACKWARD, KIND_GRAD, Report
+
+EXIT_OK = 0
+EXIT_GATE_FAILED = 1
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+_state: dict[str, Any] = {"debug": False, "argv": []}
+
+
+app = typer.Typer(
+    name="fpaudit",
+    help="Measure where the backward pass falls out of fp16/bf16/fp8 range, and pick a loss scale.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"fpaudit {__version__}")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+# -- option helpers --------------------------------------------------------
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", help="TOML file with the same options (see sample_configs/).")
+]
+JsonOption = Annotated[bool | None, typer.Option("--json/--no-json", help="Print JSON instead of a table.")]
+FormatOption = Annotated[
+    str | None,
+    typer.Option("--format", "-f", help="fp16, bf16, fp8_e4m3fn or fp8_e5m2 [default: the report's first]."),
+]
+HeadroomOption = Annotated[
+    int | None,
+    typer.Option("--headroom-bits", help=f"Binades kept free below the format's max [default: {DEFAULT_HEADROOM_BITS}]."),
+]
+IncludeLossOption = Annotated[
+    bool | None,
+    typer.Option("--include-loss/--exclude-loss", help="Let the loss seed and <loss> ops limit the scale."),
+]
+ReportArgument = Annotated[Path, typer.Argument(help="A report directory written by `fpaudit scan`.", show_default=False)]
+
+
+def _merge(command: str, config_file: Path | None, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(defaults)
+    merged.update(config.options_for(command, config_file))
+    merged.update({k: v for k, v in given.items() if v is not None})
+    return merged
+
+
+def _headroom(value: int) -> int:
+    if value < 0:
+        raise UsageError(f"--headroom-bits must be 0 or more, got {value}")
+    return value
+
+
+def _reading_format(name: str | None, report: Report) -> Format:
+    if name is None:
+        formats = report.meta.get("formats")
+        name = formats[0] if isinstance(formats, list) and formats and isinstance(formats[0], str) else "fp16"
+    return get_format(name)
+
+
+def _scale(text: str | None, what: str = "--scale") -> int | None:
+    """log2 of a power-of-two scale given as 1024, 0.5, 2^10 or 2**10; None for 'recommended'."""
+    if text is None or text.strip().lower() == "recommended":
+        return None
+    return config.parse_scale(text, what)
+
+
+# -- commands --------------------------------------------------------------
+@app.command("formats")
+def formats_command(json_output: JsonOption = None) -> None:
+    """List the formats and their thresholds.
+
+    Example: fpaudit formats --json
+    """
+    render.formats(FORMATS.values(), bool(json_output))
+
+
+@app.command("scan")
+def scan_command(
+    model_file: Annotated[Path, typer.Argument(help="Python file defining model, batches and loss.", show_default=False)],
+    steps: Annotated[int | None, typer.Option("--steps", "-n", help="Training steps to run [default: 10].")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")] = None,
+    format_: Annotated[
+        list[str] | None, typer.Option("--format", "-f", help="Format(s) to summarise; repeat for several [default: fp16].")
+    ] = None,
+    headroom_bits: HeadroomOption = None,
+    include_loss: IncludeLossOption = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory [default: fpaudit-report].")] = None,
+    config_file: ConfigOption = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")] = None,
+    loss_scale: Annotated[
+        str | None, typer.Option("--loss-scale", help="Run backward with this power-of-two loss scale [default: 1].")
+    ] = None,
+    top: Annotated[int | None, typer.Option("--top", help="Modules in the summary table [default: 8].")] = None,
+    force: Annotated[bool | None, typer.Option("--force/--no-force", help="Overwrite an existing report.")] = None,
+) -> None:
+    """Run a model file for some steps and record every backward op.
+
+    Example: fpaudit scan sample_configs/transformer.py --steps 8 --format fp16 --out report
+    """
+    from fpaudit.scan import ScanOptions, scan
+
+    options = _merge(
+        "scan",
+        config_file,
+        dict(steps=steps, device=device, format=format_, headroom_bits=headroom_bits,
+             include_loss=include_loss, out=out, seed=seed, loss_scale=loss_scale, top=top, force=force),
+        dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
+             include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False),
+    )  # fmt: skip
+    formats = [get_format(name) for name in dict.fromkeys(options["format"])]
+    headroom = _headroom(options["headroom_bits"])
+    log2_loss_scale = config.parse_scale(options["loss_scale"], "--loss-scale")
+    if options["top"] < 1:
+        raise UsageError(f"--top must be at least 1, got {options['top']}")
+    out_path = Path(options["out"])
+    if out_path.exists() and not options["force"]:
+        raise UsageError(f"{out_path} already exists; pass --force to overwrite it")
+    scan_options = ScanOptions(
+        steps=options["steps"],
+        device=options["device"],
+        loss_scale=math.ldexp(1.0, log2_loss_scale),
+        seed=options["seed"],
+    )
+    meta = {
+        "formats": [f.name for f in formats],
+        "headroom_bits": headroom,
+        "include_loss": options["include_loss"],
+        "argv": shlex.join(["fpaudit", *_state["argv"]]),
+        "config": str(config_file) if config_file else None,
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items()},
+    }
+    with render.step_progress(scan_options.steps) as advance:
+        report = scan(model_file, scan_options, on_step=advance, meta=meta)
+    report.write(out_path, force=options["force"])
+    forward_problems = int((~report.steps["loss_finite"]).sum())
+    for fmt in formats:
+        rec = recommend(report, fmt, headroom, include_loss=options["include_loss"])
+        scope = analysis.Scope(include_loss=options["include_loss"])
+        at_1 = analysis.module_table(report, fmt, 0, scope=scope)
+        at_s = analysis.module_table(report, fmt, rec.log2_scale or 0, scope=scope)
+        render.scan_summary(str(out_path), report.meta["steps"], at_1, at_s, rec, options["top"], forward_problems)
+
+
+@app.command("show")
+def show_command(
+    report_path: ReportArgument,
+    format_: FormatOption = None,
+    scale: Annotated[
+        str | None, typer.Option("--scale", "-s", help="Power-of-two scale (1024, 2^10) or 'recommended' [default: 1].")
+    ] = None,
+    top: Annotated[int | None, typer.Option("--top", help="Only the N rows with the highest underflow fraction.")] = None,
+    kind: Annotated[str | None, typer.Option("--kind", help="backward (op outputs) or grad (parameter gradients) [default: backward].")] = None,
+    by: Annotated[str | None, typer.Option("--by", help="module, or op (module, autograd node and aten op) [default: module].")] = None,
+    json_output: JsonOption = None,
+    config_file: ConfigOption = None,
+) -> None:
+    """Per-module table of zeros, underflow, flush and overflow at a scale.
+
+    Example: fpaudit show report --format fp16 --scale 2^12 --top 5
+    """
+    options = _merge(
+        "show", config_file,
+        dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output),
+        dict(format=None, scale="1", top=None, kind=KIND_BACKWARD, by="module", json=False),
+    )  # fmt: skip
+    if options["kind"] not in (KIND_BACKWARD, KIND_GRAD):
+        raise UsageError(f"--kind must be backward or grad, got {options['kind']!r}")
+    if options["by"] not in ("module", "op"):
+        raise UsageError(f"--by must be module or op, got {options['by']!r}")
+    if options["top"] is not None and options["top"] < 1:
+        raise UsageError(f"--top must be at least 1, got {options['top']}")
+    log2_scale = _scale(options["scale"])
+    report = Report.read(report_path)
+    fmt = _reading_format(options["format"], report)
+    scale_source = "given"
+    if log2_scale is None:
+        log2_scale = recommend(report, fmt, int(report.meta.get("headroom_bits", DEFAULT_HEADROOM_BITS))).log2_scale or 0
+        scale_source = "recommended"
+    group = ("module",) if options["by"] == "module" else ("module", "node", "op")
+    scope = analysis.Scope(kinds=(options["kind"],), include_loss=True)
+    table = analysis.range_loss(report, fmt, log2_scale, scope=scope, by=group)
+    if options["top"] is not None:
+        table = table.sort_values("underflow_fraction", ascending=False, kind="stable").head(options["top"])
+    if options["json"]:
+        render.print_json(render.module_rows(table))
+    else:
+        render.show(table, fmt, log2_scale, kind=options["kind"], by=options["by"], top=options["top"], scale_source=scale_source)
+
+
+@app.command("recommend")
+def recommend_command(
+    report_path: ReportArgument,
+    format_: FormatOption = None,
+    headroom_bits: HeadroomOption = None,
+    include_loss: IncludeLossOption = None,
+    json_output: JsonOption = None,
+    config_file: ConfigOption = None,
+) -> None:
+    """Recommend a power-of-two static loss scale, and say what limited it.
+
+    Example: fpaudit recommend report --format fp16 --headroom-bits 4 --json
+    """
+    options = _merge(
+        "recommend", config_file,
+        dict(format=format_, headroom_bits=headroom_bits, include_loss=include_loss, json=json_output),
+        dict(format=None, headroom_bits=None, include_loss=None, json=False),
+    )  # fmt: skip
+    report = Report.read(report_path)
+    fmt = _reading_format(options["format"], report)
+    headroom = _headroom(_from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS))
+    include = bool(_from_report(options["include_loss"], report, "include_loss", False))
+    rec = recommend(report, fmt, headroom, include_loss=include)
+    if options["json"]:
+        render.print_json(rec.to_dict())
+    else:
+        render.recommendation(rec)
+
+
+@app.command("gate")
+def gate_command(
+    report_path: ReportArgument,
+    max_underflow: Annotated[
+        float | None, typer.Option("--max-underflow", help="Largest acceptable underflow fraction, 0..1 (required).")
+    ] = None,
+    format_: FormatOption = None,
+    scale: Annotated[
+        str | None, typer.Option("--scale", "-s", help="Power-of-two scale to judge [default: the recommended one].")
+    ] = None,
+    per_module: Annotated[
+        bool | None, typer.Option("--per-module/--overall", help="Apply the limit to every module, not just overall.")
+    ] = None,
+    headroom_bits: HeadroomOption = None,
+    include_loss: IncludeLossOption = None,
+    json_output: JsonOption = None,
+    config_file: ConfigOption = None,
+) -> None:
+    """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale.
+
+    Example: fpaudit gate report --max-underflow 0.001 --format fp16 --per-module
+    """
+    options = _merge(
+        "gate", config_file,
+        dict(max_underflow=max_underflow, format=format_, scale=scale, per_module=per_module,
+             headroom_bits=headroom_bits, include_loss=include_loss, json=json_output),
+        dict(max_underflow=None, format=None, scale=None, per_module=False, headroom_bits=None,
+             include_loss=None, json=False),
+    )  # fmt: skip
+    limit = options["max_underflow"]
+    if limit is None:
+        raise UsageError("gate needs --max-underflow FRACTION (for example 0.001), or max_underflow in --config")
+    if not (0.0 <= limit <= 1.0):
+        raise UsageError(f"--max-underflow must be a fraction between 0 and 1, got {limit}")
+    log2_scale = _scale(options["scale"])
+    report = Report.read(report_path)
+    fmt = _reading_format(options["format"], report)
+    headroom = _headroom(_from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS))
+    include = bool(_from_report(options["include_loss"], report, "include_loss", False))
+    result = run_gate(
+        report, fmt, limit, log2_scale=log2_scale, per_module=options["per_module"],
+        headroom_bits=headroom, include_loss=include,
+    )  # fmt: skip
+    if options["json"]:
+        render.print_json(result.to_dict())
+    else:
+        render.gate(result)
+    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+
+
+def _from_report(value: Any, report: Report, key: str, default: Any) -> Any:
+    """An option not given anywhere falls back to what the scan used, then to the default."""
+    if value is not None:
+        return value
+    stored = report.meta.get(key)
+    return stored if type(stored) is type(default) else default
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run the CLI on ``argv``; map every way a command can end to an exit code.
+
+    Errors print one line on stderr (``--debug`` adds the traceback).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _state["argv"] = argv
+    _state["debug"] = "--debug" in argv
+    try:
+        result = app(args=argv, prog_name="fpaudit", standalone_mode=False)
+    except typer.Exit as done:
+        return done.exit_code
+    except FpauditError as error:
+        if _state["debug"]:
+            traceback.print_exc()
+        render.error_line(str(error))
+        return error.exit_code
+    except typer.TyperException as error:  # usage errors from the parser
+        if _state["debug"]:
+            traceback.print_exc()
+        message = error.format_message()
+        if message:  # empty when the help was shown because no arguments were given
+            context = getattr(error, "ctx", None)
+            hint = f" (try '{context.command_path} --help')" if context is not None else ""
+            render.error_line(f"{message}{hint}")
+        return EXIT_ERROR
+    except (typer.Abort, KeyboardInterrupt):
+        render.error_line("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as error:
+        if _state["debug"]:
+            traceback.print_exc()
+        render.error_line(
+            f"internal error: {type(error).__name__}: {error} "
+            "(please report it; --debug shows the traceback)"
+        )
+        return EXIT_ERROR
+    return result if isinstance(result, int) else EXIT_OK
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(run())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

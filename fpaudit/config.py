@@ -1,0 +1,175 @@
+"""Command options from a TOML file, merged under the command line.
+
+A config file sets the same options as the flags, with ``_`` or ``-`` in
+names. Top-level keys apply to every command that has that option; a
+``[scan]``, ``[show]``, ``[recommend]`` or ``[gate]`` table applies to that
+command only and wins over the top level. Unknown keys and tables are errors.
+Precedence: command line > config file > built-in default.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from fpaudit.errors import ConfigError, UsageError
+
+# A loss scale is an fp32 number: keep it a normal one.
+LOG2_SCALE_MIN = -126
+LOG2_SCALE_MAX = 127
+_POWER = re.compile(r"^\s*2\s*(\^|\*\*)\s*([+-]?\d+)\s*$")
+
+
+def parse_scale(text: str, what: str = "--scale") -> int:
+    """log2 of a power-of-two scale written as ``1024``, ``0.5``, ``2^10`` or ``2**-3``."""
+    match = _POWER.match(text)
+    if match:
+        log2 = int(match.group(2))
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(f"{what} {text!r} is not a number; use e.g. 1024 or 2^10") from None
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{what} must be a positive number, got {text}")
+        mantissa, exponent = math.frexp(value)
+        if mantissa != 0.5:
+            lower = exponent - 1
+            raise UsageError(
+                f"{what} {text} is not a power of two; the nearest are "
+                f"{math.ldexp(1, lower):g} (2^{lower}) and {math.ldexp(1, lower + 1):g} (2^{lower + 1})"
+            )
+        log2 = exponent - 1
+    if not LOG2_SCALE_MIN <= log2 <= LOG2_SCALE_MAX:
+        raise UsageError(
+            f"{what} 2^{log2} is outside the range of an fp32 scale (2^{LOG2_SCALE_MIN} to 2^{LOG2_SCALE_MAX})"
+        )
+    return log2
+
+# Option name -> expected TOML type. "formats" is a string or a list of
+# strings; "scale" is a number or a string such as "2^12" or "recommended".
+COMMAND_OPTIONS: dict[str, dict[str, str]] = {
+    "scan": {
+        "steps": "int",
+        "device": "str",
+        "format": "formats",
+        "headroom_bits": "int",
+        "include_loss": "bool",
+        "out": "str",
+        "seed": "int",
+        "force": "bool",
+        "loss_scale": "scale",
+        "top": "int",
+    },
+    "show": {
+        "format": "format",
+        "scale": "scale",
+        "top": "int",
+        "json": "bool",
+        "kind": "str",
+        "by": "str",
+    },
+    "recommend": {
+        "format": "format",
+        "headroom_bits": "int",
+        "include_loss": "bool",
+        "json": "bool",
+    },
+    "gate": {
+        "format": "format",
+        "max_underflow": "float",
+        "scale": "scale",
+        "per_module": "bool",
+        "headroom_bits": "int",
+        "include_loss": "bool",
+        "json": "bool",
+    },
+}
+
+
+def _normalise(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _check_type(file: Path, where: str, key: str, kind: str, value: Any) -> Any:
+    def fail(expected: str) -> ConfigError:
+        return ConfigError(f"{file}: {where}{key} must be {expected}, got {value!r}")
+
+    if kind == "int":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise fail("an integer")
+    elif kind == "float":
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise fail("a number")
+        value = float(value)
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise fail("true or false")
+    elif kind == "str":
+        if not isinstance(value, str):
+            raise fail("a string")
+    elif kind == "scale":
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise fail('a number or a string such as "2^12"')
+        value = str(value)
+    elif kind in ("format", "formats"):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise fail("a format name or a list of them")
+    return value
+
+
+def load(file: str | Path) -> dict[str, Any]:
+    """Parse and check the whole file (every table), so typos anywhere are caught."""
+    path = Path(file)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read config file {path}: {error}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: invalid TOML: {error}") from None
+
+    every_option = {name: kind for options in COMMAND_OPTIONS.values() for name, kind in options.items()}
+    checked: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = _normalise(raw_key)
+        if key in COMMAND_OPTIONS and isinstance(value, dict):
+            section: dict[str, Any] = {}
+            for raw_name, option_value in value.items():
+                name = _normalise(raw_name)
+                kind = COMMAND_OPTIONS[key].get(name)
+                if kind is None:
+                    known = ", ".join(sorted(COMMAND_OPTIONS[key]))
+                    raise ConfigError(f"{path}: unknown key {raw_name!r} in [{key}]; known: {known}")
+                section[name] = _check_type(path, f"[{key}] ", name, kind, option_value)
+            checked[key] = section
+        elif key in every_option:
+            checked[key] = _check_type(path, "", key, every_option[key], value)
+        else:
+            known = ", ".join(sorted(every_option))
+            tables = ", ".join(f"[{c}]" for c in COMMAND_OPTIONS)
+            raise ConfigError(
+                f"{path}: unknown key {raw_key!r}; known: {known}, and the tables {tables}"
+            )
+    return checked
+
+
+def options_for(command: str, file: str | Path | None) -> dict[str, Any]:
+    """The options ``file`` sets for ``command`` (top level, then its own table)."""
+    if file is None:
+        return {}
+    data = load(file)
+    known = COMMAND_OPTIONS[command]
+    options = {k: v for k, v in data.items() if k in known and k not in COMMAND_OPTIONS}
+    options.update(data.get(command, {}))
+    if "format" in options and known["format"] == "format":
+        options["format"] = options["format"][0]  # single-format commands take the first
+    return options

@@ -1,0 +1,30 @@
+"""The errors fpaudit raises on bad input.
+
+Every one of them becomes exactly one line on stderr and exit code 2 in the
+CLI (see ``cli.main``). Messages name the culprit and, where there is one, the
+fix.
+"""
+
+from __future__ import annotations
+
+
+class FpauditError(Exception):
+    """Base class: a problem with the user's input, not a bug in fpaudit."""
+
+    exit_code = 2
+
+
+class UsageError(FpauditError):
+    """A flag, option or config value is invalid."""
+
+
+class ConfigError(FpauditError):
+    """The TOML config file is missing, malformed or has unknown keys."""
+
+
+class ModelFileError(FpauditError):
+    """The model file is missing, broken, or does not follow the contract."""
+
+
+class ReportError(FpauditError):
+    """A report directory is missing, corrupt, or of an unknown schema version."""

@@ -1,0 +1,158 @@
+"""Low-precision number formats, and exactly where a scaled value lands in each.
+
+A :class:`Format` is a small frozen dataclass built from ``torch.finfo``. Its
+thresholds are derived, not typed in, and the tests pin them with hand-written
+constants.
+
+:func:`fate` answers the one question the whole tool is built on: a value
+``x`` of an fp32 tensor, multiplied by a power-of-two scale ``S`` in fp32 and
+cast to the format (``(x * S).to(dtype)``), does it become zero, a subnormal,
+a normal number, or overflow? It is computed with integers, modelling
+round-to-nearest-even in two stages: the fp32 product (exact unless it falls
+into fp32's subnormal range or overflows fp32) and then the cast.
+
+Known limitations:
+
+* ``float8_e4m3fn`` has no infinity. torch 2.13 saturates out-of-range casts to
+  +-448 (earlier releases produced NaN). Either way information is lost, so a
+  value whose rounding exceeds 448 (anything above 464) counts as overflow.
+* Only round-to-nearest-even is modelled; stochastic rounding is not.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fpaudit.errors import UsageError
+
+
+class Fate(enum.IntEnum):
+    """Where a nonzero finite value lands after scaling and casting."""
+
+    UNDERFLOW = 0  # rounds to zero
+    SUBNORMAL = 1  # nonzero, but the scaled value is below the smallest normal
+    NORMAL = 2
+    OVERFLOW = 3  # rounds beyond the largest finite value (inf, NaN or saturated)
+
+
+@dataclass(frozen=True)
+class Format:
+    """A binary floating-point format with IEEE-style subnormals.
+
+    ``mantissa_bits`` counts the stored fraction bits; ``min_normal_exp`` is
+    log2 of the smallest normal; ``max_finite`` is the largest finite value.
+    """
+
+    name: str
+    dtype: torch.dtype
+    mantissa_bits: int
+    min_normal_exp: int
+    max_finite: float
+    overflow_result: str  # what torch's cast gives past the edge: "inf" or "saturate"
+
+    @classmethod
+    def from_dtype(cls, name: str, dtype: torch.dtype, overflow_result: str = "inf") -> Format:
+        info = torch.finfo(dtype)
+        mantissa_bits = -math.frexp(info.eps)[1] + 1  # eps = 2**-mantissa_bits
+        min_normal_exp = math.frexp(info.smallest_normal)[1] - 1
+        return cls(name, dtype, mantissa_bits, min_normal_exp, float(info.max), overflow_result)
+
+    @property
+    def smallest_normal(self) -> float:
+        return math.ldexp(1.0, self.min_normal_exp)
+
+    @property
+    def smallest_subnormal(self) -> float:
+        return math.ldexp(1.0, self.min_normal_exp - self.mantissa_bits)
+
+    @property
+    def round_to_zero_edge(self) -> float:
+        """Magnitudes at or below this round to zero (the tie goes to even, i.e. to 0)."""
+        return self.smallest_subnormal / 2
+
+    @property
+    def max_exp(self) -> int:
+        """log2 of the binade that holds ``max_finite``."""
+        return math.frexp(self.max_finite)[1] - 1
+
+    @property
+    def overflow_edge(self) -> float:
+        """Halfway between ``max_finite`` and the next value the format would have."""
+        return self.max_finite + math.ldexp(1.0, self.max_exp - self.mantissa_bits - 1)
+
+    @property
+    def overflow_edge_inclusive(self) -> bool:
+        """Does the tie at ``overflow_edge`` overflow? Only if max_finite's last bit is odd."""
+        last_bit = int(math.ldexp(self.max_finite, self.mantissa_bits - self.max_exp)) & 1
+        return bool(last_bit)
+
+    def round(self, mantissa: int, exponent: int) -> tuple[int, int] | None:
+        """Round ``mantissa * 2**exponent`` (mantissa > 0) to nearest-even in this format.
+
+        Returns the result as ``(mantissa, exponent)``, ``(0, 0)`` when it
+        rounds to zero, or ``None`` when it overflows.
+        """
+        top = mantissa.bit_length() - 1 + exponent  # floor(log2(value))
+        quantum = max(top, self.min_normal_exp) - self.mantissa_bits
+        if quantum > exponent:
+            shift = quantum - exponent
+            kept = mantissa >> shift
+            rest = mantissa & ((1 << shift) - 1)
+            half = 1 << (shift - 1)
+            if rest > half or (rest == half and kept & 1):
+                kept += 1
+            mantissa, exponent = kept, quantum
+        if mantissa == 0:
+            return (0, 0)
+        if math.ldexp(mantissa, exponent) > self.max_finite:
+            return None
+        return (mantissa, exponent)
+
+
+FP32 = Format.from_dtype("fp32", torch.float32)
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format.from_dtype("fp16", torch.float16),
+        Format.from_dtype("bf16", torch.bfloat16),
+        Format.from_dtype("fp8_e4m3fn", torch.float8_e4m3fn, overflow_result="saturate"),
+        Format.from_dtype("fp8_e5m2", torch.float8_e5m2),
+    )
+}
+
+
+def get_format(name: str) -> Format:
+    """Look a format up by its CLI spelling, with a helpful error."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        known = ", ".join(FORMATS)
+        raise UsageError(f"unknown format {name!r}; known: {known}") from None
+
+
+def fate(fmt: Format, binade: int, fraction: int) -> Fate:
+    """Where ``(x * S).to(fmt.dtype)`` lands, for ``|x * S| = (1 + fraction/2**23) * 2**binade``.
+
+    ``binade`` is floor(log2) of the exact product ``|x| * S``; ``fraction`` is
+    the 23-bit normalised fraction of ``|x|`` (a power-of-two scale keeps it).
+    The product is first rounded to fp32, as ``x * S`` is on an fp32 tensor.
+    """
+    product = FP32.round((1 << 23) | fraction, binade - 23)
+    if product is None:
+        return Fate.OVERFLOW
+    mantissa, exponent = product
+    if mantissa == 0:
+        return Fate.UNDERFLOW
+    cast = fmt.round(mantissa, exponent)
+    if cast is None:
+        return Fate.OVERFLOW
+    if cast[0] == 0:
+        return Fate.UNDERFLOW
+    if mantissa.bit_length() - 1 + exponent < fmt.min_normal_exp:
+        return Fate.SUBNORMAL
+    return Fate.NORMAL

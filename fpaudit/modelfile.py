@@ -1,0 +1,246 @@
+"""Load a user's model file and check it against the contract.
+
+A model file is plain Python that defines:
+
+``model``
+    an ``nn.Module``, or a zero-argument callable returning one;
+``batches``
+    an iterable of batches, or a zero-argument callable returning one;
+``loss(model, batch)``
+    returns a scalar floating-point tensor;
+``optimizer(params)`` (optional)
+    returns a ``torch.optim.Optimizer``; then every step also takes a real
+    optimizer step, so the gradient distribution evolves as in training.
+
+Every problem becomes a one-line :class:`~fpaudit.errors.ModelFileError`
+naming the file (and the line, for exceptions raised by the user's code).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import itertools
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpaudit.errors import FpauditError, ModelFileError
+
+CONTRACT = {
+    "model": "model = MyModel()  (an nn.Module, or a zero-argument callable returning one)",
+    "batches": "batches = [...]  (an iterable of batches, or a zero-argument callable returning one)",
+    "loss": "def loss(model, batch): return <scalar tensor>",
+}
+
+_END = object()
+
+
+def where(error: BaseException, path: Path) -> str:
+    """``file:line`` of the innermost frame of ``error`` inside ``path`` (else the last frame)."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f"{error.filename}:{error.lineno}"
+    frames = traceback.extract_tb(error.__traceback__)
+    resolved = str(path.resolve())
+    inside = [f for f in frames if f.filename and Path(f.filename).resolve().as_posix() == resolved]
+    frame = (inside or frames or [None])[-1]
+    if frame is None:
+        return str(path)
+    return f"{frame.filename}:{frame.lineno}"
+
+
+def describe(error: BaseException) -> str:
+    message = str(error).strip().splitlines()
+    text = message[0] if message else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+@contextmanager
+def user_code(path: Path, what: str) -> Iterator[None]:
+    """Turn any exception from the user's code into a one-line ModelFileError."""
+    try:
+        yield
+    except (FpauditError, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        raise ModelFileError(f"{where(error, path)}: {what} raised {describe(error)}") from error
+
+
+@dataclass
+class ModelFile:
+    """A loaded model file. ``batches()`` gives a fresh iterator each call."""
+
+    path: Path
+    model: nn.Module
+    loss: Callable[[nn.Module, Any], Any]
+    make_batches: Callable[[], Iterable[Any]]
+    reiterable: bool
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None
+
+    def batches(self, steps: int) -> Iterator[Any]:
+        """Batches for ``steps`` steps, restarting the source when it can be restarted."""
+        produced = 0
+        for epoch in itertools.count():
+            with user_code(self.path, "iterating `batches`"):
+                iterator = iter(self.make_batches())
+            empty = True
+            while produced < steps:
+                with user_code(self.path, "iterating `batches`"):
+                    batch = next(iterator, _END)
+                if batch is _END:
+                    break
+                empty = False
+                produced += 1
+                yield batch
+            if produced >= steps:
+                return
+            if empty and epoch == 0:
+                raise ModelFileError(f"{self.path}: `batches` yielded no batches")
+            if empty or not self.reiterable:
+                return
+
+
+def _import(path: Path) -> Any:
+    if not path.exists():
+        raise ModelFileError(f"model file {path} does not exist")
+    if not path.is_file():
+        raise ModelFileError(f"model file {path} is not a file")
+    try:
+        path.open("rb").close()
+    except OSError as error:
+        raise ModelFileError(f"cannot read model file {path}: {error.strerror}") from None
+    name = f"_fpaudit_model_{abs(hash(path.resolve()))}"
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    spec = importlib.util.spec_from_loader(name, loader)
+    if spec is None:  # pragma: no cover - SourceFileLoader always gives a spec
+        raise ModelFileError(f"cannot import model file {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up here
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        loader.exec_module(module)
+    except SyntaxError as error:
+        sys.modules.pop(name, None)
+        raise ModelFileError(f"{where(error, path)}: syntax error: {error.msg}") from None
+    except (FpauditError, KeyboardInterrupt):
+        sys.modules.pop(name, None)
+        raise
+    except BaseException as error:
+        sys.modules.pop(name, None)
+        if isinstance(error, SystemExit):
+            raise ModelFileError(f"{path}: importing the model file called sys.exit({error.code})") from None
+        raise ModelFileError(
+            f"{where(error, path)}: importing the model file raised {describe(error)}"
+        ) from error
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    return module
+
+
+def _require(module: Any, path: Path, name: str) -> Any:
+    if not hasattr(module, name):
+        raise ModelFileError(f"{path} does not define `{name}`; expected: {CONTRACT[name]}")
+    return getattr(module, name)
+
+
+def load(path: str | Path) -> ModelFile:
+    """Import ``path`` and check the contract; raise ModelFileError on any problem."""
+    path = Path(path)
+    module = _import(path)
+    model = _require(module, path, "model")
+    batches = _require(module, path, "batches")
+    loss = _require(module, path, "loss")
+    optimizer = getattr(module, "optimizer", None)
+
+    if not isinstance(model, nn.Module):
+        if not callable(model):
+            raise ModelFileError(
+                f"{path}: `model` is a {type(model).__name__}; expected {CONTRACT['model']}"
+            )
+        with user_code(path, "model()"):
+            model = model()
+        if not isinstance(model, nn.Module):
+            raise ModelFileError(
+                f"{path}: model() returned a {type(model).__name__}; expected an nn.Module"
+            )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelFileError(f"{path}: the model has no parameters that require grad")
+
+    if isinstance(batches, Iterable):
+        source = batches
+        reiterable = iter(source) is not source
+        make_batches: Callable[[], Iterable[Any]] = lambda: source  # noqa: E731
+    elif callable(batches):
+        factory = batches
+        reiterable = True
+
+        def make_batches() -> Iterable[Any]:
+            produced = factory()
+            if not isinstance(produced, Iterable):
+                raise ModelFileError(
+                    f"{path}: batches() returned a {type(produced).__name__}; expected an iterable"
+                )
+            return produced
+
+    else:
+        raise ModelFileError(
+            f"{path}: `batches` is a {type(batches).__name__}; expected {CONTRACT['batches']}"
+        )
+
+    if not callable(loss):
+        raise ModelFileError(f"{path}: `loss` is a {type(loss).__name__}; expected {CONTRACT['loss']}")
+    if optimizer is not None and not callable(optimizer):
+        raise ModelFileError(
+            f"{path}: `optimizer` is a {type(optimizer).__name__}; "
+            "expected def optimizer(params): return torch.optim.SGD(params, lr=...)"
+        )
+    return ModelFile(path, model, loss, make_batches, reiterable, optimizer)
+
+
+def check_loss(value: Any, path: Path) -> torch.Tensor:
+    """The loss must be a floating-point tensor with one element that requires grad."""
+    if not isinstance(value, torch.Tensor):
+        raise ModelFileError(
+            f"{path}: loss(model, batch) returned a {type(value).__name__}; expected a scalar tensor"
+        )
+    if value.numel() != 1:
+        shape = list(value.shape)
+        raise ModelFileError(
+            f"{path}: loss(model, batch) returned a tensor of shape {shape}; expected a scalar "
+            "(reduce it, e.g. with .mean())"
+        )
+    if not value.is_floating_point():
+        raise ModelFileError(
+            f"{path}: loss(model, batch) returned a {value.dtype} tensor; expected a floating-point one"
+        )
+    if not value.requires_grad:
+        raise ModelFileError(
+            f"{path}: the loss does not require grad; it must be computed from the model's "
+            "parameters with autograd enabled"
+        )
+    return value.reshape(())
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in ``batch`` (tensors, dicts, lists, tuples, ``.to()`` objects) to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return type(batch)((k, move_to(v, device)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(move_to(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(move_to(v, device) for v in batch)
+    to = getattr(batch, "to", None)
+    if callable(to):
+        return to(device)
+    return batch

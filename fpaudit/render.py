@@ -1,0 +1,309 @@
+"""Everything fpaudit prints. Results go to stdout, messages to stderr."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fpaudit.formats import Format
+from fpaudit.gate import GateResult
+from fpaudit.recommend import Recommendation
+from fpaudit.scan import StepProgress
+
+ROOT_LABEL = "(root)"
+
+MODULE_JSON_KEYS = (
+    "module",
+    "elements",
+    "zeros",
+    "nonfinite",
+    "infs",
+    "nans",
+    "nonzero",
+    "underflow",
+    "flushed",
+    "subnormal",
+    "overflow",
+    "underflow_fraction",
+    "flushed_fraction",
+    "overflow_fraction",
+    "amax",
+)
+
+
+def stdout() -> Console:
+    return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+
+
+def stderr() -> Console:
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+
+def error_line(message: str) -> None:
+    """The one line a failed command prints."""
+    sys.stderr.write(f"fpaudit: error: {message}\n")
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, allow_nan=False, default=_json_default) + "\n")
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def module_label(name: str) -> str:
+    return ROOT_LABEL if name == "" else name
+
+
+def percent(fraction: float) -> str:
+    if fraction == 0:
+        return "0%"
+    return f"{100 * fraction:.3g}%"
+
+
+def scale_text(log2_scale: int | None) -> str:
+    if log2_scale is None:
+        return "none"
+    value = math.ldexp(1.0, log2_scale)
+    plain = f"{int(value)}" if log2_scale >= 0 and log2_scale < 53 else f"{value:.4g}"
+    return f"2^{log2_scale} = {plain}"
+
+
+def magnitude(value: float) -> str:
+    return "0" if value == 0 else f"{value:.3g}"
+
+
+def count(value: int) -> str:
+    return f"{int(value):,}"
+
+
+# -- formats ---------------------------------------------------------------
+def formats(formats: Iterable[Format], as_json: bool) -> None:
+    rows = [
+        {
+            "format": f.name,
+            "dtype": str(f.dtype).removeprefix("torch."),
+            "smallest_subnormal": f.smallest_subnormal,
+            "round_to_zero_edge": f.round_to_zero_edge,
+            "smallest_normal": f.smallest_normal,
+            "max_finite": f.max_finite,
+            "overflow_edge": f.overflow_edge,
+            "overflow_edge_inclusive": f.overflow_edge_inclusive,
+            "overflow_result": f.overflow_result,
+        }
+        for f in formats
+    ]
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(title="Where a value rounds to zero, goes subnormal, overflows")
+    table.add_column("format", no_wrap=True)
+    for header in ("subnormal min", "to 0 at ≤", "normal min", "max finite", "overflow"):
+        table.add_column(header, justify="right", no_wrap=True)
+    for row in rows:
+        edge = _power(row["overflow_edge"]) + ("" if row["overflow_edge_inclusive"] else " (>)")
+        table.add_row(
+            str(row["format"]),
+            _power(row["smallest_subnormal"]),
+            _power(row["round_to_zero_edge"]),
+            _power(row["smallest_normal"]),
+            _power(row["max_finite"]),
+            edge,
+        )
+    console = stdout()
+    console.print(table)
+    console.print(
+        "Magnitudes after scaling, round-to-nearest-even. Overflow starts halfway to the next value "
+        "the format would have; (>) means that tie still rounds down. fp8_e4m3fn has no inf: "
+        "torch's cast saturates at 448."
+    )
+
+
+def _power(value: float) -> str:
+    mantissa, exponent = math.frexp(value)
+    if mantissa == 0.5:
+        return f"2^{exponent - 1}"
+    return f"{value:.6g}" if value < 1e6 else f"{value:.4g}"
+
+
+# -- show ------------------------------------------------------------------
+def module_rows(table: pd.DataFrame) -> list[dict[str, Any]]:
+    rows = []
+    for record in table.to_dict(orient="records"):
+        row = {key: record[key] for key in MODULE_JSON_KEYS if key in record}
+        for key in ("node", "op"):
+            if key in record:
+                row[key] = record[key]
+        rows.append(row)
+    return rows
+
+
+def show(
+    table: pd.DataFrame,
+    fmt: Format,
+    log2_scale: int,
+    *,
+    kind: str,
+    by: str,
+    top: int | None,
+    scale_source: str,
+) -> None:
+    title = (
+        f"{fmt.name} at S = {scale_text(log2_scale)} ({scale_source}): {kind} values per {by}"
+    )
+    grid = Table(title=title)
+    grid.add_column("module")
+    if by == "op":
+        grid.add_column("node")
+        grid.add_column("op")
+    for name in ("values", "zeros", "non-finite", "underflow", "underflow %", "flushed %", "overflow"):
+        grid.add_column(name, justify="right")
+    grid.add_column("amax (S=1)", justify="right")
+    for row in table.itertuples():
+        cells = [module_label(str(row.module))]
+        if by == "op":
+            cells += [str(row.node), str(row.op)]
+        cells += [
+            count(row.elements),
+            count(row.zeros),
+            count(row.nonfinite),
+            count(row.underflow),
+            percent(row.underflow_fraction),
+            percent(row.flushed_fraction),
+            count(row.overflow),
+            magnitude(row.amax),
+        ]
+        style = "red" if row.overflow > 0 or row.underflow_fraction > 0.01 else None
+        grid.add_row(*cells, style=style)
+    console = stdout()
+    console.print(grid)
+    if top is not None:
+        console.print(f"(the {top} rows with the highest underflow fraction)")
+
+
+# -- recommend -------------------------------------------------------------
+def recommendation_lines(rec: Recommendation) -> list[str]:
+    if rec.log2_scale is None:
+        return [
+            f"No recommendation for {rec.format}: the report holds no nonzero finite backward "
+            "values that scale with the loss, so any scale keeps them all (there is nothing to lose)."
+        ]
+    lines = [
+        f"Recommended static loss scale for {rec.format}: S = {scale_text(rec.log2_scale)} "
+        f"(headroom {rec.headroom_bits} bits)."
+    ]
+    if rec.limited_by == "scale range":
+        lines.append("  Limited by the range a loss scale can take (fp32 normal numbers).")
+    else:
+        lines.append(
+            f"  Limited by {module_label(rec.limiting_module or '')} ({rec.limiting_op}), "
+            f"largest backward value {magnitude(rec.amax)} at S = 1."
+        )
+    lines.append(
+        f"  Underflow: {percent(rec.underflow_fraction_at_1)} of nonzero backward values at S = 1, "
+        f"{percent(rec.underflow_fraction)} at S = 2^{rec.log2_scale}."
+    )
+    lines.append(
+        "  One fewer headroom bit would recover another "
+        f"{percent(rec.underflow_recovered_by_one_fewer_headroom_bit)}."
+    )
+    if not rec.include_loss:
+        lines.append("  The loss seed and <loss> ops are reported but do not limit S (--include-loss).")
+    return lines
+
+
+def recommendation(rec: Recommendation) -> None:
+    console = stdout()
+    for line in recommendation_lines(rec):
+        console.print(line)
+
+
+# -- gate ------------------------------------------------------------------
+def gate(result: GateResult) -> None:
+    console = stdout()
+    verdict = "PASS" if result.passed else "FAIL"
+    console.print(
+        f"{verdict}: {result.format} at S = {scale_text(result.log2_scale)} ({result.scale_source}): "
+        f"underflow {percent(result.underflow_fraction)} of {count(result.nonzero)} nonzero "
+        f"backward values (limit {percent(result.max_underflow)}), overflow {count(result.overflow)}."
+    )
+    for offender in result.offenders:
+        console.print(
+            f"  {module_label(offender['module'])}: underflow "
+            f"{percent(offender['underflow_fraction'])} ({count(offender['underflow'])} of "
+            f"{count(offender['nonzero'])}), overflow {count(offender['overflow'])}"
+        )
+
+
+# -- scan ------------------------------------------------------------------
+@contextmanager
+def step_progress(steps: int) -> Iterator[Callable[[StepProgress], None]]:
+    """A progress bar over steps on stderr; yields the callback the scan calls per step."""
+    progress = Progress(
+        TextColumn("scan"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=stderr(),
+        transient=True,
+    )
+    task = progress.add_task("scan", total=steps, loss="")
+
+    def advance(update: StepProgress) -> None:
+        loss = update.summary.loss
+        text = "" if loss is None else f"loss {loss:.4g}"
+        progress.update(task, completed=update.step, loss=text)
+
+    with progress:
+        yield advance
+
+
+def scan_summary(
+    path: str,
+    steps: int,
+    at_1: pd.DataFrame,
+    at_scale: pd.DataFrame,
+    rec: Recommendation,
+    top: int,
+    forward_problems: int,
+) -> None:
+    console = stdout()
+    console.print(f"Scanned {steps} step(s); report written to {path}")
+    if forward_problems:
+        console.print(
+            f"[red]{forward_problems} step(s) had a non-finite loss[/red]: recorded as forward "
+            "problems; their backward values are not counted."
+        )
+    if rec.log2_scale is not None:
+        merged = at_1.merge(at_scale, on="module", suffixes=("_at_1", "_at_s"))
+        worst = merged.sort_values("underflow_fraction_at_1", ascending=False, kind="stable").head(top)
+        grid = Table(title=f"{rec.format}: worst modules by underflow at S = 1")
+        grid.add_column("module")
+        grid.add_column("nonzero values", justify="right")
+        grid.add_column("underflow at S = 1", justify="right")
+        grid.add_column(f"at S = 2^{rec.log2_scale}", justify="right")
+        grid.add_column("amax (S=1)", justify="right")
+        for row in worst.itertuples():
+            grid.add_row(
+                module_label(str(row.module)),
+                count(row.nonzero_at_1),
+                percent(row.underflow_fraction_at_1),
+                percent(row.underflow_fraction_at_s),
+                magnitude(row.amax_at_1),
+            )
+        console.print(grid)
+    for line in recommendation_lines(rec):
+        console.print(line)

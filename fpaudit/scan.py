@@ -1,0 +1,145 @@
+"""Run a model file for some steps under the audit: what ``fpaudit scan`` does.
+
+Each step: zero the gradients, take the next batch, compute ``loss(model,
+batch)``, run backward seeded with the loss scale ``S`` (so every gradient
+is multiplied by ``S``, exactly as backward on ``S * loss``), close the audit
+step (the one host sync), then take an optimizer step if the model file
+defines an optimizer and the step's loss and gradients are finite.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fpaudit import modelfile
+from fpaudit.capture import Audit, StepSummary
+from fpaudit.errors import UsageError
+from fpaudit.report import KIND_BACKWARD, LOSS_MODULE, Report
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    steps: int = 10
+    device: str = "auto"
+    loss_scale: float = 1.0
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise UsageError(f"--loss-scale must be a positive number, got {self.loss_scale}")
+        if math.frexp(self.loss_scale)[0] != 0.5:
+            raise UsageError(f"--loss-scale must be a power of two, got {self.loss_scale:g}")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``, checked against what this machine has."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or spec.startswith("cuda:"):
+        index_text = spec.partition(":")[2]
+        if index_text and not index_text.isdigit():
+            raise UsageError(f"invalid device {spec!r}; use auto, cpu, cuda or cuda:N")
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {spec}: CUDA is not available on this machine")
+        if index_text and int(index_text) >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise UsageError(f"--device {spec}: this machine has {count} CUDA device(s)")
+        return torch.device(spec)
+    raise UsageError(f"invalid device {spec!r}; use auto, cpu, cuda or cuda:N")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    step: int  # 1-based count of steps done
+    steps: int
+    summary: StepSummary
+    optimizer_step: bool
+
+
+def scan(
+    model_path: str | Path,
+    options: ScanOptions = ScanOptions(),
+    *,
+    on_step: Callable[[StepProgress], None] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Report:
+    """Scan ``model_path`` for ``options.steps`` steps and return the report (not written)."""
+    path = Path(model_path)
+    device = resolve_device(options.device)
+    if options.seed is not None:
+        seed_everything(options.seed)
+    spec = modelfile.load(path)
+    with modelfile.user_code(path, f"moving the model to {device}"):
+        model = spec.model.to(device)
+    model.train()
+    optimizer = None
+    if spec.make_optimizer is not None:
+        with modelfile.user_code(path, "optimizer(params)"):
+            optimizer = spec.make_optimizer(model.parameters())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise modelfile.ModelFileError(
+                f"{path}: optimizer(params) returned a {type(optimizer).__name__}; "
+                "expected a torch.optim.Optimizer"
+            )
+
+    done = 0
+    with Audit(model, loss_scale=options.loss_scale) as audit:
+        for batch in spec.batches(options.steps):
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+            batch = modelfile.move_to(batch, device)
+            with modelfile.user_code(path, "loss(model, batch)"):
+                loss = spec.loss(model, batch)
+            loss = modelfile.check_loss(loss, path)
+            seed = torch.full_like(loss, options.loss_scale)
+            audit.record(KIND_BACKWARD, LOSS_MODULE, "seed", "seed", 0, True, seed)
+            with modelfile.user_code(path, "backward"):
+                torch.autograd.backward(loss, grad_tensors=seed)
+            summary = audit.step(loss=loss)
+            stepped = False
+            if optimizer is not None and summary.loss_finite and summary.nonfinite_grads == 0:
+                with modelfile.user_code(path, "optimizer.step()"):
+                    optimizer.step()
+                stepped = True
+            audit.mark_optimizer_step(stepped)
+            done += 1
+            if on_step is not None:
+                on_step(StepProgress(done, options.steps, summary, stepped))
+
+    report = audit.report
+    report.meta.update(
+        {
+            "command": "scan",
+            "model_file": str(path),
+            "steps_requested": options.steps,
+            "loss_scale": options.loss_scale,
+            "seed": options.seed,
+            "device": str(device),
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "capture_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        }
+    )
+    if device.type == "cuda":
+        report.meta["device_name"] = torch.cuda.get_device_name(device)
+    report.meta.update(meta or {})
+    return report

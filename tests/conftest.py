@@ -1,0 +1,53 @@
+"""Shared fixtures: one seed for all randomness, a CLI runner, small reports."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_configs"
+MODELS = Path(__file__).resolve().parent / "models"
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]):
+    """Run ``fpaudit ARGS`` in-process; returns exit code, stdout and stderr."""
+    from fpaudit.cli import run
+
+    def invoke(*args: object) -> CliResult:
+        capsys.readouterr()
+        code = run([str(a) for a in args])
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return invoke
+
+
+def one_error_line(result: CliResult) -> str:
+    """Assert the command failed with exit 2 and exactly one 'fpaudit: error:' line, no traceback."""
+    assert result.code == 2, (result.code, result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("fpaudit: error: "), lines[0]
+    assert "Traceback" not in result.stderr
+    return lines[0]

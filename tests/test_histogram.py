@@ -1,0 +1,160 @@
+"""Histogram layout, exactness of both binning paths, and the one-transfer gather."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fpaudit import histogram as H
+from fpaudit.formats import FORMATS, fate
+
+from .oracle import edge_values
+
+
+def _bin(value: float) -> int:
+    return int(H.bin_indices(torch.tensor([value], dtype=torch.float32))[0])
+
+
+def test_layout_sizes() -> None:
+    # binades -149..127 are 277 of them, 8 classes each, plus zero, inf and NaN.
+    assert H.N_BINADES == 277
+    assert H.N_BINS == 277 * 8 + 3
+
+
+@pytest.mark.parametrize(
+    ("value", "binade", "cls"),
+    [
+        (1.0, 0, 0),  # 1 = (1 + 0) * 2**0: fraction 0, class 0
+        (1.5, 0, 2),  # fraction 0x400000 lies in [0x81, 0x680000]: class 2
+        (-3.0, 1, 2),  # |-3| = 1.5 * 2**1
+        (464.0, 8, 2),  # 464 = 1.8125 * 2**8: fraction 0x680000, still class 2
+        (464.03125, 8, 3),  # fraction 0x680001: class 3
+        (65520.0, 15, 6),  # (2 - 2**-11) * 2**15: fraction 0x7FF000, class 6
+        (2.0**-149, -149, 0),  # smallest fp32 subnormal, normalised
+        (3 * 2.0**-149, -148, 2),  # 1.5 * 2**-148
+        (2.0**-127, -127, 0),  # a subnormal power of two
+    ],
+)
+def test_known_values_land_in_known_bins(value: float, binade: int, cls: int) -> None:
+    assert _bin(value) == H.finite_bin(binade, cls)
+    found_binade, found_cls = H.bin_binade_and_class(np.array([_bin(value)]))
+    assert (int(found_binade[0]), int(found_cls[0])) == (binade, cls)
+    lower, upper = H.bin_value_bounds(binade, cls)
+    assert lower <= abs(value) <= upper
+
+
+def test_special_values() -> None:
+    assert _bin(0.0) == _bin(-0.0) == H.ZERO_BIN
+    assert _bin(float("inf")) == _bin(float("-inf")) == H.INF_BIN
+    assert _bin(float("nan")) == _bin(-float("nan")) == H.NAN_BIN
+
+
+def _breakpoints() -> set[int]:
+    """Every fraction where some format's fate changes within a binade, found by bisection."""
+    found: set[int] = set()
+    for fmt in FORMATS.values():
+        for t in range(-160, 131):
+            start = 0
+            while fate(fmt, t, start) != fate(fmt, t, (1 << 23) - 1):
+                current, low, high = fate(fmt, t, start), start, (1 << 23) - 1
+                while high - low > 1:  # fate is monotone in the fraction
+                    middle = (low + high) // 2
+                    low, high = (middle, high) if fate(fmt, t, middle) == current else (low, middle)
+                found.add(high)
+                start = high
+    return found
+
+
+def test_class_bounds_are_exactly_the_breakpoints_of_the_formats() -> None:
+    # Re-derive the class bounds: any other breakpoint would break exactness,
+    # any extra bound would waste bins.
+    assert {0, *_breakpoints()} == set(H.CLASS_LOWER_BOUNDS)
+
+
+def test_fate_is_constant_within_every_class() -> None:
+    for fmt in FORMATS.values():
+        for t in range(-160, 131):
+            for cls in range(H.N_CLASSES):
+                low, high = H.class_bounds(cls)
+                assert fate(fmt, t, low) == fate(fmt, t, high), (fmt.name, t, cls)
+
+
+def _all_paths(x: torch.Tensor) -> list[np.ndarray]:
+    """Dense counts from the reference, the CPU path and the no-sync device path."""
+    reference = torch.bincount(H.bin_indices(x), minlength=H.N_BINS).numpy()
+    cpu = H.Histogram(torch.device("cpu"))
+    cpu.add(x)
+    device = H.Histogram(torch.device("cpu"))
+    device._add_device(x)  # the code path CUDA takes, run on the CPU
+    (cpu_host, device_host), _ = H.gather([cpu, device])
+    assert cpu_host.amax == device_host.amax
+    return [reference, cpu_host.counts, device_host.counts]
+
+
+def _exact_amax(x: torch.Tensor) -> float:
+    finite = x[torch.isfinite(x)]
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def test_paths_agree_on_edge_values() -> None:
+    x = edge_values()
+    reference, cpu, device = _all_paths(x)
+    assert np.array_equal(reference, cpu)
+    assert np.array_equal(reference, device)
+    assert reference.sum() == x.numel()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=300))
+def test_paths_agree_on_arbitrary_bit_patterns(patterns: list[int]) -> None:
+    x = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    reference, cpu, device = _all_paths(x)
+    assert np.array_equal(reference, cpu)
+    assert np.array_equal(reference, device)
+
+
+def test_amax_is_exact_and_ignores_non_finite() -> None:
+    x = torch.tensor([-3.5, 2.0**-149, float("inf"), float("nan"), -0.0], dtype=torch.float32)
+    hist = H.Histogram(torch.device("cpu"))
+    hist.add(x)
+    (host,), _ = H.gather([hist])
+    assert host.amax == 3.5
+    subnormal_only = torch.tensor([2.0**-149, -(2.0**-140)], dtype=torch.float32)
+    hist = H.Histogram(torch.device("cpu"))
+    hist.add(subnormal_only)
+    (host,), _ = H.gather([hist])
+    assert host.amax == 2.0**-140
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e5m2, torch.float64])
+def test_other_dtypes_are_binned_as_their_fp32_values(dtype: torch.dtype) -> None:
+    x = (torch.randn(1000) * 10).to(dtype)
+    hist = H.Histogram(torch.device("cpu"))
+    hist.add(x)
+    (host,), _ = H.gather([hist])
+    expected = torch.bincount(H.bin_indices(x.float()), minlength=H.N_BINS).numpy()
+    assert np.array_equal(host.counts, expected)
+    assert host.amax == _exact_amax(x.float())
+
+
+def test_accumulates_and_counts_calls() -> None:
+    hist = H.Histogram(torch.device("cpu"))
+    x = torch.randn(100)
+    hist.add(x)
+    hist.add(x)
+    hist.add(torch.empty(0))
+    (host,), _ = H.gather([hist])
+    assert host.elements == 200  # the empty tensor adds a call, no values
+    assert host.calls == 3
+
+
+def test_gather_brings_scalars_in_the_same_transfer() -> None:
+    a, b = H.Histogram(torch.device("cpu")), H.Histogram(torch.device("cpu"))
+    a.add(torch.tensor([1.0, 2.0]))
+    b.add(torch.tensor([-8.0]))
+    hosts, scalars = H.gather([a, b], (torch.tensor(float("nan")), torch.tensor(-2.5)))
+    assert [h.amax for h in hosts] == [2.0, 8.0]
+    assert np.isnan(scalars[0]) and scalars[1] == -2.5
