@@ -52,7 +52,7 @@ COUNT_COLUMNS = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fate_table(fmt: Format) -> np.ndarray:
     """``table[t - _T_MIN, cls]``: the fate of a value in binade t (after scaling), class cls."""
     table = np.empty((_T_MAX - _T_MIN + 1, histogram.N_CLASSES), dtype=np.int8)
@@ -63,7 +63,9 @@ def fate_table(fmt: Format) -> np.ndarray:
     return table
 
 
-def bin_fates(fmt: Format, binade: np.ndarray, cls: np.ndarray, shift: np.ndarray | int) -> np.ndarray:
+def bin_fates(
+    fmt: Format, binade: np.ndarray, cls: np.ndarray, shift: np.ndarray | int
+) -> np.ndarray:
     """Fate of every bin after shifting its binade by ``shift`` (vectorised)."""
     t = np.clip(np.asarray(binade, dtype=np.int64) + shift, _T_MIN, _T_MAX) - _T_MIN
     return fate_table(fmt)[t, np.asarray(cls, dtype=np.int64)]
@@ -184,8 +186,10 @@ def range_loss(
     amax = np.zeros(n_groups)
     np.maximum.at(amax, group_of_record, unscaled_amax)
 
-    table = grouped.size().reset_index()[group_columns] if n_groups else pd.DataFrame(
-        {c: [] for c in group_columns}
+    table = (
+        grouped.size().reset_index()[group_columns]
+        if n_groups
+        else pd.DataFrame({c: [] for c in group_columns})
     )
     if not by:
         table = pd.DataFrame(index=range(n_groups))
@@ -214,7 +218,9 @@ def range_loss(
     return table
 
 
-def totals(report: Report, fmt: Format, log2_scale: int, *, scope: Scope = Scope()) -> dict[str, float]:
+def totals(
+    report: Report, fmt: Format, log2_scale: int, *, scope: Scope = Scope()
+) -> dict[str, float]:
     """One row of :func:`range_loss` for everything in scope, as a dict."""
     table = range_loss(report, fmt, log2_scale, scope=scope, by=())
     if table.empty:
@@ -225,6 +231,8 @@ def totals(report: Report, fmt: Format, log2_scale: int, *, scope: Scope = Scope
     return {k: (int(v) if k in COUNT_COLUMNS else float(v)) for k, v in row.items()}
 
 
-def module_table(report: Report, fmt: Format, log2_scale: int, *, scope: Scope = Scope()) -> pd.DataFrame:
+def module_table(
+    report: Report, fmt: Format, log2_scale: int, *, scope: Scope = Scope()
+) -> pd.DataFrame:
     """Per-module range loss at ``2**log2_scale``, in network order."""
     return range_loss(report, fmt, log2_scale, scope=scope, by=("module",))

@@ -181,7 +181,9 @@ class _Provenance:
                 self._fixed.pop(leaf, None)
 
     def all_fixed(self, args: Any) -> bool:
-        return all(leaf in self._fixed for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor))
+        return all(
+            leaf in self._fixed for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)
+        )
 
 
 class _ModuleClock:
@@ -230,7 +232,9 @@ class _ModuleClock:
         for name, module in model.named_modules():
             if self.names.get(id(module)) != name:
                 continue  # a shared module keeps its first name
-            stack.enter_context(module.register_forward_pre_hook(lambda _m, _a, n=name: self.enter(n)))
+            stack.enter_context(
+                module.register_forward_pre_hook(lambda _m, _a, n=name: self.enter(n))
+            )
             stack.enter_context(
                 module.register_forward_hook(lambda _m, _a, _o: self.exit(), always_call=True)
             )

@@ -58,25 +58,39 @@ def _main(
 
 # -- option helpers --------------------------------------------------------
 ConfigOption = Annotated[
-    Path | None, typer.Option("--config", help="TOML file with the same options (see sample_configs/).")
+    Path | None,
+    typer.Option("--config", help="TOML file with the same options (see sample_configs/)."),
 ]
-JsonOption = Annotated[bool | None, typer.Option("--json/--no-json", help="Print JSON instead of a table.")]
+JsonOption = Annotated[
+    bool | None, typer.Option("--json/--no-json", help="Print JSON instead of a table.")
+]
 FormatOption = Annotated[
     str | None,
-    typer.Option("--format", "-f", help="fp16, bf16, fp8_e4m3fn or fp8_e5m2 [default: the report's first]."),
+    typer.Option(
+        "--format", "-f", help="fp16, bf16, fp8_e4m3fn or fp8_e5m2 [default: the report's first]."
+    ),
 ]
 HeadroomOption = Annotated[
     int | None,
-    typer.Option("--headroom-bits", help=f"Binades kept free below the format's max [default: {DEFAULT_HEADROOM_BITS}]."),
+    typer.Option(
+        "--headroom-bits",
+        help=f"Binades kept free below the format's max [default: {DEFAULT_HEADROOM_BITS}].",
+    ),
 ]
 IncludeLossOption = Annotated[
     bool | None,
-    typer.Option("--include-loss/--exclude-loss", help="Let the loss seed and <loss> ops limit the scale."),
+    typer.Option(
+        "--include-loss/--exclude-loss", help="Let the loss seed and <loss> ops limit the scale."
+    ),
 ]
-ReportArgument = Annotated[Path, typer.Argument(help="A report directory written by `fpaudit scan`.", show_default=False)]
+ReportArgument = Annotated[
+    Path, typer.Argument(help="A report directory written by `fpaudit scan`.", show_default=False)
+]
 
 
-def _merge(command: str, config_file: Path | None, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+def _merge(
+    command: str, config_file: Path | None, given: dict[str, Any], defaults: dict[str, Any]
+) -> dict[str, Any]:
     merged = dict(defaults)
     merged.update(config.options_for(command, config_file))
     merged.update({k: v for k, v in given.items() if v is not None})
@@ -92,7 +106,11 @@ def _headroom(value: int) -> int:
 def _reading_format(name: str | None, report: Report) -> Format:
     if name is None:
         formats = report.meta.get("formats")
-        name = formats[0] if isinstance(formats, list) and formats and isinstance(formats[0], str) else "fp16"
+        name = (
+            formats[0]
+            if isinstance(formats, list) and formats and isinstance(formats[0], str)
+            else "fp16"
+        )
     return get_format(name)
 
 
@@ -115,22 +133,43 @@ def formats_command(json_output: JsonOption = None) -> None:
 
 @app.command("scan")
 def scan_command(
-    model_file: Annotated[Path, typer.Argument(help="Python file defining model, batches and loss.", show_default=False)],
-    steps: Annotated[int | None, typer.Option("--steps", "-n", help="Training steps to run [default: 10].")] = None,
-    device: Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")] = None,
+    model_file: Annotated[
+        Path,
+        typer.Argument(help="Python file defining model, batches and loss.", show_default=False),
+    ],
+    steps: Annotated[
+        int | None, typer.Option("--steps", "-n", help="Training steps to run [default: 10].")
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")
+    ] = None,
     format_: Annotated[
-        list[str] | None, typer.Option("--format", "-f", help="Format(s) to summarise; repeat for several [default: fp16].")
+        list[str] | None,
+        typer.Option(
+            "--format", "-f", help="Format(s) to summarise; repeat for several [default: fp16]."
+        ),
     ] = None,
     headroom_bits: HeadroomOption = None,
     include_loss: IncludeLossOption = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Report directory [default: fpaudit-report].")] = None,
-    config_file: ConfigOption = None,
-    seed: Annotated[int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")] = None,
-    loss_scale: Annotated[
-        str | None, typer.Option("--loss-scale", help="Run backward with this power-of-two loss scale [default: 1].")
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Report directory [default: fpaudit-report].")
     ] = None,
-    top: Annotated[int | None, typer.Option("--top", help="Modules in the summary table [default: 8].")] = None,
-    force: Annotated[bool | None, typer.Option("--force/--no-force", help="Overwrite an existing report.")] = None,
+    config_file: ConfigOption = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")
+    ] = None,
+    loss_scale: Annotated[
+        str | None,
+        typer.Option(
+            "--loss-scale", help="Run backward with this power-of-two loss scale [default: 1]."
+        ),
+    ] = None,
+    top: Annotated[
+        int | None, typer.Option("--top", help="Modules in the summary table [default: 8].")
+    ] = None,
+    force: Annotated[
+        bool | None, typer.Option("--force/--no-force", help="Overwrite an existing report.")
+    ] = None,
 ) -> None:
     """Run a model file for some steps and record every backward op.
 
@@ -142,7 +181,8 @@ def scan_command(
         "scan",
         config_file,
         dict(steps=steps, device=device, format=format_, headroom_bits=headroom_bits,
-             include_loss=include_loss, out=out, seed=seed, loss_scale=loss_scale, top=top, force=force),
+             include_loss=include_loss, out=out, seed=seed, loss_scale=loss_scale, top=top,
+             force=force),
         dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
              include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False),
     )  # fmt: skip
@@ -177,7 +217,9 @@ def scan_command(
         scope = analysis.Scope(include_loss=options["include_loss"])
         at_1 = analysis.module_table(report, fmt, 0, scope=scope)
         at_s = analysis.module_table(report, fmt, rec.log2_scale or 0, scope=scope)
-        render.scan_summary(str(out_path), report.meta["steps"], at_1, at_s, rec, options["top"], forward_problems)
+        render.scan_summary(
+            str(out_path), report.meta["steps"], at_1, at_s, rec, options["top"], forward_problems
+        )
 
 
 @app.command("show")
@@ -185,11 +227,28 @@ def show_command(
     report_path: ReportArgument,
     format_: FormatOption = None,
     scale: Annotated[
-        str | None, typer.Option("--scale", "-s", help="Power-of-two scale (1024, 2^10) or 'recommended' [default: 1].")
+        str | None,
+        typer.Option(
+            "--scale", "-s", help="Power-of-two scale (1024, 2^10) or 'recommended' [default: 1]."
+        ),
     ] = None,
-    top: Annotated[int | None, typer.Option("--top", help="Only the N rows with the highest underflow fraction.")] = None,
-    kind: Annotated[str | None, typer.Option("--kind", help="backward (op outputs) or grad (parameter gradients) [default: backward].")] = None,
-    by: Annotated[str | None, typer.Option("--by", help="module, or op (module, autograd node and aten op) [default: module].")] = None,
+    top: Annotated[
+        int | None,
+        typer.Option("--top", help="Only the N rows with the highest underflow fraction."),
+    ] = None,
+    kind: Annotated[
+        str | None,
+        typer.Option(
+            "--kind",
+            help="backward (op outputs) or grad (parameter gradients) [default: backward].",
+        ),
+    ] = None,
+    by: Annotated[
+        str | None,
+        typer.Option(
+            "--by", help="module, or op (module, autograd node and aten op) [default: module]."
+        ),
+    ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
@@ -213,17 +272,32 @@ def show_command(
     fmt = _reading_format(options["format"], report)
     scale_source = "given"
     if log2_scale is None:
-        log2_scale = recommend(report, fmt, int(report.meta.get("headroom_bits", DEFAULT_HEADROOM_BITS))).log2_scale or 0
+        log2_scale = (
+            recommend(
+                report, fmt, int(report.meta.get("headroom_bits", DEFAULT_HEADROOM_BITS))
+            ).log2_scale
+            or 0
+        )
         scale_source = "recommended"
     group = ("module",) if options["by"] == "module" else ("module", "node", "op")
     scope = analysis.Scope(kinds=(options["kind"],), include_loss=True)
     table = analysis.range_loss(report, fmt, log2_scale, scope=scope, by=group)
     if options["top"] is not None:
-        table = table.sort_values("underflow_fraction", ascending=False, kind="stable").head(options["top"])
+        table = table.sort_values("underflow_fraction", ascending=False, kind="stable").head(
+            options["top"]
+        )
     if options["json"]:
         render.print_json(render.module_rows(table))
     else:
-        render.show(table, fmt, log2_scale, kind=options["kind"], by=options["by"], top=options["top"], scale_source=scale_source)
+        render.show(
+            table,
+            fmt,
+            log2_scale,
+            kind=options["kind"],
+            by=options["by"],
+            top=options["top"],
+            scale_source=scale_source,
+        )
 
 
 @app.command("recommend")
@@ -241,12 +315,15 @@ def recommend_command(
     """
     options = _merge(
         "recommend", config_file,
-        dict(format=format_, headroom_bits=headroom_bits, include_loss=include_loss, json=json_output),
+        dict(format=format_, headroom_bits=headroom_bits, include_loss=include_loss,
+             json=json_output),
         dict(format=None, headroom_bits=None, include_loss=None, json=False),
     )  # fmt: skip
     report = Report.read(report_path)
     fmt = _reading_format(options["format"], report)
-    headroom = _headroom(_from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS))
+    headroom = _headroom(
+        _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
+    )
     include = bool(_from_report(options["include_loss"], report, "include_loss", False))
     rec = recommend(report, fmt, headroom, include_loss=include)
     if options["json"]:
@@ -259,14 +336,23 @@ def recommend_command(
 def gate_command(
     report_path: ReportArgument,
     max_underflow: Annotated[
-        float | None, typer.Option("--max-underflow", help="Largest acceptable underflow fraction, 0..1 (required).")
+        float | None,
+        typer.Option(
+            "--max-underflow", help="Largest acceptable underflow fraction, 0..1 (required)."
+        ),
     ] = None,
     format_: FormatOption = None,
     scale: Annotated[
-        str | None, typer.Option("--scale", "-s", help="Power-of-two scale to judge [default: the recommended one].")
+        str | None,
+        typer.Option(
+            "--scale", "-s", help="Power-of-two scale to judge [default: the recommended one]."
+        ),
     ] = None,
     per_module: Annotated[
-        bool | None, typer.Option("--per-module/--overall", help="Apply the limit to every module, not just overall.")
+        bool | None,
+        typer.Option(
+            "--per-module/--overall", help="Apply the limit to every module, not just overall."
+        ),
     ] = None,
     headroom_bits: HeadroomOption = None,
     include_loss: IncludeLossOption = None,
@@ -286,13 +372,17 @@ def gate_command(
     )  # fmt: skip
     limit = options["max_underflow"]
     if limit is None:
-        raise UsageError("gate needs --max-underflow FRACTION (for example 0.001), or max_underflow in --config")
+        raise UsageError(
+            "gate needs --max-underflow FRACTION (for example 0.001), or max_underflow in --config"
+        )
     if not (0.0 <= limit <= 1.0):
         raise UsageError(f"--max-underflow must be a fraction between 0 and 1, got {limit}")
     log2_scale = _scale(options["scale"])
     report = Report.read(report_path)
     fmt = _reading_format(options["format"], report)
-    headroom = _headroom(_from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS))
+    headroom = _headroom(
+        _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
+    )
     include = bool(_from_report(options["include_loss"], report, "include_loss", False))
     result = run_gate(
         report, fmt, limit, log2_scale=log2_scale, per_module=options["per_module"],

@@ -40,14 +40,17 @@ def parse_scale(text: str, what: str = "--scale") -> int:
             lower = exponent - 1
             raise UsageError(
                 f"{what} {text} is not a power of two; the nearest are "
-                f"{math.ldexp(1, lower):g} (2^{lower}) and {math.ldexp(1, lower + 1):g} (2^{lower + 1})"
+                f"{math.ldexp(1, lower):g} (2^{lower}) and "
+                f"{math.ldexp(1, lower + 1):g} (2^{lower + 1})"
             )
         log2 = exponent - 1
     if not LOG2_SCALE_MIN <= log2 <= LOG2_SCALE_MAX:
         raise UsageError(
-            f"{what} 2^{log2} is outside the range of an fp32 scale (2^{LOG2_SCALE_MIN} to 2^{LOG2_SCALE_MAX})"
+            f"{what} 2^{log2} is outside the range of an fp32 scale "
+            f"(2^{LOG2_SCALE_MIN} to 2^{LOG2_SCALE_MAX})"
         )
     return log2
+
 
 # Option name -> expected TOML type. "formats" is a string or a list of
 # strings; "scale" is a number or a string such as "2^12" or "recommended".
@@ -137,7 +140,9 @@ def load(file: str | Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: invalid TOML: {error}") from None
 
-    every_option = {name: kind for options in COMMAND_OPTIONS.values() for name, kind in options.items()}
+    every_option = {
+        name: kind for options in COMMAND_OPTIONS.values() for name, kind in options.items()
+    }
     checked: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = _normalise(raw_key)
@@ -148,7 +153,9 @@ def load(file: str | Path) -> dict[str, Any]:
                 kind = COMMAND_OPTIONS[key].get(name)
                 if kind is None:
                     known = ", ".join(sorted(COMMAND_OPTIONS[key]))
-                    raise ConfigError(f"{path}: unknown key {raw_name!r} in [{key}]; known: {known}")
+                    raise ConfigError(
+                        f"{path}: unknown key {raw_name!r} in [{key}]; known: {known}"
+                    )
                 section[name] = _check_type(path, f"[{key}] ", name, kind, option_value)
             checked[key] = section
         elif key in every_option:

@@ -36,7 +36,8 @@ from fpaudit.errors import FpauditError, ModelFileError
 
 CONTRACT = {
     "model": "model = MyModel()  (an nn.Module, or a zero-argument callable returning one)",
-    "batches": "batches = [...]  (an iterable of batches, or a zero-argument callable returning one)",
+    "batches": "batches = [...]  (an iterable of batches, or a zero-argument callable "
+    "returning one)",
     "loss": "def loss(model, batch): return <scalar tensor>",
 }
 
@@ -50,10 +51,10 @@ def where(error: BaseException, path: Path) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     resolved = str(path.resolve())
     inside = [f for f in frames if f.filename and Path(f.filename).resolve().as_posix() == resolved]
-    frame = (inside or frames or [None])[-1]
-    if frame is None:
+    candidates = inside or frames
+    if not candidates:
         return str(path)
-    return f"{frame.filename}:{frame.lineno}"
+    return f"{candidates[-1].filename}:{candidates[-1].lineno}"
 
 
 def describe(error: BaseException) -> str:
@@ -136,7 +137,9 @@ def _import(path: Path) -> Any:
     except BaseException as error:
         sys.modules.pop(name, None)
         if isinstance(error, SystemExit):
-            raise ModelFileError(f"{path}: importing the model file called sys.exit({error.code})") from None
+            raise ModelFileError(
+                f"{path}: importing the model file called sys.exit({error.code})"
+            ) from None
         raise ModelFileError(
             f"{where(error, path)}: importing the model file raised {describe(error)}"
         ) from error
@@ -197,7 +200,9 @@ def load(path: str | Path) -> ModelFile:
         )
 
     if not callable(loss):
-        raise ModelFileError(f"{path}: `loss` is a {type(loss).__name__}; expected {CONTRACT['loss']}")
+        raise ModelFileError(
+            f"{path}: `loss` is a {type(loss).__name__}; expected {CONTRACT['loss']}"
+        )
     if optimizer is not None and not callable(optimizer):
         raise ModelFileError(
             f"{path}: `optimizer` is a {type(optimizer).__name__}; "
@@ -210,7 +215,8 @@ def check_loss(value: Any, path: Path) -> torch.Tensor:
     """The loss must be a floating-point tensor with one element that requires grad."""
     if not isinstance(value, torch.Tensor):
         raise ModelFileError(
-            f"{path}: loss(model, batch) returned a {type(value).__name__}; expected a scalar tensor"
+            f"{path}: loss(model, batch) returned a {type(value).__name__}; "
+            "expected a scalar tensor"
         )
     if value.numel() != 1:
         shape = list(value.shape)
@@ -220,7 +226,8 @@ def check_loss(value: Any, path: Path) -> torch.Tensor:
         )
     if not value.is_floating_point():
         raise ModelFileError(
-            f"{path}: loss(model, batch) returned a {value.dtype} tensor; expected a floating-point one"
+            f"{path}: loss(model, batch) returned a {value.dtype} tensor; "
+            "expected a floating-point one"
         )
     if not value.requires_grad:
         raise ModelFileError(
@@ -231,7 +238,7 @@ def check_loss(value: Any, path: Path) -> torch.Tensor:
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in ``batch`` (tensors, dicts, lists, tuples, ``.to()`` objects) to ``device``."""
+    """Move the tensors in ``batch`` (in dicts, lists, tuples, ``.to()`` objects) to ``device``."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, dict):

@@ -3,9 +3,10 @@
 ``S = 2**k`` is the largest power of two with ``amax * S <= max_finite / 2**h``
 where ``amax`` is the largest finite unscaled backward value in scope (every
 backward op inside the model, every step, that scales with the loss; values
-computed from forward values alone do not move with S and cannot limit it) and ``h`` is the headroom in
-binades. ``h = 4`` keeps the largest value 16x below the format's maximum,
-as PopART's top histogram bin edge at 1/16 of max does. Scales below 1 are
+computed from forward values alone do not move with S and cannot limit it)
+and ``h`` is the headroom in binades. ``h = 4`` keeps the largest value 16x
+below the format's maximum, as PopART's top histogram bin edge at 1/16 of max
+does. Scales below 1 are
 legitimate. The scale is kept within fp32's normal range (2**-126 .. 2**127),
 where loss scalers hold it.
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from fpaudit.recommend import Recommendation
 from fpaudit.scan import StepProgress
 
 ROOT_LABEL = "(root)"
+PIPE_WIDTH = 120
 
 MODULE_JSON_KEYS = (
     "module",
@@ -40,12 +42,20 @@ MODULE_JSON_KEYS = (
 )
 
 
+def _console(stream: Any) -> Console:
+    # A terminal tells rich its width; logs and pipes have none, so give tables room.
+    width = None
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        width = int(os.environ.get("COLUMNS", "") or PIPE_WIDTH)
+    return Console(file=stream, highlight=False, soft_wrap=True, width=width)
+
+
 def stdout() -> Console:
-    return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    return _console(sys.stdout)
 
 
 def stderr() -> Console:
-    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    return _console(sys.stderr)
 
 
 def error_line(message: str) -> None:
@@ -91,7 +101,7 @@ def count(value: int) -> str:
 
 # -- formats ---------------------------------------------------------------
 def formats(formats: Iterable[Format], as_json: bool) -> None:
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "format": f.name,
             "dtype": str(f.dtype).removeprefix("torch."),
@@ -108,7 +118,9 @@ def formats(formats: Iterable[Format], as_json: bool) -> None:
     if as_json:
         print_json(rows)
         return
-    table = Table(title="Where a value rounds to zero, goes subnormal, overflows")
+    table = Table(
+        title="Where a value rounds to zero, goes subnormal, overflows", title_justify="left"
+    )
     table.add_column("format", no_wrap=True)
     for header in ("subnormal min", "to 0 at ≤", "normal min", "max finite", "overflow"):
         table.add_column(header, justify="right", no_wrap=True)
@@ -125,7 +137,8 @@ def formats(formats: Iterable[Format], as_json: bool) -> None:
     console = stdout()
     console.print(table)
     console.print(
-        "Magnitudes after scaling, round-to-nearest-even. Overflow starts halfway to the next value "
+        "Magnitudes after scaling, round-to-nearest-even. Overflow starts halfway to the next "
+        "value "
         "the format would have; (>) means that tie still rounds down. fp8_e4m3fn has no inf: "
         "torch's cast saturates at 448."
     )
@@ -150,6 +163,11 @@ def module_rows(table: pd.DataFrame) -> list[dict[str, Any]]:
     return rows
 
 
+def short_op(op: str) -> str:
+    """``aten.mm.default`` -> ``mm``; ``aten.sum.dim_IntList`` -> ``sum.dim_IntList``."""
+    return op.removeprefix("aten.").removesuffix(".default")
+
+
 def show(
     table: pd.DataFrame,
     fmt: Format,
@@ -160,33 +178,34 @@ def show(
     top: int | None,
     scale_source: str,
 ) -> None:
-    title = (
-        f"{fmt.name} at S = {scale_text(log2_scale)} ({scale_source}): {kind} values per {by}"
-    )
-    grid = Table(title=title)
-    grid.add_column("module")
+    title = f"{fmt.name} at S = {scale_text(log2_scale)} ({scale_source}): {kind} values per {by}"
+    grid = Table(title=title, title_justify="left")
+    longest = max((len(module_label(str(m))) for m in table["module"]), default=6)
+    grid.add_column("module", no_wrap=True, min_width=min(longest, 40))
     if by == "op":
-        grid.add_column("node")
-        grid.add_column("op")
-    for name in ("values", "zeros", "non-finite", "underflow", "underflow %", "flushed %", "overflow"):
-        grid.add_column(name, justify="right")
-    grid.add_column("amax (S=1)", justify="right")
+        grid.add_column("node", no_wrap=True, overflow="ellipsis", max_width=24)
+        grid.add_column("op", no_wrap=True, overflow="ellipsis", max_width=24)
+        counts: tuple[str, ...] = ("values", "under %", "flush %", "overflow")
+    else:
+        counts = ("values", "zeros", "inf/nan", "underflow", "under %", "flush %", "overflow")
+    for name in counts:  # numbers never truncate; names give way
+        grid.add_column(name, justify="right", no_wrap=True, min_width=max(len(name), 9))
+    grid.add_column("amax@1", justify="right", no_wrap=True, min_width=8)
     for row in table.itertuples():
-        cells = [module_label(str(row.module))]
+        cells = {
+            "values": count(row.elements),
+            "zeros": count(row.zeros),
+            "inf/nan": count(row.nonfinite),
+            "underflow": count(row.underflow),
+            "under %": percent(row.underflow_fraction),
+            "flush %": percent(row.flushed_fraction),
+            "overflow": count(row.overflow),
+        }
+        first = [module_label(str(row.module))]
         if by == "op":
-            cells += [str(row.node), str(row.op)]
-        cells += [
-            count(row.elements),
-            count(row.zeros),
-            count(row.nonfinite),
-            count(row.underflow),
-            percent(row.underflow_fraction),
-            percent(row.flushed_fraction),
-            count(row.overflow),
-            magnitude(row.amax),
-        ]
+            first += [str(row.node), short_op(str(row.op))]
         style = "red" if row.overflow > 0 or row.underflow_fraction > 0.01 else None
-        grid.add_row(*cells, style=style)
+        grid.add_row(*first, *(cells[name] for name in counts), magnitude(row.amax), style=style)
     console = stdout()
     console.print(grid)
     if top is not None:
@@ -198,7 +217,8 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
     if rec.log2_scale is None:
         return [
             f"No recommendation for {rec.format}: the report holds no nonzero finite backward "
-            "values that scale with the loss, so any scale keeps them all (there is nothing to lose)."
+            "values that scale with the loss, so any scale keeps them all (there is nothing to "
+            "lose)."
         ]
     lines = [
         f"Recommended static loss scale for {rec.format}: S = {scale_text(rec.log2_scale)} "
@@ -220,7 +240,9 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
         f"{percent(rec.underflow_recovered_by_one_fewer_headroom_bit)}."
     )
     if not rec.include_loss:
-        lines.append("  The loss seed and <loss> ops are reported but do not limit S (--include-loss).")
+        lines.append(
+            "  The loss seed and <loss> ops are reported but do not limit S (--include-loss)."
+        )
     return lines
 
 
@@ -235,9 +257,10 @@ def gate(result: GateResult) -> None:
     console = stdout()
     verdict = "PASS" if result.passed else "FAIL"
     console.print(
-        f"{verdict}: {result.format} at S = {scale_text(result.log2_scale)} ({result.scale_source}): "
-        f"underflow {percent(result.underflow_fraction)} of {count(result.nonzero)} nonzero "
-        f"backward values (limit {percent(result.max_underflow)}), overflow {count(result.overflow)}."
+        f"{verdict}: {result.format} at S = {scale_text(result.log2_scale)} "
+        f"({result.scale_source}): underflow {percent(result.underflow_fraction)} of "
+        f"{count(result.nonzero)} nonzero backward values (limit "
+        f"{percent(result.max_underflow)}), overflow {count(result.overflow)}."
     )
     for offender in result.offenders:
         console.print(
@@ -289,13 +312,18 @@ def scan_summary(
         )
     if rec.log2_scale is not None:
         merged = at_1.merge(at_scale, on="module", suffixes=("_at_1", "_at_s"))
-        worst = merged.sort_values("underflow_fraction_at_1", ascending=False, kind="stable").head(top)
-        grid = Table(title=f"{rec.format}: worst modules by underflow at S = 1")
-        grid.add_column("module")
-        grid.add_column("nonzero values", justify="right")
-        grid.add_column("underflow at S = 1", justify="right")
-        grid.add_column(f"at S = 2^{rec.log2_scale}", justify="right")
-        grid.add_column("amax (S=1)", justify="right")
+        worst = merged.sort_values("underflow_fraction_at_1", ascending=False, kind="stable").head(
+            top
+        )
+        grid = Table(
+            title=f"{rec.format}: modules losing the most to underflow at S = 1",
+            title_justify="left",
+        )
+        grid.add_column("module", no_wrap=True)
+        grid.add_column("nonzero values", justify="right", no_wrap=True)
+        grid.add_column("underflow at S=1", justify="right", no_wrap=True)
+        grid.add_column(f"at S=2^{rec.log2_scale}", justify="right", no_wrap=True)
+        grid.add_column("amax@1", justify="right", no_wrap=True)
         for row in worst.itertuples():
             grid.add_row(
                 module_label(str(row.module)),

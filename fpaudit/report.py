@@ -110,7 +110,7 @@ def _bin_edges() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """binade, class, lower, upper of every finite bin, in bin order."""
     bins = np.arange(histogram.FIRST_FINITE_BIN, histogram.INF_BIN)
     binade, cls = histogram.bin_binade_and_class(bins)
-    bounds = [histogram.bin_value_bounds(int(b), int(c)) for b, c in zip(binade, cls)]
+    bounds = [histogram.bin_value_bounds(int(b), int(c)) for b, c in zip(binade, cls, strict=True)]
     lower = np.array([lo for lo, _ in bounds])
     upper = np.array([hi for _, hi in bounds])
     return binade.astype(np.int16), cls.astype(np.int8), lower, upper
@@ -182,7 +182,9 @@ class Report:
                     f"{target} exists and is not an fpaudit report; refusing to replace it"
                 )
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        staging = Path(
+            tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        )
         try:
             meta = dict(self.meta)
             meta["schema_version"] = SCHEMA_VERSION
@@ -191,7 +193,9 @@ class Report:
             for name, schema in TABLES.items():
                 frame: pd.DataFrame = getattr(self, name)
                 table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
-                table = table.replace_schema_metadata({"fpaudit.schema_version": str(SCHEMA_VERSION)})
+                table = table.replace_schema_metadata(
+                    {"fpaudit.schema_version": str(SCHEMA_VERSION)}
+                )
                 file = staging / f"{name}.parquet"
                 pq.write_table(table, file, compression="zstd")
                 meta["files"][file.name] = {"rows": table.num_rows, "sha256": _sha256(file)}
@@ -246,7 +250,9 @@ def _replace_dir(staging: Path, target: Path) -> None:
     if not target.exists():
         os.rename(staging, target)
     else:
-        retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        retired = Path(
+            tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent)
+        )
         os.rename(target, retired / target.name)
         os.rename(staging, target)
         shutil.rmtree(retired, ignore_errors=True)
@@ -391,10 +397,6 @@ class ReportBuilder:
             self._steps["optimizer_step"][-1] = stepped
 
     def build(self, meta: dict[str, Any]) -> Report:
-        records = pd.DataFrame(self._records, columns=RECORDS_SCHEMA.names)
-        records = records.astype(
-            {f.name: f.type.to_pandas_dtype() for f in RECORDS_SCHEMA if f.name in records}
-        )
         binade, cls, lower, upper = bin_edges()
         if self._bins:
             record_ids = np.concatenate([r for r, _ in self._bins])
@@ -404,17 +406,23 @@ class ReportBuilder:
             record_ids = np.zeros(0, np.int32)
             offsets = np.zeros(0, np.int64)
             counts = np.zeros(0, np.int64)
-        bins = pd.DataFrame(
-            {
-                "record_id": record_ids,
-                "binade": binade[offsets],
-                "cls": cls[offsets],
-                "lower": lower[offsets],
-                "upper": upper[offsets],
-                "count": counts.astype(np.int64),
-            }
-        )
-        steps = pd.DataFrame(self._steps, columns=STEPS_SCHEMA.names)
-        steps = steps.astype({f.name: f.type.to_pandas_dtype() for f in STEPS_SCHEMA})
+        bins = {
+            "record_id": record_ids,
+            "binade": binade[offsets],
+            "cls": cls[offsets],
+            "lower": lower[offsets],
+            "upper": upper[offsets],
+            "count": counts.astype(np.int64),
+        }
+        # Through Arrow, so in-memory frames have exactly the dtypes a read gives.
         meta = {**meta, "steps": self.steps, "modules": list(self.modules)}
-        return Report(meta, records, bins, steps)
+        return Report(
+            meta,
+            _frame(self._records, RECORDS_SCHEMA),
+            _frame(bins, BINS_SCHEMA),
+            _frame(self._steps, STEPS_SCHEMA),
+        )
+
+
+def _frame(columns: dict[str, Any], schema: pa.Schema) -> pd.DataFrame:
+    return pa.Table.from_pydict(columns, schema=schema).to_pandas()

@@ -1,6 +1,6 @@
 """Sample model file: a small conv net (conv, batch norm, ReLU) on synthetic 32x32 images.
 
-    fpaudit scan sample_configs/convnet.py --steps 8
+fpaudit scan sample_configs/convnet.py --steps 8
 """
 
 import torch

@@ -30,7 +30,9 @@ def oracle_counts(x: torch.Tensor, fmt: Format, log2_scale: int) -> dict[str, in
     if fmt.overflow_result == "saturate":
         overflow = finite & ~(product.abs() <= E4M3FN_OVERFLOW_ABOVE)
         # and torch's cast really does saturate (or NaN) those values
-        assert bool((cast[overflow].abs() == fmt.max_finite).logical_or(cast[overflow].isnan()).all())
+        assert bool(
+            (cast[overflow].abs() == fmt.max_finite).logical_or(cast[overflow].isnan()).all()
+        )
     else:
         overflow = finite & ~torch.isfinite(cast)
     return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -18,7 +19,16 @@ from fpaudit.recommend import largest_log2_scale, recommend
 from .oracle import edge_values, oracle_counts
 from .reports import report_from
 
-KEYS = ("elements", "zeros", "nonfinite", "nonzero", "underflow", "flushed", "subnormal", "overflow")
+KEYS = (
+    "elements",
+    "zeros",
+    "nonfinite",
+    "nonzero",
+    "underflow",
+    "flushed",
+    "subnormal",
+    "overflow",
+)
 
 
 def _counts(x: torch.Tensor) -> np.ndarray:
@@ -65,7 +75,7 @@ def test_counts_match_the_cast_oracle_on_arbitrary_tensors(
 def test_counts_match_the_cast_oracle_on_gradient_like_values(
     exponents: list[int], fractions: list[int], name: str, log2_scale: int
 ) -> None:
-    values = [(1 + f / 2**23) * 2.0**e for e, f in zip(exponents, fractions)]
+    values = [(1 + f / 2**23) * 2.0**e for e, f in zip(exponents, fractions, strict=False)]
     x = torch.tensor(values, dtype=torch.float32)
     predicted = analysis.histogram_counts(_counts(x), FORMATS[name], log2_scale)
     assert {k: predicted[k] for k in KEYS} == oracle_counts(x, FORMATS[name], log2_scale)
@@ -77,7 +87,12 @@ def test_hand_derived_fp16_counts() -> None:
     counts = analysis.histogram_counts(_counts(x), FORMATS["fp16"], 0)
     # nonzero finite: 6 (0 and NaN excluded); underflow: 2**-25 (the tie) and 2**-26 -> 2;
     # flushed: those 2 plus 2**-24 and 2**-15 -> 4; subnormal 4 - 2 = 2; overflow 0.
-    assert (counts["nonzero"], counts["underflow"], counts["flushed"], counts["subnormal"]) == (6, 2, 4, 2)
+    assert (counts["nonzero"], counts["underflow"], counts["flushed"], counts["subnormal"]) == (
+        6,
+        2,
+        4,
+        2,
+    )
     # At S = 2**11: 2**-25 * 2**11 = 2**-14 is normal, nothing underflows, 2**-26 -> 2**-15 is subnormal
     # flushed: 2**-26 -> 2**-15 only -> 1; 1.0 * 2**11 = 2048 is fine.
     counts = analysis.histogram_counts(_counts(x), FORMATS["fp16"], 11)
@@ -106,7 +121,7 @@ def test_values_that_do_not_scale_with_the_loss_keep_their_fate() -> None:
     report = report_from({"grad": torch.full((2,), 2.0**-30), "fixed": torch.full((2,), 2.0**-30)},
                          fixed=frozenset({"fixed"}))  # fmt: skip
     table = analysis.module_table(report, FORMATS["fp16"], 10)
-    assert dict(zip(table["module"], table["underflow"])) == {"grad": 0, "fixed": 2}
+    assert dict(zip(table["module"], table["underflow"], strict=True)) == {"grad": 0, "fixed": 2}
 
 
 def test_largest_log2_scale_by_hand() -> None:
@@ -157,7 +172,9 @@ def test_all_zero_gradients_get_a_clear_answer() -> None:
 def test_recommendation_is_monotone_in_headroom() -> None:
     report = report_from({"layer": torch.randn(1000) * 1e-3})
     scales = [recommend(report, FORMATS["fp16"], h).log2_scale for h in range(0, 10)]
-    assert all(a - b == 1 for a, b in zip(scales, scales[1:]))  # one bit of headroom = one binade
+    assert all(
+        a - b == 1 for a, b in itertools.pairwise(scales)
+    )  # one bit of headroom = one binade
 
 
 def test_recommendation_reports_what_one_fewer_headroom_bit_recovers() -> None:
@@ -198,7 +215,9 @@ def test_gate_by_hand() -> None:
 @given(st.floats(0, 1), st.floats(0, 1))
 def test_gate_verdict_is_monotone_in_the_threshold(low: float, high: float) -> None:
     low, high = min(low, high), max(low, high)
-    report = report_from({"a": torch.tensor([2.0**-30, 1.0, 2.0**-26]), "b": torch.tensor([1e-9, 1.0])})
+    report = report_from(
+        {"a": torch.tensor([2.0**-30, 1.0, 2.0**-26]), "b": torch.tensor([1e-9, 1.0])}
+    )
     for per_module in (False, True):
         strict = gate(report, FORMATS["fp16"], low, log2_scale=0, per_module=per_module)
         loose = gate(report, FORMATS["fp16"], high, log2_scale=0, per_module=per_module)

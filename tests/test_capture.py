@@ -41,11 +41,11 @@ def test_current_autograd_node_outside_and_inside_backward() -> None:
 
     class Probe(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, t):  # type: ignore[no-untyped-def, override]
+        def forward(ctx, t):
             return t.clone()
 
         @staticmethod
-        def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        def backward(ctx, grad):
             node = current_autograd_node()
             seen.append(node.name() if node is not None else "none")
             return grad
@@ -72,7 +72,7 @@ def test_mlp_ops_are_attributed_to_their_modules() -> None:
     assert set(fc1["op"]) == {"aten.mm.default", "aten.sum.dim_IntList"}
     assert set(records.loc[records["module"] == "act", "op"]) == {"aten.tanh_backward.default"}
     grads = records[records["kind"] == KIND_GRAD]
-    assert set(zip(grads["module"], grads["op"])) == {
+    assert set(zip(grads["module"], grads["op"], strict=True)) == {
         ("fc1", "weight"), ("fc1", "bias"), ("fc2", "weight"), ("fc2", "bias")
     }  # fmt: skip
 
@@ -81,7 +81,12 @@ def test_views_and_copies_are_not_recorded() -> None:
     model = zoo.MLP()
     records = _audit(model, lambda: model(torch.randn(4, 6)).sum())
     recorded = set(records["op"])
-    for skipped in ("aten.t.default", "aten.view.default", "aten.expand.default", "aten.detach.default"):
+    for skipped in (
+        "aten.t.default",
+        "aten.view.default",
+        "aten.expand.default",
+        "aten.detach.default",
+    ):
         assert skipped not in recorded
 
 
@@ -114,8 +119,8 @@ def test_shared_module_and_tied_weights() -> None:
     assert int(mix["calls"].sum()) >= 3  # used twice: weight grads twice, input grad once or more
     grads = records[records["kind"] == KIND_GRAD]
     # The tied weight is one parameter, under its first name.
-    assert ("embed", "weight") in set(zip(grads["module"], grads["op"]))
-    assert ("head", "weight") not in set(zip(grads["module"], grads["op"]))
+    assert ("embed", "weight") in set(zip(grads["module"], grads["op"], strict=True))
+    assert ("head", "weight") not in set(zip(grads["module"], grads["op"], strict=True))
 
 
 def test_custom_autograd_function_is_attributed() -> None:
@@ -152,9 +157,13 @@ def test_values_computed_from_forward_values_do_not_scale_with_the_loss() -> Non
     model = zoo.WithRMSNorm()
     records = _audit(model, lambda: model(torch.randn(4, 8)).pow(2).mean())
     pow_node = records[(records["module"] == "norm") & (records["node"] == "PowBackward0")]
-    by_op = dict(zip(pow_node["op"], pow_node["scales_with_loss"]))
+    by_op = dict(zip(pow_node["op"], pow_node["scales_with_loss"], strict=True))
     # pow's backward: x.pow(1) and * 2 read only the saved input; * grad scales.
-    assert by_op == {"aten.pow.Tensor_Scalar": False, "aten.mul.Scalar": False, "aten.mul.Tensor": True}
+    assert by_op == {
+        "aten.pow.Tensor_Scalar": False,
+        "aten.mul.Scalar": False,
+        "aten.mul.Tensor": True,
+    }
     assert records.loc[records["kind"] == KIND_GRAD, "scales_with_loss"].all()
 
 
@@ -181,7 +190,9 @@ def test_gradient_accumulation_in_one_step_accumulates_records() -> None:
 def test_multi_output_ops_keep_their_output_index() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     records = _audit(model, lambda: model(torch.randn(3, 4)).pow(2).sum())
-    norm = records[(records["module"] == "1") & (records["op"] == "aten.native_layer_norm_backward.default")]
+    norm = records[
+        (records["module"] == "1") & (records["op"] == "aten.native_layer_norm_backward.default")
+    ]
     assert set(norm["output"]) == {0, 1, 2}
 
 
@@ -244,8 +255,8 @@ def test_step_rejects_a_loss_with_many_elements() -> None:
 
 
 def test_audit_needs_a_module() -> None:
-    with pytest.raises(TypeError, match="nn.Module"):
-        fpaudit.audit(lambda x: x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        fpaudit.audit(lambda x: x)
 
 
 def test_loss_outside_the_model_is_the_loss_pseudo_module() -> None:

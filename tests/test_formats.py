@@ -23,7 +23,15 @@ PINNED = {
     # 65504's last mantissa bit is 1 (odd), so the tie goes up: inclusive.
     "fp16": (10, -14, 2.0**-24, 2.0**-25, 65504.0, 65520.0, True),
     # bf16: 7 fraction bits; subnormal 2**-126 * 2**-7 = 2**-133; max (2 - 2**-7) * 2**127.
-    "bf16": (7, -126, 2.0**-133, 2.0**-134, (2 - 2.0**-7) * 2.0**127, (2 - 2.0**-8) * 2.0**127, True),
+    "bf16": (
+        7,
+        -126,
+        2.0**-133,
+        2.0**-134,
+        (2 - 2.0**-7) * 2.0**127,
+        (2 - 2.0**-8) * 2.0**127,
+        True,
+    ),
     # e4m3fn: 3 bits; subnormal 2**-6 * 2**-3 = 2**-9; max 1.75 * 2**8 = 448 (mantissa 110, even):
     # halfway to 480 is 464 and the tie rounds to even 448: exclusive.
     "fp8_e4m3fn": (3, -6, 2.0**-9, 2.0**-10, 448.0, 464.0, False),
@@ -47,7 +55,9 @@ def test_thresholds_pinned_by_hand(name: str) -> None:
 
 
 def test_unknown_format_names_the_known_ones() -> None:
-    with pytest.raises(UsageError, match=r"unknown format 'fp9'; known: fp16, bf16, fp8_e4m3fn, fp8_e5m2"):
+    with pytest.raises(
+        UsageError, match=r"unknown format 'fp9'; known: fp16, bf16, fp8_e4m3fn, fp8_e5m2"
+    ):
         get_format("fp9")
 
 

@@ -1,0 +1,48 @@
+# fpaudit: two commands on a fresh machine.
+#   make demo   set up, then scan the bundled sample transformer and show the report
+#   make test   set up, then run the whole test suite
+#
+# torch is installed first, from TORCH_SPEC. The default pins the release these
+# machines carry as a CPU wheel; on a CUDA machine use the build you want, e.g.
+#   make test TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
+# or TORCH_SPEC=torch for whatever pip picks. Users installing fpaudit itself get
+# the torch they already have (pyproject only asks for torch>=2.4).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fpaudit-installed
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/fpaudit scan sample_configs/transformer.py --steps 4 --out demo-report --force
+	$(BIN)/fpaudit show demo-report --scale recommended --top 8
+	$(BIN)/fpaudit gate demo-report --max-underflow 0.001
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: setup
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) demo-report .pytest_cache .mypy_cache .ruff_cache .hypothesis

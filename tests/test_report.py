@@ -1,0 +1,157 @@
+"""The report directory: schema, round trip, atomic writes, and refusing bad reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from fpaudit import histogram
+from fpaudit.errors import ReportError
+from fpaudit.report import BINS_SCHEMA, RECORDS_SCHEMA, SCHEMA_VERSION, STEPS_SCHEMA, Report
+
+from .reports import report_from
+
+
+@pytest.fixture
+def report() -> Report:
+    return report_from({"a": torch.tensor([2.0**-30, 1.0, 0.0]), "b": torch.randn(50)}, steps=2)
+
+
+def test_round_trip(tmp_path: Path, report: Report) -> None:
+    written = report.write(tmp_path / "r")
+    back = Report.read(written)
+    pd.testing.assert_frame_equal(back.records, report.records)
+    pd.testing.assert_frame_equal(back.bins, report.bins)
+    pd.testing.assert_frame_equal(back.steps, report.steps)
+    assert back.meta["schema_version"] == SCHEMA_VERSION
+
+
+def test_plain_pandas_and_pyarrow_read_it(tmp_path: Path, report: Report) -> None:
+    root = report.write(tmp_path / "r")
+    records = pd.read_parquet(root / "records.parquet")
+    bins = pd.read_parquet(root / "bins.parquet")
+    assert list(records.columns) == RECORDS_SCHEMA.names
+    assert list(bins.columns) == BINS_SCHEMA.names
+    assert list(pd.read_parquet(root / "steps.parquet").columns) == STEPS_SCHEMA.names
+    assert pq.read_schema(root / "bins.parquet").metadata[b"fpaudit.schema_version"] == b"1"
+    meta = json.loads((root / "meta.json").read_text())
+    assert meta["files"]["bins.parquet"]["rows"] == len(bins)
+    # A query a user would write: values of module a at or below fp16's round-to-zero edge.
+    joined = bins.merge(records[["record_id", "module", "step"]], on="record_id")
+    tiny = joined[(joined["module"] == "a") & (joined["upper"] <= 2.0**-25)]
+    assert int(tiny["count"].sum()) == 2  # 2**-30 in each of 2 steps
+
+
+def test_bins_lower_and_upper_bound_their_values(report: Report) -> None:
+    b = report.bins.iloc[0]
+    lower, upper = histogram.bin_value_bounds(int(b["binade"]), int(b["cls"]))
+    assert (b["lower"], b["upper"]) == (lower, upper)
+    assert (report.bins["lower"] <= report.bins["upper"]).all()
+
+
+def test_refuses_to_overwrite_without_force(tmp_path: Path, report: Report) -> None:
+    target = report.write(tmp_path / "r")
+    with pytest.raises(ReportError, match="already exists; pass --force"):
+        report.write(target)
+    report.write(target, force=True)
+    assert Report.read(target).meta["steps"] == 2
+
+
+def test_force_never_replaces_something_that_is_not_a_report(
+    tmp_path: Path, report: Report
+) -> None:
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    with pytest.raises(ReportError, match="not an fpaudit report; refusing"):
+        report.write(precious, force=True)
+    assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+def test_a_crash_while_writing_leaves_no_report_and_no_debris(
+    tmp_path: Path, report: Report, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_write = pq.write_table
+    calls = {"n": 0}
+
+    def failing_write(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", failing_write)
+    with pytest.raises(OSError, match="disk full"):
+        report.write(tmp_path / "r")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_crash_while_replacing_keeps_the_old_report(
+    tmp_path: Path, report: Report, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = report.write(tmp_path / "r")
+    before = (target / "meta.json").read_text()
+    monkeypatch.setattr(pq, "write_table", lambda *a, **k: (_ for _ in ()).throw(OSError("boom")))
+    with pytest.raises(OSError):
+        report.write(target, force=True)
+    assert (target / "meta.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def _written(tmp_path: Path, report: Report) -> Path:
+    return report.write(tmp_path / "r")
+
+
+def test_missing_report(tmp_path: Path) -> None:
+    with pytest.raises(ReportError, match="does not exist"):
+        Report.read(tmp_path / "nope")
+
+
+def test_not_a_report(tmp_path: Path) -> None:
+    with pytest.raises(ReportError, match="not an fpaudit report"):
+        Report.read(tmp_path)
+
+
+def test_newer_schema_version(tmp_path: Path, report: Report) -> None:
+    root = _written(tmp_path, report)
+    meta = json.loads((root / "meta.json").read_text())
+    meta["schema_version"] = SCHEMA_VERSION + 1
+    (root / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ReportError, match="newer than this fpaudit reads"):
+        Report.read(root)
+
+
+def test_unknown_older_schema_version(tmp_path: Path, report: Report) -> None:
+    root = _written(tmp_path, report)
+    meta = json.loads((root / "meta.json").read_text())
+    meta["schema_version"] = 0
+    (root / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ReportError, match="unknown report schema version 0"):
+        Report.read(root)
+
+
+def test_corrupt_metadata(tmp_path: Path, report: Report) -> None:
+    root = _written(tmp_path, report)
+    (root / "meta.json").write_text("{not json")
+    with pytest.raises(ReportError, match="corrupt metadata"):
+        Report.read(root)
+
+
+def test_truncated_parquet(tmp_path: Path, report: Report) -> None:
+    root = _written(tmp_path, report)
+    data = (root / "bins.parquet").read_bytes()
+    (root / "bins.parquet").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ReportError, match=r"bins.parquet is corrupt \(checksum mismatch\)"):
+        Report.read(root)
+
+
+def test_missing_table(tmp_path: Path, report: Report) -> None:
+    root = _written(tmp_path, report)
+    (root / "steps.parquet").unlink()
+    with pytest.raises(ReportError, match=r"steps\.parquet is missing"):
+        Report.read(root)
