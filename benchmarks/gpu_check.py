@@ -1,0 +1,171 @@
+"""Check fpaudit on a real GPU: exactness on the device, no host sync per op, overhead.
+
+    python benchmarks/gpu_check.py                 # on a CUDA machine, a few minutes at most
+    python benchmarks/gpu_check.py --device cpu    # smoke test (the test suite runs it)
+
+What it checks, on the sample transformer:
+
+1. exactness: the device histogram path equals the CPU reference on a tensor of
+   edge values and random bit patterns (ties, subnormals, signed zeros, inf, NaN);
+2. no host sync while capturing: forward and backward run under
+   ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising
+   call; only the step close (one transfer) runs outside it;
+3. attribution works on the autograd device threads (records per module);
+4. overhead: plain and audited steps interleaved, medians, ratio.
+
+Prints a summary; ``--json FILE`` also writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import fpaudit
+from fpaudit import histogram
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def no_host_sync(device: torch.device):
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_exactness(device: torch.device) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    patterns = torch.randint(
+        -(2**31), 2**31 - 1, (1_000_000,), generator=generator, dtype=torch.int64
+    )
+    x = patterns.to(torch.int32).view(torch.float32)
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2.0**-149,
+                          2.0**-25, 65520.0, 464.0, 2.0**-134, 1.0])  # fmt: skip
+    x = torch.cat([x, edges, torch.randn(1_000_000, generator=generator) * 1e-4])
+    reference = torch.bincount(histogram.bin_indices(x), minlength=histogram.N_BINS).numpy()
+    on_device = histogram.Histogram(device)
+    with no_host_sync(device):
+        on_device.add(x.to(device))
+        on_device.add(x.to(device).half())
+    (host,), _ = histogram.gather([on_device])
+    half = torch.bincount(histogram.bin_indices(x.half().float()), minlength=histogram.N_BINS)
+    expected = reference + half.numpy()
+    finite = x[torch.isfinite(x)].abs()
+    return {
+        "exact": bool(np.array_equal(host.counts, expected)),
+        "amax_exact": host.amax == float(finite.max()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 rep (smoke test)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here", file=sys.stderr)
+        return 2
+
+    summary: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
+    if device.type == "cuda":
+        summary["device_name"] = torch.cuda.get_device_name(device)
+    summary.update(check_exactness(device))
+
+    sample = runpy.run_path(str(ROOT / "sample_configs" / "transformer.py"))
+    torch.manual_seed(0)
+    sizes = {"d_model": 64, "heads": 4, "layers": 2, "vocab": 256, "seq": 32} if args.quick else {}
+    model = sample["TransformerLM"](**sizes).to(device)
+    batch_size = 4 if args.quick else sample["BATCH"]
+    ids = next(sample["token_batches"](1, batch=batch_size, seq=sizes.get("seq", sample["SEQ"]),
+                                       vocab=sizes.get("vocab", sample["VOCAB"])))  # fmt: skip
+    ids = ids.to(device)
+    loss_fn = sample["loss"]
+
+    def plain() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, ids).backward()
+        synchronize(device)
+
+    audit = fpaudit.audit(model)
+    sync_error = None
+
+    def audited() -> None:
+        nonlocal sync_error
+        with audit:
+            model.zero_grad(set_to_none=True)
+            try:
+                with no_host_sync(device):
+                    loss = loss_fn(model, ids)
+                    loss.backward()
+            except RuntimeError as error:  # a synchronising call inside capture
+                sync_error = str(error).splitlines()[0]
+                raise
+            audit.step(loss=loss)  # the one sync per step
+        synchronize(device)
+
+    reps = 1 if args.quick else args.reps
+    for _ in range(1 if args.quick else 3):
+        plain()
+        audited()
+    times: dict[str, list[float]] = {"plain": [], "fpaudit": []}
+    for _ in range(reps):
+        for name, step in (("plain", plain), ("fpaudit", audited)):
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+
+    report = audit.report
+    records = report.records
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    summary.update(
+        {
+            "no_host_sync_during_capture": sync_error is None,
+            "modules_attributed": sorted(set(records["module"]) - {fpaudit.LOSS_MODULE})[:6],
+            "backward_records_per_step": int(
+                (records[records["step"] == 0]["kind"] == "backward").sum()
+            ),
+            "median_step_seconds": medians,
+            "ratio": medians["fpaudit"] / medians["plain"],
+            "recommended_fp16_log2_scale": fpaudit.recommend(
+                report, fpaudit.get_format("fp16")
+            ).log2_scale,
+        }
+    )
+    ok = summary["exact"] and summary["amax_exact"] and summary["no_host_sync_during_capture"]
+    ok = ok and summary["backward_records_per_step"] > 0
+    summary["ok"] = bool(ok)
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
