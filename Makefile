@@ -42,7 +42,7 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 bench: setup
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) demo-report .pytest_cache .mypy_cache .ruff_cache .hypothesis

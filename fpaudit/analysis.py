@@ -3,11 +3,15 @@
 Scaling by ``S = 2**k`` moves a value from binade ``b`` to ``b + k`` and keeps
 its mantissa class, so "what happens at scale S" is a table lookup per bin:
 ``fate_table(fmt)[b + k, cls]``. Values recorded under a loss scale ``S0``
-(a power of two) are first brought back to unscaled units: their shift is
-``k - log2(S0)``. Records that do not scale with the loss (backward
-intermediates computed from forward values alone, ``scales_with_loss`` false)
-keep their values at every scale: their shift is 0. No torch autograd and no
-I/O here.
+(a power of two) are first brought back to unscaled units: binade
+``b - log2(S0)``. Records that do not scale with the loss (backward
+intermediates computed from forward values alone, ``scales_with_loss``
+false) keep their values at every scale. No torch, no autograd, no I/O.
+
+A report's bins are first *condensed* (:func:`condense`): summed per group
+(module, or module/node/op, or everything) into a small array indexed by
+unscaled binade and class. Any number of scales is then cheap to evaluate,
+however many rows the report has.
 
 Definitions (fractions are of nonzero finite elements):
 
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from fpaudit import histogram
+from fpaudit import layout
 from fpaudit.formats import Fate, Format, fate
 from fpaudit.report import KIND_BACKWARD, LOSS_MODULE, Report
 
@@ -37,6 +41,11 @@ from fpaudit.report import KIND_BACKWARD, LOSS_MODULE, Report
 # every format (bf16's round-to-zero edge is 2**-134; fp32 overflows at 2**128).
 _T_MIN = -160
 _T_MAX = 130
+
+# Loss scales are fp32 numbers (2**-149 .. 2**127), so unscaled binades span this:
+_UNSCALED_MIN = layout.BINADE_MIN - 127
+_UNSCALED_MAX = layout.BINADE_MAX + 149
+_N_UNSCALED = _UNSCALED_MAX - _UNSCALED_MIN + 1
 
 COUNT_COLUMNS = (
     "elements",
@@ -55,10 +64,10 @@ COUNT_COLUMNS = (
 @functools.cache
 def fate_table(fmt: Format) -> np.ndarray:
     """``table[t - _T_MIN, cls]``: the fate of a value in binade t (after scaling), class cls."""
-    table = np.empty((_T_MAX - _T_MIN + 1, histogram.N_CLASSES), dtype=np.int8)
+    table = np.empty((_T_MAX - _T_MIN + 1, layout.N_CLASSES), dtype=np.int8)
     for t in range(_T_MIN, _T_MAX + 1):
-        for cls in range(histogram.N_CLASSES):
-            table[t - _T_MIN, cls] = fate(fmt, t, histogram.CLASS_LOWER_BOUNDS[cls])
+        for cls in range(layout.N_CLASSES):
+            table[t - _T_MIN, cls] = fate(fmt, t, layout.CLASS_LOWER_BOUNDS[cls])
     assert (table[0] == Fate.UNDERFLOW).all() and (table[-1] == Fate.OVERFLOW).all()
     return table
 
@@ -71,18 +80,24 @@ def bin_fates(
     return fate_table(fmt)[t, np.asarray(cls, dtype=np.int64)]
 
 
+def _fate_masks(fmt: Format, binades: np.ndarray, shift: int) -> dict[Fate, np.ndarray]:
+    """Per (binade, class) cell of a condensed array, whether it lands in each fate."""
+    fates = bin_fates(fmt, binades[:, None], np.arange(layout.N_CLASSES)[None, :], shift)
+    return {f: fates == f for f in (Fate.UNDERFLOW, Fate.SUBNORMAL, Fate.OVERFLOW)}
+
+
 def histogram_counts(counts: np.ndarray, fmt: Format, log2_scale: int) -> dict[str, int]:
-    """Range loss of one dense histogram (``histogram`` layout) at ``2**log2_scale``."""
-    finite_bins = np.arange(histogram.FIRST_FINITE_BIN, histogram.INF_BIN)
-    binade, cls = histogram.bin_binade_and_class(finite_bins)
+    """Range loss of one dense histogram (``layout`` order) at ``2**log2_scale``."""
+    finite_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
+    binade, cls = layout.bin_binade_and_class(finite_bins)
     fates = bin_fates(fmt, binade, cls, log2_scale)
     finite = np.asarray(counts, dtype=np.int64)[finite_bins]
     underflow = int(finite[fates == Fate.UNDERFLOW].sum())
     subnormal = int(finite[fates == Fate.SUBNORMAL].sum())
-    nonfinite = int(counts[histogram.INF_BIN] + counts[histogram.NAN_BIN])
+    nonfinite = int(counts[layout.INF_BIN] + counts[layout.NAN_BIN])
     return {
         "elements": int(np.sum(counts)),
-        "zeros": int(counts[histogram.ZERO_BIN]),
+        "zeros": int(counts[layout.ZERO_BIN]),
         "nonfinite": nonfinite,
         "nonzero": int(finite.sum()),
         "underflow": underflow,
@@ -113,11 +128,167 @@ class Scope:
     kinds: tuple[str, ...] = (KIND_BACKWARD,)
     include_loss: bool = False
 
-    def select(self, records: pd.DataFrame) -> pd.DataFrame:
-        mask = records["kind"].isin(self.kinds)
+    def mask(self, records: pd.DataFrame) -> np.ndarray:
+        mask = records["kind"].isin(self.kinds).to_numpy(copy=True)
         if not self.include_loss:
-            mask &= records["module"] != LOSS_MODULE
-        return records[mask]
+            mask &= (records["module"] != LOSS_MODULE).to_numpy()
+        return mask
+
+    def select(self, records: pd.DataFrame) -> pd.DataFrame:
+        return records[self.mask(records)]
+
+
+@dataclass(frozen=True)
+class Condensed:
+    """A report's histograms summed per group, in unscaled units: all any scale needs.
+
+    ``groups`` has one row per group (its key columns, then ``elements``,
+    ``zeros``, ``infs``, ``nans`` and the unscaled finite ``amax``);
+    ``scaled[g, b - _UNSCALED_MIN, cls]`` counts values of group g that scale
+    with the loss by unscaled binade; ``fixed[g, b - BINADE_MIN, cls]`` the
+    values that do not, by recorded binade.
+    """
+
+    groups: pd.DataFrame
+    scaled: np.ndarray
+    fixed: np.ndarray
+
+    def at(self, fmt: Format, log2_scale: int) -> pd.DataFrame:
+        """Counts and fractions per group at ``2**log2_scale``."""
+        unscaled = np.arange(_UNSCALED_MIN, _UNSCALED_MAX + 1)
+        recorded = np.arange(layout.BINADE_MIN, layout.BINADE_MAX + 1)
+        scaled_masks = _fate_masks(fmt, unscaled, log2_scale)
+        fixed_masks = _fate_masks(fmt, recorded, 0)
+
+        def count(fate_: Fate) -> np.ndarray:
+            in_scaled = np.einsum("gbc,bc->g", self.scaled, scaled_masks[fate_].astype(np.int64))
+            in_fixed = np.einsum("gbc,bc->g", self.fixed, fixed_masks[fate_].astype(np.int64))
+            return np.asarray(in_scaled + in_fixed, dtype=np.int64)
+
+        table = self.groups.copy()
+        underflow, subnormal = count(Fate.UNDERFLOW), count(Fate.SUBNORMAL)
+        nonzero = self.scaled.sum(axis=(1, 2)) + self.fixed.sum(axis=(1, 2))
+        table["nonfinite"] = table["infs"] + table["nans"]
+        table["nonzero"] = nonzero
+        table["underflow"] = underflow
+        table["flushed"] = underflow + subnormal
+        table["subnormal"] = subnormal
+        table["overflow"] = count(Fate.OVERFLOW)
+        denominator = np.maximum(nonzero, 1)
+        for name in ("underflow", "flushed", "overflow"):
+            table[f"{name}_fraction"] = np.where(nonzero > 0, table[name] / denominator, 0.0)
+        fractions = ["underflow_fraction", "flushed_fraction", "overflow_fraction"]
+        keys = [c for c in self.groups.columns if c not in (*COUNT_COLUMNS, "amax")]
+        return table[[*keys, *COUNT_COLUMNS, "amax", *fractions]]
+
+    def total(self) -> Condensed:
+        """Everything in one group."""
+        sums = self.groups[["elements", "zeros", "infs", "nans"]].sum()
+        groups = pd.DataFrame(
+            {
+                **{name: [int(sums[name])] for name in sums.index},
+                "amax": [float(self.groups["amax"].max()) if len(self.groups) else 0.0],
+            }
+        )
+        return Condensed(
+            groups, self.scaled.sum(axis=0, keepdims=True), self.fixed.sum(axis=0, keepdims=True)
+        )
+
+
+def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("module",)) -> Condensed:
+    """Sum the in-scope bins of ``report`` per group of ``by`` (one pass over the bins).
+
+    Results are cached on the report, so several scales and formats cost one pass.
+    """
+    key = (scope, tuple(by))
+    cached = report._cache.get(key)
+    if cached is not None:
+        return cached
+    records = report.records
+    in_scope = scope.mask(records)
+    selected = records[in_scope]
+    by = list(by)
+    if by:
+        grouped = selected.groupby(by, sort=False, dropna=False)
+        group_of_selected = grouped.ngroup().to_numpy()
+        groups = grouped.size().reset_index()[by]
+        n_groups = len(groups)
+    else:
+        group_of_selected = np.zeros(len(selected), dtype=np.int64)
+        groups = pd.DataFrame(index=range(1))
+        n_groups = 1
+    group_of_record = np.full(len(records), -1, dtype=np.int64)
+    group_of_record[np.flatnonzero(in_scope)] = group_of_selected
+
+    scales = records["scales_with_loss"].to_numpy(dtype=bool)
+    loss_scale = records["loss_scale"].to_numpy(dtype=np.float64)
+    log2_loss_scale = np.frexp(loss_scale)[1].astype(np.int64) - 1
+
+    def per_group(column: str) -> np.ndarray:
+        values = selected[column].to_numpy(dtype=np.int64)
+        return np.bincount(group_of_selected, weights=values, minlength=n_groups).astype(np.int64)
+
+    for column in ("elements", "zeros", "infs", "nans"):
+        groups[column] = per_group(column)
+    amax = np.zeros(n_groups)
+    unscaled_amax = selected["amax"].to_numpy(dtype=np.float64) / np.where(
+        selected["scales_with_loss"].to_numpy(dtype=bool), selected["loss_scale"].to_numpy(), 1.0
+    )
+    np.maximum.at(amax, group_of_selected, unscaled_amax)
+    groups["amax"] = amax
+
+    # One pass over the bins, in chunks so that temporaries stay small and reused
+    # (fresh 80 MB arrays cost more in page faults than the arithmetic).
+    # Record ids number the records (checked on read).
+    bins = report.bins
+    all_records = bins["record_id"].to_numpy()
+    all_binades = bins["binade"].to_numpy()
+    all_classes = bins["cls"].to_numpy()
+    all_counts = bins["count"].to_numpy()
+    scaled_cells = n_groups * _N_UNSCALED * layout.N_CLASSES
+    fixed_cells = n_groups * layout.N_BINADES * layout.N_CLASSES
+    scaled = np.zeros(scaled_cells)
+    fixed = np.zeros(fixed_cells)
+    # Per record: the offset of its group's block, and its shift to unscaled units.
+    scaled_base = np.where(
+        group_of_record >= 0,
+        (group_of_record * _N_UNSCALED - log2_loss_scale - _UNSCALED_MIN) * layout.N_CLASSES,
+        -1,
+    )
+    fixed_base = np.where(
+        group_of_record >= 0,
+        (group_of_record * layout.N_BINADES - layout.BINADE_MIN) * layout.N_CLASSES,
+        -1,
+    )
+    base = np.where(scales, scaled_base, fixed_base)
+    chunk = 1 << 20
+    for start in range(0, len(all_records), chunk):
+        record = all_records[start : start + chunk]
+        offset = base[record]
+        index = offset + all_binades[start : start + chunk] * layout.N_CLASSES
+        index += all_classes[start : start + chunk]
+        weight = all_counts[start : start + chunk].astype(np.float64)  # exact below 2**53
+        keep = offset >= 0
+        to_scaled = keep & scales[record]
+        to_fixed = keep & ~scales[record]
+        scaled += np.bincount(index[to_scaled], weights=weight[to_scaled], minlength=scaled_cells)
+        fixed += np.bincount(index[to_fixed], weights=weight[to_fixed], minlength=fixed_cells)
+    result = Condensed(
+        groups,
+        scaled.astype(np.int64).reshape(n_groups, _N_UNSCALED, layout.N_CLASSES),
+        fixed.astype(np.int64).reshape(n_groups, layout.N_BINADES, layout.N_CLASSES),
+    )
+    if "module" in by:
+        order = {name: i for i, name in enumerate(report.meta.get("modules", []))}
+        rank = result.groups["module"].map(lambda m: order.get(m, len(order))).to_numpy()
+        permutation = np.argsort(rank, kind="stable")
+        result = Condensed(
+            result.groups.iloc[permutation].reset_index(drop=True),
+            result.scaled[permutation],
+            result.fixed[permutation],
+        )
+    report._cache[key] = result
+    return result
 
 
 def range_loss(
@@ -134,100 +305,14 @@ def range_loss(
     module order when grouped by module. ``amax`` is the finite amax in unscaled
     units (at loss scale 1).
     """
-    by = list(by)
-    records = scope.select(report.records)
-    if not by:
-        records = records.assign(_all="all")
-        group_columns = ["_all"]
-    else:
-        group_columns = by
-    grouped = records.groupby(group_columns, sort=False, dropna=False)
-    group_of_record = grouped.ngroup().to_numpy()
-    n_groups = grouped.ngroups
-
-    scales = records["scales_with_loss"].to_numpy(dtype=bool)
-    loss_scale = records["loss_scale"].to_numpy(dtype=np.float64)
-    record_log2 = np.frexp(loss_scale)[1].astype(np.int64) - 1
-    record_shift = np.where(scales, log2_scale - record_log2, 0)
-    unscaled_amax = records["amax"].to_numpy(dtype=np.float64) / np.where(scales, loss_scale, 1.0)
-
-    bins = report.bins
-    position = pd.Index(records["record_id"].to_numpy()).get_indexer(bins["record_id"].to_numpy())
-    keep = position >= 0
-    position = position[keep]
-    counts = bins["count"].to_numpy()[keep]
-    fates = bin_fates(
-        fmt,
-        bins["binade"].to_numpy()[keep],
-        bins["cls"].to_numpy()[keep],
-        record_shift[position],
-    )
-    bin_group = group_of_record[position]
-
-    def per_group(mask: np.ndarray) -> np.ndarray:
-        # Weights are exact in float64 for counts below 2**53.
-        summed = np.bincount(bin_group[mask], weights=counts[mask], minlength=n_groups)
-        return summed.astype(np.int64)
-
-    underflow = per_group(fates == Fate.UNDERFLOW)
-    subnormal = per_group(fates == Fate.SUBNORMAL)
-    overflow = per_group(fates == Fate.OVERFLOW)
-
-    def record_sum(column: str) -> np.ndarray:
-        values = records[column].to_numpy(dtype=np.int64)
-        return np.bincount(group_of_record, weights=values, minlength=n_groups).astype(np.int64)
-
-    elements = record_sum("elements")
-    zeros = record_sum("zeros")
-    infs = record_sum("infs")
-    nans = record_sum("nans")
-    nonfinite = infs + nans
-    nonzero = elements - zeros - nonfinite
-    amax = np.zeros(n_groups)
-    np.maximum.at(amax, group_of_record, unscaled_amax)
-
-    table = (
-        grouped.size().reset_index()[group_columns]
-        if n_groups
-        else pd.DataFrame({c: [] for c in group_columns})
-    )
-    if not by:
-        table = pd.DataFrame(index=range(n_groups))
-    table = table.assign(
-        elements=elements,
-        zeros=zeros,
-        infs=infs,
-        nans=nans,
-        nonfinite=nonfinite,
-        nonzero=nonzero,
-        underflow=underflow,
-        flushed=underflow + subnormal,
-        subnormal=subnormal,
-        overflow=overflow,
-        amax=amax,
-    )
-    denominator = np.maximum(nonzero, 1)
-    table["underflow_fraction"] = np.where(nonzero > 0, underflow / denominator, 0.0)
-    table["flushed_fraction"] = np.where(nonzero > 0, (underflow + subnormal) / denominator, 0.0)
-    table["overflow_fraction"] = np.where(nonzero > 0, overflow / denominator, 0.0)
-    if "module" in by:
-        order = {name: i for i, name in enumerate(report.meta.get("modules", []))}
-        table = table.sort_values(
-            "module", key=lambda s: s.map(lambda m: order.get(m, len(order))), kind="stable"
-        ).reset_index(drop=True)
-    return table
+    return condense(report, scope, by).at(fmt, log2_scale)
 
 
 def totals(
     report: Report, fmt: Format, log2_scale: int, *, scope: Scope = Scope()
 ) -> dict[str, float]:
     """One row of :func:`range_loss` for everything in scope, as a dict."""
-    table = range_loss(report, fmt, log2_scale, scope=scope, by=())
-    if table.empty:
-        empty: dict[str, float] = {c: 0 for c in COUNT_COLUMNS}
-        empty.update(amax=0.0, underflow_fraction=0.0, flushed_fraction=0.0, overflow_fraction=0.0)
-        return empty
-    row = table.iloc[0].to_dict()
+    row = condense(report, scope, ("module",)).total().at(fmt, log2_scale).iloc[0].to_dict()
     return {k: (int(v) if k in COUNT_COLUMNS else float(v)) for k, v in row.items()}
 
 

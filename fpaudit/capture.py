@@ -36,6 +36,7 @@ Known limitations:
 from __future__ import annotations
 
 import bisect
+import fnmatch
 import math
 import threading
 import time
@@ -44,10 +45,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fpaudit import histogram
@@ -58,6 +59,7 @@ from fpaudit.report import (
     RecordKey,
     Report,
     ReportBuilder,
+    StepRecords,
     run_metadata,
 )
 
@@ -87,21 +89,39 @@ _DATA_MOVEMENT = frozenset(
 )
 
 
-# Ops whose output values do not come from their inputs' values. Outside
-# backward their outputs are not forward values: the loss seed of
-# ``loss.backward()`` is ``ones_like(loss)``.
-_VALUE_FREE = frozenset(
-    {
-        _aten.ones_like.default,
-        _aten.zeros_like.default,
-        _aten.empty_like.default,
-        _aten.full_like.default,
-        _aten.new_ones.default,
-        _aten.new_zeros.default,
-        _aten.new_empty.default,
-        _aten.new_full.default,
-    }
-)
+_ENGINE_ENTRY = "_engine_run_backward"
+
+
+def _activate_during_backward(mode: TorchDispatchMode) -> Callable[[], None] | None:
+    """Make ``mode`` active only while the autograd engine runs; return the undo.
+
+    ``torch.autograd.backward`` and ``torch.autograd.grad`` both enter the
+    engine through ``torch.autograd._engine_run_backward`` (private). Wrapping
+    it keeps forward free of dispatch overhead. Returns None when this torch
+    has no such entry point; the caller then keeps the mode on throughout.
+    """
+    original = getattr(torch.autograd, _ENGINE_ENTRY, None)
+    if original is None or not callable(original):
+        return None
+    depth = threading.local()
+
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        if getattr(depth, "n", 0):  # nested backward (reentrant checkpoint): already on
+            return original(*args, **kwargs)
+        depth.n = 1
+        try:
+            with mode:
+                return original(*args, **kwargs)
+        finally:
+            depth.n = 0
+
+    setattr(torch.autograd, _ENGINE_ENTRY, run_backward)
+
+    def restore() -> None:
+        if getattr(torch.autograd, _ENGINE_ENTRY, None) is run_backward:
+            setattr(torch.autograd, _ENGINE_ENTRY, original)
+
+    return restore
 
 
 def current_autograd_node() -> torch.autograd.graph.Node | None:
@@ -120,22 +140,26 @@ def autograd_sequence_number() -> int:
     return int(torch._C._autograd._get_sequence_nr())
 
 
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an aten op's arguments or outputs: a tensor, or sequences and dicts
+    of tensors and scalars (aten nests at most a list of tensors in an argument tuple).
+    Cheaper than pytree on the hot path."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, list | tuple):
+                yield from (t for t in item if isinstance(t, torch.Tensor))
+    elif isinstance(value, dict):
+        yield from _tensors(tuple(value.values()))
+
+
 def _float_tensors(output: Any) -> Iterator[tuple[int, torch.Tensor]]:
-    for index, leaf in enumerate(tree_leaves(output)):
-        if (
-            isinstance(leaf, torch.Tensor)
-            and leaf.is_floating_point()
-            and leaf.layout == torch.strided
-            and leaf.device.type != "meta"
-        ):
-            yield index, leaf
-
-
-def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
-    for leaf in tree_leaves(args):
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-    return None
+    for index, tensor in enumerate(_tensors(output)):
+        if tensor.is_floating_point() and tensor.layout == torch.strided and not tensor.is_meta:
+            yield index, tensor
 
 
 def creates_new_values(func: torch._ops.OpOverload, args: tuple[Any, ...], output: Any) -> bool:
@@ -143,47 +167,41 @@ def creates_new_values(func: torch._ops.OpOverload, args: tuple[Any, ...], outpu
     if func.is_view:
         return False
     if func in _DATA_MOVEMENT:
-        source = args[1] if func is _aten.copy_.default else _first_tensor(args)
+        source = args[1] if func is _aten.copy_.default else next(_tensors(args), None)
         target = output if isinstance(output, torch.Tensor) else None
         return not (source is not None and target is not None and source.dtype == target.dtype)
     return True
 
 
 class _Provenance:
-    """Which tensors hold values that do not scale with the loss ("fixed" values).
+    """Which backward values do not scale with the loss ("fixed" values).
 
     Loss scaling multiplies the gradient flowing backward, not the forward
     values that backward formulas read from saved tensors. ``pow``'s backward,
     for one, computes ``2 * x`` from the saved input before multiplying by the
     incoming gradient; that intermediate stays put whatever the scale.
 
-    Fixed: parameters, buffers, every output of an op run outside backward
-    (forward, recomputation), and every backward output computed from fixed
-    values alone. Everything else computed in backward, the loss seed
-    included, scales with the loss. A tensor fixed values never reached
-    (a batch tensor, a saved output rewrapped by autograd) counts as scaling:
-    the conservative side, as if this tracking did not exist.
+    Saved forward values and parameters reach backward with
+    ``requires_grad=True``; everything backward creates (the loss seed, the
+    gradients) has ``requires_grad=False`` (unless ``create_graph``). So a
+    backward output is fixed when every tensor it was computed from requires
+    grad or is itself fixed. Fixed backward outputs are rare and remembered
+    here, by weak reference.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self) -> None:
         self._fixed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.mark(model.parameters())
-        self.mark(model.buffers())
 
-    def mark(self, tensors: Any) -> None:
-        for leaf in tensors:
-            if isinstance(leaf, torch.Tensor):
-                self._fixed[leaf] = True
+    def all_fixed(self, tensors: Iterator[torch.Tensor]) -> bool:
+        return all(t.requires_grad or t in self._fixed for t in tensors)
 
-    def unmark(self, tensors: Any) -> None:
-        for leaf in tensors:
-            if isinstance(leaf, torch.Tensor):
-                self._fixed.pop(leaf, None)
+    def mark(self, tensors: Iterator[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._fixed[tensor] = True
 
-    def all_fixed(self, args: Any) -> bool:
-        return all(
-            leaf in self._fixed for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)
-        )
+    def unmark(self, tensors: Iterator[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._fixed.pop(tensor, None)
 
 
 class _ModuleClock:
@@ -267,6 +285,13 @@ Recorder = Callable[[str, str, str, str, int, bool, torch.Tensor], None]
 class _BackwardMode(TorchDispatchMode):
     """Sees every aten op; hands backward outputs to the recorder."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # By default torch wraps __torch_dispatch__ in torch._dynamo.disable, whose
+        # first call imports dynamo and sympy: +77 MB of RSS and a wrapper on every
+        # op. Audited code is never compiled (documented), so opt out.
+        return False
+
     def __init__(self, clock: _ModuleClock, provenance: _Provenance, record: Recorder) -> None:
         super().__init__()
         self._clock = clock
@@ -279,14 +304,13 @@ class _BackwardMode(TorchDispatchMode):
         output = func(*args, **kwargs)
         node = current_autograd_node()
         if node is None or self._clock.in_forward():
-            if func not in _VALUE_FREE:
-                self._provenance.mark(tree_leaves(output))
-            return output
-        fixed = self._provenance.all_fixed((args, kwargs))
+            return output  # forward, or a checkpointed module recomputing its forward
+        inputs = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
+        fixed = self._provenance.all_fixed(inputs)
         if fixed:
-            self._provenance.mark(tree_leaves(output))
+            self._provenance.mark(_tensors(output))
         elif func._schema.is_mutable:
-            self._provenance.unmark(tree_leaves(output))  # e.g. grad += scaled value
+            self._provenance.unmark(_tensors(output))  # e.g. grad += scaled value
         if not creates_new_values(func, args, output):
             return output
         op = self._op_names.get(func)
@@ -297,6 +321,42 @@ class _BackwardMode(TorchDispatchMode):
         for index, tensor in _float_tensors(output):
             self._record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor)
         return output
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which records to capture: shell-style globs on module and op names.
+
+    ``modules`` and ``ops`` list what to keep (empty: everything); the
+    ``exclude_`` lists win over them. Module patterns match qualified names
+    (``blocks.*.attn``; ``blocks.0*`` for a subtree, ``<loss>`` for the loss
+    pseudo-module); op patterns match aten op names as reported
+    (``aten.mm.*``, ``*softmax*``) and do not apply to parameter gradients.
+    Skipped records cost no histogram work.
+    """
+
+    modules: tuple[str, ...] = ()
+    exclude_modules: tuple[str, ...] = ()
+    ops: tuple[str, ...] = ()
+    exclude_ops: tuple[str, ...] = ()
+
+    @staticmethod
+    def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+    def accepts(self, kind: str, module: str, op: str) -> bool:
+        if self.modules and not self._matches(module, self.modules):
+            return False
+        if self._matches(module, self.exclude_modules):
+            return False
+        if kind == KIND_GRAD:
+            return True
+        if self.ops and not self._matches(op, self.ops):
+            return False
+        return not self._matches(op, self.exclude_ops)
+
+    def describe(self) -> dict[str, list[str]]:
+        return {k: list(v) for k, v in self.__dict__.items() if v}
 
 
 @dataclass(frozen=True)
@@ -325,14 +385,24 @@ class Audit:
     A step with records still open at exit is closed then.
     """
 
-    def __init__(self, model: nn.Module, *, loss_scale: float = 1.0) -> None:
+    backward_only = True
+    """Activate the dispatch mode only while the autograd engine runs (see
+    ``_activate_during_backward``); False keeps it on for the whole context."""
+
+    def __init__(
+        self, model: nn.Module, *, loss_scale: float = 1.0, selection: Selection = Selection()
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
         self.model = model
         self.loss_scale = loss_scale
+        self.selection = selection
+        self._accepted: dict[tuple[str, str, str], bool] = {}
         self._clock = _ModuleClock(model)
-        self._provenance = _Provenance(model)
-        self._open: dict[RecordKey, histogram.Histogram] = {}
+        self._provenance = _Provenance()
+        self._tables: dict[torch.device, histogram.HistogramTable] = {}
+        self._rows: dict[RecordKey, tuple[histogram.HistogramTable, int]] = {}
+        self._row_keys: dict[torch.device, list[RecordKey]] = {}
         self._builder = ReportBuilder(
             modules=[LOSS_MODULE, *self._clock.names.values()],
         )
@@ -345,7 +415,12 @@ class Audit:
         stack = ExitStack()
         try:
             self._clock.install(self.model, stack)
-            stack.enter_context(_BackwardMode(self._clock, self._provenance, self.record))
+            mode = _BackwardMode(self._clock, self._provenance, self.record)
+            restore = _activate_during_backward(mode) if self.backward_only else None
+            if restore is not None:
+                stack.callback(restore)
+            else:
+                stack.enter_context(mode)
         except BaseException:
             stack.close()
             raise
@@ -357,10 +432,14 @@ class Audit:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
-        if self._open and exc_type is None:
+        if exc_type is None and self._has_open_records():
             self.step()
-        self._open.clear()
+        for table in self._tables.values():
+            table.reset()
         self._clock.forget()
+
+    def _has_open_records(self) -> bool:
+        return any(any(table.calls) for table in self._tables.values())
 
     # -- recording -------------------------------------------------------
     def record(
@@ -374,13 +453,23 @@ class Audit:
         tensor: torch.Tensor,
     ) -> None:
         """Add ``tensor``'s values to the open step's record for this key."""
+        accepted = self._accepted.get((kind, module, op))
+        if accepted is None:
+            accepted = self._accepted[(kind, module, op)] = self.selection.accepts(kind, module, op)
+        if not accepted:
+            return
         dtype = str(tensor.dtype).removeprefix("torch.")
         key = RecordKey(kind, module, node, op, output, dtype, scales_with_loss)
-        with self._lock:
-            entry = self._open.get(key)
-            if entry is None:
-                entry = self._open[key] = histogram.Histogram(tensor.device)
-        entry.add(tensor)
+        place = self._rows.get(key)
+        if place is None:
+            with self._lock:
+                table = self._tables.get(tensor.device)
+                if table is None:
+                    table = self._tables[tensor.device] = histogram.HistogramTable(tensor.device)
+                    self._row_keys[tensor.device] = []
+                place = self._rows[key] = (table, table.new_row())
+                self._row_keys[tensor.device].append(key)
+        place[0].add(place[1], tensor)
 
     def _record_parameter_gradients(self) -> None:
         for name, param in self.model.named_parameters():
@@ -390,37 +479,56 @@ class Audit:
             module, _, param_name = name.rpartition(".")
             self.record(KIND_GRAD, module, "AccumulateGrad", param_name, 0, True, grad)
 
-    def step(self, loss: torch.Tensor | None = None) -> StepSummary:
+    def step(self, loss: torch.Tensor | None = None, *, index: int | None = None) -> StepSummary:
         """Close the current step: record parameter gradients, then gather its statistics.
 
         ``loss`` (optional) is stored with the step. A non-finite loss marks the
         step as a forward problem and its backward records are dropped, so they
-        never count as backward overflow. This is the one host sync per step.
+        never count as backward overflow. ``index`` is the training step's number
+        (default: the next after the last closed one), for runs that capture only
+        some steps. This is the one host sync per step.
         """
         if loss is not None and (not isinstance(loss, torch.Tensor) or loss.numel() != 1):
             raise ValueError("step(loss=...) needs a tensor with exactly one element")
         self._record_parameter_gradients()
-        keys = list(self._open)
-        scalars = (loss.detach().reshape(()),) if loss is not None else ()
-        host, values = histogram.gather([self._open[k] for k in keys], scalars)
-        records = dict(zip(keys, host, strict=True))
-        loss_value = values[0] if values else None
+        keys: list[RecordKey] = []
+        blocks: list[np.ndarray] = []
+        calls: list[int] = []
+        loss_value: float | None = None
+        for device, table in self._tables.items():
+            carries_loss = loss is not None and loss.device == device
+            rows, values = table.collect((loss,) if carries_loss and loss is not None else ())
+            if values:
+                loss_value = values[0]
+            used = [row for row in range(table.rows) if table.calls[row]]
+            keys += [self._row_keys[device][row] for row in used]
+            blocks.append(rows[used])
+            calls += [table.calls[row] for row in used]
+            table.reset()
+        if loss is not None and loss_value is None:  # no records on the loss's device
+            loss_value = float(loss.detach().reshape(()))
+        rows = np.concatenate(blocks) if blocks else np.zeros((0, histogram.WIDTH), np.int64)
+        records = StepRecords(
+            keys=keys,
+            counts=rows[:, : histogram.N_BINS],
+            amax=histogram.amax_from_bits(rows[:, histogram.AMAX_COLUMN]),
+            calls=np.array(calls, dtype=np.int64),
+        )
         self._builder.add_step(
             records,
             loss=loss_value,
             loss_scale=self.loss_scale,
             seconds=time.perf_counter() - self._step_started,
+            index=index,
         )
-        self._open.clear()
         self._clock.forget()
         self._step_started = time.perf_counter()
-        nonfinite_grads = sum(h.infs + h.nans for k, h in records.items() if k.kind == KIND_GRAD)
         return StepSummary(
-            step=self._builder.steps - 1,
+            step=self._builder.last_index,
             loss=loss_value,
             loss_finite=loss_value is None or math.isfinite(loss_value),
-            nonfinite_grads=nonfinite_grads,
-            records=len(records),
+            nonfinite_grads=records.nonfinite(KIND_GRAD),
+            records=len(keys),
         )
 
     def mark_optimizer_step(self, stepped: bool) -> None:
@@ -437,6 +545,8 @@ class Audit:
         return self._builder.build(run_metadata(self.model))
 
 
-def audit(model: nn.Module, *, loss_scale: float = 1.0) -> Audit:
+def audit(
+    model: nn.Module, *, loss_scale: float = 1.0, selection: Selection = Selection()
+) -> Audit:
     """Audit the backward pass of ``model``: see :class:`Audit`."""
-    return Audit(model, loss_scale=loss_scale)
+    return Audit(model, loss_scale=loss_scale, selection=selection)

@@ -170,36 +170,73 @@ def scan_command(
     force: Annotated[
         bool | None, typer.Option("--force/--no-force", help="Overwrite an existing report.")
     ] = None,
+    every: Annotated[
+        int | None,
+        typer.Option(
+            "--every", help="Capture every K-th step only; the others run unaudited [default: 1]."
+        ),
+    ] = None,
+    module: Annotated[
+        list[str] | None,
+        typer.Option("--module", help="Capture only modules matching this glob (repeatable)."),
+    ] = None,
+    exclude_module: Annotated[
+        list[str] | None,
+        typer.Option("--exclude-module", help="Skip modules matching this glob (repeatable)."),
+    ] = None,
+    op: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--op", help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)."
+        ),
+    ] = None,
+    exclude_op: Annotated[
+        list[str] | None,
+        typer.Option("--exclude-op", help="Skip aten ops matching this glob (repeatable)."),
+    ] = None,
 ) -> None:
     """Run a model file for some steps and record every backward op.
 
     Example: fpaudit scan sample_configs/transformer.py --steps 8 --format fp16 --out report
     """
-    from fpaudit.scan import ScanOptions, scan
+    from fpaudit import kernels
+    from fpaudit.capture import Selection
+    from fpaudit.scan import ScanOptions, resolve_device, scan
 
     options = _merge(
         "scan",
         config_file,
         dict(steps=steps, device=device, format=format_, headroom_bits=headroom_bits,
              include_loss=include_loss, out=out, seed=seed, loss_scale=loss_scale, top=top,
-             force=force),
+             force=force, every=every, module=module, exclude_module=exclude_module, op=op,
+             exclude_op=exclude_op),
         dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
-             include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False),
+             include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False,
+             every=1, module=[], exclude_module=[], op=[], exclude_op=[]),
     )  # fmt: skip
     formats = [get_format(name) for name in dict.fromkeys(options["format"])]
     headroom = _headroom(options["headroom_bits"])
     log2_loss_scale = config.parse_scale(options["loss_scale"], "--loss-scale")
     if options["top"] < 1:
         raise UsageError(f"--top must be at least 1, got {options['top']}")
-    out_path = Path(options["out"])
-    if out_path.exists() and not options["force"]:
-        raise UsageError(f"{out_path} already exists; pass --force to overwrite it")
     scan_options = ScanOptions(
         steps=options["steps"],
         device=options["device"],
         loss_scale=math.ldexp(1.0, log2_loss_scale),
         seed=options["seed"],
+        every=options["every"],
+        selection=Selection(
+            modules=tuple(options["module"]),
+            exclude_modules=tuple(options["exclude_module"]),
+            ops=tuple(options["op"]),
+            exclude_ops=tuple(options["exclude_op"]),
+        ),
     )
+    out_path = Path(options["out"])
+    if out_path.exists() and not options["force"]:
+        raise UsageError(f"{out_path} already exists; pass --force to overwrite it")
+    if resolve_device(scan_options.device).type == "cpu":
+        kernels.cpu_kernel(on_build=render.kernel_build_notice)
     meta = {
         "formats": [f.name for f in formats],
         "headroom_bits": headroom,
@@ -218,7 +255,14 @@ def scan_command(
         at_1 = analysis.module_table(report, fmt, 0, scope=scope)
         at_s = analysis.module_table(report, fmt, rec.log2_scale or 0, scope=scope)
         render.scan_summary(
-            str(out_path), report.meta["steps"], at_1, at_s, rec, options["top"], forward_problems
+            str(out_path),
+            report.meta["steps_run"],
+            report.meta["steps"],
+            at_1,
+            at_s,
+            rec,
+            options["top"],
+            forward_problems,
         )
 
 

@@ -66,6 +66,11 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "force": "bool",
         "loss_scale": "scale",
         "top": "int",
+        "every": "int",
+        "module": "patterns",
+        "exclude_module": "patterns",
+        "op": "patterns",
+        "exclude_op": "patterns",
     },
     "show": {
         "format": "format",
@@ -118,6 +123,11 @@ def _check_type(file: Path, where: str, key: str, kind: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise fail('a number or a string such as "2^12"')
         value = str(value)
+    elif kind == "patterns":
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise fail("a glob pattern or a list of them")
     elif kind in ("format", "formats"):
         if isinstance(value, str):
             value = [value]

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 from rich.console import Console
@@ -18,7 +18,9 @@ from rich.table import Table
 from fpaudit.formats import Format
 from fpaudit.gate import GateResult
 from fpaudit.recommend import Recommendation
-from fpaudit.scan import StepProgress
+
+if TYPE_CHECKING:
+    from fpaudit.scan import StepProgress
 
 ROOT_LABEL = "(root)"
 PIPE_WIDTH = 120
@@ -286,17 +288,24 @@ def step_progress(steps: int) -> Iterator[Callable[[StepProgress], None]]:
     task = progress.add_task("scan", total=steps, loss="")
 
     def advance(update: StepProgress) -> None:
-        loss = update.summary.loss
-        text = "" if loss is None else f"loss {loss:.4g}"
+        text = "" if update.loss is None else f"loss {update.loss:.4g}"
         progress.update(task, completed=update.step, loss=text)
 
     with progress:
         yield advance
 
 
+def kernel_build_notice() -> None:
+    stderr().print(
+        "building fpaudit's CPU histogram kernel: once per machine and torch version, "
+        "about a minute (FPAUDIT_KERNEL=torch skips it)"
+    )
+
+
 def scan_summary(
     path: str,
     steps: int,
+    captured: int,
     at_1: pd.DataFrame,
     at_scale: pd.DataFrame,
     rec: Recommendation,
@@ -304,7 +313,8 @@ def scan_summary(
     forward_problems: int,
 ) -> None:
     console = stdout()
-    console.print(f"Scanned {steps} step(s); report written to {path}")
+    captured_text = "" if captured == steps else f", captured {captured}"
+    console.print(f"Scanned {steps} step(s){captured_text}; report written to {path}")
     if forward_problems:
         console.print(
             f"[red]{forward_problems} step(s) had a non-finite loss[/red]: recorded as forward "

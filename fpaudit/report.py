@@ -33,15 +33,18 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fpaudit import histogram
+from fpaudit import layout
 from fpaudit.errors import ReportError
+
+if TYPE_CHECKING:
+    from fpaudit.histogram import HostHistogram
 
 SCHEMA_VERSION = 1
 META_FILE = "meta.json"
@@ -94,6 +97,10 @@ STEPS_SCHEMA = pa.schema(
     ]
 )
 TABLES = {"records": RECORDS_SCHEMA, "bins": BINS_SCHEMA, "steps": STEPS_SCHEMA}
+# In memory, bins keep what analysis needs; lower and upper are derived from
+# (binade, cls) when a report is written, for users of the plain Parquet files.
+BIN_COLUMNS = ("record_id", "binade", "cls", "count")
+DERIVED_BIN_COLUMNS = ("lower", "upper")
 
 
 class RecordKey(NamedTuple):
@@ -106,33 +113,13 @@ class RecordKey(NamedTuple):
     scales_with_loss: bool
 
 
-def _bin_edges() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """binade, class, lower, upper of every finite bin, in bin order."""
-    bins = np.arange(histogram.FIRST_FINITE_BIN, histogram.INF_BIN)
-    binade, cls = histogram.bin_binade_and_class(bins)
-    bounds = [histogram.bin_value_bounds(int(b), int(c)) for b, c in zip(binade, cls, strict=True)]
-    lower = np.array([lo for lo, _ in bounds])
-    upper = np.array([hi for _, hi in bounds])
-    return binade.astype(np.int16), cls.astype(np.int8), lower, upper
-
-
-_EDGES: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
-
-
-def bin_edges() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    global _EDGES
-    if _EDGES is None:
-        _EDGES = _bin_edges()
-    return _EDGES
-
-
 def histogram_layout() -> dict[str, Any]:
     """The histogram layout, stored in metadata so a report describes itself."""
     return {
-        "binade_min": histogram.BINADE_MIN,
-        "binade_max": histogram.BINADE_MAX,
-        "fraction_bits": histogram.FRACTION_BITS,
-        "class_lower_bounds": list(histogram.CLASS_LOWER_BOUNDS),
+        "binade_min": layout.BINADE_MIN,
+        "binade_max": layout.BINADE_MAX,
+        "fraction_bits": layout.FRACTION_BITS,
+        "class_lower_bounds": list(layout.CLASS_LOWER_BOUNDS),
     }
 
 
@@ -169,6 +156,8 @@ class Report:
     bins: pd.DataFrame
     steps: pd.DataFrame
     path: Path | None = field(default=None, compare=False)
+    # Condensed histograms computed by fpaudit.analysis; valid while the tables are unchanged.
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- writing ---------------------------------------------------------
     def write(self, path: str | os.PathLike[str], *, force: bool = False) -> Path:
@@ -192,7 +181,12 @@ class Report:
             meta["files"] = {}
             for name, schema in TABLES.items():
                 frame: pd.DataFrame = getattr(self, name)
-                table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
+                if name == "bins":
+                    lower, upper = layout.value_bounds(frame["binade"], frame["cls"])
+                    frame = frame.assign(lower=lower, upper=upper)
+                table = pa.Table.from_pandas(
+                    frame[schema.names], schema=schema, preserve_index=False
+                )
                 table = table.replace_schema_metadata(
                     {"fpaudit.schema_version": str(SCHEMA_VERSION)}
                 )
@@ -288,6 +282,7 @@ def _read_meta(root: Path) -> dict[str, Any]:
 
 
 def _read_table(root: Path, name: str, schema: pa.Schema, meta: dict[str, Any]) -> pd.DataFrame:
+    """Read one table, checked against its checksum and schema (bins without derived columns)."""
     file = root / f"{name}.parquet"
     entry = meta["files"].get(file.name)
     if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
@@ -297,39 +292,85 @@ def _read_table(root: Path, name: str, schema: pa.Schema, meta: dict[str, Any]) 
     if _sha256(file) != entry["sha256"]:
         raise ReportError(f"{file} is corrupt (checksum mismatch)")
     try:
-        table = pq.read_table(file)
+        found = pq.read_schema(file)
+        for column in schema:
+            if column.name not in found.names:
+                raise ReportError(f"{file} lacks column {column.name!r}")
+            actual = found.field(column.name).type
+            if actual != column.type:
+                raise ReportError(
+                    f"{file}: column {column.name!r} is {actual}, expected {column.type}"
+                )
+        wanted = (
+            [n for n in schema.names if n not in DERIVED_BIN_COLUMNS]
+            if name == "bins"
+            else schema.names
+        )
+        table = pq.read_table(file, columns=wanted)
+    except ReportError:
+        raise
     except Exception as error:  # pyarrow raises many types on damaged files
         raise ReportError(f"{file} is corrupt ({type(error).__name__}: {error})") from None
     if table.num_rows != entry.get("rows"):
         raise ReportError(f"{file} has {table.num_rows} rows, metadata says {entry.get('rows')}")
-    for column in schema:
-        if column.name not in table.column_names:
-            raise ReportError(f"{file} lacks column {column.name!r}")
-        actual = table.schema.field(column.name).type
-        if actual != column.type:
-            raise ReportError(f"{file}: column {column.name!r} is {actual}, expected {column.type}")
-    return table.select(schema.names).to_pandas()
+    return table.to_pandas(split_blocks=True, self_destruct=True)  # no second copy
 
 
 def _check_consistency(report: Report, root: Path) -> None:
     bins, records = report.bins, report.records
-    if not records["record_id"].is_unique:
-        raise ReportError(f"{root}/records.parquet: duplicate record_id")
-    known = bins["record_id"].isin(records["record_id"])
-    if not bool(known.all()):
+    ids = records["record_id"].to_numpy()
+    if not np.array_equal(ids, np.arange(len(ids))):
+        raise ReportError(f"{root}/records.parquet: record_id must number the rows 0, 1, 2, ...")
+    refs = bins["record_id"].to_numpy()
+    if len(refs) and (refs.min() < 0 or refs.max() >= len(ids)):
         raise ReportError(f"{root}/bins.parquet: bins refer to unknown records")
-    if len(bins):
-        in_range = bins["binade"].between(histogram.BINADE_MIN, histogram.BINADE_MAX) & bins[
-            "cls"
-        ].between(0, histogram.N_CLASSES - 1)
-        if not bool(in_range.all()) or bool((bins["count"] < 0).any()):
+    if len(bins):  # min/max reductions: cheap on tens of millions of rows
+        binade, cls, count = (bins[c].to_numpy() for c in ("binade", "cls", "count"))
+        in_range = (
+            binade.min() >= layout.BINADE_MIN
+            and binade.max() <= layout.BINADE_MAX
+            and cls.min() >= 0
+            and cls.max() < layout.N_CLASSES
+            and count.min() >= 0
+        )
+        if not in_range:
             raise ReportError(f"{root}/bins.parquet: bins out of range")
     counts = records[["elements", "zeros", "infs", "nans"]]
     if bool((counts < 0).to_numpy().any()):
         raise ReportError(f"{root}/records.parquet: negative counts")
     scales = records["loss_scale"].to_numpy()
-    if len(scales) and not bool(np.all((scales > 0) & np.isfinite(scales))):
-        raise ReportError(f"{root}/records.parquet: loss_scale must be positive and finite")
+    mantissa, exponent = np.frexp(scales)
+    valid = (scales > 0) & (mantissa == 0.5) & (exponent - 1 >= -149) & (exponent - 1 <= 127)
+    if len(scales) and not bool(np.all(valid)):
+        raise ReportError(
+            f"{root}/records.parquet: loss_scale must be a power of two in fp32 range"
+        )
+
+
+@dataclass
+class StepRecords:
+    """The records of one closed step: keys and, row for row, their histograms."""
+
+    keys: list[RecordKey]
+    counts: np.ndarray  # int64 [records, layout.N_BINS]
+    amax: np.ndarray  # float64 [records], finite amax as recorded
+    calls: np.ndarray  # int64 [records], tensors added
+
+    @classmethod
+    def from_histograms(cls, records: dict[RecordKey, HostHistogram]) -> StepRecords:
+        hosts = list(records.values())
+        return cls(
+            keys=list(records),
+            counts=np.array([h.counts for h in hosts], dtype=np.int64).reshape(-1, layout.N_BINS),
+            amax=np.array([h.amax for h in hosts], dtype=np.float64),
+            calls=np.array([h.calls for h in hosts], dtype=np.int64),
+        )
+
+    def nonfinite(self, kind: str) -> int:
+        """inf and NaN elements in the records of ``kind``."""
+        mask = np.array([key.kind == kind for key in self.keys], dtype=bool)
+        special = self.counts[:, layout.INF_BIN] + self.counts[:, layout.NAN_BIN]
+        return int(special[mask].sum()) if len(mask) else 0
 
 
 class ReportBuilder:
@@ -337,55 +378,63 @@ class ReportBuilder:
 
     def __init__(self, modules: list[str]) -> None:
         self.modules = modules
-        self._records: dict[str, list[Any]] = {name: [] for name in RECORDS_SCHEMA.names}
-        self._bins: list[tuple[np.ndarray, np.ndarray]] = []  # (record_id repeated, bin index)
-        self._bin_counts: list[np.ndarray] = []
+        self._records: dict[str, list[np.ndarray]] = {name: [] for name in RECORDS_SCHEMA.names}
+        self._bins: dict[str, list[np.ndarray]] = {"record_id": [], "offset": [], "count": []}
         self._steps: dict[str, list[Any]] = {name: [] for name in STEPS_SCHEMA.names}
-        self.steps = 0
+        self._next_record = 0
+        self.steps = 0  # steps closed
+        self.last_index = -1  # training-step number of the last closed step
 
     def add_step(
         self,
-        records: dict[RecordKey, histogram.HostHistogram],
+        records: StepRecords,
         *,
         loss: float | None,
         loss_scale: float,
         seconds: float,
+        index: int | None = None,
     ) -> None:
-        """Add one closed step. A non-finite loss drops its records (a forward problem)."""
-        step = self.steps
+        """Add one closed step (vectorised over its records). A non-finite loss drops
+        the step's records: it is a forward problem, never backward overflow.
+        ``index`` numbers the step (default: one after the last); it must increase."""
+        step = self.last_index + 1 if index is None else index
+        if step <= self.last_index:
+            raise ValueError(f"step index {step} does not follow {self.last_index}")
+        self.last_index = step
         self.steps += 1
         loss_finite = loss is None or math.isfinite(loss)
-        kept = records if loss_finite else {}
-        for key, host in kept.items():
-            record_id = len(self._records["record_id"])
-            counts = host.counts
-            row = {
-                "record_id": record_id,
-                "step": step,
-                "calls": host.calls,
-                "elements": int(counts.sum()),
-                "zeros": int(counts[histogram.ZERO_BIN]),
-                "infs": int(counts[histogram.INF_BIN]),
-                "nans": int(counts[histogram.NAN_BIN]),
-                "amax": host.amax,
-                "loss_scale": loss_scale,
-                **key._asdict(),
+        kept = len(records.keys) if loss_finite else 0
+        if kept:
+            counts = records.counts
+            ids = np.arange(self._next_record, self._next_record + kept, dtype=np.int32)
+            self._next_record += kept
+            columns: dict[str, Any] = {
+                "record_id": ids,
+                "step": np.full(kept, step, dtype=np.int32),
+                "calls": records.calls,
+                "elements": counts.sum(axis=1),
+                "zeros": counts[:, layout.ZERO_BIN],
+                "infs": counts[:, layout.INF_BIN],
+                "nans": counts[:, layout.NAN_BIN],
+                "amax": records.amax,
+                "loss_scale": np.full(kept, loss_scale, dtype=np.float64),
             }
-            for name, value in row.items():
-                self._records[name].append(value)
-            finite = counts[histogram.FIRST_FINITE_BIN : histogram.INF_BIN]
-            nonzero = np.flatnonzero(finite)
-            self._bins.append((np.full(len(nonzero), record_id, dtype=np.int32), nonzero))
-            self._bin_counts.append(finite[nonzero])
+            for field_name in RecordKey._fields:
+                columns[field_name] = np.array([getattr(k, field_name) for k in records.keys])
+            for name in RECORDS_SCHEMA.names:
+                self._records[name].append(np.asarray(columns[name]))
+            finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
+            rows, offsets = np.nonzero(finite)
+            self._bins["record_id"].append(ids[rows])
+            self._bins["offset"].append(offsets)
+            self._bins["count"].append(finite[rows, offsets])
         step_row = {
             "step": step,
             "loss": math.nan if loss is None else loss,
             "loss_finite": loss_finite,
             "loss_scale": loss_scale,
-            "records": len(kept),
-            "nonfinite_grads": sum(
-                h.infs + h.nans for k, h in records.items() if k.kind == KIND_GRAD
-            ),
+            "records": kept,
+            "nonfinite_grads": records.nonfinite(KIND_GRAD),
             "optimizer_step": False,
             "seconds": seconds,
         }
@@ -397,32 +446,33 @@ class ReportBuilder:
             self._steps["optimizer_step"][-1] = stepped
 
     def build(self, meta: dict[str, Any]) -> Report:
-        binade, cls, lower, upper = bin_edges()
-        if self._bins:
-            record_ids = np.concatenate([r for r, _ in self._bins])
-            offsets = np.concatenate([b for _, b in self._bins])
-            counts = np.concatenate(self._bin_counts)
-        else:
-            record_ids = np.zeros(0, np.int32)
-            offsets = np.zeros(0, np.int64)
-            counts = np.zeros(0, np.int64)
+        offsets_to_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
+        binade, cls = layout.bin_binade_and_class(offsets_to_bins)
+
+        def joined(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+        offsets = joined(self._bins["offset"], np.int64)
         bins = {
-            "record_id": record_ids,
-            "binade": binade[offsets],
-            "cls": cls[offsets],
-            "lower": lower[offsets],
-            "upper": upper[offsets],
-            "count": counts.astype(np.int64),
+            "record_id": joined(self._bins["record_id"], np.int32),
+            "binade": binade[offsets].astype(np.int16),
+            "cls": cls[offsets].astype(np.int8),
+            "count": joined(self._bins["count"], np.int64),
+        }
+        records = {
+            field.name: joined(self._records[field.name], field.type.to_pandas_dtype())
+            for field in RECORDS_SCHEMA
         }
         # Through Arrow, so in-memory frames have exactly the dtypes a read gives.
         meta = {**meta, "steps": self.steps, "modules": list(self.modules)}
         return Report(
             meta,
-            _frame(self._records, RECORDS_SCHEMA),
-            _frame(bins, BINS_SCHEMA),
+            _frame(records, RECORDS_SCHEMA),
+            _frame(bins, pa.schema([BINS_SCHEMA.field(n) for n in BIN_COLUMNS])),
             _frame(self._steps, STEPS_SCHEMA),
         )
 
 
 def _frame(columns: dict[str, Any], schema: pa.Schema) -> pd.DataFrame:
-    return pa.Table.from_pydict(columns, schema=schema).to_pandas()
+    arrays = [pa.array(columns[field.name], type=field.type) for field in schema]
+    return pa.Table.from_arrays(arrays, schema=schema).to_pandas()

@@ -9,10 +9,11 @@ defines an optimizer and the step's loss and gradients are finite.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from fpaudit import modelfile
-from fpaudit.capture import Audit, StepSummary
+from fpaudit.capture import Audit, Selection, StepSummary
 from fpaudit.errors import UsageError
 from fpaudit.report import KIND_BACKWARD, LOSS_MODULE, Report
 
@@ -31,10 +32,14 @@ class ScanOptions:
     device: str = "auto"
     loss_scale: float = 1.0
     seed: int | None = 0
+    every: int = 1  # capture every K-th step (0, K, 2K, ...); the others run unaudited
+    selection: Selection = field(default_factory=Selection)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if self.every < 1:
+            raise UsageError(f"--every must be at least 1, got {self.every}")
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise UsageError(f"--loss-scale must be a positive number, got {self.loss_scale}")
         if math.frexp(self.loss_scale)[0] != 0.5:
@@ -70,8 +75,9 @@ def seed_everything(seed: int) -> None:
 class StepProgress:
     step: int  # 1-based count of steps done
     steps: int
-    summary: StepSummary
+    summary: StepSummary | None  # None for a step that was not captured
     optimizer_step: bool
+    loss: float | None
 
 
 def scan(
@@ -100,9 +106,12 @@ def scan(
                 "expected a torch.optim.Optimizer"
             )
 
-    done = 0
-    with Audit(model, loss_scale=options.loss_scale) as audit:
-        for batch in spec.batches(options.steps):
+    audit = Audit(model, loss_scale=options.loss_scale, selection=options.selection)
+    steps_run = 0
+    for step, batch in enumerate(spec.batches(options.steps)):
+        steps_run = step + 1
+        captured = step % options.every == 0
+        with audit if captured else contextlib.nullcontext():
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
             else:
@@ -112,19 +121,25 @@ def scan(
                 loss = spec.loss(model, batch)
             loss = modelfile.check_loss(loss, path)
             seed = torch.full_like(loss, options.loss_scale)
-            audit.record(KIND_BACKWARD, LOSS_MODULE, "seed", "seed", 0, True, seed)
+            if captured:
+                audit.record(KIND_BACKWARD, LOSS_MODULE, "seed", "seed", 0, True, seed)
             with modelfile.user_code(path, "backward"):
                 torch.autograd.backward(loss, grad_tensors=seed)
-            summary = audit.step(loss=loss)
-            stepped = False
-            if optimizer is not None and summary.loss_finite and summary.nonfinite_grads == 0:
-                with modelfile.user_code(path, "optimizer.step()"):
-                    optimizer.step()
-                stepped = True
+            summary = audit.step(loss=loss, index=step) if captured else None
+        if summary is not None:
+            loss_value, healthy = summary.loss, summary.loss_finite and not summary.nonfinite_grads
+        else:  # an unaudited step: its one sync reads the loss
+            loss_value = float(loss.detach())
+            healthy = math.isfinite(loss_value)
+        stepped = False
+        if optimizer is not None and healthy:
+            with modelfile.user_code(path, "optimizer.step()"):
+                optimizer.step()
+            stepped = True
+        if captured:
             audit.mark_optimizer_step(stepped)
-            done += 1
-            if on_step is not None:
-                on_step(StepProgress(done, options.steps, summary, stepped))
+        if on_step is not None:
+            on_step(StepProgress(step + 1, options.steps, summary, stepped, loss_value))
 
     report = audit.report
     report.meta.update(
@@ -132,10 +147,13 @@ def scan(
             "command": "scan",
             "model_file": str(path),
             "steps_requested": options.steps,
+            "steps_run": steps_run,
             "loss_scale": options.loss_scale,
             "seed": options.seed,
             "device": str(device),
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "every": options.every,
+            "selection": options.selection.describe(),
             "capture_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         }
     )

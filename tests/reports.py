@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fpaudit import histogram
-from fpaudit.report import KIND_BACKWARD, RecordKey, Report, ReportBuilder
+from fpaudit.report import KIND_BACKWARD, RecordKey, Report, ReportBuilder, StepRecords
 
 
 def report_from(
@@ -25,9 +25,11 @@ def report_from(
         for module, tensor in tensors.items():
             hist = histogram.Histogram(tensor.device)
             hist.add(tensor)
-            (host,), _ = histogram.gather([hist])
+            host = hist.host()
             key = RecordKey(KIND_BACKWARD, module, "MulBackward0", "aten.mul.Tensor", 0, "float32",
                             module not in fixed)  # fmt: skip
             records[key] = host
-        builder.add_step(records, loss=1.0, loss_scale=loss_scale, seconds=0.0)
+        builder.add_step(
+            StepRecords.from_histograms(records), loss=1.0, loss_scale=loss_scale, seconds=0.0
+        )
     return builder.build({})

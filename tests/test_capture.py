@@ -19,6 +19,13 @@ from fpaudit.report import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE
 from .models import zoo
 
 
+@pytest.fixture(autouse=True, params=["backward only", "always on"])
+def _mode_activation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every capture test runs twice: with the dispatch mode active only while the
+    # engine runs (the default) and on for the whole context (the fallback).
+    monkeypatch.setattr(fpaudit.Audit, "backward_only", request.param == "backward only")
+
+
 def _audit(model: nn.Module, step_fn, steps: int = 1) -> pd.DataFrame:
     with fpaudit.audit(model) as audit:
         for _ in range(steps):
@@ -215,14 +222,29 @@ def _hook_counts(model: nn.Module) -> int:
 def test_hooks_and_mode_are_removed_when_the_body_raises() -> None:
     model = zoo.MLP()
     before = _hook_counts(model)
+    engine_entry = torch.autograd._engine_run_backward
     with pytest.raises(RuntimeError, match="boom"), fpaudit.audit(model):
         assert _hook_counts(model) > before
-        assert _get_current_dispatch_mode() is not None
+        if fpaudit.Audit.backward_only:
+            assert torch.autograd._engine_run_backward is not engine_entry
+            assert _get_current_dispatch_mode() is None  # forward runs without it
+        else:
+            assert _get_current_dispatch_mode() is not None
         model(torch.randn(2, 6)).sum().backward()
         raise RuntimeError("boom")
     assert _hook_counts(model) == before
     assert _get_current_dispatch_mode() is None
+    assert torch.autograd._engine_run_backward is engine_entry
     assert model.fc1._forward_hooks_always_called == {}
+
+
+def test_torch_autograd_grad_is_captured_too() -> None:
+    model = zoo.MLP()
+    with fpaudit.audit(model) as audit:
+        loss = model(torch.randn(3, 6)).sum()
+        torch.autograd.grad(loss, list(model.parameters()))
+        audit.step()
+    assert {"fc1", "act", "fc2"} <= set(audit.report.records["module"])
 
 
 def test_hooks_removed_when_forward_raises_inside() -> None:
@@ -265,3 +287,39 @@ def test_loss_outside_the_model_is_the_loss_pseudo_module() -> None:
     records = _audit(model, lambda: F.cross_entropy(model(torch.randn(2, 6)), labels))
     loss_ops = set(records.loc[records["module"] == LOSS_MODULE, "op"])
     assert "aten.nll_loss_backward.default" in loss_ops
+
+
+def test_selection_globs() -> None:
+    selection = fpaudit.Selection(
+        modules=("blocks.*",), exclude_modules=("*.ln*",), ops=("aten.mm.*",)
+    )
+    assert selection.accepts(KIND_BACKWARD, "blocks.0.attn", "aten.mm.default")
+    assert not selection.accepts(KIND_BACKWARD, "blocks.0.ln1", "aten.mm.default")  # excluded
+    assert not selection.accepts(KIND_BACKWARD, "head", "aten.mm.default")  # not included
+    assert not selection.accepts(KIND_BACKWARD, "blocks.0.attn", "aten.sum.dim_IntList")
+    assert selection.accepts(KIND_GRAD, "blocks.0.attn", "weight")  # op patterns skip grads
+    assert fpaudit.Selection().accepts(KIND_BACKWARD, LOSS_MODULE, "anything")
+
+
+def test_selection_limits_what_is_recorded() -> None:
+    model = zoo.MLP()
+    selection = fpaudit.Selection(exclude_modules=(LOSS_MODULE, "fc1"), ops=("aten.mm.*",))
+    with fpaudit.audit(model, selection=selection) as audit:
+        model(torch.randn(4, 6)).pow(2).sum().backward()
+        audit.step()
+    records = audit.report.records
+    backward = records[records["kind"] == KIND_BACKWARD]
+    assert set(backward["module"]) == {"fc2"} and set(backward["op"]) == {"aten.mm.default"}
+    assert set(records.loc[records["kind"] == KIND_GRAD, "module"]) == {"fc2"}
+
+
+def test_step_index_numbers_captured_steps() -> None:
+    model = zoo.MLP()
+    audit = fpaudit.audit(model)
+    for index in (0, 4, 8):
+        with audit:
+            model(torch.randn(2, 6)).sum().backward()
+            assert audit.step(index=index).step == index
+    assert list(audit.report.steps["step"]) == [0, 4, 8]
+    with pytest.raises(ValueError, match="does not follow"), audit:
+        audit.step(index=8)

@@ -327,3 +327,38 @@ def test_non_finite_loss_is_reported_as_a_forward_problem(cli, tmp_path: Path) -
     assert "non-finite loss" in result.stdout
     show = json.loads(cli("show", tmp_path / "r", "--json").stdout)
     assert all(row["overflow"] == 0 and row["nonfinite"] == 0 for row in show)
+
+
+def test_scan_every_and_selection(cli, tmp_path: Path) -> None:
+    import pandas as pd
+
+    out = tmp_path / "r"
+    result = cli("scan", SAMPLES / "mlp.py", "--steps", "7", "--every", "3", "--out", out,
+                 "--exclude-module", "<loss>", "--op", "aten.mm.*")  # fmt: skip
+    assert result.code == 0, result.stderr
+    assert "Scanned 7 step(s), captured 3" in result.stdout
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert list(steps["step"]) == [0, 3, 6] and steps["optimizer_step"].all()
+    records = pd.read_parquet(out / "records.parquet")
+    backward = records[records["kind"] == "backward"]
+    assert set(backward["op"]) == {"aten.mm.default"} and "<loss>" not in set(records["module"])
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["every"] == 3 and meta["steps_run"] == 7
+    assert meta["selection"] == {"exclude_modules": ["<loss>"], "ops": ["aten.mm.*"]}
+
+
+def test_every_and_patterns_from_config(cli, tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[scan]\nevery = 2\nmodule = "0"\nexclude-op = ["aten.sum.*"]\n')
+    out = tmp_path / "r"
+    assert (
+        cli("scan", SAMPLES / "mlp.py", "--steps", "3", "--config", config, "--out", out).code == 0
+    )
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["every"] == 2 and meta["selection"] == {
+        "modules": ["0"],
+        "exclude_ops": ["aten.sum.*"],
+    }
+    assert "--every must be at least 1" in one_error_line(
+        cli("scan", SAMPLES / "mlp.py", "--every", "0", "--out", out)
+    )

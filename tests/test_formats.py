@@ -8,11 +8,22 @@ import pytest
 import torch
 
 from fpaudit.errors import UsageError
-from fpaudit.formats import FORMATS, Fate, fate, get_format
+from fpaudit.formats import FORMATS, FP32, Fate, Format, fate, get_format
 
 
 def test_spellings_are_exactly_the_cli_ones() -> None:
     assert list(FORMATS) == ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"]
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp8_e4m3fn", torch.float8_e4m3fn),
+     ("fp8_e5m2", torch.float8_e5m2), ("fp32", torch.float32)],
+)  # fmt: skip
+def test_the_written_out_formats_are_torch_finfo(name: str, dtype: torch.dtype) -> None:
+    written = FP32 if name == "fp32" else FORMATS[name]
+    assert Format.from_dtype(name, dtype, written.overflow_result) == written
+    assert written.dtype is dtype
 
 
 # (mantissa bits, log2 smallest normal, smallest subnormal, round-to-zero edge,

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fpaudit import histogram as H
+from fpaudit import kernels
 from fpaudit.formats import FORMATS, fate
 
 from .oracle import edge_values
@@ -83,15 +84,26 @@ def test_fate_is_constant_within_every_class() -> None:
 
 
 def _all_paths(x: torch.Tensor) -> list[np.ndarray]:
-    """Dense counts from the reference, the CPU path and the no-sync device path."""
+    """Dense counts from the reference, the compiled kernel, the pure-torch CPU path and
+    the no-sync device path (the one CUDA takes, run on the CPU)."""
     reference = torch.bincount(H.bin_indices(x), minlength=H.N_BINS).numpy()
-    cpu = H.Histogram(torch.device("cpu"))
-    cpu.add(x)
-    device = H.Histogram(torch.device("cpu"))
-    device._add_device(x)  # the code path CUDA takes, run on the CPU
-    (cpu_host, device_host), _ = H.gather([cpu, device])
-    assert cpu_host.amax == device_host.amax
-    return [reference, cpu_host.counts, device_host.counts]
+    table = H.HistogramTable(torch.device("cpu"), capacity=1)  # also exercises growing
+    kernel, fallback, device = (table.new_row() for _ in range(3))
+    table.add(kernel, x)
+    table._add_cpu_torch(fallback, x)
+    table._add_device(device, x)
+    rows, _ = table.collect()
+    hosts = [H.HostHistogram.from_row(rows[r], 1) for r in (kernel, fallback, device)]
+    assert len({h.amax for h in hosts}) == 1
+    return [reference, *(h.counts for h in hosts)]
+
+
+def test_the_compiled_kernel_builds_here() -> None:
+    # This machine kind has a C++ compiler: a broken build must fail the suite, not
+    # silently fall back to the 17x slower path.
+    if kernels.mode() == "torch":
+        pytest.skip("FPAUDIT_KERNEL=torch")
+    assert kernels.cpu_kernel() is not None, kernels.failure()
 
 
 def _exact_amax(x: torch.Tensor) -> float:
@@ -101,31 +113,29 @@ def _exact_amax(x: torch.Tensor) -> float:
 
 def test_paths_agree_on_edge_values() -> None:
     x = edge_values()
-    reference, cpu, device = _all_paths(x)
-    assert np.array_equal(reference, cpu)
-    assert np.array_equal(reference, device)
+    reference, *others = _all_paths(x)
+    assert all(np.array_equal(reference, other) for other in others)
     assert reference.sum() == x.numel()
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=300))
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=5000))
 def test_paths_agree_on_arbitrary_bit_patterns(patterns: list[int]) -> None:
     x = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
-    reference, cpu, device = _all_paths(x)
-    assert np.array_equal(reference, cpu)
-    assert np.array_equal(reference, device)
+    reference, *others = _all_paths(x)
+    assert all(np.array_equal(reference, other) for other in others)
 
 
 def test_amax_is_exact_and_ignores_non_finite() -> None:
     x = torch.tensor([-3.5, 2.0**-149, float("inf"), float("nan"), -0.0], dtype=torch.float32)
     hist = H.Histogram(torch.device("cpu"))
     hist.add(x)
-    (host,), _ = H.gather([hist])
+    host = hist.host()
     assert host.amax == 3.5
     subnormal_only = torch.tensor([2.0**-149, -(2.0**-140)], dtype=torch.float32)
     hist = H.Histogram(torch.device("cpu"))
     hist.add(subnormal_only)
-    (host,), _ = H.gather([hist])
+    host = hist.host()
     assert host.amax == 2.0**-140
 
 
@@ -134,7 +144,7 @@ def test_other_dtypes_are_binned_as_their_fp32_values(dtype: torch.dtype) -> Non
     x = (torch.randn(1000) * 10).to(dtype)
     hist = H.Histogram(torch.device("cpu"))
     hist.add(x)
-    (host,), _ = H.gather([hist])
+    host = hist.host()
     expected = torch.bincount(H.bin_indices(x.float()), minlength=H.N_BINS).numpy()
     assert np.array_equal(host.counts, expected)
     assert host.amax == _exact_amax(x.float())
@@ -146,15 +156,41 @@ def test_accumulates_and_counts_calls() -> None:
     hist.add(x)
     hist.add(x)
     hist.add(torch.empty(0))
-    (host,), _ = H.gather([hist])
+    host = hist.host()
     assert host.elements == 200  # the empty tensor adds a call, no values
     assert host.calls == 3
 
 
-def test_gather_brings_scalars_in_the_same_transfer() -> None:
-    a, b = H.Histogram(torch.device("cpu")), H.Histogram(torch.device("cpu"))
-    a.add(torch.tensor([1.0, 2.0]))
-    b.add(torch.tensor([-8.0]))
-    hosts, scalars = H.gather([a, b], (torch.tensor(float("nan")), torch.tensor(-2.5)))
-    assert [h.amax for h in hosts] == [2.0, 8.0]
+def test_table_collects_rows_and_scalars_in_one_transfer_and_resets() -> None:
+    table = H.HistogramTable(torch.device("cpu"), capacity=1)
+    a, b = table.new_row(), table.new_row()
+    table.add(a, torch.tensor([1.0, 2.0]))
+    table.add(b, torch.tensor([-8.0]))
+    rows, scalars = table.collect((torch.tensor(float("nan")), torch.tensor(-2.5)))
+    assert [H.HostHistogram.from_row(rows[r], 1).amax for r in (a, b)] == [2.0, 8.0]
     assert np.isnan(scalars[0]) and scalars[1] == -2.5
+    assert table.calls == [1, 1]
+    table.reset()
+    rows, _ = table.collect()
+    assert not rows.any() and table.calls == [0, 0]
+
+
+@pytest.mark.parametrize("size", [1, 3, 4, 5, 2047, 2048, 2049, 70_000, 300_001])
+def test_paths_agree_across_block_and_thread_boundaries(size: int) -> None:
+    # The kernel works in blocks of 2048 values, 4 counter copies and chunks per thread.
+    generator = torch.Generator().manual_seed(size)
+    patterns = torch.randint(-(2**31), 2**31 - 1, (size,), generator=generator, dtype=torch.int64)
+    x = patterns.to(torch.int32).view(torch.float32)
+    x[::7] = torch.randn(len(x[::7]), generator=generator) * 1e-40  # plenty of subnormals
+    reference, *others = _all_paths(x)
+    assert all(np.array_equal(reference, other) for other in others)
+
+
+def test_non_contiguous_and_other_dtypes_through_the_kernel() -> None:
+    x = torch.randn(64, 64)
+    for tensor in (x.t(), x[:, ::3], x.half(), x.bfloat16(), x.double()):
+        hist = H.Histogram(torch.device("cpu"))
+        hist.add(tensor)
+        host = hist.host()
+        expected = torch.bincount(H.bin_indices(tensor.float()), minlength=H.N_BINS).numpy()
+        assert np.array_equal(host.counts, expected)

@@ -1,0 +1,178 @@
+// fpaudit's CPU histogram kernel: one pass over fp32 values, exact bins, finite amax.
+//
+// The bin layout is the one of fpaudit/histogram.py (zero, 277 binades x 8
+// mantissa classes, inf, NaN); the class bounds come from Python so there is a
+// single source of truth. Results are identical to histogram.bin_indices (the
+// pure-torch reference), which the tests check on edge values and random bit
+// patterns.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+constexpr int kClasses = 8;
+constexpr int64_t kBinades = 277;
+constexpr uint32_t kZero = 0;
+constexpr uint32_t kFirstFinite = 1;
+constexpr uint32_t kInf = kFirstFinite + kBinades * kClasses;
+constexpr uint32_t kNan = kInf + 1;
+constexpr uint32_t kBins = kNan + 1;
+// Raw bins of unnormalised subnormals (exponent field 0, fraction class 1..7).
+constexpr uint32_t kRawSubnormalFirst = kFirstFinite + 22 * kClasses + 1;
+// Several copies of the counters: consecutive values usually hit the same bin,
+// and one counter would make every increment wait for the previous one.
+constexpr int kCopies = 4;
+constexpr int kBlock = 2048;
+
+struct Bounds {
+  uint32_t b1, b2, b3, b4, b5, b6, b7;  // class lower bounds 1..7 (class 0 starts at 0)
+};
+
+// Pass 1, branch-free so the compiler vectorises it: the bin of every value, with
+// zero, inf and NaN chosen by selects and subnormals left in their raw bins.
+// Returns the block's largest finite bit pattern; counts the subnormals and
+// reports the range of nonzero bins used (only that range, and the zero bin, is
+// merged and cleared).
+struct BlockSummary {
+  uint32_t largest;
+  uint32_t subnormals;
+  uint32_t low;
+  uint32_t high;
+};
+
+__attribute__((target_clones("avx2", "default")))
+BlockSummary block_bins(const uint32_t* __restrict data, uint32_t* __restrict bins, int count,
+                        const Bounds& bounds) {
+  const uint32_t b1 = bounds.b1, b2 = bounds.b2, b3 = bounds.b3, b4 = bounds.b4;
+  const uint32_t b5 = bounds.b5, b6 = bounds.b6, b7 = bounds.b7;
+  // A signed max: GCC vectorises it, not the unsigned one. Finite |x| bits are < 2**31.
+  int32_t largest = 0;
+  uint32_t subnormals = 0;
+  int32_t low = int32_t(kBins), high = 0;  // signed min/max: vectorised, bins < 2**31
+  for (int j = 0; j < count; ++j) {
+    const uint32_t bits = data[j] & 0x7FFFFFFFu;
+    const uint32_t fraction = bits & 0x7FFFFFu;
+    const uint32_t cls = uint32_t(fraction >= b1) + uint32_t(fraction >= b2) +
+                         uint32_t(fraction >= b3) + uint32_t(fraction >= b4) +
+                         uint32_t(fraction >= b5) + uint32_t(fraction >= b6) +
+                         uint32_t(fraction >= b7);
+    // binade - (-149) = exponent - 127 + 149 for normal numbers; exponent 255 lands on
+    // kInf + cls, and min() folds NaN's classes 1..7 onto kNan.
+    uint32_t bin = kFirstFinite + ((bits >> 23) + 22) * kClasses + cls;
+    bin = std::min(bin, kNan);
+    bins[j] = bits == 0 ? kZero : bin;
+    // The reductions read bin from before the zero select (GCC vectorises only that
+    // form); zero's bin 0 is always merged separately, its raw bin is 177.
+    subnormals += uint32_t(bin - kRawSubnormalFirst < kClasses - 1);
+    low = std::min(low, int32_t(bin));
+    high = std::max(high, int32_t(bin));
+    const int32_t finite = bits < 0x7F800000u ? int32_t(bits) : 0;
+    largest = std::max(largest, finite);
+  }
+  return BlockSummary{uint32_t(largest), subnormals, uint32_t(low), uint32_t(high)};
+}
+
+uint32_t subnormal_bin(uint32_t bits, const Bounds& b) {
+  const uint32_t fraction = bits & 0x7FFFFFu;
+  const int top = 31 - __builtin_clz(fraction);  // binade - (-149)
+  const uint32_t g = (fraction << (23 - top)) & 0x7FFFFFu;
+  const uint32_t cls = (g >= b.b1) + (g >= b.b2) + (g >= b.b3) + (g >= b.b4) + (g >= b.b5) +
+                       (g >= b.b6) + (g >= b.b7);
+  return kFirstFinite + uint32_t(top) * kClasses + cls;
+}
+
+}  // namespace
+
+// Adds the values of the contiguous fp32 CPU tensor x to row `row` of `table` (int64,
+// rows x (kBins + 1)): columns 0..kBins-1 are the counts, column kBins the bit
+// pattern of the largest finite |x| seen, raised here if x has a larger one.
+void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
+                   const std::vector<int64_t>& class_bounds) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "histogram_add needs a contiguous float32 CPU tensor");
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == torch::kInt64 && table.dim() == 2 &&
+                  table.size(1) == kBins + 1 && table.is_contiguous(),
+              "table must be a contiguous int64 CPU tensor of shape [rows, ", kBins + 1, "]");
+  TORCH_CHECK(row >= 0 && row < table.size(0), "row ", row, " out of range");
+  TORCH_CHECK(class_bounds.size() == kClasses && class_bounds[0] == 0, "expected ", kClasses, " class bounds");
+  const Bounds bounds{uint32_t(class_bounds[1]), uint32_t(class_bounds[2]), uint32_t(class_bounds[3]),
+                      uint32_t(class_bounds[4]), uint32_t(class_bounds[5]), uint32_t(class_bounds[6]),
+                      uint32_t(class_bounds[7])};
+
+  const auto* data = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+  int64_t* total = table.data_ptr<int64_t>() + row * (int64_t(kBins) + 1);
+  int64_t* amax_out = total + kBins;
+  std::mutex merge;
+  const int64_t n = x.numel();
+  const int64_t grain = std::max<int64_t>(int64_t(1) << 16, (n + at::get_num_threads() - 1) / at::get_num_threads());
+
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    // Counter copies live per thread across calls; only the range of bins a call
+    // touched is merged and cleared, so small tensors cost little. uint32 counters
+    // are flushed into int64 ones long before they could overflow.
+    thread_local std::vector<uint32_t> local(size_t(kCopies) * kBins, 0u);
+    thread_local std::vector<int64_t> wide(kBins, 0);
+    std::array<uint32_t, kBlock> bins{};
+    uint32_t largest = 0, low = kBins, high = 0;
+    int64_t since_flush = 0;
+    auto flush = [&]() {
+      for (int c = 0; c < kCopies; ++c) {
+        uint32_t* counters = local.data() + size_t(c) * kBins;
+        wide[kZero] += counters[kZero];
+        counters[kZero] = 0;
+        for (uint32_t b = low; b <= high; ++b) {
+          wide[b] += counters[b];
+          counters[b] = 0;
+        }
+      }
+    };
+    for (int64_t start = begin; start < end; start += kBlock) {
+      const int count = int(std::min<int64_t>(kBlock, end - start));
+      BlockSummary block = block_bins(data + start, bins.data(), count, bounds);
+      largest = std::max(largest, block.largest);
+      if (__builtin_expect(block.subnormals != 0, 0)) {  // rare: normalise them in place
+        for (int j = 0; j < count; ++j) {
+          if (bins[size_t(j)] - kRawSubnormalFirst < kClasses - 1) {
+            bins[size_t(j)] = subnormal_bin(data[start + j], bounds);
+            block.low = std::min(block.low, bins[size_t(j)]);
+            block.high = std::max(block.high, bins[size_t(j)]);
+          }
+        }
+      }
+      low = std::min(low, block.low);
+      high = std::max(high, block.high);
+      // Pass 2: scatter into the counter copies.
+      int j = 0;
+      for (; j + kCopies <= count; j += kCopies) {
+        for (int c = 0; c < kCopies; ++c) ++local[size_t(c) * kBins + bins[size_t(j + c)]];
+      }
+      for (; j < count; ++j) ++local[bins[size_t(j)]];
+      since_flush += count;
+      if (since_flush >= (int64_t(1) << 30)) {
+        flush();
+        since_flush = 0;
+      }
+    }
+    flush();
+    std::lock_guard<std::mutex> guard(merge);
+    total[kZero] += wide[kZero];
+    wide[kZero] = 0;
+    for (uint32_t b = low; b <= high; ++b) {
+      total[b] += wide[b];
+      wide[b] = 0;
+    }
+    *amax_out = std::max<int64_t>(*amax_out, int64_t(largest));
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("histogram_add", &histogram_add, "Exact fp32 magnitude histogram (fpaudit layout)");
+}

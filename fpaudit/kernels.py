@@ -1,0 +1,94 @@
+"""The compiled CPU histogram kernel: built once per machine and torch version, then cached.
+
+``_histogram_kernel.cpp`` bins fp32 values in one pass (about 20x faster than
+the pure-torch path on 2 cores). It is compiled with
+``torch.utils.cpp_extension`` the first time it is needed (about a minute,
+needs a C++ compiler) and cached in torch's extension directory
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+
+``FPAUDIT_KERNEL`` chooses: ``auto`` (default: the kernel when it builds,
+otherwise the pure-torch path), ``cpp`` (the kernel or an error) or ``torch``
+(always the pure-torch path). Both paths give identical results; the tests
+prove it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from fpaudit.errors import UsageError
+
+ENV = "FPAUDIT_KERNEL"
+MODES = ("auto", "cpp", "torch")
+SOURCE = Path(__file__).with_name("_histogram_kernel.cpp")
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failure: str | None = None
+
+
+def mode() -> str:
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise UsageError(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
+    return value
+
+
+def _name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    return f"fpaudit_histogram_{digest}"
+
+
+def is_built() -> bool:
+    """True when the kernel is loaded or its cached build exists (no compile needed)."""
+    if _module is not None:
+        return True
+    from torch.utils.cpp_extension import _get_build_directory
+
+    directory = Path(_get_build_directory(_name(), verbose=False))
+    return any(directory.glob(f"{_name()}*.so"))
+
+
+def failure() -> str | None:
+    """Why the kernel could not be built, if it could not."""
+    return _failure
+
+
+def cpu_kernel(on_build: Callable[[], None] | None = None) -> ModuleType | None:
+    """The compiled kernel, or None when the pure-torch path is to be used.
+
+    ``on_build`` is called before a compile starts (so a CLI can say why it waits).
+    """
+    global _module, _failure
+    chosen = mode()
+    if chosen == "torch":
+        return None
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None and _failure is None:
+            if on_build is not None and not is_built():
+                on_build()
+            try:
+                from torch.utils.cpp_extension import load
+
+                _module = load(
+                    name=_name(),
+                    sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
+            except Exception as error:  # no compiler, no headers, ...
+                lines = str(error).strip().splitlines()
+                _failure = lines[-1] if lines else type(error).__name__
+    if _module is None and chosen == "cpp":
+        raise UsageError(f"{ENV}=cpp but the CPU histogram kernel could not be built: {_failure}")
+    return _module
