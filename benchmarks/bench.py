@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "--json", type=Path, default=ROOT / "benchmarks" / "results" / "latest.json"
     )
     parser.add_argument("--memory-child", choices=["plain", "fpaudit"], help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
         memory_child(args.memory_child, args.steps, args.quick)

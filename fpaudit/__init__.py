@@ -10,7 +10,7 @@ The library API the CLI is built on::
             loss.backward()
             audit.step(loss=loss)
     report = audit.report
-    print(fpaudit.recommend(report, "fp16").scale)
+    print(fpaudit.recommend(report, "fp16").scale)   # a format name or a Format
     report.write("my-report")
 """
 
@@ -18,28 +18,50 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from fpaudit.analysis import Scope, module_table, range_loss
-from fpaudit.formats import FORMATS, Fate, Format, get_format
-from fpaudit.gate import GateResult, gate
-from fpaudit.recommend import Recommendation, recommend
-from fpaudit.report import LOSS_MODULE, Report
-
 if TYPE_CHECKING:
+    from fpaudit.analysis import Scope, module_table, range_loss
     from fpaudit.capture import Audit, Selection, audit
+    from fpaudit.formats import FORMATS, Fate, Format, get_format
+    from fpaudit.gate import GateResult, gate
+    from fpaudit.recommend import Recommendation, recommend
+    from fpaudit.records import LOSS_MODULE
+    from fpaudit.report import Report
 
-# Capturing needs torch; reading a report does not. Import torch only when a
-# capture name is first used, so `fpaudit show/recommend/gate` start fast.
-_CAPTURE_NAMES = ("Audit", "Selection", "audit")
+# Names load on first use: capturing needs torch but not pandas or pyarrow
+# (about 70 MB a training process need not carry); reading a report needs
+# pandas and pyarrow but not torch (1.6 s of start-up).
+_WHERE = {
+    "Scope": "analysis",
+    "module_table": "analysis",
+    "range_loss": "analysis",
+    "Audit": "capture",
+    "Selection": "capture",
+    "audit": "capture",
+    "FORMATS": "formats",
+    "Fate": "formats",
+    "Format": "formats",
+    "get_format": "formats",
+    "GateResult": "gate",
+    "gate": "gate",
+    "Recommendation": "recommend",
+    "recommend": "recommend",
+    "LOSS_MODULE": "records",
+    "Report": "report",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _CAPTURE_NAMES:
-        from fpaudit import capture
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fpaudit' has no attribute {name!r}")
+    return getattr(import_module(f"fpaudit.{module}"), name)
 
-        return getattr(capture, name)
-    raise AttributeError(f"module 'fpaudit' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
 
 
 __all__ = [

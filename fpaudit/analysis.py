@@ -34,8 +34,9 @@ import numpy as np
 import pandas as pd
 
 from fpaudit import layout
-from fpaudit.formats import Fate, Format, fate
-from fpaudit.report import KIND_BACKWARD, LOSS_MODULE, Report
+from fpaudit.formats import Fate, Format, as_format, fate
+from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
+from fpaudit.report import Report
 
 # Below _T_MIN every value underflows, above _T_MAX every value overflows, for
 # every format (bf16's round-to-zero edge is 2**-134; fp32 overflows at 2**128).
@@ -247,32 +248,27 @@ def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("modul
     all_counts = bins["count"].to_numpy()
     scaled_cells = n_groups * _N_UNSCALED * layout.N_CLASSES
     fixed_cells = n_groups * layout.N_BINADES * layout.N_CLASSES
-    scaled = np.zeros(scaled_cells)
-    fixed = np.zeros(fixed_cells)
-    # Per record: the offset of its group's block, and its shift to unscaled units.
-    scaled_base = np.where(
-        group_of_record >= 0,
-        (group_of_record * _N_UNSCALED - log2_loss_scale - _UNSCALED_MIN) * layout.N_CLASSES,
-        -1,
+    # One index space: the scaled cube, then the fixed one. Per record, the offset
+    # of its cell block, with its shift to unscaled units folded in; -1 out of scope.
+    scaled_base = (
+        group_of_record * _N_UNSCALED - log2_loss_scale - _UNSCALED_MIN
+    ) * layout.N_CLASSES
+    fixed_base = (
+        scaled_cells + (group_of_record * layout.N_BINADES - layout.BINADE_MIN) * layout.N_CLASSES
     )
-    fixed_base = np.where(
-        group_of_record >= 0,
-        (group_of_record * layout.N_BINADES - layout.BINADE_MIN) * layout.N_CLASSES,
-        -1,
-    )
-    base = np.where(scales, scaled_base, fixed_base)
+    base = np.where(group_of_record >= 0, np.where(scales, scaled_base, fixed_base), -1)
+    cells = np.zeros(scaled_cells + fixed_cells)
     chunk = 1 << 20
     for start in range(0, len(all_records), chunk):
-        record = all_records[start : start + chunk]
-        offset = base[record]
-        index = offset + all_binades[start : start + chunk] * layout.N_CLASSES
+        offset = base[all_records[start : start + chunk]]
+        index = offset + all_binades[start : start + chunk] * layout.N_CLASSES  # int64
         index += all_classes[start : start + chunk]
         weight = all_counts[start : start + chunk].astype(np.float64)  # exact below 2**53
-        keep = offset >= 0
-        to_scaled = keep & scales[record]
-        to_fixed = keep & ~scales[record]
-        scaled += np.bincount(index[to_scaled], weights=weight[to_scaled], minlength=scaled_cells)
-        fixed += np.bincount(index[to_fixed], weights=weight[to_fixed], minlength=fixed_cells)
+        if (offset < 0).any():  # out-of-scope records (the <loss> pseudo-module, grads)
+            keep = offset >= 0
+            index, weight = index[keep], weight[keep]
+        cells += np.bincount(index, weights=weight, minlength=len(cells))
+    scaled, fixed = cells[:scaled_cells], cells[scaled_cells:]
     result = Condensed(
         groups,
         scaled.astype(np.int64).reshape(n_groups, _N_UNSCALED, layout.N_CLASSES),
@@ -293,7 +289,7 @@ def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("modul
 
 def range_loss(
     report: Report,
-    fmt: Format,
+    fmt: Format | str,
     log2_scale: int,
     *,
     scope: Scope = Scope(),
@@ -305,7 +301,7 @@ def range_loss(
     module order when grouped by module. ``amax`` is the finite amax in unscaled
     units (at loss scale 1).
     """
-    return condense(report, scope, by).at(fmt, log2_scale)
+    return condense(report, scope, by).at(as_format(fmt), log2_scale)
 
 
 def totals(

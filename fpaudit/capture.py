@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -52,16 +52,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fpaudit import histogram
-from fpaudit.report import (
+from fpaudit.records import (
     KIND_BACKWARD,
     KIND_GRAD,
     LOSS_MODULE,
     RecordKey,
-    Report,
     ReportBuilder,
     StepRecords,
-    run_metadata,
 )
+
+if TYPE_CHECKING:
+    from fpaudit.report import Report
 
 _ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes have no sequence number
 
@@ -542,6 +543,8 @@ class Audit:
     @property
     def report(self) -> Report:
         """Everything recorded so far, as a :class:`~fpaudit.report.Report`."""
+        from fpaudit.report import run_metadata  # pandas and pyarrow: only once a report is built
+
         return self._builder.build(run_metadata(self.model))
 
 

@@ -11,16 +11,21 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from fpaudit import __version__, analysis, config, render
+from fpaudit import __version__, config, render
 from fpaudit.errors import FpauditError, UsageError
 from fpaudit.formats import FORMATS, Format, get_format
-from fpaudit.gate import gate as run_gate
-from fpaudit.recommend import DEFAULT_HEADROOM_BITS, recommend
-from fpaudit.report import KIND_BACKWARD, KIND_GRAD, Report
+from fpaudit.records import KIND_BACKWARD, KIND_GRAD
+
+if TYPE_CHECKING:
+    from fpaudit.report import Report
+
+# The analysis and report modules are imported inside the commands: pandas and
+# pyarrow are not needed while `scan` trains, and torch not to read a report.
+DEFAULT_HEADROOM_BITS = config.DEFAULT_HEADROOM_BITS
 
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1
@@ -247,6 +252,9 @@ def scan_command(
     }
     with render.step_progress(scan_options.steps) as advance:
         report = scan(model_file, scan_options, on_step=advance, meta=meta)
+    from fpaudit import analysis
+    from fpaudit.recommend import recommend
+
     report.write(out_path, force=options["force"])
     forward_problems = int((~report.steps["loss_finite"]).sum())
     for fmt in formats:
@@ -300,6 +308,10 @@ def show_command(
 
     Example: fpaudit show report --format fp16 --scale 2^12 --top 5
     """
+    from fpaudit import analysis
+    from fpaudit.recommend import recommend
+    from fpaudit.report import Report
+
     options = _merge(
         "show", config_file,
         dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output),
@@ -357,6 +369,9 @@ def recommend_command(
 
     Example: fpaudit recommend report --format fp16 --headroom-bits 4 --json
     """
+    from fpaudit.recommend import recommend
+    from fpaudit.report import Report
+
     options = _merge(
         "recommend", config_file,
         dict(format=format_, headroom_bits=headroom_bits, include_loss=include_loss,
@@ -407,6 +422,9 @@ def gate_command(
 
     Example: fpaudit gate report --max-underflow 0.001 --format fp16 --per-module
     """
+    from fpaudit.gate import gate as run_gate
+    from fpaudit.report import Report
+
     options = _merge(
         "gate", config_file,
         dict(max_underflow=max_underflow, format=format_, scale=scale, per_module=per_module,

@@ -17,6 +17,8 @@ from typing import Any
 
 from fpaudit.errors import ConfigError, UsageError
 
+DEFAULT_HEADROOM_BITS = 4  # binades kept free below a format's max, as PopART's 1/16 bin edge
+
 # A loss scale is an fp32 number: keep it a normal one.
 LOG2_SCALE_MIN = -126
 LOG2_SCALE_MAX = 127

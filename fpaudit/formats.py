@@ -154,6 +154,11 @@ def get_format(name: str) -> Format:
         raise UsageError(f"unknown format {name!r}; known: {known}") from None
 
 
+def as_format(fmt: Format | str) -> Format:
+    """A Format, given one or its name."""
+    return fmt if isinstance(fmt, Format) else get_format(fmt)
+
+
 def fate(fmt: Format, binade: int, fraction: int) -> Fate:
     """Where ``(x * S).to(fmt.dtype)`` lands, for ``|x * S| = (1 + fraction/2**23) * 2**binade``.
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fpaudit import analysis
-from fpaudit.formats import Format
+from fpaudit.formats import Format, as_format
 from fpaudit.recommend import DEFAULT_HEADROOM_BITS, recommend
 from fpaudit.report import Report
 
@@ -39,7 +39,7 @@ class GateResult:
 
 def gate(
     report: Report,
-    fmt: Format,
+    fmt: Format | str,
     max_underflow: float,
     *,
     log2_scale: int | None = None,
@@ -48,6 +48,7 @@ def gate(
     include_loss: bool = False,
 ) -> GateResult:
     """Judge ``report`` at ``2**log2_scale`` (default: the recommended scale)."""
+    fmt = as_format(fmt)
     if not 0.0 <= max_underflow <= 1.0:
         raise ValueError("max_underflow must be a fraction between 0 and 1")
     scale_source = "given"

@@ -17,13 +17,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fpaudit import analysis
-from fpaudit.formats import Format
+from fpaudit import analysis, config
+from fpaudit.formats import Format, as_format
 from fpaudit.report import Report
 
-LOG2_SCALE_MIN = -126
-LOG2_SCALE_MAX = 127
-DEFAULT_HEADROOM_BITS = 4
+LOG2_SCALE_MIN = config.LOG2_SCALE_MIN
+LOG2_SCALE_MAX = config.LOG2_SCALE_MAX
+DEFAULT_HEADROOM_BITS = config.DEFAULT_HEADROOM_BITS
 
 
 def largest_log2_scale(amax: float, limit: float) -> int:
@@ -58,12 +58,13 @@ class Recommendation:
 
 def recommend(
     report: Report,
-    fmt: Format,
+    fmt: Format | str,
     headroom_bits: int = DEFAULT_HEADROOM_BITS,
     *,
     include_loss: bool = False,
 ) -> Recommendation:
-    """Recommend a power-of-two static loss scale for ``fmt`` from ``report``."""
+    """Recommend a power-of-two static loss scale for ``fmt`` (a Format or its name)."""
+    fmt = as_format(fmt)
     if headroom_bits < 0:
         raise ValueError("headroom_bits must be >= 0")
     scope = analysis.Scope(include_loss=include_loss)

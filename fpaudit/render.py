@@ -10,16 +10,19 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fpaudit.formats import Format
-from fpaudit.gate import GateResult
-from fpaudit.recommend import Recommendation
 
 if TYPE_CHECKING:
+    from fpaudit.gate import GateResult
+    from fpaudit.recommend import Recommendation
+
+if TYPE_CHECKING:
+    import pandas as pd
+
     from fpaudit.scan import StepProgress
 
 ROOT_LABEL = "(root)"

@@ -26,14 +26,14 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import math
 import os
 import platform
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -42,38 +42,45 @@ import pyarrow.parquet as pq
 
 from fpaudit import layout
 from fpaudit.errors import ReportError
+from fpaudit.records import (
+    KIND_BACKWARD,
+    KIND_GRAD,
+    LOSS_MODULE,
+    RECORD_COLUMNS,
+    STEP_COLUMNS,
+    RecordKey,
+    ReportBuilder,
+    StepRecords,
+)
 
-if TYPE_CHECKING:
-    from fpaudit.histogram import HostHistogram
+__all__ = [
+    "BINS_SCHEMA",
+    "KIND_BACKWARD",
+    "KIND_GRAD",
+    "LOSS_MODULE",
+    "RECORDS_SCHEMA",
+    "SCHEMA_VERSION",
+    "STEPS_SCHEMA",
+    "RecordKey",
+    "Report",
+    "ReportBuilder",
+    "StepRecords",
+    "run_metadata",
+]
 
 SCHEMA_VERSION = 1
 META_FILE = "meta.json"
 
-KIND_BACKWARD = "backward"  # an output of an op that ran in backward
-KIND_GRAD = "grad"  # a parameter's final .grad, as a GradScaler sees it
-LOSS_MODULE = "<loss>"
-"""Pseudo-module for backward ops of nodes created outside every module of the model."""
-
-RECORDS_SCHEMA = pa.schema(
-    [
-        ("record_id", pa.int32()),
-        ("step", pa.int32()),
-        ("kind", pa.string()),
-        ("module", pa.string()),
-        ("node", pa.string()),
-        ("op", pa.string()),
-        ("output", pa.int16()),
-        ("dtype", pa.string()),
-        ("scales_with_loss", pa.bool_()),
-        ("calls", pa.int64()),
-        ("elements", pa.int64()),
-        ("zeros", pa.int64()),
-        ("infs", pa.int64()),
-        ("nans", pa.int64()),
-        ("amax", pa.float64()),
-        ("loss_scale", pa.float64()),
-    ]
-)
+_ARROW_TYPES = {
+    "int8": pa.int8(),
+    "int16": pa.int16(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
+    "string": pa.string(),
+}
+RECORDS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in RECORD_COLUMNS.items()])
 BINS_SCHEMA = pa.schema(
     [
         ("record_id", pa.int32()),
@@ -84,33 +91,9 @@ BINS_SCHEMA = pa.schema(
         ("count", pa.int64()),
     ]
 )
-STEPS_SCHEMA = pa.schema(
-    [
-        ("step", pa.int32()),
-        ("loss", pa.float64()),
-        ("loss_finite", pa.bool_()),
-        ("loss_scale", pa.float64()),
-        ("records", pa.int32()),
-        ("nonfinite_grads", pa.int64()),
-        ("optimizer_step", pa.bool_()),
-        ("seconds", pa.float64()),
-    ]
-)
+STEPS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in STEP_COLUMNS.items()])
 TABLES = {"records": RECORDS_SCHEMA, "bins": BINS_SCHEMA, "steps": STEPS_SCHEMA}
-# In memory, bins keep what analysis needs; lower and upper are derived from
-# (binade, cls) when a report is written, for users of the plain Parquet files.
-BIN_COLUMNS = ("record_id", "binade", "cls", "count")
 DERIVED_BIN_COLUMNS = ("lower", "upper")
-
-
-class RecordKey(NamedTuple):
-    kind: str
-    module: str
-    node: str
-    op: str
-    output: int
-    dtype: str
-    scales_with_loss: bool
 
 
 def histogram_layout() -> dict[str, Any]:
@@ -347,132 +330,8 @@ def _check_consistency(report: Report, root: Path) -> None:
         )
 
 
-@dataclass
-class StepRecords:
-    """The records of one closed step: keys and, row for row, their histograms."""
-
-    keys: list[RecordKey]
-    counts: np.ndarray  # int64 [records, layout.N_BINS]
-    amax: np.ndarray  # float64 [records], finite amax as recorded
-    calls: np.ndarray  # int64 [records], tensors added
-
-    @classmethod
-    def from_histograms(cls, records: dict[RecordKey, HostHistogram]) -> StepRecords:
-        hosts = list(records.values())
-        return cls(
-            keys=list(records),
-            counts=np.array([h.counts for h in hosts], dtype=np.int64).reshape(-1, layout.N_BINS),
-            amax=np.array([h.amax for h in hosts], dtype=np.float64),
-            calls=np.array([h.calls for h in hosts], dtype=np.int64),
-        )
-
-    def nonfinite(self, kind: str) -> int:
-        """inf and NaN elements in the records of ``kind``."""
-        mask = np.array([key.kind == kind for key in self.keys], dtype=bool)
-        special = self.counts[:, layout.INF_BIN] + self.counts[:, layout.NAN_BIN]
-        return int(special[mask].sum()) if len(mask) else 0
-
-
-class ReportBuilder:
-    """Collects closed steps and turns them into a :class:`Report`."""
-
-    def __init__(self, modules: list[str]) -> None:
-        self.modules = modules
-        self._records: dict[str, list[np.ndarray]] = {name: [] for name in RECORDS_SCHEMA.names}
-        self._bins: dict[str, list[np.ndarray]] = {"record_id": [], "offset": [], "count": []}
-        self._steps: dict[str, list[Any]] = {name: [] for name in STEPS_SCHEMA.names}
-        self._next_record = 0
-        self.steps = 0  # steps closed
-        self.last_index = -1  # training-step number of the last closed step
-
-    def add_step(
-        self,
-        records: StepRecords,
-        *,
-        loss: float | None,
-        loss_scale: float,
-        seconds: float,
-        index: int | None = None,
-    ) -> None:
-        """Add one closed step (vectorised over its records). A non-finite loss drops
-        the step's records: it is a forward problem, never backward overflow.
-        ``index`` numbers the step (default: one after the last); it must increase."""
-        step = self.last_index + 1 if index is None else index
-        if step <= self.last_index:
-            raise ValueError(f"step index {step} does not follow {self.last_index}")
-        self.last_index = step
-        self.steps += 1
-        loss_finite = loss is None or math.isfinite(loss)
-        kept = len(records.keys) if loss_finite else 0
-        if kept:
-            counts = records.counts
-            ids = np.arange(self._next_record, self._next_record + kept, dtype=np.int32)
-            self._next_record += kept
-            columns: dict[str, Any] = {
-                "record_id": ids,
-                "step": np.full(kept, step, dtype=np.int32),
-                "calls": records.calls,
-                "elements": counts.sum(axis=1),
-                "zeros": counts[:, layout.ZERO_BIN],
-                "infs": counts[:, layout.INF_BIN],
-                "nans": counts[:, layout.NAN_BIN],
-                "amax": records.amax,
-                "loss_scale": np.full(kept, loss_scale, dtype=np.float64),
-            }
-            for field_name in RecordKey._fields:
-                columns[field_name] = np.array([getattr(k, field_name) for k in records.keys])
-            for name in RECORDS_SCHEMA.names:
-                self._records[name].append(np.asarray(columns[name]))
-            finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
-            rows, offsets = np.nonzero(finite)
-            self._bins["record_id"].append(ids[rows])
-            self._bins["offset"].append(offsets)
-            self._bins["count"].append(finite[rows, offsets])
-        step_row = {
-            "step": step,
-            "loss": math.nan if loss is None else loss,
-            "loss_finite": loss_finite,
-            "loss_scale": loss_scale,
-            "records": kept,
-            "nonfinite_grads": records.nonfinite(KIND_GRAD),
-            "optimizer_step": False,
-            "seconds": seconds,
-        }
-        for name, value in step_row.items():
-            self._steps[name].append(value)
-
-    def mark_optimizer_step(self, stepped: bool) -> None:
-        if self._steps["optimizer_step"]:
-            self._steps["optimizer_step"][-1] = stepped
-
-    def build(self, meta: dict[str, Any]) -> Report:
-        offsets_to_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
-        binade, cls = layout.bin_binade_and_class(offsets_to_bins)
-
-        def joined(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
-            return np.concatenate(parts) if parts else np.zeros(0, dtype)
-
-        offsets = joined(self._bins["offset"], np.int64)
-        bins = {
-            "record_id": joined(self._bins["record_id"], np.int32),
-            "binade": binade[offsets].astype(np.int16),
-            "cls": cls[offsets].astype(np.int8),
-            "count": joined(self._bins["count"], np.int64),
-        }
-        records = {
-            field.name: joined(self._records[field.name], field.type.to_pandas_dtype())
-            for field in RECORDS_SCHEMA
-        }
-        # Through Arrow, so in-memory frames have exactly the dtypes a read gives.
-        meta = {**meta, "steps": self.steps, "modules": list(self.modules)}
-        return Report(
-            meta,
-            _frame(records, RECORDS_SCHEMA),
-            _frame(bins, pa.schema([BINS_SCHEMA.field(n) for n in BIN_COLUMNS])),
-            _frame(self._steps, STEPS_SCHEMA),
-        )
-
-
-def _frame(columns: dict[str, Any], schema: pa.Schema) -> pd.DataFrame:
-    arrays = [pa.array(columns[field.name], type=field.type) for field in schema]
-    return pa.Table.from_arrays(arrays, schema=schema).to_pandas()
+def frame(columns: dict[str, Any], schema: pa.Schema, names: Sequence[str] = ()) -> pd.DataFrame:
+    """A DataFrame of ``columns`` through Arrow, so its dtypes are exactly what a read gives."""
+    fields = [schema.field(n) for n in names] if names else list(schema)
+    arrays = [pa.array(columns[f.name], type=f.type) for f in fields]
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields)).to_pandas()

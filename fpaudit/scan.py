@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,7 +23,10 @@ import torch
 from fpaudit import modelfile
 from fpaudit.capture import Audit, Selection, StepSummary
 from fpaudit.errors import UsageError
-from fpaudit.report import KIND_BACKWARD, LOSS_MODULE, Report
+from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
+
+if TYPE_CHECKING:
+    from fpaudit.report import Report
 
 
 @dataclass(frozen=True)

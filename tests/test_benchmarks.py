@@ -53,3 +53,22 @@ def test_benchmark_runs_quick(tmp_path: Path) -> None:
     assert data["scan"]["report_bytes_per_output_per_step"] > 0
     assert data["read"]["histogram_rows"] > 0 and data["read"]["gate_seconds"] > 0
     assert "step overhead" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("code", "absent"),
+    [
+        # Reading reports must not pay torch's start-up (1.6 s); capturing must not carry
+        # pandas and pyarrow (about 70 MB) in the training process.
+        ("import fpaudit.cli", ("torch",)),
+        ("import fpaudit; fpaudit.Report; fpaudit.recommend; fpaudit.gate", ("torch",)),
+        ("import fpaudit; fpaudit.audit; fpaudit.Selection", ("pandas", "pyarrow")),
+        ("import fpaudit.scan", ("pandas", "pyarrow")),
+    ],
+)
+def test_import_weight(code: str, absent: tuple[str, ...]) -> None:
+    check = f"{code}\nimport sys\nprint(sorted(m for m in {absent!r} if m in sys.modules))"
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]", result.stdout

@@ -157,3 +157,31 @@ def test_missing_table(tmp_path: Path, report: Report) -> None:
     (root / "steps.parquet").unlink()
     with pytest.raises(ReportError, match=r"steps\.parquet is missing"):
         Report.read(root)
+
+
+def test_builder_keeps_no_view_of_a_step_matrix() -> None:
+    # A stored column that is a view would keep each step's whole gathered matrix
+    # (records x 2219 int64) alive: memory growing with every captured step.
+    import numpy as np
+
+    from fpaudit.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
+
+    counts = np.ones((3, histogram.N_BINS), dtype=np.int64)
+    keys = [
+        RecordKey(KIND_BACKWARD, f"m{i}", "n", "aten.mul.Tensor", 0, "float32", True)
+        for i in range(3)
+    ]
+    builder = ReportBuilder(modules=["m0", "m1", "m2"])
+    builder.add_step(
+        StepRecords(keys, counts, np.ones(3), np.ones(3, np.int64)),
+        loss=1.0,
+        loss_scale=1.0,
+        seconds=0.0,
+    )
+    stored = [
+        a
+        for parts in (builder._records, builder._bins)
+        for arrays in parts.values()
+        for a in arrays
+    ]
+    assert not any(isinstance(a, np.ndarray) and np.shares_memory(a, counts) for a in stored)

@@ -1,0 +1,197 @@
+"""What a capture accumulates, step by step, before it becomes a report.
+
+Plain numpy: a training process that captures never imports pandas or pyarrow
+(about 70 MB of memory) until it builds the report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from fpaudit import layout
+
+if TYPE_CHECKING:
+    from fpaudit.histogram import HostHistogram
+    from fpaudit.report import Report
+
+# The columns of the records and steps tables (report.py turns them into the
+# versioned Parquet schema; the order is the order in the files).
+RECORD_COLUMNS = {
+    "record_id": "int32",
+    "step": "int32",
+    "kind": "string",
+    "module": "string",
+    "node": "string",
+    "op": "string",
+    "output": "int16",
+    "dtype": "string",
+    "scales_with_loss": "bool",
+    "calls": "int64",
+    "elements": "int64",
+    "zeros": "int64",
+    "infs": "int64",
+    "nans": "int64",
+    "amax": "float64",
+    "loss_scale": "float64",
+}
+STEP_COLUMNS = {
+    "step": "int32",
+    "loss": "float64",
+    "loss_finite": "bool",
+    "loss_scale": "float64",
+    "records": "int32",
+    "nonfinite_grads": "int64",
+    "optimizer_step": "bool",
+    "seconds": "float64",
+}
+# In memory, bins keep what analysis needs; lower and upper are derived from
+# (binade, cls) when a report is written, for users of the plain Parquet files.
+BIN_COLUMNS = ("record_id", "binade", "cls", "count")
+
+KIND_BACKWARD = "backward"  # an output of an op that ran in backward
+KIND_GRAD = "grad"  # a parameter's final .grad, as a GradScaler sees it
+LOSS_MODULE = "<loss>"
+"""Pseudo-module for backward ops of nodes created outside every module of the model."""
+
+
+class RecordKey(NamedTuple):
+    kind: str
+    module: str
+    node: str
+    op: str
+    output: int
+    dtype: str
+    scales_with_loss: bool
+
+
+@dataclass
+class StepRecords:
+    """The records of one closed step: keys and, row for row, their histograms."""
+
+    keys: list[RecordKey]
+    counts: np.ndarray  # int64 [records, layout.N_BINS]
+    amax: np.ndarray  # float64 [records], finite amax as recorded
+    calls: np.ndarray  # int64 [records], tensors added
+
+    @classmethod
+    def from_histograms(cls, records: dict[RecordKey, HostHistogram]) -> StepRecords:
+        hosts = list(records.values())
+        return cls(
+            keys=list(records),
+            counts=np.array([h.counts for h in hosts], dtype=np.int64).reshape(-1, layout.N_BINS),
+            amax=np.array([h.amax for h in hosts], dtype=np.float64),
+            calls=np.array([h.calls for h in hosts], dtype=np.int64),
+        )
+
+    def nonfinite(self, kind: str) -> int:
+        """inf and NaN elements in the records of ``kind``."""
+        mask = np.array([key.kind == kind for key in self.keys], dtype=bool)
+        special = self.counts[:, layout.INF_BIN] + self.counts[:, layout.NAN_BIN]
+        return int(special[mask].sum()) if len(mask) else 0
+
+
+class ReportBuilder:
+    """Collects closed steps and turns them into a :class:`Report`."""
+
+    def __init__(self, modules: list[str]) -> None:
+        self.modules = modules
+        self._records: dict[str, list[np.ndarray]] = {name: [] for name in RECORD_COLUMNS}
+        self._bins: dict[str, list[np.ndarray]] = {"record_id": [], "offset": [], "count": []}
+        self._steps: dict[str, list[Any]] = {name: [] for name in STEP_COLUMNS}
+        self._next_record = 0
+        self.steps = 0  # steps closed
+        self.last_index = -1  # training-step number of the last closed step
+
+    def add_step(
+        self,
+        records: StepRecords,
+        *,
+        loss: float | None,
+        loss_scale: float,
+        seconds: float,
+        index: int | None = None,
+    ) -> None:
+        """Add one closed step (vectorised over its records). A non-finite loss drops
+        the step's records: it is a forward problem, never backward overflow.
+        ``index`` numbers the step (default: one after the last); it must increase."""
+        step = self.last_index + 1 if index is None else index
+        if step <= self.last_index:
+            raise ValueError(f"step index {step} does not follow {self.last_index}")
+        self.last_index = step
+        self.steps += 1
+        loss_finite = loss is None or math.isfinite(loss)
+        kept = len(records.keys) if loss_finite else 0
+        if kept:
+            counts = records.counts
+            ids = np.arange(self._next_record, self._next_record + kept, dtype=np.int32)
+            self._next_record += kept
+            columns: dict[str, Any] = {
+                "record_id": ids,
+                "step": np.full(kept, step, dtype=np.int32),
+                "calls": records.calls,
+                "elements": counts.sum(axis=1),
+                # copies, not views: a view would keep the step's whole matrix alive
+                "zeros": counts[:, layout.ZERO_BIN].copy(),
+                "infs": counts[:, layout.INF_BIN].copy(),
+                "nans": counts[:, layout.NAN_BIN].copy(),
+                "amax": records.amax,
+                "loss_scale": np.full(kept, loss_scale, dtype=np.float64),
+            }
+            for field_name in RecordKey._fields:
+                columns[field_name] = np.array([getattr(k, field_name) for k in records.keys])
+            for name in RECORD_COLUMNS:
+                self._records[name].append(np.asarray(columns[name]))
+            finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
+            rows, offsets = np.nonzero(finite)
+            self._bins["record_id"].append(ids[rows])
+            self._bins["offset"].append(offsets)
+            self._bins["count"].append(finite[rows, offsets])
+        step_row = {
+            "step": step,
+            "loss": math.nan if loss is None else loss,
+            "loss_finite": loss_finite,
+            "loss_scale": loss_scale,
+            "records": kept,
+            "nonfinite_grads": records.nonfinite(KIND_GRAD),
+            "optimizer_step": False,
+            "seconds": seconds,
+        }
+        for name, value in step_row.items():
+            self._steps[name].append(value)
+
+    def mark_optimizer_step(self, stepped: bool) -> None:
+        if self._steps["optimizer_step"]:
+            self._steps["optimizer_step"][-1] = stepped
+
+    def build(self, meta: dict[str, Any]) -> Report:
+        from fpaudit.report import BINS_SCHEMA, RECORDS_SCHEMA, STEPS_SCHEMA, Report, frame
+
+        offsets_to_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
+        binade, cls = layout.bin_binade_and_class(offsets_to_bins)
+
+        def joined(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+        offsets = joined(self._bins["offset"], np.int64)
+        bins = {
+            "record_id": joined(self._bins["record_id"], np.int32),
+            "binade": binade[offsets].astype(np.int16),
+            "cls": cls[offsets].astype(np.int8),
+            "count": joined(self._bins["count"], np.int64),
+        }
+        records = {
+            name: joined(self._records[name], object if dtype == "string" else dtype)
+            for name, dtype in RECORD_COLUMNS.items()
+        }
+        # Through Arrow, so in-memory frames have exactly the dtypes a read gives.
+        meta = {**meta, "steps": self.steps, "modules": list(self.modules)}
+        return Report(
+            meta,
+            frame(records, RECORDS_SCHEMA),
+            frame(bins, BINS_SCHEMA, BIN_COLUMNS),
+            frame(self._steps, STEPS_SCHEMA),
+        )
