@@ -207,20 +207,27 @@ def memory_child(variant: str, steps: int, quick: bool) -> None:
     print(json.dumps({"baseline_kb": baseline, "peak_kb": _peak_rss_kb()}))
 
 
-def measure_memory(steps: int, quick: bool) -> dict[str, Any]:
-    results = {}
-    for variant in ("plain", "fpaudit"):
-        args = [sys.executable, __file__, "--memory-child", variant, "--steps", str(steps)]
-        output = subprocess.run(
-            args + (["--quick"] if quick else []), capture_output=True, text=True, check=True
-        )
-        results[variant] = json.loads(output.stdout.strip().splitlines()[-1])
-    plain, audited = results["plain"], results["fpaudit"]
+def measure_memory(steps: int, quick: bool, runs: int) -> dict[str, Any]:
+    """Peak RSS of fresh processes, alternating plain and fpaudit; medians of ``runs``."""
+    peaks: dict[str, list[int]] = {"plain": [], "fpaudit": []}
+    added: dict[str, list[int]] = {"plain": [], "fpaudit": []}
+    for _ in range(runs):
+        for variant in ("plain", "fpaudit"):
+            args = [sys.executable, __file__, "--memory-child", variant, "--steps", str(steps)]
+            output = subprocess.run(
+                args + (["--quick"] if quick else []), capture_output=True, text=True, check=True
+            )
+            child = json.loads(output.stdout.strip().splitlines()[-1])
+            peaks[variant].append(child["peak_kb"])
+            added[variant].append(child["peak_kb"] - child["baseline_kb"])
+    peak = {k: statistics.median(v) for k, v in peaks.items()}
+    grown = {k: statistics.median(v) for k, v in added.items()}
     return {
-        "peak_rss_mb": {k: v["peak_kb"] / 1024 for k, v in results.items()},
-        "peak_ratio": audited["peak_kb"] / plain["peak_kb"],
-        "training_memory_ratio": (audited["peak_kb"] - audited["baseline_kb"])
-        / max(1, plain["peak_kb"] - plain["baseline_kb"]),
+        "runs": runs,
+        "steps": steps,
+        "peak_rss_mb": {k: v / 1024 for k, v in peak.items()},
+        "peak_ratio": peak["fpaudit"] / peak["plain"],
+        "training_memory_ratio": grown["fpaudit"] / max(1, grown["plain"]),
     }
 
 
@@ -317,9 +324,9 @@ def print_table(results: dict[str, Any]) -> None:
     if memory:
         rss = memory["peak_rss_mb"]
         print(
-            f"\npeak memory (RSS): plain {rss['plain']:.0f} MB, fpaudit {rss['fpaudit']:.0f} MB: "
-            f"{memory['peak_ratio']:.3f}x (the steps add {memory['training_memory_ratio']:.2f}x "
-            "the memory: fpaudit's imports, kernel and tables)"
+            f"\npeak memory (RSS, median of {memory['runs']} fresh processes each, "
+            f"{memory['steps']} steps): plain {rss['plain']:.0f} MB, "
+            f"fpaudit {rss['fpaudit']:.0f} MB: {memory['peak_ratio']:.3f}x"
         )
     scan = results.get("scan")
     if scan:
@@ -380,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 measure_steps(model_name, model_reps, 1, args.quick, tmp, knobs)
             )
         if "memory" not in args.skip:
-            results["memory"] = measure_memory(args.steps, args.quick)
+            results["memory"] = measure_memory(args.steps, args.quick, 1 if args.quick else 5)
         if "scan" not in args.skip:
             results["scan"] = measure_scan(2 if args.quick else 8, 1 if args.quick else 3, tmp)
         if "read" not in args.skip:

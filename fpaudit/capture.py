@@ -391,7 +391,12 @@ class Audit:
     ``_activate_during_backward``); False keeps it on for the whole context."""
 
     def __init__(
-        self, model: nn.Module, *, loss_scale: float = 1.0, selection: Selection = Selection()
+        self,
+        model: nn.Module,
+        *,
+        loss_scale: float = 1.0,
+        selection: Selection = Selection(),
+        window: int = 1,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
@@ -405,7 +410,7 @@ class Audit:
         self._rows: dict[RecordKey, tuple[histogram.HistogramTable, int]] = {}
         self._row_keys: dict[torch.device, list[RecordKey]] = {}
         self._builder = ReportBuilder(
-            modules=[LOSS_MODULE, *self._clock.names.values()],
+            modules=[LOSS_MODULE, *self._clock.names.values()], window=window
         )
         self._stack: ExitStack | None = None
         self._step_started = time.perf_counter()
@@ -549,7 +554,15 @@ class Audit:
 
 
 def audit(
-    model: nn.Module, *, loss_scale: float = 1.0, selection: Selection = Selection()
+    model: nn.Module,
+    *,
+    loss_scale: float = 1.0,
+    selection: Selection = Selection(),
+    window: int = 1,
 ) -> Audit:
-    """Audit the backward pass of ``model``: see :class:`Audit`."""
-    return Audit(model, loss_scale=loss_scale, selection=selection)
+    """Audit the backward pass of ``model``: see :class:`Audit`.
+
+    ``selection`` limits what is recorded; ``window`` merges the records of that
+    many consecutive captured steps (exactly) to keep long runs' reports small.
+    """
+    return Audit(model, loss_scale=loss_scale, selection=selection, window=window)

@@ -181,6 +181,12 @@ def scan_command(
             "--every", help="Capture every K-th step only; the others run unaudited [default: 1]."
         ),
     ] = None,
+    window: Annotated[
+        int | None,
+        typer.Option(
+            "--window", help="Merge the records of W consecutive captured steps [default: 1]."
+        ),
+    ] = None,
     module: Annotated[
         list[str] | None,
         typer.Option("--module", help="Capture only modules matching this glob (repeatable)."),
@@ -213,11 +219,11 @@ def scan_command(
         config_file,
         dict(steps=steps, device=device, format=format_, headroom_bits=headroom_bits,
              include_loss=include_loss, out=out, seed=seed, loss_scale=loss_scale, top=top,
-             force=force, every=every, module=module, exclude_module=exclude_module, op=op,
-             exclude_op=exclude_op),
+             force=force, every=every, window=window, module=module,
+             exclude_module=exclude_module, op=op, exclude_op=exclude_op),
         dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
              include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False,
-             every=1, module=[], exclude_module=[], op=[], exclude_op=[]),
+             every=1, window=1, module=[], exclude_module=[], op=[], exclude_op=[]),
     )  # fmt: skip
     formats = [get_format(name) for name in dict.fromkeys(options["format"])]
     headroom = _headroom(options["headroom_bits"])
@@ -230,6 +236,7 @@ def scan_command(
         loss_scale=math.ldexp(1.0, log2_loss_scale),
         seed=options["seed"],
         every=options["every"],
+        window=options["window"],
         selection=Selection(
             modules=tuple(options["module"]),
             exclude_modules=tuple(options["exclude_module"]),

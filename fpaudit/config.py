@@ -69,6 +69,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "loss_scale": "scale",
         "top": "int",
         "every": "int",
+        "window": "int",
         "module": "patterns",
         "exclude_module": "patterns",
         "op": "patterns",

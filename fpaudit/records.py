@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 # versioned Parquet schema; the order is the order in the files).
 RECORD_COLUMNS = {
     "record_id": "int32",
-    "step": "int32",
+    "step": "int32",  # the (first) step the record covers
+    "steps": "int32",  # how many captured steps it covers (--window)
     "kind": "string",
     "module": "string",
     "node": "string",
@@ -95,14 +96,26 @@ class StepRecords:
 
 
 class ReportBuilder:
-    """Collects closed steps and turns them into a :class:`Report`."""
+    """Collects closed steps and turns them into a :class:`Report`.
 
-    def __init__(self, modules: list[str]) -> None:
+    With ``window=W`` the records of W consecutive captured steps are merged
+    (counts add, amax is the max; only records captured under the same loss
+    scale merge): exact, and W times fewer rows for long runs. The steps table
+    keeps one row per step either way.
+    """
+
+    def __init__(self, modules: list[str], window: int = 1) -> None:
+        if window < 1:
+            raise ValueError("window must be at least 1")
         self.modules = modules
+        self.window = window
         self._records: dict[str, list[np.ndarray]] = {name: [] for name in RECORD_COLUMNS}
         self._bins: dict[str, list[np.ndarray]] = {"record_id": [], "offset": [], "count": []}
         self._steps: dict[str, list[Any]] = {name: [] for name in STEP_COLUMNS}
         self._next_record = 0
+        self._pending: dict[tuple[RecordKey, float], list[Any]] = {}
+        self._pending_first = -1
+        self._pending_steps = 0
         self.steps = 0  # steps closed
         self.last_index = -1  # training-step number of the last closed step
 
@@ -125,31 +138,41 @@ class ReportBuilder:
         self.steps += 1
         loss_finite = loss is None or math.isfinite(loss)
         kept = len(records.keys) if loss_finite else 0
-        if kept:
-            counts = records.counts
-            ids = np.arange(self._next_record, self._next_record + kept, dtype=np.int32)
-            self._next_record += kept
-            columns: dict[str, Any] = {
-                "record_id": ids,
-                "step": np.full(kept, step, dtype=np.int32),
-                "calls": records.calls,
-                "elements": counts.sum(axis=1),
-                # copies, not views: a view would keep the step's whole matrix alive
-                "zeros": counts[:, layout.ZERO_BIN].copy(),
-                "infs": counts[:, layout.INF_BIN].copy(),
-                "nans": counts[:, layout.NAN_BIN].copy(),
-                "amax": records.amax,
-                "loss_scale": np.full(kept, loss_scale, dtype=np.float64),
-            }
-            for field_name in RecordKey._fields:
-                columns[field_name] = np.array([getattr(k, field_name) for k in records.keys])
-            for name in RECORD_COLUMNS:
-                self._records[name].append(np.asarray(columns[name]))
-            finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
-            rows, offsets = np.nonzero(finite)
-            self._bins["record_id"].append(ids[rows])
-            self._bins["offset"].append(offsets)
-            self._bins["count"].append(finite[rows, offsets])
+        if self.window == 1:
+            if kept:
+                n = kept
+                self._emit(
+                    records.keys,
+                    records.counts,
+                    records.amax,
+                    records.calls,
+                    np.full(n, loss_scale),
+                    np.full(n, step, dtype=np.int32),
+                    np.ones(n, dtype=np.int32),
+                )
+        else:
+            if self._pending_steps == 0:
+                self._pending_first = step
+            self._pending_steps += 1
+            for row, key in enumerate(records.keys[:kept]):
+                merged = self._pending.get((key, loss_scale))
+                if merged is None:
+                    counts = records.counts[row].copy()
+                    self._pending[(key, loss_scale)] = [
+                        counts,
+                        records.amax[row],
+                        records.calls[row],
+                        1,
+                    ]
+                else:
+                    merged[0] += records.counts[row]
+                    merged[1] = max(merged[1], records.amax[row])
+                    merged[2] += records.calls[row]
+                    merged[3] += 1
+            if self._pending_steps == self.window:
+                self._emit(*self._pending_block())
+                self._pending.clear()
+                self._pending_steps = 0
         step_row = {
             "step": step,
             "loss": math.nan if loss is None else loss,
@@ -163,11 +186,79 @@ class ReportBuilder:
         for name, value in step_row.items():
             self._steps[name].append(value)
 
+    def _pending_block(self) -> tuple[Any, ...]:
+        entries = list(self._pending.items())
+        n = len(entries)
+        return (
+            [key for (key, _), _ in entries],
+            np.array([v[0] for _, v in entries], dtype=np.int64).reshape(n, layout.N_BINS),
+            np.array([v[1] for _, v in entries], dtype=np.float64),
+            np.array([v[2] for _, v in entries], dtype=np.int64),
+            np.array([scale for (_, scale), _ in entries], dtype=np.float64),
+            np.full(n, self._pending_first, dtype=np.int32),
+            np.array([v[3] for _, v in entries], dtype=np.int32),
+        )
+
+    def _emit(
+        self,
+        keys: list[RecordKey],
+        counts: np.ndarray,
+        amax: np.ndarray,
+        calls: np.ndarray,
+        loss_scale: np.ndarray,
+        step: np.ndarray,
+        steps: np.ndarray,
+    ) -> None:
+        n = len(keys)
+        if not n:
+            return
+        ids = np.arange(self._next_record, self._next_record + n, dtype=np.int32)
+        self._next_record += n
+        columns: dict[str, Any] = {
+            "record_id": ids,
+            "step": step,
+            "steps": steps,
+            "calls": calls,
+            "elements": counts.sum(axis=1),
+            # copies, not views: a view would keep the step's whole matrix alive
+            "zeros": counts[:, layout.ZERO_BIN].copy(),
+            "infs": counts[:, layout.INF_BIN].copy(),
+            "nans": counts[:, layout.NAN_BIN].copy(),
+            "amax": amax,
+            "loss_scale": loss_scale,
+        }
+        for field_name in RecordKey._fields:
+            columns[field_name] = np.array([getattr(k, field_name) for k in keys])
+        for name in RECORD_COLUMNS:
+            self._records[name].append(np.asarray(columns[name]))
+        finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
+        rows, offsets = np.nonzero(finite)
+        self._bins["record_id"].append(ids[rows])
+        self._bins["offset"].append(offsets)
+        self._bins["count"].append(finite[rows, offsets])
+
     def mark_optimizer_step(self, stepped: bool) -> None:
         if self._steps["optimizer_step"]:
             self._steps["optimizer_step"][-1] = stepped
 
     def build(self, meta: dict[str, Any]) -> Report:
+        """The report so far; a window still filling is included as it stands."""
+        if self._pending:
+            pending_next = self._next_record
+            records_before = {k: len(v) for k, v in self._records.items()}
+            bins_before = {k: len(v) for k, v in self._bins.items()}
+            self._emit(*self._pending_block())
+            try:
+                return self._build(meta)
+            finally:  # leave the window open: later steps still merge into it
+                self._next_record = pending_next
+                for name, length in records_before.items():
+                    del self._records[name][length:]
+                for name, length in bins_before.items():
+                    del self._bins[name][length:]
+        return self._build(meta)
+
+    def _build(self, meta: dict[str, Any]) -> Report:
         from fpaudit.report import BINS_SCHEMA, RECORDS_SCHEMA, STEPS_SCHEMA, Report, frame
 
         offsets_to_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
@@ -188,7 +279,7 @@ class ReportBuilder:
             for name, dtype in RECORD_COLUMNS.items()
         }
         # Through Arrow, so in-memory frames have exactly the dtypes a read gives.
-        meta = {**meta, "steps": self.steps, "modules": list(self.modules)}
+        meta = {**meta, "steps": self.steps, "window": self.window, "modules": list(self.modules)}
         return Report(
             meta,
             frame(records, RECORDS_SCHEMA),

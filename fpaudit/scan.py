@@ -36,6 +36,7 @@ class ScanOptions:
     loss_scale: float = 1.0
     seed: int | None = 0
     every: int = 1  # capture every K-th step (0, K, 2K, ...); the others run unaudited
+    window: int = 1  # merge the records of this many consecutive captured steps
     selection: Selection = field(default_factory=Selection)
 
     def __post_init__(self) -> None:
@@ -43,6 +44,8 @@ class ScanOptions:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.every < 1:
             raise UsageError(f"--every must be at least 1, got {self.every}")
+        if self.window < 1:
+            raise UsageError(f"--window must be at least 1, got {self.window}")
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise UsageError(f"--loss-scale must be a positive number, got {self.loss_scale}")
         if math.frexp(self.loss_scale)[0] != 0.5:
@@ -109,7 +112,9 @@ def scan(
                 "expected a torch.optim.Optimizer"
             )
 
-    audit = Audit(model, loss_scale=options.loss_scale, selection=options.selection)
+    audit = Audit(
+        model, loss_scale=options.loss_scale, selection=options.selection, window=options.window
+    )
     steps_run = 0
     for step, batch in enumerate(spec.batches(options.steps)):
         steps_run = step + 1

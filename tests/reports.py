@@ -14,12 +14,13 @@ def report_from(
     loss_scale: float = 1.0,
     steps: int = 1,
     fixed: frozenset[str] = frozenset(),
+    window: int = 1,
 ) -> Report:
     """One backward record per module name (op 'aten.mul.Tensor'), repeated for ``steps`` steps.
 
     Modules named in ``fixed`` are recorded as not scaling with the loss.
     """
-    builder = ReportBuilder(modules=list(tensors))
+    builder = ReportBuilder(modules=list(tensors), window=window)
     for _ in range(steps):
         records = {}
         for module, tensor in tensors.items():

@@ -185,3 +185,53 @@ def test_builder_keeps_no_view_of_a_step_matrix() -> None:
         for a in arrays
     ]
     assert not any(isinstance(a, np.ndarray) and np.shares_memory(a, counts) for a in stored)
+
+
+def test_window_merges_steps_exactly() -> None:
+    # Four steps of the same two tensors: per step, and merged two by two.
+    from fpaudit import analysis
+    from fpaudit.formats import FORMATS
+
+    tensors = {"a": torch.tensor([2.0**-30, 1.0, 0.0, float("inf")]), "b": torch.randn(100) * 1e-6}
+    per_step = report_from(tensors, steps=4)
+    windowed = report_from(tensors, steps=4, window=2)
+    assert len(windowed.records) == len(per_step.records) // 2
+    assert list(windowed.records["step"].unique()) == [0, 2]
+    assert (windowed.records["steps"] == 2).all() and (per_step.records["steps"] == 1).all()
+    assert len(windowed.steps) == 4  # the steps table keeps every step
+    for name in FORMATS:
+        for log2_scale in (-5, 0, 10, 30):
+            a = analysis.module_table(per_step, FORMATS[name], log2_scale)
+            b = analysis.module_table(windowed, FORMATS[name], log2_scale)
+            pd.testing.assert_frame_equal(a, b)
+
+
+def test_window_keeps_loss_scales_apart_and_reports_an_open_window() -> None:
+    import numpy as np
+
+    from fpaudit.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
+
+    key = RecordKey(KIND_BACKWARD, "m", "n", "aten.mul.Tensor", 0, "float32", True)
+    builder = ReportBuilder(modules=["m"], window=3)
+    counts = np.zeros((1, histogram.N_BINS), dtype=np.int64)
+    counts[0, histogram.finite_bin(-10, 2)] = 5
+    for scale in (1.0, 1.0, 2.0, 2.0):
+        builder.add_step(
+            StepRecords([key], counts, np.ones(1), np.ones(1, np.int64)),
+            loss=1.0,
+            loss_scale=scale,
+            seconds=0.0,
+        )
+    records = builder.build({}).records
+    # Window 1 (steps 0-2): scale 1 (2 steps) and scale 2 (1 step); window 2 still open: step 3.
+    assert list(zip(records["step"], records["steps"], records["loss_scale"], strict=True)) == [
+        (0, 2, 1.0), (0, 1, 2.0), (3, 1, 2.0)
+    ]  # fmt: skip
+    assert list(records["elements"]) == [10, 5, 5]
+    builder.add_step(
+        StepRecords([key], counts, np.ones(1), np.ones(1, np.int64)),
+        loss=float("nan"),
+        loss_scale=2.0,
+        seconds=0.0,
+    )
+    assert list(builder.build({}).records["steps"]) == [2, 1, 1]  # the NaN step adds nothing
