@@ -42,6 +42,7 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 bench: setup
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python benchmarks/bench.py
 
 clean:

@@ -163,9 +163,15 @@ def _float_tensors(output: Any) -> Iterator[tuple[int, torch.Tensor]]:
             yield index, tensor
 
 
+_IS_VIEW: dict[torch._ops.OpOverload, bool] = {}
+
+
 def creates_new_values(func: torch._ops.OpOverload, args: tuple[Any, ...], output: Any) -> bool:
     """False for ops that only re-present values: views, detach, same-dtype copies and moves."""
-    if func.is_view:
+    is_view = _IS_VIEW.get(func)
+    if is_view is None:
+        is_view = _IS_VIEW[func] = bool(func.is_view)
+    if is_view:
         return False
     if func in _DATA_MOVEMENT:
         source = args[1] if func is _aten.copy_.default else next(_tensors(args), None)
@@ -194,11 +200,16 @@ class _Provenance:
         self._fixed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def all_fixed(self, tensors: Iterator[torch.Tensor]) -> bool:
+        if not self._fixed:  # the common case: skip building a weak reference per lookup
+            return all(t.requires_grad for t in tensors)
         return all(t.requires_grad or t in self._fixed for t in tensors)
 
     def mark(self, tensors: Iterator[torch.Tensor]) -> None:
         for tensor in tensors:
             self._fixed[tensor] = True
+
+    def has_fixed(self) -> bool:
+        return bool(self._fixed)
 
     def unmark(self, tensors: Iterator[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -310,7 +321,7 @@ class _BackwardMode(TorchDispatchMode):
         fixed = self._provenance.all_fixed(inputs)
         if fixed:
             self._provenance.mark(_tensors(output))
-        elif func._schema.is_mutable:
+        elif self._provenance.has_fixed() and func._schema.is_mutable:
             self._provenance.unmark(_tensors(output))  # e.g. grad += scaled value
         if not creates_new_values(func, args, output):
             return output
