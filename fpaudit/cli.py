@@ -248,7 +248,8 @@ def scan_command(
     if out_path.exists() and not options["force"]:
         raise UsageError(f"{out_path} already exists; pass --force to overwrite it")
     if resolve_device(scan_options.device).type == "cpu":
-        if kernels.cpu_kernel(on_build=render.kernel_build_notice) is None and kernels.failure():
+        built = kernels.cpu_kernel(on_build=render.kernel_build_notice)
+        if built is None and kernels.failure():
             render.stderr().print(
                 f"note: the CPU histogram kernel could not be built ({kernels.failure()}); "
                 "using the pure-torch path: identical results, slower"
