@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fpaudit import histogram
+from fpaudit import _signals, histogram
 from fpaudit.records import (
     KIND_BACKWARD,
     KIND_GRAD,
@@ -531,13 +531,14 @@ class Audit:
             amax=histogram.amax_from_bits(rows[:, histogram.AMAX_COLUMN]),
             calls=np.array(calls, dtype=np.int64),
         )
-        self._builder.add_step(
-            records,
-            loss=loss_value,
-            loss_scale=self.loss_scale,
-            seconds=time.perf_counter() - self._step_started,
-            index=index,
-        )
+        with _signals.deferred():  # a step is recorded whole or not at all
+            self._builder.add_step(
+                records,
+                loss=loss_value,
+                loss_scale=self.loss_scale,
+                seconds=time.perf_counter() - self._step_started,
+                index=index,
+            )
         self._clock.forget()
         self._step_started = time.perf_counter()
         return StepSummary(
@@ -550,7 +551,8 @@ class Audit:
 
     def mark_optimizer_step(self, stepped: bool) -> None:
         """Note whether an optimizer step followed the last closed step."""
-        self._builder.mark_optimizer_step(stepped)
+        with _signals.deferred():
+            self._builder.mark_optimizer_step(stepped)
 
     @property
     def steps(self) -> int:

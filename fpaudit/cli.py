@@ -6,17 +6,21 @@ interrupted. Errors are one line on stderr; ``--debug`` adds the traceback.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shlex
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from fpaudit import __version__, config, render
-from fpaudit.errors import FpauditError, UsageError
+from fpaudit.errors import FpauditError, Interrupted, UsageError
 from fpaudit.formats import FORMATS, Format, get_format
 from fpaudit.records import KIND_BACKWARD, KIND_GRAD
 
@@ -30,7 +34,8 @@ DEFAULT_HEADROOM_BITS = config.DEFAULT_HEADROOM_BITS
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1
 EXIT_ERROR = 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # SIGINT, as shells report it
+EXIT_TERMINATED = 143  # SIGTERM
 
 _state: dict[str, Any] = {"debug": False, "argv": []}
 
@@ -100,6 +105,23 @@ def _merge(
     merged.update(config.options_for(command, config_file))
     merged.update({k: v for k, v in given.items() if v is not None})
     return merged
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into an exception, as SIGINT is, so a killed scan keeps its steps."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Interrupted("SIGTERM", EXIT_TERMINATED)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _headroom(value: int) -> int:
@@ -212,7 +234,8 @@ def scan_command(
     """
     from fpaudit import kernels
     from fpaudit.capture import Selection
-    from fpaudit.scan import ScanOptions, resolve_device, scan
+    from fpaudit.report import output_lock
+    from fpaudit.scan import ScanInterrupted, ScanOptions, resolve_device, scan
 
     options = _merge(
         "scan",
@@ -262,12 +285,19 @@ def scan_command(
         "config": str(config_file) if config_file else None,
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items()},
     }
-    with render.step_progress(scan_options.steps) as advance:
-        report = scan(model_file, scan_options, on_step=advance, meta=meta)
+    with output_lock(out_path), _sigterm_raises():
+        try:
+            with render.step_progress(scan_options.steps) as advance:
+                report = scan(model_file, scan_options, on_step=advance, meta=meta)
+        except ScanInterrupted as stopped:  # keep the completed steps
+            stopped.report.write(out_path, force=options["force"])
+            render.interrupted(str(out_path), stopped.signal_name, stopped.report.meta["steps_run"],
+                               scan_options.steps)  # fmt: skip
+            raise typer.Exit(stopped.exit_code) from None
+        report.write(out_path, force=options["force"])
     from fpaudit import analysis
     from fpaudit.recommend import recommend
 
-    report.write(out_path, force=options["force"])
     forward_problems = int((~report.steps["loss_finite"]).sum())
     for fmt in formats:
         rec = recommend(report, fmt, headroom, include_loss=options["include_loss"])
@@ -337,6 +367,7 @@ def show_command(
         raise UsageError(f"--top must be at least 1, got {options['top']}")
     log2_scale = _scale(options["scale"])
     report = Report.read(report_path)
+    render.incomplete_note(report.incompleteness())
     fmt = _reading_format(options["format"], report)
     scale_source = "given"
     if log2_scale is None:
@@ -391,6 +422,7 @@ def recommend_command(
         dict(format=None, headroom_bits=None, include_loss=None, json=False),
     )  # fmt: skip
     report = Report.read(report_path)
+    render.incomplete_note(report.incompleteness())
     fmt = _reading_format(options["format"], report)
     headroom = _headroom(
         _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
@@ -427,6 +459,13 @@ def gate_command(
     ] = None,
     headroom_bits: HeadroomOption = None,
     include_loss: IncludeLossOption = None,
+    allow_incomplete: Annotated[
+        bool | None,
+        typer.Option(
+            "--allow-incomplete/--require-complete",
+            help="Judge a report whose run was interrupted instead of failing it.",
+        ),
+    ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
@@ -440,9 +479,10 @@ def gate_command(
     options = _merge(
         "gate", config_file,
         dict(max_underflow=max_underflow, format=format_, scale=scale, per_module=per_module,
-             headroom_bits=headroom_bits, include_loss=include_loss, json=json_output),
+             headroom_bits=headroom_bits, include_loss=include_loss, json=json_output,
+             allow_incomplete=allow_incomplete),
         dict(max_underflow=None, format=None, scale=None, per_module=False, headroom_bits=None,
-             include_loss=None, json=False),
+             include_loss=None, json=False, allow_incomplete=False),
     )  # fmt: skip
     limit = options["max_underflow"]
     if limit is None:
@@ -460,7 +500,7 @@ def gate_command(
     include = bool(_from_report(options["include_loss"], report, "include_loss", False))
     result = run_gate(
         report, fmt, limit, log2_scale=log2_scale, per_module=options["per_module"],
-        headroom_bits=headroom, include_loss=include,
+        headroom_bits=headroom, include_loss=include, allow_incomplete=options["allow_incomplete"],
     )  # fmt: skip
     if options["json"]:
         render.print_json(result.to_dict())
@@ -503,9 +543,9 @@ def run(argv: list[str] | None = None) -> int:
             hint = f" (try '{context.command_path} --help')" if context is not None else ""
             render.error_line(f"{message}{hint}")
         return EXIT_ERROR
-    except (typer.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt) as error:
         render.error_line("interrupted")
-        return EXIT_INTERRUPTED
+        return getattr(error, "exit_code", EXIT_INTERRUPTED)
     except Exception as error:
         if _state["debug"]:
             traceback.print_exc()

@@ -97,6 +97,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "headroom_bits": "int",
         "include_loss": "bool",
         "json": "bool",
+        "allow_incomplete": "bool",
     },
 }
 

@@ -28,3 +28,12 @@ class ModelFileError(FpauditError):
 
 class ReportError(FpauditError):
     """A report directory is missing, corrupt, or of an unknown schema version."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived; ``exit_code`` is 130 or 143 as shells expect."""
+
+    def __init__(self, signal_name: str = "SIGINT", exit_code: int = 130) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+        self.exit_code = exit_code

@@ -3,7 +3,8 @@
 The gate fails when the underflow fraction (overall, or of any module with
 ``per_module``) exceeds ``max_underflow``, or when any value overflows at the
 scale: a scale that overflows would make a dynamic scaler skip the step and a
-static one train on inf. The scale defaults to the recommended one.
+static one train on inf. It also fails on a report whose run was interrupted,
+unless ``allow_incomplete``. The scale defaults to the recommended one.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class GateResult:
     overflow: int
     per_module: bool
     offenders: list[dict[str, Any]] = field(default_factory=list)
+    complete: bool = True  # False: the report's run was interrupted
+    incomplete_allowed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,6 +49,7 @@ def gate(
     per_module: bool = False,
     headroom_bits: int = DEFAULT_HEADROOM_BITS,
     include_loss: bool = False,
+    allow_incomplete: bool = False,
 ) -> GateResult:
     """Judge ``report`` at ``2**log2_scale`` (default: the recommended scale)."""
     fmt = as_format(fmt)
@@ -66,7 +70,7 @@ def gate(
     elif overall["underflow_fraction"] > max_underflow or overall["overflow"] > 0:
         offenders.append(_offender("(all modules)", overall))
     return GateResult(
-        passed=not offenders,
+        passed=not offenders and (report.complete or allow_incomplete),
         format=fmt.name,
         log2_scale=log2_scale,
         scale=math.ldexp(1.0, log2_scale),
@@ -78,6 +82,8 @@ def gate(
         overflow=int(overall["overflow"]),
         per_module=per_module,
         offenders=offenders,
+        complete=report.complete,
+        incomplete_allowed=allow_incomplete,
     )
 
 

@@ -267,6 +267,13 @@ def gate(result: GateResult) -> None:
         f"{count(result.nonzero)} nonzero backward values (limit "
         f"{percent(result.max_underflow)}), overflow {count(result.overflow)}."
     )
+    if not result.complete:
+        allowed = (
+            "allowed by --allow-incomplete"
+            if result.incomplete_allowed
+            else ("which fails the gate; pass --allow-incomplete to judge it anyway")
+        )
+        console.print(f"  The report is incomplete (its run was interrupted), {allowed}.")
     for offender in result.offenders:
         console.print(
             f"  {module_label(offender['module'])}: underflow "
@@ -296,6 +303,18 @@ def step_progress(steps: int) -> Iterator[Callable[[StepProgress], None]]:
 
     with progress:
         yield advance
+
+
+def interrupted(path: str, signal_name: str, done: int, steps: int) -> None:
+    sys.stderr.write(
+        f"fpaudit: interrupted by {signal_name} after {done} of {steps} step(s); the completed "
+        f"steps are in {path}, marked incomplete\n"
+    )
+
+
+def incomplete_note(reason: str | None) -> None:
+    if reason is not None:
+        sys.stderr.write(f"fpaudit: note: this report is incomplete: {reason}\n")
 
 
 def kernel_build_notice() -> None:

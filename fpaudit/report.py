@@ -23,6 +23,7 @@ never unpickles or executes anything: JSON and Parquet only.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -30,7 +31,7 @@ import os
 import platform
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,25 @@ class Report:
     bins: pd.DataFrame
     steps: pd.DataFrame
     path: Path | None = field(default=None, compare=False)
+
+    @property
+    def complete(self) -> bool:
+        """False when the run was interrupted (the report then holds the completed steps)."""
+        return self.meta.get("complete", True) is not False
+
+    def incompleteness(self) -> str | None:
+        """Why the report is incomplete, in words, or None."""
+        if self.complete:
+            return None
+        by = self.meta.get("stopped_by") or "an interruption"
+        done, asked = self.meta.get("steps_run"), self.meta.get("steps_requested")
+        steps = (
+            f" after {done} of {asked} step(s)"
+            if isinstance(done, int) and isinstance(asked, int)
+            else ""
+        )
+        return f"the run was stopped by {by}{steps}"
+
     # Condensed histograms computed by fpaudit.analysis; valid while the tables are unchanged.
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -204,6 +224,65 @@ class Report:
         report = cls(meta, tables["records"], tables["bins"], tables["steps"], path=root)
         _check_consistency(report, root)
         return report
+
+
+@contextlib.contextmanager
+def output_lock(target: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold ``<target>.lock`` while a run writes ``target``: a second run refuses.
+
+    The lock holds the owner's pid and host; a lock whose process is gone (a
+    killed run) is taken over.
+    """
+    target = Path(target)
+    lock = target.with_name(target.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    me = f"{os.getpid()} {platform.node()}"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            owner = _read_lock(lock)
+            if owner is not None:
+                raise ReportError(
+                    f"another fpaudit run (pid {owner}) is writing {target}; wait for it or "
+                    f"choose another --out (lock: {lock})"
+                ) from None
+            lock.unlink(missing_ok=True)  # stale: its process is gone
+            continue
+        with os.fdopen(fd, "w") as handle:
+            handle.write(me + "\n")
+        break
+    else:  # pragma: no cover - lost a race twice
+        raise ReportError(f"could not lock {lock}")
+    try:
+        yield
+    finally:
+        if _read_text(lock).strip() == me:
+            lock.unlink(missing_ok=True)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _read_lock(lock: Path) -> int | None:
+    """The pid of the live process on this host that holds ``lock``, else None."""
+    fields = _read_text(lock).split()
+    if len(fields) != 2 or not fields[0].isdigit():
+        return None
+    pid, host = int(fields[0]), fields[1]
+    if host != platform.node():
+        return pid  # another host: cannot tell, so respect it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
 
 
 def _sha256(file: Path) -> str:

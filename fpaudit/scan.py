@@ -22,7 +22,7 @@ import torch
 
 from fpaudit import modelfile
 from fpaudit.capture import Audit, Selection, StepSummary
-from fpaudit.errors import UsageError
+from fpaudit.errors import Interrupted, UsageError
 from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
 
 if TYPE_CHECKING:
@@ -77,6 +77,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class ScanInterrupted(Interrupted):
+    """The scan was interrupted; ``report`` holds the completed steps, marked incomplete."""
+
+    def __init__(self, report: Report, cause: Interrupted) -> None:
+        super().__init__(cause.signal_name, cause.exit_code)
+        self.report = report
+
+
 @dataclass(frozen=True)
 class StepProgress:
     step: int  # 1-based count of steps done
@@ -116,38 +124,45 @@ def scan(
         model, loss_scale=options.loss_scale, selection=options.selection, window=options.window
     )
     steps_run = 0
-    for step, batch in enumerate(spec.batches(options.steps)):
-        steps_run = step + 1
-        captured = step % options.every == 0
-        with audit if captured else contextlib.nullcontext():
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                model.zero_grad(set_to_none=True)
-            batch = modelfile.move_to(batch, device)
-            with modelfile.user_code(path, "loss(model, batch)"):
-                loss = spec.loss(model, batch)
-            loss = modelfile.check_loss(loss, path)
-            seed = torch.full_like(loss, options.loss_scale)
+    interrupted: Interrupted | None = None
+    try:
+        for step, batch in enumerate(spec.batches(options.steps)):
+            captured = step % options.every == 0
+            with audit if captured else contextlib.nullcontext():
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                else:
+                    model.zero_grad(set_to_none=True)
+                batch = modelfile.move_to(batch, device)
+                with modelfile.user_code(path, "loss(model, batch)"):
+                    loss = spec.loss(model, batch)
+                loss = modelfile.check_loss(loss, path)
+                seed = torch.full_like(loss, options.loss_scale)
+                if captured:
+                    audit.record(KIND_BACKWARD, LOSS_MODULE, "seed", "seed", 0, True, seed)
+                with modelfile.user_code(path, "backward"):
+                    torch.autograd.backward(loss, grad_tensors=seed)
+                summary = audit.step(loss=loss, index=step) if captured else None
+            if summary is not None:
+                loss_value, healthy = (
+                    summary.loss,
+                    summary.loss_finite and not summary.nonfinite_grads,
+                )
+            else:  # an unaudited step: its one sync reads the loss
+                loss_value = float(loss.detach())
+                healthy = math.isfinite(loss_value)
+            stepped = False
+            if optimizer is not None and healthy:
+                with modelfile.user_code(path, "optimizer.step()"):
+                    optimizer.step()
+                stepped = True
             if captured:
-                audit.record(KIND_BACKWARD, LOSS_MODULE, "seed", "seed", 0, True, seed)
-            with modelfile.user_code(path, "backward"):
-                torch.autograd.backward(loss, grad_tensors=seed)
-            summary = audit.step(loss=loss, index=step) if captured else None
-        if summary is not None:
-            loss_value, healthy = summary.loss, summary.loss_finite and not summary.nonfinite_grads
-        else:  # an unaudited step: its one sync reads the loss
-            loss_value = float(loss.detach())
-            healthy = math.isfinite(loss_value)
-        stepped = False
-        if optimizer is not None and healthy:
-            with modelfile.user_code(path, "optimizer.step()"):
-                optimizer.step()
-            stepped = True
-        if captured:
-            audit.mark_optimizer_step(stepped)
-        if on_step is not None:
-            on_step(StepProgress(step + 1, options.steps, summary, stepped, loss_value))
+                audit.mark_optimizer_step(stepped)
+            steps_run = step + 1
+            if on_step is not None:
+                on_step(StepProgress(step + 1, options.steps, summary, stepped, loss_value))
+    except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
+        interrupted = error if isinstance(error, Interrupted) else Interrupted()
 
     report = audit.report
     report.meta.update(
@@ -156,6 +171,8 @@ def scan(
             "model_file": str(path),
             "steps_requested": options.steps,
             "steps_run": steps_run,
+            "complete": interrupted is None,
+            "stopped_by": interrupted.signal_name if interrupted is not None else None,
             "loss_scale": options.loss_scale,
             "seed": options.seed,
             "device": str(device),
@@ -168,4 +185,6 @@ def scan(
     if device.type == "cuda":
         report.meta["device_name"] = torch.cuda.get_device_name(device)
     report.meta.update(meta or {})
+    if interrupted is not None:
+        raise ScanInterrupted(report, interrupted)
     return report
