@@ -46,8 +46,10 @@ _END = object()
 
 def where(error: BaseException, path: Path) -> str:
     """``file:line`` of the innermost frame of ``error`` inside ``path`` (else the last frame)."""
-    if isinstance(error, SyntaxError) and error.filename:
-        return f"{error.filename}:{error.lineno}"
+    if isinstance(error, SyntaxError):
+        # Python names importlib's frame, not the file, for some errors (null bytes).
+        named = error.filename and Path(error.filename).resolve() == path.resolve()
+        return f"{error.filename}:{error.lineno}" if named else str(path)
     frames = traceback.extract_tb(error.__traceback__)
     resolved = str(path.resolve())
     inside = [f for f in frames if f.filename and Path(f.filename).resolve().as_posix() == resolved]
@@ -55,6 +57,12 @@ def where(error: BaseException, path: Path) -> str:
     if not candidates:
         return str(path)
     return f"{candidates[-1].filename}:{candidates[-1].lineno}"
+
+
+def a_type(value: object) -> str:
+    """'an int', 'a float': the type of ``value`` with its article."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def describe(error: BaseException) -> str:
@@ -167,14 +175,12 @@ def load(path: str | Path) -> ModelFile:
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise ModelFileError(
-                f"{path}: `model` is a {type(model).__name__}; expected {CONTRACT['model']}"
+                f"{path}: `model` is {a_type(model)}; expected {CONTRACT['model']}"
             )
         with user_code(path, "model()"):
             model = model()
         if not isinstance(model, nn.Module):
-            raise ModelFileError(
-                f"{path}: model() returned a {type(model).__name__}; expected an nn.Module"
-            )
+            raise ModelFileError(f"{path}: model() returned {a_type(model)}; expected an nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise ModelFileError(f"{path}: the model has no parameters that require grad")
 
@@ -190,22 +196,20 @@ def load(path: str | Path) -> ModelFile:
             produced = factory()
             if not isinstance(produced, Iterable):
                 raise ModelFileError(
-                    f"{path}: batches() returned a {type(produced).__name__}; expected an iterable"
+                    f"{path}: batches() returned {a_type(produced)}; expected an iterable"
                 )
             return produced
 
     else:
         raise ModelFileError(
-            f"{path}: `batches` is a {type(batches).__name__}; expected {CONTRACT['batches']}"
+            f"{path}: `batches` is {a_type(batches)}; expected {CONTRACT['batches']}"
         )
 
     if not callable(loss):
-        raise ModelFileError(
-            f"{path}: `loss` is a {type(loss).__name__}; expected {CONTRACT['loss']}"
-        )
+        raise ModelFileError(f"{path}: `loss` is {a_type(loss)}; expected {CONTRACT['loss']}")
     if optimizer is not None and not callable(optimizer):
         raise ModelFileError(
-            f"{path}: `optimizer` is a {type(optimizer).__name__}; "
+            f"{path}: `optimizer` is {a_type(optimizer)}; "
             "expected def optimizer(params): return torch.optim.SGD(params, lr=...)"
         )
     return ModelFile(path, model, loss, make_batches, reiterable, optimizer)
@@ -215,8 +219,7 @@ def check_loss(value: Any, path: Path) -> torch.Tensor:
     """The loss must be a floating-point tensor with one element that requires grad."""
     if not isinstance(value, torch.Tensor):
         raise ModelFileError(
-            f"{path}: loss(model, batch) returned a {type(value).__name__}; "
-            "expected a scalar tensor"
+            f"{path}: loss(model, batch) returned {a_type(value)}; expected a scalar tensor"
         )
     if value.numel() != 1:
         shape = list(value.shape)

@@ -64,8 +64,8 @@ def stderr() -> Console:
 
 
 def error_line(message: str) -> None:
-    """The one line a failed command prints."""
-    sys.stderr.write(f"fpaudit: error: {message}\n")
+    """The one line a failed command prints (messages from libraries can hold newlines)."""
+    sys.stderr.write(f"fpaudit: error: {' '.join(message.split())}\n")
 
 
 def print_json(data: Any) -> None:

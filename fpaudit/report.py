@@ -340,6 +340,7 @@ def _read_meta(root: Path) -> dict[str, Any]:
     files = meta.get("files")
     if not isinstance(files, dict):
         raise ReportError(f"{meta_file}: corrupt metadata (no file list)")
+    _check_meta_types(meta, meta_file)
     return meta
 
 
@@ -397,9 +398,20 @@ def _check_consistency(report: Report, root: Path) -> None:
         )
         if not in_range:
             raise ReportError(f"{root}/bins.parquet: bins out of range")
-    counts = records[["elements", "zeros", "infs", "nans"]]
-    if bool((counts < 0).to_numpy().any()):
+    counts = records[["elements", "zeros", "infs", "nans", "calls"]].to_numpy()
+    if len(counts) and counts.min() < 0:
         raise ReportError(f"{root}/records.parquet: negative counts")
+    if len(records) and records["steps"].min() < 1:
+        raise ReportError(f"{root}/records.parquet: steps must be at least 1")
+    amax = records["amax"].to_numpy()
+    if len(amax) and not (np.isfinite(amax).all() and amax.min() >= 0):
+        raise ReportError(f"{root}/records.parquet: amax must be finite and not negative")
+    # Every element of a record is a zero, an inf, a NaN or in one of its bins (exact
+    # in float64 below 2**53 elements).
+    binned = np.bincount(refs, weights=bins["count"].to_numpy(), minlength=len(ids))
+    special = counts[:, 1] + counts[:, 2] + counts[:, 3]
+    if len(ids) and not np.array_equal(binned + special, counts[:, 0].astype(np.float64)):
+        raise ReportError(f"{root}: records and bins disagree on element counts")
     scales = records["loss_scale"].to_numpy()
     mantissa, exponent = np.frexp(scales)
     valid = (scales > 0) & (mantissa == 0.5) & (exponent - 1 >= -149) & (exponent - 1 <= 127)
@@ -407,6 +419,27 @@ def _check_consistency(report: Report, root: Path) -> None:
         raise ReportError(
             f"{root}/records.parquet: loss_scale must be a power of two in fp32 range"
         )
+
+
+def _check_meta_types(meta: dict[str, Any], meta_file: Path) -> None:
+    """The metadata readers use must have the types they expect."""
+    expected: dict[str, tuple[type, ...]] = {
+        "modules": (list,),
+        "formats": (list,),
+        "complete": (bool,),
+        "stopped_by": (str, type(None)),
+        "steps": (int,),
+        "steps_run": (int,),
+        "steps_requested": (int,),
+        "headroom_bits": (int,),
+        "include_loss": (bool,),
+    }
+    for key, types in expected.items():
+        if key in meta and not isinstance(meta[key], types):
+            raise ReportError(f"{meta_file}: {key} has the wrong type")
+        listed = key in ("modules", "formats") and key in meta
+        if listed and not all(isinstance(item, str) for item in meta[key]):
+            raise ReportError(f"{meta_file}: {key} must be a list of strings")
 
 
 def frame(columns: dict[str, Any], schema: pa.Schema, names: Sequence[str] = ()) -> pd.DataFrame:

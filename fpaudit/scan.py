@@ -116,7 +116,7 @@ def scan(
             optimizer = spec.make_optimizer(model.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise modelfile.ModelFileError(
-                f"{path}: optimizer(params) returned a {type(optimizer).__name__}; "
+                f"{path}: optimizer(params) returned {modelfile.a_type(optimizer)}; "
                 "expected a torch.optim.Optimizer"
             )
 

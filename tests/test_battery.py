@@ -1,0 +1,330 @@
+"""The bad-input battery: every command against broken files, model code, flags and reports.
+
+One case per row. Each runs the real CLI entry point and checks the exit code,
+that a failure is exactly one ``fpaudit: error:`` line with no traceback, the
+words the user sees, and that a failed scan leaves no report behind.
+``test_reliability_doc_is_current`` renders the observed outcomes as the
+table in docs/reliability.md (``FPAUDIT_UPDATE_DOCS=1`` rewrites it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from fpaudit.cli import run
+from fpaudit.report import output_lock
+
+from .conftest import ROOT, SAMPLES
+from .reports import report_from
+
+DOC = ROOT / "docs" / "reliability.md"
+
+GOOD = """import torch
+model = torch.nn.Linear(2, 1)
+batches = [torch.ones(3, 2)]
+def loss(model, batch):
+    return model(batch).sum()
+"""
+
+
+def model(source: str, name: str = "model.py") -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        (tmp / name).write_text(source)
+
+    return setup
+
+
+def raw_model(data: bytes) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        (tmp / "model.py").write_bytes(data)
+
+    return setup
+
+
+def report(damage: Callable[[Path], None] | None = None, **meta: object) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        built = report_from({"a": torch.tensor([2.0**-30, 1.0]), "b": torch.tensor([1e-3, 0.0])})
+        built.meta.update(meta)
+        built.write(tmp / "report")
+        if damage is not None:
+            damage(tmp / "report")
+
+    return setup
+
+
+def edit_meta(change: Callable[[dict[str, object]], None]) -> Callable[[Path], None]:
+    def damage(root: Path) -> None:
+        meta = json.loads((root / "meta.json").read_text())
+        change(meta)
+        (root / "meta.json").write_text(json.dumps(meta))
+
+    return damage
+
+
+def truncate(name: str) -> Callable[[Path], None]:
+    def damage(root: Path) -> None:
+        data = (root / name).read_bytes()
+        (root / name).write_bytes(data[: len(data) // 2])
+
+    return damage
+
+
+def disagreeing_counts(root: Path) -> None:
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(root / "records.parquet")
+    elements = table.column("elements").to_pylist()
+    elements[0] += 5
+    index = table.schema.get_field_index("elements")
+    pq.write_table(
+        table.set_column(index, "elements", pa.array(elements, pa.int64())),
+        root / "records.parquet",
+    )
+    meta = json.loads((root / "meta.json").read_text())
+    meta["files"]["records.parquet"]["sha256"] = hashlib.sha256(
+        (root / "records.parquet").read_bytes()
+    ).hexdigest()
+    (root / "meta.json").write_text(json.dumps(meta))
+
+
+def locked(tmp: Path) -> None:
+    (tmp / "model.py").write_text(GOOD)
+
+
+@dataclass
+class Case:
+    name: str
+    args: list[str]
+    code: int
+    says: str  # words the user sees (on stderr for failures, else stdout)
+    setup: Callable[[Path], None] = field(default=lambda tmp: None)
+    hold_lock: bool = False
+
+
+AWKWARD_OUTPUTS = """import torch
+from torch import nn
+
+class Awkward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4, sparse=True)  # sparse gradient
+        self.empty = nn.Parameter(torch.zeros(0))  # zero-size gradient
+        self.rotate = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.empty.sum()
+        z = torch.polar(torch.ones_like(h), h * self.rotate)  # complex values in backward
+        return z.real.sum() + h.argmax().float() * 0  # an integer op too
+
+model = Awkward
+batches = [torch.randint(0, 10, (3, 5))]
+def loss(model, ids):
+    return model(ids)
+"""
+
+CASES: list[Case] = [
+    # -- the model file -------------------------------------------------------------
+    Case("model file missing", ["scan", "{tmp}/nope.py"], 2, "does not exist"),
+    Case("model file is a directory", ["scan", "{tmp}"], 2, "is not a file"),
+    Case("model file is not text", ["scan", "{tmp}/model.py"], 2, "model.py", raw_model(b"\x00\xff\xfe binary")),
+    Case("syntax error", ["scan", "{tmp}/model.py"], 2, "model.py:2: syntax error", model("import torch\ndef f(:\n")),
+    Case("raises at import", ["scan", "{tmp}/model.py"], 2, "model.py:2: importing the model file raised ValueError: no data",
+         model("import torch\nraise ValueError('no data')\n")),
+    Case("sys.exit at import", ["scan", "{tmp}/model.py"], 2, "called sys.exit(3)", model("import sys\nsys.exit(3)\n")),
+    Case("no `model`", ["scan", "{tmp}/model.py"], 2, "does not define `model`", model("batches = []\ndef loss(m, b): return b\n")),
+    Case("no `batches`", ["scan", "{tmp}/model.py"], 2, "does not define `batches`",
+         model("import torch\nmodel = torch.nn.Linear(2, 1)\ndef loss(m, b): return b\n")),
+    Case("no `loss`", ["scan", "{tmp}/model.py"], 2, "does not define `loss`",
+         model("import torch\nmodel = torch.nn.Linear(2, 1)\nbatches = [1]\n")),
+    Case("`model` is not a module", ["scan", "{tmp}/model.py"], 2, "`model` is an int", model(GOOD.replace("torch.nn.Linear(2, 1)", "3"))),
+    Case("`model()` raises", ["scan", "{tmp}/model.py"], 2, "model() raised RuntimeError: no GPU",
+         model(GOOD.replace("model = torch.nn.Linear(2, 1)", "def model():\n    raise RuntimeError('no GPU')"))),
+    Case("no trainable parameters", ["scan", "{tmp}/model.py"], 2, "no parameters that require grad",
+         model(GOOD.replace("torch.nn.Linear(2, 1)", "torch.nn.Linear(2, 1).requires_grad_(False)"))),
+    Case("empty batch iterable", ["scan", "{tmp}/model.py"], 2, "`batches` yielded no batches",
+         model(GOOD.replace("[torch.ones(3, 2)]", "[]"))),
+    Case("`batches` not iterable", ["scan", "{tmp}/model.py"], 2, "`batches` is an int", model(GOOD.replace("[torch.ones(3, 2)]", "7"))),
+    Case("iterating `batches` raises", ["scan", "{tmp}/model.py"], 2, "iterating `batches` raised OSError: disk gone",
+         model(GOOD.replace("batches = [torch.ones(3, 2)]", "def batches():\n    raise OSError('disk gone')\n    yield"))),
+    Case("loss is not a scalar", ["scan", "{tmp}/model.py"], 2, "shape [3, 1]; expected a scalar",
+         model(GOOD.replace("model(batch).sum()", "model(batch)"))),
+    Case("loss is not a tensor", ["scan", "{tmp}/model.py"], 2, "returned a float", model(GOOD.replace("model(batch).sum()", "1.5"))),
+    Case("loss is an integer tensor", ["scan", "{tmp}/model.py"], 2, "expected a floating-point one",
+         model(GOOD.replace("model(batch).sum()", "torch.tensor(3)"))),
+    Case("loss does not require grad", ["scan", "{tmp}/model.py"], 2, "the loss does not require grad",
+         model(GOOD.replace("model(batch).sum()", "model(batch).sum().detach()"))),
+    Case("loss raises", ["scan", "{tmp}/model.py"], 2, "model.py:5: loss(model, batch) raised KeyError: 'label'",
+         model(GOOD.replace("return model(batch).sum()", "raise KeyError('label')"))),
+    Case("backward raises", ["scan", "{tmp}/model.py"], 2, "backward raised ArithmeticError: bad grad",
+         model(GOOD.replace("def loss(model, batch):", "class Bad(torch.autograd.Function):\n    @staticmethod\n"
+               "    def forward(ctx, x): return x * 1\n    @staticmethod\n    def backward(ctx, g): raise ArithmeticError('bad grad')\n"
+               "def loss(model, batch):").replace("model(batch).sum()", "Bad.apply(model(batch)).sum()"))),
+    Case("`optimizer` not callable", ["scan", "{tmp}/model.py"], 2, "`optimizer` is an int", model(GOOD + "optimizer = 3\n")),
+    Case("`optimizer()` returns no optimizer", ["scan", "{tmp}/model.py"], 2, "optimizer(params) returned a list",
+         model(GOOD + "def optimizer(params):\n    return list(params)\n")),
+    Case("loss turns NaN at step 1", ["scan", "{tmp}/model.py", "--steps", "3", "--out", "{tmp}/r"], 0,
+         "1 step(s) had a non-finite loss",
+         model(GOOD.replace("batches = [torch.ones(3, 2)]", "batches = [torch.ones(3, 2), torch.full((3, 2), float('nan')), torch.ones(3, 2)]"))),
+    Case("complex, integer, sparse and zero-size values in backward", ["scan", "{tmp}/model.py", "--steps", "1", "--out", "{tmp}/r"],
+         0, "Recommended static loss scale", model(AWKWARD_OUTPUTS)),
+    # -- flags ----------------------------------------------------------------------
+    Case("--steps 0", ["scan", "{tmp}/model.py", "--steps", "0"], 2, "--steps must be at least 1, got 0", model(GOOD)),
+    Case("--steps not a number", ["scan", "{tmp}/model.py", "--steps", "many"], 2, "Invalid value", model(GOOD)),
+    Case("negative --headroom-bits", ["scan", "{tmp}/model.py", "--headroom-bits", "-1"], 2, "--headroom-bits must be 0 or more", model(GOOD)),
+    Case("--loss-scale nan", ["scan", "{tmp}/model.py", "--loss-scale", "nan"], 2, "--loss-scale must be a positive number, got nan", model(GOOD)),
+    Case("--loss-scale not a power of two", ["scan", "{tmp}/model.py", "--loss-scale", "1000"], 2,
+         "nearest are 512 (2^9) and 1024 (2^10)", model(GOOD)),
+    Case("unknown --format", ["scan", "{tmp}/model.py", "--format", "fp9"], 2,
+         "unknown format 'fp9'; known: fp16, bf16, fp8_e4m3fn, fp8_e5m2", model(GOOD)),
+    Case("unknown --device", ["scan", "{tmp}/model.py", "--device", "tpu"], 2, "invalid device 'tpu'", model(GOOD)),
+    Case("--every 0", ["scan", "{tmp}/model.py", "--every", "0"], 2, "--every must be at least 1", model(GOOD)),
+    Case("--window 0", ["scan", "{tmp}/model.py", "--window", "0"], 2, "--window must be at least 1", model(GOOD)),
+    Case("report exists, no --force", ["scan", "{tmp}/model.py", "--out", "{tmp}/report"], 2,
+         "already exists; pass --force to overwrite it", lambda tmp: (model(GOOD)(tmp), report()(tmp))),
+    Case("--force onto a directory that is not a report", ["scan", "{tmp}/model.py", "--out", "{tmp}", "--force"], 2,
+         "is not an fpaudit report; refusing to replace it", model(GOOD)),
+    Case("another run is writing the report", ["scan", "{tmp}/model.py", "--out", "{tmp}/r"], 2,
+         "another fpaudit run (pid", locked, hold_lock=True),
+    # -- config files ---------------------------------------------------------------
+    Case("config file missing", ["scan", "{tmp}/model.py", "--config", "{tmp}/none.toml"], 2, "config file", model(GOOD)),
+    Case("invalid TOML", ["scan", "{tmp}/model.py", "--config", "{tmp}/model.py"], 2, "invalid TOML", model(GOOD)),
+    Case("unknown config key", ["gate", "{tmp}/report", "--config", "{tmp}/c.toml"], 2, "unknown key 'max_underflw'",
+         lambda tmp: (report()(tmp), (tmp / "c.toml").write_text("max_underflw = 0.1\n"))),
+    Case("config value of the wrong type", ["gate", "{tmp}/report", "--config", "{tmp}/c.toml"], 2,
+         "[gate] max_underflow must be a number", lambda tmp: (report()(tmp), (tmp / "c.toml").write_text("[gate]\nmax_underflow = 'low'\n"))),
+    # -- reports --------------------------------------------------------------------
+    Case("report missing", ["show", "{tmp}/nope"], 2, "does not exist"),
+    Case("report is a file", ["recommend", "{tmp}/c.toml"], 2, "is not a directory", lambda tmp: (tmp / "c.toml").write_text("")),
+    Case("report directory is empty", ["gate", "{tmp}", "--max-underflow", "0.1"], 2, "is not an fpaudit report (no meta.json)"),
+    Case("report truncated", ["show", "{tmp}/report"], 2, "bins.parquet is corrupt (checksum mismatch)", report(truncate("bins.parquet"))),
+    Case("report from a newer fpaudit", ["recommend", "{tmp}/report"], 2, "schema version 2 is newer than this fpaudit reads",
+         report(edit_meta(lambda m: m.update(schema_version=2)))),
+    Case("metadata is not JSON", ["show", "{tmp}/report"], 2, "corrupt metadata",
+         report(lambda root: (root / "meta.json").write_text("{oops"))),
+    Case("metadata lost its file list", ["show", "{tmp}/report"], 2, "no file list", report(edit_meta(lambda m: m.pop("files")))),
+    Case("metadata field of the wrong type", ["show", "{tmp}/report"], 2, "modules has the wrong type",
+         report(edit_meta(lambda m: m.update(modules="a,b")))),
+    Case("tables tampered consistently", ["gate", "{tmp}/report", "--max-underflow", "0.1"], 2,
+         "records and bins disagree on element counts", report(disagreeing_counts)),
+    Case("gate without a threshold", ["gate", "{tmp}/report"], 2, "gate needs --max-underflow", report()),
+    Case("--max-underflow above 1", ["gate", "{tmp}/report", "--max-underflow", "2"], 2, "between 0 and 1, got 2.0", report()),
+    Case("--max-underflow nan", ["gate", "{tmp}/report", "--max-underflow", "nan"], 2, "between 0 and 1, got nan", report()),
+    Case("--scale 0", ["show", "{tmp}/report", "--scale", "0"], 2, "--scale must be a positive number, got 0", report()),
+    Case("--scale beyond fp32", ["show", "{tmp}/report", "--scale", "2^200"], 2, "outside the range of an fp32 scale", report()),
+    Case("--scale not a number", ["gate", "{tmp}/report", "--max-underflow", "0.1", "--scale", "lots"], 2,
+         "--scale 'lots' is not a number", report()),
+    Case("unknown --kind", ["show", "{tmp}/report", "--kind", "weights"], 2, "--kind must be backward or grad", report()),
+    Case("incomplete report at the gate", ["gate", "{tmp}/report", "--max-underflow", "1"], 1,
+         "The report is incomplete", report(complete=False, stopped_by="SIGINT", steps_run=2, steps_requested=9)),
+    Case("unknown command", ["audit"], 2, "No such command 'audit'"),
+]  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    code: int
+    line: str  # the first line the user sees
+    traceback: bool
+    report_left: bool
+
+
+def _fill(arg: str, tmp: Path) -> str:
+    return arg.replace("{tmp}", str(tmp))
+
+
+def _normalise(text: str, tmp: Path) -> str:
+    text = text.replace(str(tmp), "<tmp>").replace(str(ROOT), "<repo>")
+    return re.sub(r"pid \d+", "pid N", text)
+
+
+def run_case(case: Case, tmp: Path) -> Outcome:
+    case.setup(tmp)
+    before = set(tmp.iterdir())
+    out, err = io.StringIO(), io.StringIO()
+    lock = output_lock(tmp / "r") if case.hold_lock else contextlib.nullcontext()
+    with lock, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run([_fill(a, tmp) for a in case.args])
+    errors = [line for line in err.getvalue().splitlines() if line.strip()]
+    shown = (
+        errors
+        if code == 2
+        else [line for line in out.getvalue().splitlines() if case.says in line] or errors
+    )
+    created = {p for p in set(tmp.iterdir()) - before if not p.name.endswith(".lock")}
+    return Outcome(
+        code=code,
+        line=_normalise(shown[0] if shown else "", tmp),
+        traceback="Traceback" in err.getvalue(),
+        report_left=any((p / "meta.json").exists() or p.name.startswith(".") for p in created),
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input(case: Case, tmp_path: Path) -> None:
+    outcome = run_case(case, tmp_path)
+    assert outcome.code == case.code, outcome
+    assert not outcome.traceback
+    assert case.says in outcome.line or case.says in _normalise(outcome.line, tmp_path), outcome
+    if case.code == 2:
+        assert outcome.line.startswith("fpaudit: error: ")
+        assert not outcome.report_left, "a failed command left a report or a staging directory"
+
+
+def render(outcomes: list[tuple[Case, Outcome]]) -> str:
+    lines = [
+        "# Reliability: what fpaudit does with bad input",
+        "",
+        "Generated by `tests/test_battery.py` (`FPAUDIT_UPDATE_DOCS=1 make test` rewrites it;",
+        "the suite fails when it is out of date). Every row is a test: the command ran through",
+        "the real CLI entry point, and the exit code and the first line the user saw are",
+        "recorded as observed. Exit codes: 0 success, 1 gate failed, 2 bad input. No case",
+        "printed a traceback, and no failed command left a report or a half-written one.",
+        "`<tmp>` is the test's scratch directory.",
+        "",
+        "| # | bad input | command | exit | what the user sees |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for number, (case, outcome) in enumerate(outcomes, 1):
+        command = " ".join(["fpaudit", *(a.replace("{tmp}", "<tmp>") for a in case.args)])
+        message = outcome.line.replace("|", "\\|")
+        lines.append(f"| {number} | {case.name} | `{command}` | {outcome.code} | {message} |")
+    lines += [
+        "",
+        "Interrupted runs (tested with real signals in `tests/test_reliability.py`): SIGINT or",
+        "SIGTERM during `scan` writes the completed steps as a report marked incomplete and",
+        "exits 130 or 143; `gate` then fails unless `--allow-incomplete`. Damaged and tampered",
+        "reports are also fuzzed (`tests/test_fuzz.py`): random metadata, random bytes in the",
+        "Parquet files and well-formed tables with impossible values end in a result or one",
+        "clean error line, never an internal error.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def test_reliability_doc_is_current(tmp_path_factory: pytest.TempPathFactory) -> None:
+    assert len(CASES) >= 30
+    outcomes = [(case, run_case(case, tmp_path_factory.mktemp("case"))) for case in CASES]
+    text = render(outcomes)
+    if os.environ.get("FPAUDIT_UPDATE_DOCS") == "1":
+        DOC.parent.mkdir(exist_ok=True)
+        DOC.write_text(text)
+    assert DOC.exists() and DOC.read_text() == text, (
+        "docs/reliability.md is stale: run FPAUDIT_UPDATE_DOCS=1 make test"
+    )
+
+
+def test_samples_are_not_touched() -> None:
+    assert (SAMPLES / "mlp.py").exists()
