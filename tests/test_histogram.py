@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -194,3 +196,32 @@ def test_non_contiguous_and_other_dtypes_through_the_kernel() -> None:
         host = hist.host()
         expected = torch.bincount(H.bin_indices(tensor.float()), minlength=H.N_BINS).numpy()
         assert np.array_equal(host.counts, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    patterns=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=400),
+    cuts=st.lists(st.integers(0, 400), max_size=4),
+    order=st.randoms(use_true_random=False),
+)
+def test_merging_histograms_is_associative_and_commutative(
+    patterns: list[int], cuts: list[int], order: object
+) -> None:
+    # Steps and ranks merge by adding counts and taking the max amax: any split of the
+    # values, added in any order and grouping, gives the histogram of all of them.
+    x = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    edges = sorted({0, len(x), *(min(c, len(x)) for c in cuts)})
+    parts = [x[a:b] for a, b in itertools.pairwise(edges) if b > a]
+    order.shuffle(parts)  # type: ignore[attr-defined]
+    whole = H.Histogram(torch.device("cpu"))
+    whole.add(x)
+    one_table = H.Histogram(torch.device("cpu"))  # all parts into one row, shuffled order
+    for part in parts:
+        one_table.add(part)
+    separate = [H.Histogram(torch.device("cpu")) for _ in parts]  # grouped per part, then summed
+    for hist, part in zip(separate, parts, strict=True):
+        hist.add(part)
+    summed = sum(h.host().counts for h in separate)
+    assert np.array_equal(one_table.host().counts, whole.host().counts)
+    assert np.array_equal(summed, whole.host().counts)
+    assert max(h.host().amax for h in separate) == whole.host().amax == one_table.host().amax
