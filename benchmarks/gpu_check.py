@@ -11,7 +11,10 @@ What it checks, on the sample transformer:
    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising
    call; only the step close (one transfer) runs outside it;
 3. attribution works on the autograd device threads (records per module);
-4. overhead: plain and audited steps interleaved, medians, ratio.
+4. overhead: plain and audited steps interleaved, medians, ratio;
+5. live mode on the device: a step under ``torch.autocast`` in fp16 with the fp32
+   shadow, also free of host syncs, and the values the shadow found lost;
+6. ``fpaudit verify`` on the device at scale 1 and at the recommended scale.
 
 Prints a summary; ``--json FILE`` also writes it.
 """
@@ -144,6 +147,48 @@ def main(argv: list[str] | None = None) -> int:
     report = audit.report
     records = report.records
     medians = {k: statistics.median(v) for k, v in times.items()}
+    recommended = fpaudit.recommend(report, "fp16").log2_scale or 0
+
+    # live fp16 with the shadow, at scale 1 and at the recommended scale
+    amp = "cuda" if device.type == "cuda" else "cpu"
+    live: dict[str, Any] = {}
+    for log2_scale in (0, recommended):
+        shadowed = fpaudit.audit(model, shadow=True, loss_scale=2.0**log2_scale)
+        with shadowed:
+            model.zero_grad(set_to_none=True)
+            try:
+                with no_host_sync(device), torch.autocast(amp, dtype=torch.float16):
+                    loss = loss_fn(model, ids)
+                with no_host_sync(device):
+                    torch.autograd.backward(
+                        loss, grad_tensors=torch.full_like(loss, 2.0**log2_scale)
+                    )
+            except RuntimeError as error:
+                sync_error = str(error).splitlines()[0]
+                raise
+            shadowed.step(loss=loss)
+        rows = shadowed.report.records
+        low = rows[rows["dtype"] == "float16"]
+        live[f"2^{log2_scale}"] = {
+            "float16_records": len(low),
+            "lost": int(low["lost"].sum()),
+            "lost_fraction": float(low["lost"].sum() / max(1, low["shadow_nonzero"].sum())),
+        }
+    synchronize(device)
+
+    from fpaudit.verify import verify
+
+    sample_file = ROOT / "sample_configs" / "transformer.py"
+    verified = {}
+    if not args.quick:
+        for log2_scale in (0, recommended):
+            result = verify(sample_file, log2_scale=log2_scale, amp="fp16", device=str(device))
+            verified[f"2^{log2_scale}"] = {
+                "passed": result.passed,
+                "skipped": result.skipped,
+                "stalled": len(result.stalled),
+                "max_zeroed_fraction": max(p.zeroed_fraction for p in result.parameters),
+            }
     summary.update(
         {
             "no_host_sync_during_capture": sync_error is None,
@@ -153,13 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "median_step_seconds": medians,
             "ratio": medians["fpaudit"] / medians["plain"],
-            "recommended_fp16_log2_scale": fpaudit.recommend(
-                report, fpaudit.get_format("fp16")
-            ).log2_scale,
+            "recommended_fp16_log2_scale": recommended,
+            "live_fp16_shadow": live,
+            "verify_fp16": verified,
         }
     )
+    summary["no_host_sync_during_capture"] = sync_error is None
     ok = summary["exact"] and summary["amax_exact"] and summary["no_host_sync_during_capture"]
     ok = ok and summary["backward_records_per_step"] > 0
+    ok = ok and all(v["float16_records"] > 0 for v in live.values())
     summary["ok"] = bool(ok)
     print(json.dumps(summary, indent=2))
     if args.json:

@@ -25,12 +25,13 @@ if TYPE_CHECKING:
     from fpaudit.analysis import Scope, module_table, range_loss
     from fpaudit.capture import Audit, Selection, audit
     from fpaudit.formats import FORMATS, Fate, Format, get_format
-    from fpaudit.gate import GateResult, gate
-    from fpaudit.recommend import Recommendation, recommend
+    from fpaudit.gating import GateResult, gate
+    from fpaudit.recommendation import Recommendation, recommend
     from fpaudit.records import LOSS_MODULE
     from fpaudit.report import Report
 
-# Names load on first use: capturing needs torch but not pandas or pyarrow
+# Names load on first use (no module of the package shares a name with one of these, or
+# importing it would shadow the name): capturing needs torch but not pandas or pyarrow
 # (about 70 MB a training process need not carry); reading a report needs
 # pandas and pyarrow but not torch (1.6 s of start-up).
 _WHERE = {
@@ -44,10 +45,10 @@ _WHERE = {
     "Fate": "formats",
     "Format": "formats",
     "get_format": "formats",
-    "GateResult": "gate",
-    "gate": "gate",
-    "Recommendation": "recommend",
-    "recommend": "recommend",
+    "GateResult": "gating",
+    "gate": "gating",
+    "Recommendation": "recommendation",
+    "recommend": "recommendation",
     "LOSS_MODULE": "records",
     "Report": "report",
 }

@@ -92,15 +92,16 @@ uint32_t subnormal_bin(uint32_t bits, const Bounds& b) {
 }  // namespace
 
 // Adds the values of the contiguous fp32 CPU tensor x to row `row` of `table` (int64,
-// rows x (kBins + 1)): columns 0..kBins-1 are the counts, column kBins the bit
-// pattern of the largest finite |x| seen, raised here if x has a larger one.
+// rows x at least kBins + 1 columns): columns 0..kBins-1 are the counts, column kBins
+// the bit pattern of the largest finite |x| seen, raised here if x has a larger one.
+// Further columns belong to the caller.
 void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
                    const std::vector<int64_t>& class_bounds) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "histogram_add needs a contiguous float32 CPU tensor");
   TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == torch::kInt64 && table.dim() == 2 &&
-                  table.size(1) == kBins + 1 && table.is_contiguous(),
-              "table must be a contiguous int64 CPU tensor of shape [rows, ", kBins + 1, "]");
+                  table.size(1) > kBins && table.is_contiguous(),
+              "table must be a contiguous int64 CPU tensor of shape [rows, > ", kBins, "]");
   TORCH_CHECK(row >= 0 && row < table.size(0), "row ", row, " out of range");
   TORCH_CHECK(class_bounds.size() == kClasses && class_bounds[0] == 0, "expected ", kClasses, " class bounds");
   const Bounds bounds{uint32_t(class_bounds[1]), uint32_t(class_bounds[2]), uint32_t(class_bounds[3]),
@@ -108,7 +109,7 @@ void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
                       uint32_t(class_bounds[7])};
 
   const auto* data = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
-  int64_t* total = table.data_ptr<int64_t>() + row * (int64_t(kBins) + 1);
+  int64_t* total = table.data_ptr<int64_t>() + row * table.size(1);
   int64_t* amax_out = total + kBins;
   std::mutex merge;
   const int64_t n = x.numel();

@@ -29,6 +29,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -48,6 +49,7 @@ _UNSCALED_MIN = layout.BINADE_MIN - 127
 _UNSCALED_MAX = layout.BINADE_MAX + 149
 _N_UNSCALED = _UNSCALED_MAX - _UNSCALED_MIN + 1
 
+SHADOW_COLUMNS = ("shadow_calls", "shadow_nonzero", "lost", "overflowed")
 COUNT_COLUMNS = (
     "elements",
     "zeros",
@@ -128,15 +130,30 @@ class Scope:
 
     kinds: tuple[str, ...] = (KIND_BACKWARD,)
     include_loss: bool = False
+    dtypes: tuple[str, ...] = ()  # only records of these dtypes (live mode); empty: all
 
     def mask(self, records: pd.DataFrame) -> np.ndarray:
         mask = records["kind"].isin(self.kinds).to_numpy(copy=True)
         if not self.include_loss:
             mask &= (records["module"] != LOSS_MODULE).to_numpy()
+        if self.dtypes:
+            mask &= records["dtype"].isin(self.dtypes).to_numpy()
         return mask
 
     def select(self, records: pd.DataFrame) -> pd.DataFrame:
         return records[self.mask(records)]
+
+
+def live_dtypes(report: Report) -> tuple[str, ...]:
+    """In a live (--amp) report, the low-precision dtype the recommendation is about."""
+    dtype = report.meta.get("amp_dtype")
+    return (dtype,) if isinstance(dtype, str) else ()
+
+
+def default_scope(report: Report, include_loss: bool = False) -> Scope:
+    """What recommendations and gates judge: backward values inside the model, and in a
+    live report only the values the device really held in the low-precision dtype."""
+    return Scope(include_loss=include_loss, dtypes=live_dtypes(report))
 
 
 @dataclass(frozen=True)
@@ -178,17 +195,26 @@ class Condensed:
         denominator = np.maximum(nonzero, 1)
         for name in ("underflow", "flushed", "overflow"):
             table[f"{name}_fraction"] = np.where(nonzero > 0, table[name] / denominator, 0.0)
+        shadow_nonzero = table["shadow_nonzero"].to_numpy()
+        table["lost_fraction"] = np.where(
+            shadow_nonzero > 0, table["lost"] / np.maximum(shadow_nonzero, 1), 0.0
+        )
         fractions = ["underflow_fraction", "flushed_fraction", "overflow_fraction"]
-        keys = [c for c in self.groups.columns if c not in (*COUNT_COLUMNS, "amax")]
-        return table[[*keys, *COUNT_COLUMNS, "amax", *fractions]]
+        shadow = [*SHADOW_COLUMNS, "lost_fraction"]
+        keys = [
+            c for c in self.groups.columns if c not in (*COUNT_COLUMNS, *shadow, "amax", "dtype")
+        ]
+        return table[[*keys, "dtype", *COUNT_COLUMNS, "amax", *fractions, *shadow]]
 
     def total(self) -> Condensed:
         """Everything in one group."""
-        sums = self.groups[["elements", "zeros", "infs", "nans"]].sum()
+        sums = self.groups[["elements", "zeros", "infs", "nans", *SHADOW_COLUMNS]].sum()
+        dtypes = sorted({d for joined in self.groups["dtype"] for d in joined.split(",") if d})
         groups = pd.DataFrame(
             {
                 **{name: [int(sums[name])] for name in sums.index},
                 "amax": [float(self.groups["amax"].max()) if len(self.groups) else 0.0],
+                "dtype": [",".join(dtypes)],
             }
         )
         return Condensed(
@@ -229,8 +255,12 @@ def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("modul
         values = selected[column].to_numpy(dtype=np.int64)
         return np.bincount(group_of_selected, weights=values, minlength=n_groups).astype(np.int64)
 
-    for column in ("elements", "zeros", "infs", "nans"):
+    for column in ("elements", "zeros", "infs", "nans", *SHADOW_COLUMNS):
         groups[column] = per_group(column)
+    dtype_sets: list[set[str]] = [set() for _ in range(n_groups)]
+    for group, dtype in zip(group_of_selected, selected["dtype"].to_numpy(), strict=True):
+        dtype_sets[group].add(str(dtype))
+    groups["dtype"] = [",".join(sorted(d)) for d in dtype_sets]
     amax = np.zeros(n_groups)
     unscaled_amax = selected["amax"].to_numpy(dtype=np.float64) / np.where(
         selected["scales_with_loss"].to_numpy(dtype=bool), selected["loss_scale"].to_numpy(), 1.0
@@ -305,15 +335,19 @@ def range_loss(
 
 
 def totals(
-    report: Report, fmt: Format, log2_scale: int, *, scope: Scope = Scope()
-) -> dict[str, float]:
+    report: Report, fmt: Format | str, log2_scale: int, *, scope: Scope = Scope()
+) -> dict[str, Any]:
     """One row of :func:`range_loss` for everything in scope, as a dict."""
-    row = condense(report, scope, ("module",)).total().at(fmt, log2_scale).iloc[0].to_dict()
-    return {k: (int(v) if k in COUNT_COLUMNS else float(v)) for k, v in row.items()}
+    condensed = condense(report, scope, ("module",)).total()
+    row = condensed.at(as_format(fmt), log2_scale).iloc[0].to_dict()
+    counted = (*COUNT_COLUMNS, *SHADOW_COLUMNS)
+    return {
+        k: (int(v) if k in counted else v if k == "dtype" else float(v)) for k, v in row.items()
+    }
 
 
 def module_table(
-    report: Report, fmt: Format, log2_scale: int, *, scope: Scope = Scope()
+    report: Report, fmt: Format | str, log2_scale: int, *, scope: Scope = Scope()
 ) -> pd.DataFrame:
     """Per-module range loss at ``2**log2_scale``, in network order."""
     return range_loss(report, fmt, log2_scale, scope=scope, by=("module",))

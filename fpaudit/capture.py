@@ -41,7 +41,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fpaudit import _signals, histogram
 from fpaudit.records import (
     KIND_BACKWARD,
+    KIND_FORWARD,
     KIND_GRAD,
     LOSS_MODULE,
     RecordKey,
@@ -238,6 +239,11 @@ class _ModuleClock:
             frames = self._stack.frames = []
         return frames
 
+    def current_module(self) -> str:
+        """The innermost module running forward on this thread, or the loss pseudo-module."""
+        frames = getattr(self._stack, "frames", None)
+        return frames[-1] if frames else LOSS_MODULE
+
     def in_forward(self) -> bool:
         """True while a module of the model runs forward on this thread (also recomputation)."""
         return bool(getattr(self._stack, "frames", None))
@@ -291,11 +297,29 @@ class _ModuleClock:
             self._cache.clear()
 
 
-Recorder = Callable[[str, str, str, str, int, bool, torch.Tensor], None]
+_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2})
+_CASTS = frozenset({_aten._to_copy.default, _aten.copy_.default})
+
+
+def _upcast(value: Any) -> Any:
+    """``value`` with low-precision tensors (and dtype arguments) turned into fp32."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float32) if value.dtype in _LOW_PRECISION else value
+    if isinstance(value, torch.dtype):
+        return torch.float32 if value in _LOW_PRECISION else value
+    if isinstance(value, list | tuple):
+        return type(value)(_upcast(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _upcast(v) for k, v in value.items()}
+    return value
+
+
+Place = tuple[histogram.HistogramTable, int]
+Recorder = Callable[[str, str, str, str, int, bool, torch.Tensor], "Place | None"]
 
 
 class _BackwardMode(TorchDispatchMode):
-    """Sees every aten op; hands backward outputs to the recorder."""
+    """Sees every aten op; hands backward (and, in a forward pass, forward) outputs on."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -304,19 +328,31 @@ class _BackwardMode(TorchDispatchMode):
         # op. Audited code is never compiled (documented), so opt out.
         return False
 
-    def __init__(self, clock: _ModuleClock, provenance: _Provenance, record: Recorder) -> None:
+    def __init__(self, audit: Audit) -> None:
         super().__init__()
-        self._clock = clock
-        self._provenance = provenance
-        self._record = record
+        self._audit = audit
+        self._clock = audit._clock
+        self._provenance = audit._provenance
+        self._record: Recorder = audit.record
         self._op_names: dict[torch._ops.OpOverload, str] = {}
+        self._unshadowable: set[torch._ops.OpOverload] = set()
+
+    def _op_name(self, func: torch._ops.OpOverload) -> str:
+        op = self._op_names.get(func)
+        if op is None:
+            op = self._op_names[func] = str(func)
+        return op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         node = current_autograd_node()
-        if node is None or self._clock.in_forward():
-            return output  # forward, or a checkpointed module recomputing its forward
+        if node is None:
+            if self._audit._forward_active:
+                self._record_forward(func, args, output)
+            return output
+        if self._clock.in_forward():
+            return output  # a checkpointed module recomputing its forward
         inputs = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
         fixed = self._provenance.all_fixed(inputs)
         if fixed:
@@ -325,14 +361,52 @@ class _BackwardMode(TorchDispatchMode):
             self._provenance.unmark(_tensors(output))  # e.g. grad += scaled value
         if not creates_new_values(func, args, output):
             return output
-        op = self._op_names.get(func)
-        if op is None:
-            op = self._op_names[func] = str(func)
+        op = self._op_name(func)
         module = self._clock.module_of(node)
         node_name = node.name()
-        for index, tensor in _float_tensors(output):
-            self._record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor)
+        places = [
+            (self._record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor), tensor)
+            for index, tensor in _float_tensors(output)
+        ]
+        if self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
+            self._compare_with_fp32(func, args, kwargs, places)
         return output
+
+    def _record_forward(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], output: Any
+    ) -> None:
+        if not creates_new_values(func, args, output):
+            return
+        op = self._op_name(func)
+        module = self._clock.current_module()
+        sequence = self._audit._next_forward_op()
+        for index, tensor in _float_tensors(output):
+            place = self._record(KIND_FORWARD, module, "", op, index, False, tensor)
+            if place is not None:
+                place[0].mark_nonfinite(place[1], tensor, sequence)
+
+    def _compare_with_fp32(
+        self,
+        func: torch._ops.OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        places: list[tuple[Place | None, torch.Tensor]],
+    ) -> None:
+        """Re-run a low-precision op on its inputs upcast to fp32; count lost values."""
+        if func in _CASTS:  # a cast to low precision: the fp32 value is its own input
+            source = args[1] if func is _aten.copy_.default else args[0]
+            shadows: list[torch.Tensor] = [source.to(torch.float32)]
+        elif func in self._unshadowable or func._schema.is_mutable:
+            return
+        else:
+            try:
+                shadows = [t for _, t in _float_tensors(func(*_upcast(args), **_upcast(kwargs)))]
+            except Exception:  # some ops insist on their dtypes: no shadow for them
+                self._unshadowable.add(func)
+                return
+        for (place, real), shadow in zip(places, shadows, strict=False):
+            if place is not None and real.dtype in _LOW_PRECISION and shadow.shape == real.shape:
+                place[0].add_shadow(place[1], real, shadow)
 
 
 @dataclass(frozen=True)
@@ -408,13 +482,18 @@ class Audit:
         loss_scale: float = 1.0,
         selection: Selection = Selection(),
         window: int = 1,
+        shadow: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
         self.model = model
         self.loss_scale = loss_scale
         self.selection = selection
+        self.shadow = shadow
         self._accepted: dict[tuple[str, str, str], bool] = {}
+        self._forward_active = False
+        self._forward_ops = 0
+        self._mode: _BackwardMode | None = None
         self._clock = _ModuleClock(model)
         self._provenance = _Provenance()
         self._tables: dict[torch.device, histogram.HistogramTable] = {}
@@ -432,7 +511,7 @@ class Audit:
         stack = ExitStack()
         try:
             self._clock.install(self.model, stack)
-            mode = _BackwardMode(self._clock, self._provenance, self.record)
+            mode = self._mode = _BackwardMode(self)
             restore = _activate_during_backward(mode) if self.backward_only else None
             if restore is not None:
                 stack.callback(restore)
@@ -455,6 +534,26 @@ class Audit:
             table.reset()
         self._clock.forget()
 
+    @contextmanager
+    def forward_pass(self) -> Iterator[None]:
+        """Also record forward op outputs (kind ``forward``) inside this block.
+
+        Forward values are reported apart from backward ones, and the op that
+        first produced an inf or NaN is named in the step (``first_nonfinite``).
+        """
+        if self._mode is None:
+            raise RuntimeError("forward_pass() needs the audit to be active (inside `with audit`)")
+        self._forward_active = True
+        try:
+            with self._mode if self.backward_only else nullcontext():
+                yield
+        finally:
+            self._forward_active = False
+
+    def _next_forward_op(self) -> int:
+        self._forward_ops += 1
+        return self._forward_ops
+
     def _has_open_records(self) -> bool:
         return any(any(table.calls) for table in self._tables.values())
 
@@ -468,13 +567,13 @@ class Audit:
         output: int,
         scales_with_loss: bool,
         tensor: torch.Tensor,
-    ) -> None:
-        """Add ``tensor``'s values to the open step's record for this key."""
+    ) -> Place | None:
+        """Add ``tensor``'s values to the open step's record for this key; its place."""
         accepted = self._accepted.get((kind, module, op))
         if accepted is None:
             accepted = self._accepted[(kind, module, op)] = self.selection.accepts(kind, module, op)
         if not accepted:
-            return
+            return None
         dtype = str(tensor.dtype).removeprefix("torch.")
         key = RecordKey(kind, module, node, op, output, dtype, scales_with_loss)
         place = self._rows.get(key)
@@ -487,6 +586,7 @@ class Audit:
                 place = self._rows[key] = (table, table.new_row())
                 self._row_keys[tensor.device].append(key)
         place[0].add(place[1], tensor)
+        return place
 
     def _record_parameter_gradients(self) -> None:
         for name, param in self.model.named_parameters():
@@ -530,7 +630,14 @@ class Audit:
             counts=rows[:, : histogram.N_BINS],
             amax=histogram.amax_from_bits(rows[:, histogram.AMAX_COLUMN]),
             calls=np.array(calls, dtype=np.int64),
+            shadow=rows[:, histogram.SHADOW_COLUMNS].copy(),
         )
+        first_nonfinite = ""
+        scores = rows[:, histogram.FIRST_NONFINITE_COLUMN] if len(rows) else np.zeros(0)
+        if len(scores) and scores.max() > 0:
+            first = keys[int(np.argmax(scores))]
+            first_nonfinite = f"{first.module or '(root)'} {first.op}"
+        self._forward_ops = 0
         with _signals.deferred():  # a step is recorded whole or not at all
             self._builder.add_step(
                 records,
@@ -538,6 +645,7 @@ class Audit:
                 loss_scale=self.loss_scale,
                 seconds=time.perf_counter() - self._step_started,
                 index=index,
+                first_nonfinite=first_nonfinite,
             )
         self._clock.forget()
         self._step_started = time.perf_counter()
@@ -572,10 +680,13 @@ def audit(
     loss_scale: float = 1.0,
     selection: Selection = Selection(),
     window: int = 1,
+    shadow: bool = False,
 ) -> Audit:
     """Audit the backward pass of ``model``: see :class:`Audit`.
 
     ``selection`` limits what is recorded; ``window`` merges the records of that
-    many consecutive captured steps (exactly) to keep long runs' reports small.
+    many consecutive captured steps (exactly) to keep long runs' reports small;
+    ``shadow`` re-runs every low-precision backward op in fp32 to count the
+    values it lost (see :class:`_BackwardMode`).
     """
-    return Audit(model, loss_scale=loss_scale, selection=selection, window=window)
+    return Audit(model, loss_scale=loss_scale, selection=selection, window=window, shadow=shadow)

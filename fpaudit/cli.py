@@ -22,7 +22,7 @@ import typer
 from fpaudit import __version__, config, render
 from fpaudit.errors import FpauditError, Interrupted, UsageError
 from fpaudit.formats import FORMATS, Format, get_format
-from fpaudit.records import KIND_BACKWARD, KIND_GRAD
+from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
 if TYPE_CHECKING:
     from fpaudit.report import Report
@@ -227,6 +227,23 @@ def scan_command(
         list[str] | None,
         typer.Option("--exclude-op", help="Skip aten ops matching this glob (repeatable)."),
     ] = None,
+    amp: Annotated[
+        str | None,
+        typer.Option("--amp", help="Live mode: run forward under torch.autocast in fp16 or bf16."),
+    ] = None,
+    shadow: Annotated[
+        bool | None,
+        typer.Option(
+            "--shadow/--no-shadow",
+            help="With --amp: re-run low-precision backward ops in fp32 to count lost values.",
+        ),
+    ] = None,
+    forward: Annotated[
+        bool | None,
+        typer.Option(
+            "--forward/--no-forward", help="Also record forward op outputs (a phase of their own)."
+        ),
+    ] = None,
 ) -> None:
     """Run a model file for some steps and record every backward op.
 
@@ -243,10 +260,12 @@ def scan_command(
         dict(steps=steps, device=device, format=format_, headroom_bits=headroom_bits,
              include_loss=include_loss, out=out, seed=seed, loss_scale=loss_scale, top=top,
              force=force, every=every, window=window, module=module,
-             exclude_module=exclude_module, op=op, exclude_op=exclude_op),
+             exclude_module=exclude_module, op=op, exclude_op=exclude_op, amp=amp, shadow=shadow,
+             forward=forward),
         dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
              include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False,
-             every=1, window=1, module=[], exclude_module=[], op=[], exclude_op=[]),
+             every=1, window=1, module=[], exclude_module=[], op=[], exclude_op=[], amp=None,
+             shadow=False, forward=False),
     )  # fmt: skip
     formats = [get_format(name) for name in dict.fromkeys(options["format"])]
     headroom = _headroom(options["headroom_bits"])
@@ -260,6 +279,9 @@ def scan_command(
         seed=options["seed"],
         every=options["every"],
         window=options["window"],
+        amp=options["amp"],
+        shadow=options["shadow"],
+        forward=options["forward"],
         selection=Selection(
             modules=tuple(options["module"]),
             exclude_modules=tuple(options["exclude_module"]),
@@ -296,12 +318,14 @@ def scan_command(
             raise typer.Exit(stopped.exit_code) from None
         report.write(out_path, force=options["force"])
     from fpaudit import analysis
-    from fpaudit.recommend import recommend
+    from fpaudit.recommendation import recommend
 
-    forward_problems = int((~report.steps["loss_finite"]).sum())
+    problems = ~report.steps["loss_finite"]
+    forward_problems = int(problems.sum())
+    first_nonfinite = sorted(set(report.steps.loc[problems, "first_nonfinite"]) - {""})
     for fmt in formats:
         rec = recommend(report, fmt, headroom, include_loss=options["include_loss"])
-        scope = analysis.Scope(include_loss=options["include_loss"])
+        scope = analysis.default_scope(report, options["include_loss"])
         at_1 = analysis.module_table(report, fmt, 0, scope=scope)
         at_s = analysis.module_table(report, fmt, rec.log2_scale or 0, scope=scope)
         render.scan_summary(
@@ -313,6 +337,7 @@ def scan_command(
             rec,
             options["top"],
             forward_problems,
+            first_nonfinite,
         )
 
 
@@ -334,7 +359,8 @@ def show_command(
         str | None,
         typer.Option(
             "--kind",
-            help="backward (op outputs) or grad (parameter gradients) [default: backward].",
+            help="backward (op outputs), grad (parameter gradients) or forward "
+            "(--forward scans) [default: backward].",
         ),
     ] = None,
     by: Annotated[
@@ -351,7 +377,7 @@ def show_command(
     Example: fpaudit show report --format fp16 --scale 2^12 --top 5
     """
     from fpaudit import analysis
-    from fpaudit.recommend import recommend
+    from fpaudit.recommendation import recommend
     from fpaudit.report import Report
 
     options = _merge(
@@ -359,8 +385,8 @@ def show_command(
         dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output),
         dict(format=None, scale="1", top=None, kind=KIND_BACKWARD, by="module", json=False),
     )  # fmt: skip
-    if options["kind"] not in (KIND_BACKWARD, KIND_GRAD):
-        raise UsageError(f"--kind must be backward or grad, got {options['kind']!r}")
+    if options["kind"] not in (KIND_BACKWARD, KIND_GRAD, KIND_FORWARD):
+        raise UsageError(f"--kind must be backward, grad or forward, got {options['kind']!r}")
     if options["by"] not in ("module", "op"):
         raise UsageError(f"--by must be module or op, got {options['by']!r}")
     if options["top"] is not None and options["top"] < 1:
@@ -412,7 +438,7 @@ def recommend_command(
 
     Example: fpaudit recommend report --format fp16 --headroom-bits 4 --json
     """
-    from fpaudit.recommend import recommend
+    from fpaudit.recommendation import recommend
     from fpaudit.report import Report
 
     options = _merge(
@@ -473,7 +499,7 @@ def gate_command(
 
     Example: fpaudit gate report --max-underflow 0.001 --format fp16 --per-module
     """
-    from fpaudit.gate import gate as run_gate
+    from fpaudit.gating import gate as run_gate
     from fpaudit.report import Report
 
     options = _merge(
@@ -506,6 +532,60 @@ def gate_command(
         render.print_json(result.to_dict())
     else:
         render.gate(result)
+    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+
+
+@app.command("verify")
+def verify_command(
+    model_file: Annotated[
+        Path,
+        typer.Argument(help="Python file defining model, batches and loss.", show_default=False),
+    ],
+    scale: Annotated[
+        str | None,
+        typer.Option(
+            "--scale",
+            "-s",
+            help="Power-of-two loss scale for the mixed step (1024, 2^10) (required).",
+        ),
+    ] = None,
+    amp: Annotated[str | None, typer.Option("--amp", help="fp16 or bf16 [default: fp16].")] = None,
+    clip_norm: Annotated[
+        float | None,
+        typer.Option(
+            "--clip-norm", help="Clip gradients to this total norm (applied to unscaled gradients)."
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")
+    ] = None,
+    json_output: JsonOption = None,
+) -> None:
+    """One fp32 step against one mixed-precision step: which parameters stop learning.
+
+    Example: fpaudit verify sample_configs/mlp.py --scale 2^16 --amp fp16 --clip-norm 1.0
+    """
+    from fpaudit.verify import verify
+
+    if scale is None:
+        raise UsageError(
+            "verify needs --scale S, the loss scale of the mixed step (for example 2^16)"
+        )
+    result = verify(
+        model_file,
+        log2_scale=config.parse_scale(scale),
+        amp=amp or "fp16",
+        clip_norm=clip_norm,
+        device=device or "auto",
+        seed=0 if seed is None else seed,
+    )
+    if json_output:
+        render.print_json(result.to_dict())
+    else:
+        render.verification(result)
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
 
 

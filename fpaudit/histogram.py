@@ -25,6 +25,7 @@ from fpaudit.layout import (
     BINADE_MIN,
     CLASS_LOWER_BOUNDS,
     FIRST_FINITE_BIN,
+    FIRST_NONFINITE_COLUMN,
     FRACTION_BITS,
     FRACTION_MASK,
     INF_BIN,
@@ -32,6 +33,11 @@ from fpaudit.layout import (
     N_BINS,
     N_CLASSES,
     NAN_BIN,
+    NEVER,
+    OVERFLOWED_COLUMN,
+    SHADOW_CALLS_COLUMN,
+    SHADOW_COLUMNS,
+    SHADOW_NONZERO_COLUMN,
     WIDTH,
     ZERO_BIN,
     amax_from_bits,
@@ -47,12 +53,14 @@ __all__ = [
     "BINADE_MIN",
     "CLASS_LOWER_BOUNDS",
     "FIRST_FINITE_BIN",
+    "FIRST_NONFINITE_COLUMN",
     "FRACTION_BITS",
     "INF_BIN",
     "NAN_BIN",
     "N_BINADES",
     "N_BINS",
     "N_CLASSES",
+    "SHADOW_COLUMNS",
     "WIDTH",
     "ZERO_BIN",
     "Histogram",
@@ -176,8 +184,33 @@ class HistogramTable:
             self._add_device(row, x)
 
     def _raise_amax(self, row: int, amax_bits: torch.Tensor) -> None:
-        column = self.table[row, AMAX_COLUMN:]
+        column = self.table[row, AMAX_COLUMN : AMAX_COLUMN + 1]
         torch.maximum(column, amax_bits.to(torch.int64), out=column)
+
+    def add_shadow(self, row: int, real: torch.Tensor, shadow: torch.Tensor) -> None:
+        """Compare an op's real output with its fp32 re-run: lost and overflowed values.
+
+        Device ops only, no sync: counted into the row's shadow columns.
+        """
+        real = real.detach().to(torch.float32)
+        shadow = shadow.detach().to(torch.float32)
+        nonzero = shadow != 0
+        counts = torch.stack(
+            [
+                nonzero.sum(),
+                (nonzero & (real == 0)).sum(),
+                (torch.isfinite(shadow) & ~torch.isfinite(real)).sum(),
+            ]
+        )
+        self.table[row, SHADOW_CALLS_COLUMN] += 1
+        self.table[row, SHADOW_NONZERO_COLUMN : OVERFLOWED_COLUMN + 1] += counts
+
+    def mark_nonfinite(self, row: int, x: torch.Tensor, sequence: int) -> None:
+        """Remember the earliest op number (this step) at which ``x`` held inf or NaN."""
+        bad = ~torch.isfinite(x.detach()).all()
+        score = torch.where(bad, NEVER - sequence, 0).to(torch.int64).reshape(1)
+        column = self.table[row, FIRST_NONFINITE_COLUMN : FIRST_NONFINITE_COLUMN + 1]
+        torch.maximum(column, score, out=column)
 
     def _add_device(self, row: int, x: torch.Tensor) -> None:
         # torch.bincount syncs with the host on CUDA (it sizes its output from

@@ -57,9 +57,17 @@ INF_BIN = FIRST_FINITE_BIN + N_BINADES * N_CLASSES
 NAN_BIN = INF_BIN + 1
 N_BINS = NAN_BIN + 1
 
-WIDTH = N_BINS + 1
-"""Columns of a histogram table row: the N_BINS counts, then the finite amax bits."""
+# Columns of a histogram table row: the N_BINS counts, the finite amax bits, then
+# what the shadow (fp32 re-run) and the forward phase add.
 AMAX_COLUMN = N_BINS
+SHADOW_CALLS_COLUMN = N_BINS + 1  # outputs re-run in fp32 (--shadow)
+SHADOW_NONZERO_COLUMN = N_BINS + 2  # nonzero elements of those fp32 shadow outputs
+LOST_COLUMN = N_BINS + 3  # nonzero in the shadow, zero in the real output
+OVERFLOWED_COLUMN = N_BINS + 4  # finite in the shadow, inf/NaN in the real output
+FIRST_NONFINITE_COLUMN = N_BINS + 5  # NEVER - (op number of its first non-finite output), max
+WIDTH = N_BINS + 6
+SHADOW_COLUMNS = slice(SHADOW_CALLS_COLUMN, OVERFLOWED_COLUMN + 1)
+NEVER = 2**62  # so that an all-zero row means "no non-finite output seen"
 
 
 def finite_bin(binade: int, cls: int) -> int:

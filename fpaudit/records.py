@@ -38,6 +38,11 @@ RECORD_COLUMNS = {
     "nans": "int64",
     "amax": "float64",
     "loss_scale": "float64",
+    # --shadow: the op re-run in fp32 on the same inputs, upcast
+    "shadow_calls": "int64",  # outputs compared with their fp32 re-run (0: not shadowed)
+    "shadow_nonzero": "int64",  # nonzero elements of the fp32 re-runs
+    "lost": "int64",  # nonzero in the fp32 re-run, zero in the real output
+    "overflowed": "int64",  # finite in the fp32 re-run, inf or NaN in the real output
 }
 STEP_COLUMNS = {
     "step": "int32",
@@ -47,6 +52,7 @@ STEP_COLUMNS = {
     "records": "int32",
     "nonfinite_grads": "int64",
     "optimizer_step": "bool",
+    "first_nonfinite": "string",  # --forward: the module and op that first produced inf/NaN
     "seconds": "float64",
 }
 # In memory, bins keep what analysis needs; lower and upper are derived from
@@ -55,6 +61,7 @@ BIN_COLUMNS = ("record_id", "binade", "cls", "count")
 
 KIND_BACKWARD = "backward"  # an output of an op that ran in backward
 KIND_GRAD = "grad"  # a parameter's final .grad, as a GradScaler sees it
+KIND_FORWARD = "forward"  # an output of an op in forward (--forward)
 LOSS_MODULE = "<loss>"
 """Pseudo-module for backward ops of nodes created outside every module of the model."""
 
@@ -77,6 +84,11 @@ class StepRecords:
     counts: np.ndarray  # int64 [records, layout.N_BINS]
     amax: np.ndarray  # float64 [records], finite amax as recorded
     calls: np.ndarray  # int64 [records], tensors added
+    shadow: np.ndarray | None = None  # int64 [records, 4]: layout.SHADOW_COLUMNS
+
+    def __post_init__(self) -> None:
+        if self.shadow is None:
+            self.shadow = np.zeros((len(self.keys), 4), dtype=np.int64)
 
     @classmethod
     def from_histograms(cls, records: dict[RecordKey, HostHistogram]) -> StepRecords:
@@ -127,10 +139,12 @@ class ReportBuilder:
         loss_scale: float,
         seconds: float,
         index: int | None = None,
+        first_nonfinite: str = "",
     ) -> None:
         """Add one closed step (vectorised over its records). A non-finite loss drops
         the step's records: it is a forward problem, never backward overflow.
-        ``index`` numbers the step (default: one after the last); it must increase."""
+        ``index`` numbers the step (default: one after the last); it must increase.
+        ``first_nonfinite`` names the forward op that first made inf or NaN (--forward)."""
         step = self.last_index + 1 if index is None else index
         if step <= self.last_index:
             raise ValueError(f"step index {step} does not follow {self.last_index}")
@@ -146,6 +160,7 @@ class ReportBuilder:
                     records.counts,
                     records.amax,
                     records.calls,
+                    records.shadow,
                     np.full(n, loss_scale),
                     np.full(n, step, dtype=np.int32),
                     np.ones(n, dtype=np.int32),
@@ -154,21 +169,23 @@ class ReportBuilder:
             if self._pending_steps == 0:
                 self._pending_first = step
             self._pending_steps += 1
+            assert records.shadow is not None
             for row, key in enumerate(records.keys[:kept]):
                 merged = self._pending.get((key, loss_scale))
                 if merged is None:
-                    counts = records.counts[row].copy()
                     self._pending[(key, loss_scale)] = [
-                        counts,
+                        records.counts[row].copy(),
                         records.amax[row],
                         records.calls[row],
                         1,
+                        records.shadow[row].copy(),
                     ]
                 else:
                     merged[0] += records.counts[row]
                     merged[1] = max(merged[1], records.amax[row])
                     merged[2] += records.calls[row]
                     merged[3] += 1
+                    merged[4] += records.shadow[row]
             if self._pending_steps == self.window:
                 self._emit(*self._pending_block())
                 self._pending.clear()
@@ -181,6 +198,7 @@ class ReportBuilder:
             "records": kept,
             "nonfinite_grads": records.nonfinite(KIND_GRAD),
             "optimizer_step": False,
+            "first_nonfinite": first_nonfinite,
             "seconds": seconds,
         }
         for name, value in step_row.items():
@@ -194,6 +212,7 @@ class ReportBuilder:
             np.array([v[0] for _, v in entries], dtype=np.int64).reshape(n, layout.N_BINS),
             np.array([v[1] for _, v in entries], dtype=np.float64),
             np.array([v[2] for _, v in entries], dtype=np.int64),
+            np.array([v[4] for _, v in entries], dtype=np.int64).reshape(n, 4),
             np.array([scale for (_, scale), _ in entries], dtype=np.float64),
             np.full(n, self._pending_first, dtype=np.int32),
             np.array([v[3] for _, v in entries], dtype=np.int32),
@@ -205,6 +224,7 @@ class ReportBuilder:
         counts: np.ndarray,
         amax: np.ndarray,
         calls: np.ndarray,
+        shadow: np.ndarray | None,
         loss_scale: np.ndarray,
         step: np.ndarray,
         steps: np.ndarray,
@@ -227,6 +247,9 @@ class ReportBuilder:
             "amax": amax,
             "loss_scale": loss_scale,
         }
+        shadow = np.zeros((n, 4), dtype=np.int64) if shadow is None else shadow
+        for column, name in enumerate(("shadow_calls", "shadow_nonzero", "lost", "overflowed")):
+            columns[name] = shadow[:, column].copy()
         for field_name in RecordKey._fields:
             columns[field_name] = np.array([getattr(k, field_name) for k in keys])
         for name in RECORD_COLUMNS:

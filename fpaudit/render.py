@@ -17,8 +17,9 @@ from rich.table import Table
 from fpaudit.formats import Format
 
 if TYPE_CHECKING:
-    from fpaudit.gate import GateResult
-    from fpaudit.recommend import Recommendation
+    from fpaudit.gating import GateResult
+    from fpaudit.recommendation import Recommendation
+    from fpaudit.verify import Verification
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -157,10 +158,16 @@ def _power(value: float) -> str:
 
 
 # -- show ------------------------------------------------------------------
+SHADOW_JSON_KEYS = ("lost", "lost_fraction", "overflowed", "shadow_nonzero")
+
+
 def module_rows(table: pd.DataFrame) -> list[dict[str, Any]]:
+    """JSON rows; the shadow counts only where the report has them (``--shadow``)."""
+    shadowed = "shadow_calls" in table and bool((table["shadow_calls"] > 0).any())
+    keys = (*MODULE_JSON_KEYS, "dtype", *(SHADOW_JSON_KEYS if shadowed else ()))
     rows = []
     for record in table.to_dict(orient="records"):
-        row = {key: record[key] for key in MODULE_JSON_KEYS if key in record}
+        row = {key: record[key] for key in keys if key in record}
         for key in ("node", "op"):
             if key in record:
                 row[key] = record[key]
@@ -187,14 +194,20 @@ def show(
     grid = Table(title=title, title_justify="left")
     longest = max((len(module_label(str(m))) for m in table["module"]), default=6)
     grid.add_column("module", no_wrap=True, min_width=min(longest, 40))
+    shadowed = bool((table["shadow_calls"] > 0).any()) if "shadow_calls" in table else False
     if by == "op":
         grid.add_column("node", no_wrap=True, overflow="ellipsis", max_width=24)
         grid.add_column("op", no_wrap=True, overflow="ellipsis", max_width=24)
         counts: tuple[str, ...] = ("values", "under %", "flush %", "overflow")
+        if shadowed:  # a live report: what the device held, and which op lost values
+            counts = ("dtype", "values", "zeros", "lost", "under %", "overflow")
     else:
         counts = ("values", "zeros", "inf/nan", "underflow", "under %", "flush %", "overflow")
+        if shadowed:
+            counts = ("values", "zeros", "lost", "under %", "flush %", "overflowed", "overflow")
     for name in counts:  # numbers never truncate; names give way
-        grid.add_column(name, justify="right", no_wrap=True, min_width=max(len(name), 9))
+        width = max(len(name), 7 if name == "dtype" else 9)
+        grid.add_column(name, justify="right", no_wrap=True, min_width=width)
     grid.add_column("amax@1", justify="right", no_wrap=True, min_width=8)
     for row in table.itertuples():
         cells = {
@@ -205,6 +218,9 @@ def show(
             "under %": percent(row.underflow_fraction),
             "flush %": percent(row.flushed_fraction),
             "overflow": count(row.overflow),
+            "dtype": str(row.dtype),
+            "lost": count(row.lost) if row.shadow_calls else "-",
+            "overflowed": count(row.overflowed) if row.shadow_calls else "-",
         }
         first = [module_label(str(row.module))]
         if by == "op":
@@ -219,6 +235,13 @@ def show(
 
 # -- recommend -------------------------------------------------------------
 def recommendation_lines(rec: Recommendation) -> list[str]:
+    if rec.log2_scale is None and rec.live_dtype is not None:
+        return [
+            f"No recommendation for {rec.format}: no nonzero {rec.live_dtype} backward value in "
+            "this live report, so there is nothing to size a scale on (at this loss scale the "
+            "values may all have underflowed). Run `fpaudit scan` without --amp to measure them "
+            "in fp32."
+        ]
     if rec.log2_scale is None:
         return [
             f"No recommendation for {rec.format}: the report holds no nonzero finite backward "
@@ -247,6 +270,11 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
     if not rec.include_loss:
         lines.append(
             "  The loss seed and <loss> ops are reported but do not limit S (--include-loss)."
+        )
+    if rec.live_dtype is not None:
+        lines.append(
+            f"  Live report: only values the device really held in {rec.live_dtype} count "
+            "(fp32 ops under autocast are left out)."
         )
     return lines
 
@@ -280,6 +308,59 @@ def gate(result: GateResult) -> None:
             f"{percent(offender['underflow_fraction'])} ({count(offender['underflow'])} of "
             f"{count(offender['nonzero'])}), overflow {count(offender['overflow'])}"
         )
+
+
+# -- verify ----------------------------------------------------------------
+def verification(result: Verification) -> None:
+    console = stdout()
+    grid = Table(
+        title=(
+            f"verify {result.model_file}: fp32 step vs {result.amp} step at S = "
+            f"{scale_text(result.log2_scale)}, {result.optimizer}"
+            + (f", clip at {result.clip_norm:g} (unscaled)" if result.clip_norm is not None else "")
+        ),
+        title_justify="left",
+    )
+    grid.add_column("parameter", no_wrap=True)
+    columns = (
+        "elements",
+        "zeroed",
+        "grad error",
+        "changed fp32",
+        f"changed {result.amp}",
+        "step error",
+    )
+    for name in columns:
+        grid.add_column(name, justify="right", no_wrap=True)
+
+    def error(value: float) -> str:
+        return "inf" if value == math.inf else f"{value:.3g}"
+
+    for check in result.parameters:
+        grid.add_row(
+            check.name,
+            count(check.elements),
+            percent(check.zeroed_fraction),
+            error(check.relative_error),
+            "yes" if check.changed_fp32 else "no",
+            "yes" if check.changed_mixed else "no",
+            error(check.update_error),
+            style="red" if check.changed_fp32 and not check.changed_mixed else None,
+        )
+    console.print(grid)
+    console.print(
+        f"Gradient norm before clipping: fp32 {result.grad_norm_fp32:.6g}, {result.amp} "
+        f"(unscaled) {result.grad_norm_mixed:.6g}."
+    )
+    if result.passed:
+        console.print(f"PASS: every parameter that changes in fp32 also changes in {result.amp}.")
+    elif result.skipped:
+        console.print(
+            f"FAIL: the {result.amp} step was skipped: its gradients held inf or NaN at this scale."
+        )
+    else:
+        stalled = ", ".join(result.stalled)
+        console.print(f"FAIL: these parameters change in fp32 but not in {result.amp}: {stalled}.")
 
 
 # -- scan ------------------------------------------------------------------
@@ -333,6 +414,7 @@ def scan_summary(
     rec: Recommendation,
     top: int,
     forward_problems: int,
+    first_nonfinite: list[str],
 ) -> None:
     console = stdout()
     captured_text = "" if captured == steps else f", captured {captured}"
@@ -342,6 +424,12 @@ def scan_summary(
             f"[red]{forward_problems} step(s) had a non-finite loss[/red]: recorded as forward "
             "problems; their backward values are not counted."
         )
+        if first_nonfinite:
+            console.print(
+                f"  The first forward op to produce inf or NaN: {', '.join(first_nonfinite)}."
+            )
+        else:
+            console.print("  Scan with --forward to find the forward op that first produced it.")
     if rec.log2_scale is not None:
         merged = at_1.merge(at_scale, on="module", suffixes=("_at_1", "_at_s"))
         worst = merged.sort_values("underflow_fraction_at_1", ascending=False, kind="stable").head(

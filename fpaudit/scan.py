@@ -38,6 +38,9 @@ class ScanOptions:
     every: int = 1  # capture every K-th step (0, K, 2K, ...); the others run unaudited
     window: int = 1  # merge the records of this many consecutive captured steps
     selection: Selection = field(default_factory=Selection)
+    amp: str | None = None  # live mode: "fp16" or "bf16", forward under torch.autocast
+    shadow: bool = False  # re-run low-precision backward ops in fp32 to count lost values
+    forward: bool = False  # also record forward op outputs
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -46,10 +49,17 @@ class ScanOptions:
             raise UsageError(f"--every must be at least 1, got {self.every}")
         if self.window < 1:
             raise UsageError(f"--window must be at least 1, got {self.window}")
+        if self.amp is not None and self.amp not in AMP_DTYPES:
+            raise UsageError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got {self.amp!r}")
+        if self.shadow and self.amp is None:
+            raise UsageError("--shadow compares low-precision ops with fp32: it needs --amp")
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise UsageError(f"--loss-scale must be a positive number, got {self.loss_scale}")
         if math.frexp(self.loss_scale)[0] != 0.5:
             raise UsageError(f"--loss-scale must be a power of two, got {self.loss_scale:g}")
+
+
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -121,8 +131,19 @@ def scan(
             )
 
     audit = Audit(
-        model, loss_scale=options.loss_scale, selection=options.selection, window=options.window
+        model,
+        loss_scale=options.loss_scale,
+        selection=options.selection,
+        window=options.window,
+        shadow=options.shadow,
     )
+    amp_dtype = AMP_DTYPES[options.amp] if options.amp is not None else None
+
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        if amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=amp_dtype)
+
     steps_run = 0
     interrupted: Interrupted | None = None
     try:
@@ -134,7 +155,12 @@ def scan(
                 else:
                     model.zero_grad(set_to_none=True)
                 batch = modelfile.move_to(batch, device)
-                with modelfile.user_code(path, "loss(model, batch)"):
+                forward = (
+                    audit.forward_pass()
+                    if captured and options.forward
+                    else contextlib.nullcontext()
+                )
+                with forward, autocast(), modelfile.user_code(path, "loss(model, batch)"):
                     loss = spec.loss(model, batch)
                 loss = modelfile.check_loss(loss, path)
                 seed = torch.full_like(loss, options.loss_scale)
@@ -179,6 +205,12 @@ def scan(
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
             "every": options.every,
             "selection": options.selection.describe(),
+            "amp": options.amp,
+            "amp_dtype": str(AMP_DTYPES[options.amp]).removeprefix("torch.")
+            if options.amp
+            else None,
+            "shadow": options.shadow,
+            "forward": options.forward,
             "capture_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         }
     )

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from fpaudit import analysis, histogram
 from fpaudit.formats import FORMATS
-from fpaudit.gate import gate
-from fpaudit.recommend import largest_log2_scale, recommend
+from fpaudit.gating import gate
+from fpaudit.recommendation import largest_log2_scale, recommend
 
 from .oracle import edge_values, oracle_counts
 from .reports import report_from

@@ -226,7 +226,7 @@ CASES: list[Case] = [
     Case("--scale beyond fp32", ["show", "{tmp}/report", "--scale", "2^200"], 2, "outside the range of an fp32 scale", report()),
     Case("--scale not a number", ["gate", "{tmp}/report", "--max-underflow", "0.1", "--scale", "lots"], 2,
          "--scale 'lots' is not a number", report()),
-    Case("unknown --kind", ["show", "{tmp}/report", "--kind", "weights"], 2, "--kind must be backward or grad", report()),
+    Case("unknown --kind", ["show", "{tmp}/report", "--kind", "weights"], 2, "--kind must be backward, grad or forward", report()),
     Case("incomplete report at the gate", ["gate", "{tmp}/report", "--max-underflow", "1"], 1,
          "The report is incomplete", report(complete=False, stopped_by="SIGINT", steps_run=2, steps_requested=9)),
     Case("unknown command", ["audit"], 2, "No such command 'audit'"),

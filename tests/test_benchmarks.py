@@ -72,3 +72,18 @@ def test_import_weight(code: str, absent: tuple[str, ...]) -> None:
         [sys.executable, "-c", check], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_package_names_are_not_shadowed_by_submodules() -> None:
+    # A lazily loaded name that is also a submodule would turn into the module as soon
+    # as something imports the submodule.
+    code = (
+        "import fpaudit, fpaudit.cli, fpaudit.recommendation, fpaudit.gating, fpaudit.capture\n"
+        "import types\n"
+        "bad = [n for n in fpaudit.__all__ if isinstance(getattr(fpaudit, n), types.ModuleType)]\n"
+        "print(bad)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

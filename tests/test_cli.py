@@ -255,7 +255,7 @@ def test_cuda_requested_without_cuda(cli, tmp_path: Path) -> None:
         (["show", "{report}", "--scale", "nan"], "--scale must be a positive number, got nan"),
         (["show", "{report}", "--scale", "2^200"], "outside the range of an fp32 scale"),
         (["show", "{report}", "--scale", "lots"], "--scale 'lots' is not a number"),
-        (["show", "{report}", "--kind", "weights"], "--kind must be backward or grad"),
+        (["show", "{report}", "--kind", "weights"], "--kind must be backward, grad or forward"),
         (["show", "{report}", "--top", "0"], "--top must be at least 1"),
         (["recommend", "{report}", "--headroom-bits", "-2"], "--headroom-bits must be 0 or more"),
         (["gate", "{report}"], "gate needs --max-underflow"),

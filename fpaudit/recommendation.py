@@ -51,6 +51,7 @@ class Recommendation:
     underflow_recovered_by_one_fewer_headroom_bit: float
     include_loss: bool
     modules: list[dict[str, Any]] = field(default_factory=list)
+    live_dtype: str | None = None  # live report: only values held in this dtype count
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,7 +68,7 @@ def recommend(
     fmt = as_format(fmt)
     if headroom_bits < 0:
         raise ValueError("headroom_bits must be >= 0")
-    scope = analysis.Scope(include_loss=include_loss)
+    scope = analysis.default_scope(report, include_loss)
     records = scope.select(report.records)
     records = records[records["scales_with_loss"]]
     unscaled = records["amax"] / records["loss_scale"]
@@ -89,6 +90,7 @@ def recommend(
             underflow_recovered_by_one_fewer_headroom_bit=0.0,
             include_loss=include_loss,
             modules=_modules(at_1, at_1),
+            live_dtype=scope.dtypes[0] if scope.dtypes else None,
         )
 
     limiter = records.loc[unscaled.idxmax()]
@@ -118,6 +120,7 @@ def recommend(
         ),
         include_loss=include_loss,
         modules=_modules(at_1, analysis.module_table(report, fmt, k, scope=scope)),
+        live_dtype=scope.dtypes[0] if scope.dtypes else None,
     )
 
 

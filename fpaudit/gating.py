@@ -15,7 +15,7 @@ from typing import Any
 
 from fpaudit import analysis
 from fpaudit.formats import Format, as_format
-from fpaudit.recommend import DEFAULT_HEADROOM_BITS, recommend
+from fpaudit.recommendation import DEFAULT_HEADROOM_BITS, recommend
 from fpaudit.report import Report
 
 
@@ -60,7 +60,7 @@ def gate(
         recommended = recommend(report, fmt, headroom_bits, include_loss=include_loss)
         log2_scale = recommended.log2_scale if recommended.log2_scale is not None else 0
         scale_source = "recommended"
-    scope = analysis.Scope(include_loss=include_loss)
+    scope = analysis.default_scope(report, include_loss)
     overall = analysis.totals(report, fmt, log2_scale, scope=scope)
     offenders: list[dict[str, Any]] = []
     if per_module:

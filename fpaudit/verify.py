@@ -1,0 +1,215 @@
+"""``fpaudit verify``: one fp32 step against one mixed-precision step, from the same start.
+
+From identical weights and the same batch:
+
+* the fp32 reference: backward, optional clipping, optimizer step;
+* the mixed-precision step: forward under ``torch.autocast``, backward on
+  ``S * loss`` (the seed is S), then *unscale* (divide by S, exact for a power
+  of two), skip the step if any gradient is inf or NaN (as GradScaler does),
+  clip the **unscaled** gradients at the same threshold, optimizer step.
+
+Per parameter it reports the fraction of gradient elements that are nonzero in
+fp32 but zero after unscaling, the relative error against the fp32 gradient,
+and whether the parameter changed in each step. The check fails when the step
+was skipped or a parameter that changes in fp32 did not change.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpaudit import modelfile
+from fpaudit.errors import UsageError
+from fpaudit.scan import AMP_DTYPES, resolve_device, seed_everything
+
+
+@dataclass(frozen=True)
+class ParameterCheck:
+    name: str
+    elements: int
+    zeroed_fraction: float  # nonzero in fp32, zero after unscaling
+    relative_error: float  # |g_mixed - g_fp32| / |g_fp32| (0 when both are zero)
+    changed_fp32: bool
+    changed_mixed: bool
+    update_error: float  # |dw_mixed - dw_fp32| / |dw_fp32|: does the step move it alike?
+
+
+@dataclass(frozen=True)
+class Verification:
+    model_file: str
+    amp: str
+    scale: float
+    log2_scale: int
+    clip_norm: float | None
+    skipped: bool  # non-finite gradients after the mixed backward: no optimizer step
+    grad_norm_fp32: float  # total gradient norm before clipping
+    grad_norm_mixed: float  # the same, of the unscaled mixed-precision gradients
+    optimizer: str
+    parameters: list[ParameterCheck] = field(default_factory=list)
+
+    @property
+    def stalled(self) -> list[str]:
+        """Parameters that change in fp32 but not in mixed precision."""
+        return [p.name for p in self.parameters if p.changed_fp32 and not p.changed_mixed]
+
+    @property
+    def passed(self) -> bool:
+        return not self.skipped and not self.stalled
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: inf and NaN (a skipped step's norms, an error against zero) are None."""
+        data = _finite_or_none(asdict(self))
+        data.update(passed=self.passed, stalled=self.stalled)
+        return data
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def _gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """|value - reference| / |reference|; 0 when both are zero, inf when only it is."""
+    norm = float(reference.float().norm())
+    difference = float((value.float() - reference.float()).norm())
+    if norm > 0:
+        return difference / norm
+    return 0.0 if difference == 0 else math.inf
+
+
+def _total_norm(grads: dict[str, torch.Tensor]) -> float:
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads.values()])))
+
+
+def verify(
+    model_path: str | Path,
+    *,
+    log2_scale: int,
+    amp: str = "fp16",
+    clip_norm: float | None = None,
+    device: str = "auto",
+    seed: int | None = 0,
+) -> Verification:
+    """Run the fp32 reference step and the mixed-precision step and compare them."""
+    if amp not in AMP_DTYPES:
+        raise UsageError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
+    if clip_norm is not None and not (math.isfinite(clip_norm) and clip_norm > 0):
+        raise UsageError(f"--clip-norm must be a positive number, got {clip_norm}")
+    path = Path(model_path)
+    target = resolve_device(device)
+    if seed is not None:
+        seed_everything(seed)
+    spec = modelfile.load(path)
+    batch = modelfile.move_to(next(spec.batches(1)), target)
+    with modelfile.user_code(path, f"moving the model to {target}"):
+        start = spec.model.to(target)
+    scale = math.ldexp(1.0, log2_scale)
+
+    def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        if spec.make_optimizer is None:
+            return torch.optim.SGD(model.parameters(), lr=1e-3)
+        with modelfile.user_code(path, "optimizer(params)"):
+            optimizer = spec.make_optimizer(model.parameters())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise modelfile.ModelFileError(
+                f"{path}: optimizer(params) returned {modelfile.a_type(optimizer)}; "
+                "expected a torch.optim.Optimizer"
+            )
+        return optimizer
+
+    def clip(model: nn.Module) -> None:
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+
+    # fp32 reference step
+    reference = copy.deepcopy(start).train()
+    optimizer = make_optimizer(reference)
+    optimizer.zero_grad(set_to_none=True)
+    with modelfile.user_code(path, "loss(model, batch)"):
+        loss = modelfile.check_loss(spec.loss(reference, batch), path)
+    with modelfile.user_code(path, "backward"):
+        loss.backward()
+    fp32_grads = _gradients(reference)
+    before = _weights(reference)
+    clip(reference)
+    with modelfile.user_code(path, "optimizer.step()"):
+        optimizer.step()
+    fp32_updates = {n: w - before[n] for n, w in _weights(reference).items()}
+
+    # mixed-precision step: backward on S * loss, unscale, skip if non-finite, clip, step
+    mixed = copy.deepcopy(start).train()
+    optimizer = make_optimizer(mixed)
+    optimizer.zero_grad(set_to_none=True)
+    with (
+        torch.autocast(target.type, dtype=AMP_DTYPES[amp]),
+        modelfile.user_code(path, "loss(model, batch)"),
+    ):
+        loss = modelfile.check_loss(spec.loss(mixed, batch), path)
+    with modelfile.user_code(path, "backward"):
+        torch.autograd.backward(loss, grad_tensors=torch.full_like(loss, scale))
+    for param in mixed.parameters():
+        if param.grad is not None:
+            param.grad.div_(scale)  # exact: a power of two
+    mixed_grads = _gradients(mixed)
+    skipped = not all(bool(torch.isfinite(g).all()) for g in mixed_grads.values())
+    before = _weights(mixed)
+    if not skipped:
+        clip(mixed)  # on the unscaled gradients, as the threshold means
+        with modelfile.user_code(path, "optimizer.step()"):
+            optimizer.step()
+    mixed_updates = {n: w - before[n] for n, w in _weights(mixed).items()}
+
+    checks = []
+    for name, reference_grad in fp32_grads.items():
+        grad = mixed_grads[name]
+        nonzero = reference_grad != 0
+        zeroed = int((nonzero & (grad == 0)).sum())
+        checks.append(
+            ParameterCheck(
+                name=name,
+                elements=reference_grad.numel(),
+                zeroed_fraction=zeroed / max(1, int(nonzero.sum())),
+                relative_error=_relative_error(grad, reference_grad),
+                changed_fp32=bool(fp32_updates[name].any()),
+                changed_mixed=bool(mixed_updates[name].any()),
+                update_error=_relative_error(mixed_updates[name], fp32_updates[name]),
+            )
+        )
+    return Verification(
+        model_file=str(path),
+        amp=amp,
+        scale=scale,
+        log2_scale=log2_scale,
+        clip_norm=clip_norm,
+        skipped=skipped,
+        grad_norm_fp32=_total_norm(fp32_grads),
+        grad_norm_mixed=_total_norm(mixed_grads),
+        optimizer=type(optimizer).__name__,
+        parameters=checks,
+    )
