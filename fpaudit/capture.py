@@ -596,14 +596,30 @@ class Audit:
             module, _, param_name = name.rpartition(".")
             self.record(KIND_GRAD, module, "AccumulateGrad", param_name, 0, True, grad)
 
-    def step(self, loss: torch.Tensor | None = None, *, index: int | None = None) -> StepSummary:
+    def entered_by(self, module: nn.Module) -> None:
+        """Note that ``module`` of the model is already running forward.
+
+        For an audit entered from inside a forward pre-hook: the module's own
+        hooks were installed too late for this call.
+        """
+        self._clock.enter(self._clock.names.get(id(module), ""))
+
+    def step(
+        self,
+        loss: torch.Tensor | None = None,
+        *,
+        index: int | None = None,
+        loss_scale: float | torch.Tensor | None = None,
+    ) -> StepSummary:
         """Close the current step: record parameter gradients, then gather its statistics.
 
         ``loss`` (optional) is stored with the step. A non-finite loss marks the
         step as a forward problem and its backward records are dropped, so they
         never count as backward overflow. ``index`` is the training step's number
         (default: the next after the last closed one), for runs that capture only
-        some steps. This is the one host sync per step.
+        some steps. ``loss_scale`` is the scale this step ran under (default: the
+        audit's); a 0-dim tensor, such as a ``GradScaler``'s, is read in the same
+        transfer. This is the one host sync per step.
         """
         if loss is not None and (not isinstance(loss, torch.Tensor) or loss.numel() != 1):
             raise ValueError("step(loss=...) needs a tensor with exactly one element")
@@ -612,11 +628,19 @@ class Audit:
         blocks: list[np.ndarray] = []
         calls: list[int] = []
         loss_value: float | None = None
+        scale_value: float | None = None
+        scale_tensor = loss_scale if isinstance(loss_scale, torch.Tensor) else None
         for device, table in self._tables.items():
             carries_loss = loss is not None and loss.device == device
-            rows, values = table.collect((loss,) if carries_loss and loss is not None else ())
-            if values:
+            carries_scale = scale_tensor is not None and scale_tensor.device == device
+            scalars = ((loss,) if carries_loss and loss is not None else ()) + (
+                (scale_tensor,) if carries_scale and scale_tensor is not None else ()
+            )
+            rows, values = table.collect(scalars)
+            if carries_loss:
                 loss_value = values[0]
+            if carries_scale:
+                scale_value = values[-1]
             used = [row for row in range(table.rows) if table.calls[row]]
             keys += [self._row_keys[device][row] for row in used]
             blocks.append(rows[used])
@@ -624,6 +648,10 @@ class Audit:
             table.reset()
         if loss is not None and loss_value is None:  # no records on the loss's device
             loss_value = float(loss.detach().reshape(()))
+        if scale_tensor is not None and scale_value is None:
+            scale_value = float(scale_tensor.detach().reshape(()))
+        if scale_value is None:
+            scale_value = self.loss_scale if loss_scale is None else float(loss_scale)
         rows = np.concatenate(blocks) if blocks else np.zeros((0, histogram.WIDTH), np.int64)
         records = StepRecords(
             keys=keys,
@@ -642,7 +670,7 @@ class Audit:
             self._builder.add_step(
                 records,
                 loss=loss_value,
-                loss_scale=self.loss_scale,
+                loss_scale=scale_value,
                 seconds=time.perf_counter() - self._step_started,
                 index=index,
                 first_nonfinite=first_nonfinite,
@@ -657,10 +685,11 @@ class Audit:
             records=len(keys),
         )
 
-    def mark_optimizer_step(self, stepped: bool) -> None:
-        """Note whether an optimizer step followed the last closed step."""
+    def mark_optimizer_step(self, stepped: bool, skipped: bool = False) -> None:
+        """Note whether an optimizer step followed the last closed step, or was skipped
+        for inf/NaN gradients."""
         with _signals.deferred():
-            self._builder.mark_optimizer_step(stepped)
+            self._builder.mark_optimizer_step(stepped, skipped)
 
     @property
     def steps(self) -> int:
@@ -669,9 +698,17 @@ class Audit:
     @property
     def report(self) -> Report:
         """Everything recorded so far, as a :class:`~fpaudit.report.Report`."""
+        return self.build_report()
+
+    def step_rows(self) -> dict[str, list[Any]]:
+        """The steps table of the captured steps so far, column by column."""
+        return self._builder.step_rows()
+
+    def build_report(self, steps: dict[str, Any] | None = None) -> Report:
+        """The report; ``steps`` replaces its steps table (see ``ReportBuilder.build``)."""
         from fpaudit.report import run_metadata  # pandas and pyarrow: only once a report is built
 
-        return self._builder.build(run_metadata(self.model))
+        return self._builder.build(run_metadata(self.model), steps)
 
 
 def audit(

@@ -46,15 +46,40 @@ RECORD_COLUMNS = {
 }
 STEP_COLUMNS = {
     "step": "int32",
-    "loss": "float64",
+    "loss": "float64",  # fpaudit run: the sum of the losses backpropagated in the step
     "loss_finite": "bool",
-    "loss_scale": "float64",
+    "loss_scale": "float64",  # the scale in force during the step
+    "scale_after": "float64",  # the scale after the scaler's update (static: the same)
+    "skipped": "bool",  # the optimizer step was skipped: inf/NaN gradients
+    "optimizer_step": "bool",  # an optimizer step was taken
+    "grad_norm": "float64",  # clip_grad_norm_'s total norm, unscaled (NaN: not clipped by norm)
+    "clip_max_norm": "float64",  # its max_norm (NaN: none)
+    "clipped": "bool",  # clip_grad_norm_ scaled the gradients down
+    "grad_amax": "float64",  # largest |parameter gradient|, unscaled (inf/NaN: overflowed;
+    # NaN also: not measured)
+    "backward_calls": "int32",
+    "captured": "bool",  # backward ops were recorded in this step (records exist)
     "records": "int32",
     "nonfinite_grads": "int64",
-    "optimizer_step": "bool",
     "first_nonfinite": "string",  # --forward: the module and op that first produced inf/NaN
     "seconds": "float64",
 }
+STEP_DEFAULTS: dict[str, Any] = {
+    "scale_after": None,  # None: the step's loss_scale
+    "skipped": False,
+    "optimizer_step": False,
+    "grad_norm": math.nan,
+    "clip_max_norm": math.nan,
+    "clipped": False,
+    "grad_amax": math.nan,
+    "backward_calls": 1,
+    "captured": True,
+    "records": 0,
+    "nonfinite_grads": 0,
+    "first_nonfinite": "",
+}
+"""Values of the step columns that a report of schema version 1 lacks, and that a
+step without records (``fpaudit run`` between captures) starts from."""
 # In memory, bins keep what analysis needs; lower and upper are derived from
 # (binade, cls) when a report is written, for users of the plain Parquet files.
 BIN_COLUMNS = ("record_id", "binade", "cls", "count")
@@ -99,6 +124,13 @@ class StepRecords:
             amax=np.array([h.amax for h in hosts], dtype=np.float64),
             calls=np.array([h.calls for h in hosts], dtype=np.int64),
         )
+
+    def grad_amax(self, loss_scale: float) -> float:
+        """The largest finite parameter gradient magnitude, unscaled (NaN: none recorded)."""
+        mask = np.array([key.kind == KIND_GRAD for key in self.keys], dtype=bool)
+        if not mask.any():
+            return math.nan
+        return float(self.amax[mask].max()) / loss_scale
 
     def nonfinite(self, kind: str) -> int:
         """inf and NaN elements in the records of ``kind``."""
@@ -191,18 +223,20 @@ class ReportBuilder:
                 self._pending.clear()
                 self._pending_steps = 0
         step_row = {
+            **STEP_DEFAULTS,
             "step": step,
             "loss": math.nan if loss is None else loss,
             "loss_finite": loss_finite,
             "loss_scale": loss_scale,
+            "scale_after": loss_scale,
+            "grad_amax": records.grad_amax(loss_scale),
             "records": kept,
             "nonfinite_grads": records.nonfinite(KIND_GRAD),
-            "optimizer_step": False,
             "first_nonfinite": first_nonfinite,
             "seconds": seconds,
         }
-        for name, value in step_row.items():
-            self._steps[name].append(value)
+        for name in STEP_COLUMNS:
+            self._steps[name].append(step_row[name])
 
     def _pending_block(self) -> tuple[Any, ...]:
         entries = list(self._pending.items())
@@ -260,28 +294,37 @@ class ReportBuilder:
         self._bins["offset"].append(offsets)
         self._bins["count"].append(finite[rows, offsets])
 
-    def mark_optimizer_step(self, stepped: bool) -> None:
+    def mark_optimizer_step(self, stepped: bool, skipped: bool = False) -> None:
+        """Whether the last closed step was followed by an optimizer step, or skipped one."""
         if self._steps["optimizer_step"]:
             self._steps["optimizer_step"][-1] = stepped
+            self._steps["skipped"][-1] = skipped
 
-    def build(self, meta: dict[str, Any]) -> Report:
-        """The report so far; a window still filling is included as it stands."""
+    def step_rows(self) -> dict[str, list[Any]]:
+        """The steps table so far, column by column (copies)."""
+        return {name: list(values) for name, values in self._steps.items()}
+
+    def build(self, meta: dict[str, Any], steps: dict[str, Any] | None = None) -> Report:
+        """The report so far; a window still filling is included as it stands.
+
+        ``steps`` replaces the steps table (every column of ``STEP_COLUMNS``), for
+        callers that know more steps than were captured (``fpaudit run``)."""
         if self._pending:
             pending_next = self._next_record
             records_before = {k: len(v) for k, v in self._records.items()}
             bins_before = {k: len(v) for k, v in self._bins.items()}
             self._emit(*self._pending_block())
             try:
-                return self._build(meta)
+                return self._build(meta, steps)
             finally:  # leave the window open: later steps still merge into it
                 self._next_record = pending_next
                 for name, length in records_before.items():
                     del self._records[name][length:]
                 for name, length in bins_before.items():
                     del self._bins[name][length:]
-        return self._build(meta)
+        return self._build(meta, steps)
 
-    def _build(self, meta: dict[str, Any]) -> Report:
+    def _build(self, meta: dict[str, Any], steps: dict[str, Any] | None = None) -> Report:
         from fpaudit.report import BINS_SCHEMA, RECORDS_SCHEMA, STEPS_SCHEMA, Report, frame
 
         offsets_to_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
@@ -307,5 +350,5 @@ class ReportBuilder:
             meta,
             frame(records, RECORDS_SCHEMA),
             frame(bins, BINS_SCHEMA, BIN_COLUMNS),
-            frame(self._steps, STEPS_SCHEMA),
+            frame(self._steps if steps is None else steps, STEPS_SCHEMA),
         )

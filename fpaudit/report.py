@@ -1,6 +1,7 @@
 """The report: a directory of Parquet tables plus ``meta.json``. Nothing else writes files.
 
-Schema version 1 (documented in the README, "Report format"):
+Schema version 2 (documented in the README, "Report format"; version 1 reports,
+whose steps table lacks the training-loop columns, are read too):
 
 ``records.parquet``
     One row per (step, kind, module, node, op, output, dtype): the statistics
@@ -11,7 +12,8 @@ Schema version 1 (documented in the README, "Report format"):
     ``lower``/``upper`` the smallest and largest magnitude the bin can hold
     (both inclusive), ``count`` the number of values.
 ``steps.parquet``
-    One row per step: loss, loss scale in force, wall time.
+    One row per step: loss, loss scale in force and after the update, skipped,
+    clipping, backward calls, whether it was captured, wall time.
 ``meta.json``
     Versions, device, command, config, module order, and per file its row
     count and SHA-256, checked on every read.
@@ -49,6 +51,7 @@ from fpaudit.records import (
     LOSS_MODULE,
     RECORD_COLUMNS,
     STEP_COLUMNS,
+    STEP_DEFAULTS,
     RecordKey,
     ReportBuilder,
     StepRecords,
@@ -69,7 +72,8 @@ __all__ = [
     "run_metadata",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 META_FILE = "meta.json"
 
 _ARROW_TYPES = {
@@ -220,7 +224,10 @@ class Report:
         meta = _read_meta(root)
         tables: dict[str, pd.DataFrame] = {}
         for name, schema in TABLES.items():
-            tables[name] = _read_table(root, name, schema, meta)
+            if name == "steps" and meta["schema_version"] == 1:
+                tables[name] = _upgrade_v1_steps(_read_table(root, name, _V1_STEPS, meta))
+            else:
+                tables[name] = _read_table(root, name, schema, meta)
         report = cls(meta, tables["records"], tables["bins"], tables["steps"], path=root)
         _check_consistency(report, root)
         return report
@@ -333,7 +340,7 @@ def _read_meta(root: Path) -> dict[str, Any]:
             f"{root}: report schema version {version} is newer than this fpaudit reads "
             f"({SCHEMA_VERSION}); upgrade fpaudit"
         )
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise ReportError(f"{root}: unknown report schema version {version}")
     if meta.get("histogram") != histogram_layout():
         raise ReportError(f"{meta_file}: histogram layout differs from this fpaudit's")
@@ -419,6 +426,25 @@ def _check_consistency(report: Report, root: Path) -> None:
         raise ReportError(
             f"{root}/records.parquet: loss_scale must be a power of two in fp32 range"
         )
+
+
+_V1_STEPS = pa.schema(
+    [
+        f
+        for f in STEPS_SCHEMA
+        if f.name not in STEP_DEFAULTS
+        or f.name in ("records", "nonfinite_grads", "optimizer_step", "first_nonfinite")
+    ]
+)
+
+
+def _upgrade_v1_steps(steps: pd.DataFrame) -> pd.DataFrame:
+    """A version 1 steps table with the columns version 2 added, at their defaults."""
+    columns: dict[str, Any] = {name: steps[name] for name in _V1_STEPS.names}
+    for name, default in STEP_DEFAULTS.items():
+        if name not in columns:
+            columns[name] = steps["loss_scale"] if default is None else [default] * len(steps)
+    return frame(columns, STEPS_SCHEMA)
 
 
 def _check_meta_types(meta: dict[str, Any], meta_file: Path) -> None:

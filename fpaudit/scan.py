@@ -183,7 +183,7 @@ def scan(
                     optimizer.step()
                 stepped = True
             if captured:
-                audit.mark_optimizer_step(stepped)
+                audit.mark_optimizer_step(stepped, skipped=optimizer is not None and not stepped)
             steps_run = step + 1
             if on_step is not None:
                 on_step(StepProgress(step + 1, options.steps, summary, stepped, loss_value))

@@ -38,7 +38,7 @@ def test_plain_pandas_and_pyarrow_read_it(tmp_path: Path, report: Report) -> Non
     assert list(records.columns) == RECORDS_SCHEMA.names
     assert list(bins.columns) == BINS_SCHEMA.names
     assert list(pd.read_parquet(root / "steps.parquet").columns) == STEPS_SCHEMA.names
-    assert pq.read_schema(root / "bins.parquet").metadata[b"fpaudit.schema_version"] == b"1"
+    assert pq.read_schema(root / "bins.parquet").metadata[b"fpaudit.schema_version"] == str(SCHEMA_VERSION).encode()
     meta = json.loads((root / "meta.json").read_text())
     assert meta["files"]["bins.parquet"]["rows"] == len(bins)
     # A query a user would write: values of module a at or below fp16's round-to-zero edge.
