@@ -1,5 +1,6 @@
 # fpaudit: two commands on a fresh machine.
-#   make demo   set up, then scan the bundled sample transformer and show the report
+#   make demo   set up, scan the bundled sample transformer, show and gate the report,
+#               then audit the sample training loop (fpaudit run)
 #   make test   set up, then run the whole test suite
 #
 # torch is installed first, from TORCH_SPEC. The default pins the release these
@@ -28,6 +29,7 @@ demo: setup
 	$(BIN)/fpaudit scan sample_configs/transformer.py --steps 4 --out demo-report --force
 	$(BIN)/fpaudit show demo-report --scale recommended --top 8
 	$(BIN)/fpaudit gate demo-report --max-underflow 0.001
+	$(BIN)/fpaudit run --out demo-run --force -- sample_configs/train_loop.py --steps 200 --bugs
 
 test: setup
 	$(BIN)/python -m pytest -q
@@ -46,4 +48,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench.py
 
 clean:
-	rm -rf $(VENV) demo-report .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) demo-report demo-run .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from fpaudit import __version__, config, render
-from fpaudit.errors import FpauditError, Interrupted, UsageError
+from fpaudit.errors import FpauditError, Interrupted, ModelFileError, UsageError
 from fpaudit.formats import FORMATS, Format, get_format
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
@@ -91,6 +91,20 @@ IncludeLossOption = Annotated[
     bool | None,
     typer.Option(
         "--include-loss/--exclude-loss", help="Let the loss seed and <loss> ops limit the scale."
+    ),
+]
+DriftWindowOption = Annotated[
+    int | None,
+    typer.Option(
+        "--drift-window",
+        help="Steps per window for the drift check [default: the run in ten windows].",
+    ),
+]
+DriftBinadesOption = Annotated[
+    int | None,
+    typer.Option(
+        "--drift-binades",
+        help="Warn when per-window recommendations span more binades than this [default: 2].",
     ),
 ]
 ReportArgument = Annotated[
@@ -341,6 +355,177 @@ def scan_command(
         )
 
 
+@app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run_command(
+    ctx: typer.Context,
+    script: Annotated[
+        Path,
+        typer.Argument(
+            help="The training script; its own arguments follow it (after --).",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Report directory [default: fpaudit-run].")
+    ] = None,
+    force: Annotated[
+        bool | None, typer.Option("--force/--no-force", help="Overwrite an existing report.")
+    ] = None,
+    max_steps: Annotated[
+        int | None,
+        typer.Option(
+            "--max-steps", help="Stop the script after N optimizer steps [default: none]."
+        ),
+    ] = None,
+    capture_every: Annotated[
+        int | None,
+        typer.Option(
+            "--capture-every",
+            help="Record every backward op on every K-th step; 0: never [default: 10].",
+        ),
+    ] = None,
+    window: Annotated[
+        int | None,
+        typer.Option(
+            "--window", help="Merge the records of W consecutive captured steps [default: 1]."
+        ),
+    ] = None,
+    format_: FormatOption = None,
+    headroom_bits: HeadroomOption = None,
+    module: Annotated[
+        list[str] | None,
+        typer.Option("--module", help="Capture only modules matching this glob (repeatable)."),
+    ] = None,
+    exclude_module: Annotated[
+        list[str] | None,
+        typer.Option("--exclude-module", help="Skip modules matching this glob (repeatable)."),
+    ] = None,
+    op: Annotated[
+        list[str] | None,
+        typer.Option("--op", help="Capture only aten ops matching this glob (repeatable)."),
+    ] = None,
+    exclude_op: Annotated[
+        list[str] | None,
+        typer.Option("--exclude-op", help="Skip aten ops matching this glob (repeatable)."),
+    ] = None,
+    max_backoffs: Annotated[
+        int | None,
+        typer.Option(
+            "--max-backoffs",
+            help="More consecutive scale back-offs than this is a finding [default: 5].",
+        ),
+    ] = None,
+    max_skip_rate: Annotated[
+        float | None,
+        typer.Option(
+            "--max-skip-rate",
+            help="A higher skip rate after calibration is a finding, 0..1 [default: 0.02].",
+        ),
+    ] = None,
+    drift_window: DriftWindowOption = None,
+    drift_binades: DriftBinadesOption = None,
+    config_file: ConfigOption = None,
+) -> None:
+    """Run an unmodified training script and audit its loop: scaler, skips, clipping, drift.
+
+    Example: fpaudit run --max-steps 200 --out run-report -- train.py --lr 3e-4
+    """
+    from fpaudit import kernels
+    from fpaudit.capture import Selection
+    from fpaudit.report import output_lock
+    from fpaudit.training import RunOptions, run_script
+
+    options = _merge(
+        "run", config_file,
+        dict(out=out, force=force, max_steps=max_steps, capture_every=capture_every,
+             window=window, format=format_, headroom_bits=headroom_bits, module=module,
+             exclude_module=exclude_module, op=op, exclude_op=exclude_op,
+             max_backoffs=max_backoffs, max_skip_rate=max_skip_rate, drift_window=drift_window,
+             drift_binades=drift_binades),
+        dict(out="fpaudit-run", force=False, max_steps=None, capture_every=10, window=1,
+             format=None, headroom_bits=DEFAULT_HEADROOM_BITS, module=[], exclude_module=[],
+             op=[], exclude_op=[], max_backoffs=5, max_skip_rate=0.02, drift_window=None,
+             drift_binades=None),
+    )  # fmt: skip
+    fmt_name = options["format"][0] if isinstance(options["format"], list) else options["format"]
+    fmt = get_format(fmt_name) if fmt_name is not None else None
+    headroom = _headroom(options["headroom_bits"])
+    drift_options = _drift_options(options["drift_window"], options["drift_binades"])
+    run_options = RunOptions(
+        max_steps=options["max_steps"],
+        capture_every=options["capture_every"],
+        window=options["window"],
+        max_backoffs=options["max_backoffs"],
+        max_skip_rate=options["max_skip_rate"],
+        selection=Selection(
+            modules=tuple(options["module"]),
+            exclude_modules=tuple(options["exclude_module"]),
+            ops=tuple(options["op"]),
+            exclude_ops=tuple(options["exclude_op"]),
+        ),
+    )
+    out_path = Path(options["out"])
+    if out_path.exists() and not options["force"]:
+        raise UsageError(f"{out_path} already exists; pass --force to overwrite it")
+    import torch
+
+    if run_options.capture_every and not torch.cuda.is_available():
+        built = kernels.cpu_kernel(on_build=render.kernel_build_notice)
+        if built is None and kernels.failure():
+            render.stderr().print(
+                f"note: the CPU histogram kernel could not be built ({kernels.failure()}); "
+                "using the pure-torch path: identical results, slower"
+            )
+    meta = {
+        "headroom_bits": headroom,
+        "argv": shlex.join(["fpaudit", *_state["argv"]]),
+        "config": str(config_file) if config_file else None,
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items()},
+    }
+    with output_lock(out_path), _sigterm_raises():
+        outcome = run_script(script, list(ctx.args), run_options, meta=meta)
+        report = outcome.report
+        if fmt is None:
+            fmt = get_format(report.meta.get("amp") or "fp16")
+        report.meta["formats"] = [fmt.name]
+        if not report.meta["steps_run"] and outcome.interrupted is None:
+            if outcome.failure is not None:
+                raise outcome.failure  # nothing done, nothing to keep
+            raise ModelFileError(
+                f"{script} finished without an optimizer step: nothing to audit (fpaudit run "
+                "watches torch.optim optimizers and torch.amp.GradScaler)"
+            )
+        report.write(out_path, force=options["force"])
+    from fpaudit.drift import drift
+    from fpaudit.recommendation import recommend
+
+    rec = drift_result = None
+    if not report.records.empty:
+        rec = recommend(report, fmt, headroom)
+        drift_result = drift(report, fmt, headroom, **drift_options)
+    items = report.meta["findings"]
+    render.run_summary(str(out_path), report, items, rec, drift_result)
+    if outcome.interrupted is not None:
+        render.interrupted(str(out_path), outcome.interrupted.signal_name,
+                           report.meta["steps_run"], options["max_steps"])  # fmt: skip
+        raise typer.Exit(outcome.interrupted.exit_code)
+    if outcome.failure is not None:
+        raise outcome.failure
+
+
+def _drift_options(window_steps: int | None, binades: int | None) -> dict[str, Any]:
+    from fpaudit.drift import DEFAULT_DRIFT_BINADES
+
+    if window_steps is not None and window_steps < 1:
+        raise UsageError(f"--drift-window must be at least 1, got {window_steps}")
+    if binades is not None and binades < 0:
+        raise UsageError(f"--drift-binades must be 0 or more, got {binades}")
+    return {
+        "window_steps": window_steps,
+        "threshold_binades": DEFAULT_DRIFT_BINADES if binades is None else binades,
+    }
+
+
 @app.command("show")
 def show_command(
     report_path: ReportArgument,
@@ -369,10 +554,21 @@ def show_command(
             "--by", help="module, or op (module, autograd node and aten op) [default: module]."
         ),
     ] = None,
+    steps: Annotated[
+        bool | None,
+        typer.Option(
+            "--steps/--no-steps",
+            help="The steps table instead: scale, skips, clipping, findings (fpaudit run).",
+        ),
+    ] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option("--limit", help="With --steps: rows shown, first and last [default: 40]."),
+    ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
-    """Per-module table of zeros, underflow, flush and overflow at a scale.
+    """Per-module table of zeros, underflow, flush and overflow at a scale (or --steps).
 
     Example: fpaudit show report --format fp16 --scale 2^12 --top 5
     """
@@ -382,9 +578,30 @@ def show_command(
 
     options = _merge(
         "show", config_file,
-        dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output),
-        dict(format=None, scale="1", top=None, kind=KIND_BACKWARD, by="module", json=False),
+        dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output,
+             steps=steps, limit=limit),
+        dict(format=None, scale="1", top=None, kind=KIND_BACKWARD, by="module", json=False,
+             steps=False, limit=40),
     )  # fmt: skip
+    if options["limit"] < 2:
+        raise UsageError(f"--limit must be at least 2, got {options['limit']}")
+    if options["steps"]:
+        report = Report.read(report_path)
+        render.incomplete_note(report.incompleteness())
+        items = report.meta.get("findings")
+        items = items if isinstance(items, list) else []
+        if options["json"]:
+            render.print_json(
+                {
+                    "training": report.meta.get("training"),
+                    "scaler": report.meta.get("scaler"),
+                    "findings": items,
+                    "steps": render.json_records(report.steps),
+                }
+            )
+        else:
+            render.steps_view(report, options["limit"], items)
+        return
     if options["kind"] not in (KIND_BACKWARD, KIND_GRAD, KIND_FORWARD):
         raise UsageError(f"--kind must be backward, grad or forward, got {options['kind']!r}")
     if options["by"] not in ("module", "op"):
@@ -431,6 +648,16 @@ def recommend_command(
     format_: FormatOption = None,
     headroom_bits: HeadroomOption = None,
     include_loss: IncludeLossOption = None,
+    worst_window: Annotated[
+        bool | None,
+        typer.Option(
+            "--worst-window/--whole-run",
+            help="Recommend from the window of steps with the smallest scale, and judge "
+            "underflow there.",
+        ),
+    ] = None,
+    drift_window: DriftWindowOption = None,
+    drift_binades: DriftBinadesOption = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
@@ -438,15 +665,19 @@ def recommend_command(
 
     Example: fpaudit recommend report --format fp16 --headroom-bits 4 --json
     """
+    from fpaudit.drift import drift, window_report
     from fpaudit.recommendation import recommend
     from fpaudit.report import Report
 
     options = _merge(
         "recommend", config_file,
         dict(format=format_, headroom_bits=headroom_bits, include_loss=include_loss,
-             json=json_output),
-        dict(format=None, headroom_bits=None, include_loss=None, json=False),
+             json=json_output, worst_window=worst_window, drift_window=drift_window,
+             drift_binades=drift_binades),
+        dict(format=None, headroom_bits=None, include_loss=None, json=False, worst_window=False,
+             drift_window=None, drift_binades=None),
     )  # fmt: skip
+    drift_options = _drift_options(options["drift_window"], options["drift_binades"])
     report = Report.read(report_path)
     render.incomplete_note(report.incompleteness())
     fmt = _reading_format(options["format"], report)
@@ -454,11 +685,133 @@ def recommend_command(
         _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
     )
     include = bool(_from_report(options["include_loss"], report, "include_loss", False))
-    rec = recommend(report, fmt, headroom, include_loss=include)
+    drifted = drift(report, fmt, headroom, include_loss=include, **drift_options)
+    worst = drifted.worst if options["worst_window"] else None
+    if options["worst_window"] and worst is None:
+        raise UsageError(f"--worst-window: {report_path} has no window with nonzero values")
+    judged = report if worst is None else window_report(report, worst.first_step, worst.last_step)
+    rec = recommend(judged, fmt, headroom, include_loss=include)
     if options["json"]:
-        render.print_json(rec.to_dict())
+        render.print_json(
+            {
+                **rec.to_dict(),
+                "window": [worst.first_step, worst.last_step] if worst is not None else None,
+                "drift": drifted.to_dict(),
+            }
+        )
+        return
+    if worst is not None:
+        render.stdout().print(
+            f"Worst window: steps {worst.first_step}-{worst.last_step} "
+            f"({worst.captured_steps} captured step(s)); the recommendation below is its own."
+        )
+    render.recommendation(rec)
+    for line in render.drift_lines(drifted):
+        render.stdout().print(line)
+
+
+@app.command("simulate")
+def simulate_command(
+    report_path: ReportArgument,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            "--policy", help="torch, apex, deepspeed, megatron or static [default: torch]."
+        ),
+    ] = None,
+    format_: FormatOption = None,
+    init_scale: Annotated[
+        str | None,
+        typer.Option(
+            "--init-scale",
+            help="Initial scale, e.g. 65536 or 2^16 [default: the policy's; torch: the run's].",
+        ),
+    ] = None,
+    growth_factor: Annotated[
+        float | None, typer.Option("--growth-factor", help="Scale multiplier on growth.")
+    ] = None,
+    backoff_factor: Annotated[
+        float | None, typer.Option("--backoff-factor", help="Scale multiplier on overflow.")
+    ] = None,
+    growth_interval: Annotated[
+        int | None, typer.Option("--growth-interval", help="Clean steps before a growth.")
+    ] = None,
+    hysteresis: Annotated[
+        int | None,
+        typer.Option("--hysteresis", help="Overflows tolerated before backing off."),
+    ] = None,
+    min_scale: Annotated[str | None, typer.Option("--min-scale", help="Floor of the scale.")] = (
+        None
+    ),
+    max_scale: Annotated[str | None, typer.Option("--max-scale", help="Cap of the scale.")] = (
+        None
+    ),
+    static_scale: Annotated[
+        str | None,
+        typer.Option(
+            "--static-scale",
+            help="The static scale to compare with [default: the recommended one].",
+        ),
+    ] = None,
+    headroom_bits: HeadroomOption = None,
+    json_output: JsonOption = None,
+    config_file: ConfigOption = None,
+) -> None:
+    """Replay a loss-scaler policy over a report's steps: skips, scales, underflow.
+
+    Example: fpaudit simulate run-report --policy deepspeed --hysteresis 2 --min-scale 1
+    """
+    from fpaudit import scalers
+    from fpaudit.report import Report
+    from fpaudit.simulation import simulate
+
+    options = _merge(
+        "simulate", config_file,
+        dict(policy=policy, format=format_, init_scale=init_scale, growth_factor=growth_factor,
+             backoff_factor=backoff_factor, growth_interval=growth_interval,
+             hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+             static_scale=static_scale, headroom_bits=headroom_bits, json=json_output),
+        dict(policy="torch", format=None, init_scale=None, growth_factor=None,
+             backoff_factor=None, growth_interval=None, hysteresis=None, min_scale=None,
+             max_scale=None, static_scale=None, headroom_bits=None, json=False),
+    )  # fmt: skip
+    if options["policy"] not in scalers.POLICIES:
+        raise UsageError(
+            f"--policy must be one of {', '.join(scalers.POLICIES)}, got {options['policy']!r}"
+        )
+    numbers = {
+        name: config.parse_number(options[name], "--" + name.replace("_", "-"))
+        if options[name] is not None
+        else None
+        for name in ("init_scale", "min_scale", "max_scale", "static_scale")
+    }
+    overrides = {
+        "init_scale": numbers["init_scale"],
+        "growth_factor": options["growth_factor"],
+        "backoff_factor": options["backoff_factor"],
+        "growth_interval": options["growth_interval"],
+        "hysteresis": options["hysteresis"],
+        "min_scale": numbers["min_scale"],
+        "max_scale": numbers["max_scale"],
+    }
+    if options["policy"] == "static":
+        if numbers["init_scale"] is not None:
+            raise UsageError("--policy static takes its scale from --static-scale")
+        overrides["init_scale"] = numbers["static_scale"]
+    report = Report.read(report_path)
+    render.incomplete_note(report.incompleteness())
+    fmt = _reading_format(options["format"], report)
+    headroom = _headroom(
+        _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
+    )
+    result = simulate(
+        report, fmt, options["policy"], overrides, numbers["static_scale"],
+        headroom_bits=headroom,
+    )  # fmt: skip
+    if options["json"]:
+        render.print_json(result.to_dict())
     else:
-        render.recommendation(rec)
+        render.simulation(result)
 
 
 @app.command("gate")

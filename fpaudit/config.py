@@ -1,9 +1,10 @@
 """Command options from a TOML file, merged under the command line.
 
 A config file sets the same options as the flags, with ``_`` or ``-`` in
-names. Top-level keys apply to every command that has that option; a
-``[scan]``, ``[show]``, ``[recommend]`` or ``[gate]`` table applies to that
-command only and wins over the top level. Unknown keys and tables are errors.
+names. Top-level keys apply to every command that has that option; a table
+named after a command (``[scan]``, ``[run]``, ``[show]``, ``[recommend]``,
+``[simulate]``, ``[gate]``) applies to that command only and wins over the top
+level. Unknown keys and tables are errors.
 Precedence: command line > config file > built-in default.
 """
 
@@ -23,6 +24,23 @@ DEFAULT_HEADROOM_BITS = 4  # binades kept free below a format's max, as PopART's
 LOG2_SCALE_MIN = -126
 LOG2_SCALE_MAX = 127
 _POWER = re.compile(r"^\s*2\s*(\^|\*\*)\s*([+-]?\d+)\s*$")
+
+
+def parse_number(text: str, what: str) -> float:
+    """A positive finite number written as ``65536``, ``1e4``, ``2^16`` or ``2**-3``."""
+    match = _POWER.match(text)
+    if match:
+        exponent = int(match.group(2))
+        if abs(exponent) > 1074:
+            raise UsageError(f"{what} {text} is out of range")
+        return math.ldexp(1.0, exponent)
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{what} {text!r} is not a number; use e.g. 65536 or 2^16") from None
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{what} must be a positive number, got {text}")
+    return value
 
 
 def parse_scale(text: str, what: str = "--scale") -> int:
@@ -78,6 +96,23 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "op": "patterns",
         "exclude_op": "patterns",
     },
+    "run": {
+        "out": "str",
+        "force": "bool",
+        "max_steps": "int",
+        "capture_every": "int",
+        "window": "int",
+        "format": "format",
+        "headroom_bits": "int",
+        "module": "patterns",
+        "exclude_module": "patterns",
+        "op": "patterns",
+        "exclude_op": "patterns",
+        "max_backoffs": "int",
+        "max_skip_rate": "float",
+        "drift_window": "int",
+        "drift_binades": "int",
+    },
     "show": {
         "format": "format",
         "scale": "scale",
@@ -85,11 +120,30 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "json": "bool",
         "kind": "str",
         "by": "str",
+        "steps": "bool",
+        "limit": "int",
     },
     "recommend": {
         "format": "format",
         "headroom_bits": "int",
         "include_loss": "bool",
+        "json": "bool",
+        "worst_window": "bool",
+        "drift_window": "int",
+        "drift_binades": "int",
+    },
+    "simulate": {
+        "policy": "str",
+        "format": "format",
+        "init_scale": "scale",
+        "growth_factor": "float",
+        "backoff_factor": "float",
+        "growth_interval": "int",
+        "hysteresis": "int",
+        "min_scale": "scale",
+        "max_scale": "scale",
+        "static_scale": "scale",
+        "headroom_bits": "int",
         "json": "bool",
     },
     "gate": {

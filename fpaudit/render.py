@@ -6,7 +6,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +17,10 @@ from rich.table import Table
 from fpaudit.formats import Format
 
 if TYPE_CHECKING:
+    from fpaudit.drift import Drift
     from fpaudit.gating import GateResult
     from fpaudit.recommendation import Recommendation
+    from fpaudit.simulation import Simulation
     from fpaudit.verify import Verification
 
 if TYPE_CHECKING:
@@ -71,6 +73,14 @@ def error_line(message: str) -> None:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, allow_nan=False, default=_json_default) + "\n")
+
+
+def json_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rows as JSON-ready dicts: NaN and infinities become null."""
+    return [
+        {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        for row in frame.to_dict(orient="records")
+    ]
 
 
 def _json_default(value: Any) -> Any:
@@ -386,9 +396,10 @@ def step_progress(steps: int) -> Iterator[Callable[[StepProgress], None]]:
         yield advance
 
 
-def interrupted(path: str, signal_name: str, done: int, steps: int) -> None:
+def interrupted(path: str, signal_name: str, done: int, steps: int | None) -> None:
+    of = f" of {steps}" if steps else ""
     sys.stderr.write(
-        f"fpaudit: interrupted by {signal_name} after {done} of {steps} step(s); the completed "
+        f"fpaudit: interrupted by {signal_name} after {done}{of} step(s); the completed "
         f"steps are in {path}, marked incomplete\n"
     )
 
@@ -455,3 +466,229 @@ def scan_summary(
         console.print(grid)
     for line in recommendation_lines(rec):
         console.print(line)
+
+
+# -- training loop (fpaudit run, show --steps, simulate) ----------------------
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float], width: int = 60) -> str:
+    """log2 of positive values as a bar per step (or per bucket: its minimum)."""
+    finite = [v for v in values if v > 0 and math.isfinite(v)]
+    if not finite:
+        return ""
+    logs = [math.log2(v) if v > 0 and math.isfinite(v) else math.log2(min(finite)) for v in values]
+    buckets = max(1, math.ceil(len(logs) / width))
+    points = [min(logs[i : i + buckets]) for i in range(0, len(logs), buckets)]
+    low, high = min(points), max(points)
+    if high == low:
+        return SPARK[3] * len(points)
+    return "".join(SPARK[round((p - low) / (high - low) * (len(SPARK) - 1))] for p in points)
+
+
+def power(value: float) -> str:
+    """2^k for a power of two, else the number."""
+    if value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5:
+        return f"2^{math.frexp(value)[1] - 1}"
+    return f"{value:g}"
+
+
+def _steps_list(steps: Sequence[int], count_: int) -> str:
+    shown = ", ".join(str(s) for s in steps[:10])
+    more = count_ - min(len(steps), 10)
+    return shown + (f", … ({more} more)" if more > 0 else "")
+
+
+def findings(items: Sequence[dict[str, Any]], console: Console | None = None) -> None:
+    """Findings, errors first, each with its file:line."""
+    console = console or stdout()
+    if not items:
+        console.print("No misuse found in the training loop.")
+        return
+    console.print(f"{len(items)} finding(s) in the training loop:")
+    for item in items:
+        colour = {"error": "red", "warning": "yellow"}.get(item["severity"], "cyan")
+        where = f"{item['file']}:{item['line']}"
+        steps = _steps_list(item["steps"], item["count"])
+        console.print(
+            f"  [{colour}]{item['severity']}[/{colour}] {where} [bold]{item['code']}[/bold]: "
+            f"{item['message']} (in {item['count']} step(s): {steps})"
+        )
+
+
+def skip_lines(stats: dict[str, Any], scaler: dict[str, Any] | None) -> list[str]:
+    """Skipped steps, with calibration told apart (expected on a fresh dynamic scaler)."""
+    total, skipped = stats["steps"], stats["skipped"]
+    if not scaler:
+        return [f"{total} optimizer step(s); no enabled GradScaler, so no step was skipped."]
+    lines = [f"Skipped {skipped} of {total} step(s) ({percent(skipped / total if total else 0)})."]
+    calibration = stats["calibration_steps"]
+    if calibration:
+        lines.append(
+            f"  The first {calibration} skip(s) were calibration: a fresh scaler starts at "
+            f"{power(scaler['init_scale'])} and halves until gradients fit; expected, not a "
+            "problem."
+        )
+    if stats["steps_after_calibration"]:
+        lines.append(
+            f"  After calibration: {stats['skipped_after_calibration']} of "
+            f"{stats['steps_after_calibration']} skipped "
+            f"({percent(stats['skip_rate_after_calibration'])}); a dynamic scaler that grows "
+            f"every {scaler['growth_interval']} clean steps skips about 1 in that many by design."
+        )
+    return lines
+
+
+def scale_lines(steps: pd.DataFrame) -> list[str]:
+    if steps.empty:
+        return []
+    scale = steps["loss_scale"].to_numpy()
+    after = steps["scale_after"].to_numpy()
+    return [
+        f"Loss scale: {power(scale[0])} at the start, {power(after[-1])} at the end "
+        f"(min {power(min(scale.min(), after.min()))}, "
+        f"max {power(max(scale.max(), after.max()))})"
+        f"  {sparkline([*list(scale), after[-1]])}"
+    ]
+
+
+def drift_lines(result: Drift) -> list[str]:
+    judged = [w for w in result.windows if w.log2_scale is not None]
+    if len(judged) < 2:
+        return []
+    low = min(judged, key=lambda w: w.log2_scale or 0)
+    high = max(judged, key=lambda w: w.log2_scale or 0)
+    text = (
+        f"Drift ({result.format}): per-window recommendations (windows of "
+        f"{result.window_steps} steps) span {result.binades} binade(s), "
+        f"2^{low.log2_scale} (steps {low.first_step}-{low.last_step}) to 2^{high.log2_scale} "
+        f"(steps {high.first_step}-{high.last_step})"
+    )
+    if not result.warn:
+        return [text + "."]
+    return [
+        f"[yellow]{text}: more than {result.threshold_binades}.[/yellow]",
+        "  A static scale calibrated on a few steps would be wrong elsewhere in the run; "
+        "calibrate on the whole run (as this recommendation does) or use a dynamic scaler.",
+    ]
+
+
+def run_summary(
+    path: str,
+    report: pd.DataFrame | Any,
+    items: Sequence[dict[str, Any]],
+    rec: Recommendation | None,
+    drift_result: Drift | None,
+) -> None:
+    console = stdout()
+    meta = report.meta
+    steps = report.steps
+    captured = int(steps["captured"].sum()) if len(steps) else 0
+    console.print(
+        f"Ran {meta['script']}: {meta['steps_run']} optimizer step(s), {captured} captured; "
+        f"report written to {path}"
+    )
+    for line in skip_lines(meta["training"], meta.get("scaler")):
+        console.print(line)
+    for line in scale_lines(steps):
+        console.print(line)
+    findings(items, console)
+    if rec is not None:
+        for line in recommendation_lines(rec):
+            console.print(line)
+    if drift_result is not None:
+        for line in drift_lines(drift_result):
+            console.print(line)
+
+
+def steps_view(report: Any, limit: int, items: Sequence[dict[str, Any]]) -> None:
+    """``show --steps``: skip rate, scale sparkline, findings, and the steps table."""
+    console = stdout()
+    steps = report.steps
+    meta = report.meta
+    if "training" in meta and isinstance(meta["training"], dict):
+        for line in skip_lines(meta["training"], meta.get("scaler")):
+            console.print(line)
+    else:
+        skipped = int(steps["skipped"].sum())
+        console.print(f"{len(steps)} step(s), {skipped} skipped.")
+    for line in scale_lines(steps):
+        console.print(line)
+    grid = Table(title="steps", title_justify="left")
+    for name in ("step", "loss", "scale", "after", "skipped", "grad norm", "grad amax",
+                 "backward", "captured", "seconds"):  # fmt: skip
+        grid.add_column(name, justify="left" if name == "skipped" else "right", no_wrap=True)
+    shown = steps if len(steps) <= limit else pd_concat_ends(steps, limit)
+    for row in shown.itertuples():
+        if row.step < 0:
+            grid.add_row("…", *[""] * 9)
+            continue
+        norm = "" if math.isnan(row.grad_norm) else f"{row.grad_norm:.3g}"
+        if row.clipped:
+            norm += " (clipped)"
+        grid.add_row(
+            str(row.step),
+            f"{row.loss:.4g}",
+            power(row.loss_scale),
+            power(row.scale_after),
+            "[red]skipped[/red]" if row.skipped else "",
+            norm,
+            "" if math.isnan(row.grad_amax) else f"{row.grad_amax:.3g}",
+            str(row.backward_calls),
+            "yes" if row.captured else "",
+            f"{row.seconds:.3g}",
+        )
+    console.print(grid)
+    if items:
+        findings(items, console)
+
+
+def pd_concat_ends(steps: pd.DataFrame, limit: int) -> pd.DataFrame:
+    """The first and last ``limit // 2`` rows with a marker row (step -1) between."""
+    import pandas as pd
+
+    half = max(1, limit // 2)
+    marker = steps.iloc[:1].copy()
+    marker["step"] = -1
+    return pd.concat([steps.iloc[:half], marker, steps.iloc[-half:]])
+
+
+def simulation(result: Simulation) -> None:
+    console = stdout()
+    policy, static = result.policy, result.static
+    trajectory = policy.trajectory
+    settings = {k: v for k, v in policy.settings.items() if v is not None and k != "policy"}
+    described = ", ".join(f"{k} {power(v) if 'scale' in k else v}" for k, v in settings.items())
+    console.print(
+        f"Replayed {policy.name} ({described}) over {len(trajectory.scale)} step(s), "
+        f"{result.format}:"
+    )
+    grid = Table(title_justify="left")
+    for name in ("policy", "skipped", "first skipped steps", "scale at the end", "scale range",
+                 "underflow (captured steps)"):  # fmt: skip
+        grid.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
+    for run, label in ((policy, f"{policy.name} (dynamic)"),
+                       (static, f"static {power(static.settings['init_scale'])}")):  # fmt: skip
+        summary = run.summary()
+        grid.add_row(
+            label,
+            str(summary["skipped"]),
+            ", ".join(str(s) for s in summary["skipped_steps"][:8]) or "-",
+            power(summary["final_scale"]),
+            f"{power(summary['min_scale'])}..{power(summary['max_scale'])}",
+            percent(run.underflow_fraction) if run.nonzero else "not measured",
+        )
+    console.print(grid)
+    console.print(f"Scale ({policy.name}): {sparkline(list(trajectory.scale))}")
+    real = result.thresholds.real_scale
+    if len(real) and (real != trajectory.scale).any():
+        console.print(f"Scale (real run):  {sparkline(list(real))}")
+    elif len(real):
+        console.print("The replayed trajectory equals the real run's, step for step.")
+    if trajectory.aborted_at is not None:
+        console.print(
+            f"[yellow]{policy.name} would have stopped the run at step "
+            f"{trajectory.aborted_at}: an overflow at the minimum scale.[/yellow]"
+        )
+    for note in result.notes:
+        console.print(f"Note: {note}")

@@ -456,7 +456,10 @@ def _check_meta_types(meta: dict[str, Any], meta_file: Path) -> None:
         "stopped_by": (str, type(None)),
         "steps": (int,),
         "steps_run": (int,),
-        "steps_requested": (int,),
+        "steps_requested": (int, type(None)),  # fpaudit run without --max-steps: None
+        "findings": (list,),
+        "training": (dict,),
+        "scaler": (dict, type(None)),
         "headroom_bits": (int,),
         "include_loss": (bool,),
     }

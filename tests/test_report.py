@@ -38,7 +38,10 @@ def test_plain_pandas_and_pyarrow_read_it(tmp_path: Path, report: Report) -> Non
     assert list(records.columns) == RECORDS_SCHEMA.names
     assert list(bins.columns) == BINS_SCHEMA.names
     assert list(pd.read_parquet(root / "steps.parquet").columns) == STEPS_SCHEMA.names
-    assert pq.read_schema(root / "bins.parquet").metadata[b"fpaudit.schema_version"] == str(SCHEMA_VERSION).encode()
+    assert (
+        pq.read_schema(root / "bins.parquet").metadata[b"fpaudit.schema_version"]
+        == str(SCHEMA_VERSION).encode()
+    )
     meta = json.loads((root / "meta.json").read_text())
     assert meta["files"]["bins.parquet"]["rows"] == len(bins)
     # A query a user would write: values of module a at or below fp16's round-to-zero edge.
@@ -235,3 +238,26 @@ def test_window_keeps_loss_scales_apart_and_reports_an_open_window() -> None:
         seconds=0.0,
     )
     assert list(builder.build({}).records["steps"]) == [2, 1, 1]  # the NaN step adds nothing
+
+
+def test_a_version_1_report_reads_with_the_new_step_columns_at_their_defaults(
+    tmp_path: Path, report: Report
+) -> None:
+    """Reports written by fpaudit 0.1.0 (schema 1) lack the training-loop step columns."""
+    import hashlib
+
+    root = _written(tmp_path, report)
+    v1_columns = ["step", "loss", "loss_finite", "loss_scale", "records", "nonfinite_grads",
+                  "optimizer_step", "first_nonfinite", "seconds"]  # fmt: skip
+    steps_file = root / "steps.parquet"
+    pq.write_table(pq.read_table(steps_file, columns=v1_columns), steps_file)
+    meta = json.loads((root / "meta.json").read_text())
+    meta["schema_version"] = 1
+    meta["files"]["steps.parquet"]["sha256"] = hashlib.sha256(steps_file.read_bytes()).hexdigest()
+    (root / "meta.json").write_text(json.dumps(meta))
+    back = Report.read(root)
+    assert list(back.steps.columns) == STEPS_SCHEMA.names
+    assert list(back.steps["scale_after"]) == list(back.steps["loss_scale"])
+    assert not back.steps["skipped"].any() and back.steps["captured"].all()
+    assert back.steps["grad_norm"].isna().all()
+    pd.testing.assert_frame_equal(back.records, report.records)

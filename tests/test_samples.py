@@ -10,13 +10,33 @@ import pytest
 
 from .conftest import SAMPLES
 
-SAMPLE_MODELS = sorted(p.name for p in SAMPLES.glob("*.py"))
+SAMPLE_SCRIPTS = sorted(p.name for p in SAMPLES.glob("train_*.py"))  # for fpaudit run
+SAMPLE_MODELS = sorted(p.name for p in SAMPLES.glob("*.py") if p.name not in SAMPLE_SCRIPTS)
 SAMPLE_CONFIGS = sorted(p.name for p in SAMPLES.glob("*.toml"))
 
 
 def test_the_samples_are_the_ones_documented() -> None:
     assert SAMPLE_MODELS == ["convnet.py", "mlp.py", "quadratic.py", "transformer.py"]
+    assert SAMPLE_SCRIPTS == ["train_loop.py"]
     assert SAMPLE_CONFIGS == ["bf16_audit.toml", "fp16_ci_gate.toml", "fp8_e5m2_backward.toml"]
+
+
+@pytest.mark.slow
+def test_the_sample_training_loop_is_clean_and_its_bugs_are_found(cli, tmp_path: Path) -> None:
+    script = SAMPLES / "train_loop.py"
+    clean = cli("run", "--out", tmp_path / "clean", "--", script, "--steps", "30")
+    assert clean.code == 0, clean.stderr
+    assert "No misuse found in the training loop." in clean.stdout
+    assert "The first 7 skip(s) were calibration" in clean.stdout  # 2^24 down to 2^17
+    buggy = cli("run", "--out", tmp_path / "bugs", "--", script, "--steps", "30", "--bugs")
+    assert buggy.code == 0, buggy.stderr
+    meta = json.loads((tmp_path / "bugs" / "meta.json").read_text())
+    assert {f["code"] for f in meta["findings"]} == {
+        "clip-before-unscale",
+        "grad-read-while-scaled",
+        "scheduler-on-skipped-step",
+    }
+    assert meta["amp_dtype"] == "float16"  # autocast's backward values, captured live
 
 
 @pytest.mark.slow

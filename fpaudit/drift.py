@@ -1,0 +1,175 @@
+"""Drift: the recommended scale per window of steps, across a run.
+
+Gradients change over training, so a static scale calibrated at step 500 can
+be wrong at step 50,000. The run is cut into windows of consecutive steps;
+each window gets the recommendation its own captured steps would give (the
+same rule as :func:`fpaudit.recommendation.recommend`: the largest power of
+two keeping the window's unscaled amax ``headroom_bits`` below the format's
+maximum), the module that limited it, and its underflow at its own scale and
+at the whole run's scale. The whole run's scale is the smallest of the
+windows' (its amax is the largest), so drift shows up as windows that could
+have used a larger scale and, at the run's scale, lose more to underflow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from fpaudit import analysis, config
+from fpaudit.formats import Format
+from fpaudit.recommendation import LOG2_SCALE_MAX, LOG2_SCALE_MIN, largest_log2_scale
+from fpaudit.report import Report
+
+DEFAULT_WINDOWS = 10  # windows per run when --drift-window is not given
+DEFAULT_DRIFT_BINADES = 2  # warn when per-window recommendations span more binades than this
+
+
+@dataclass(frozen=True)
+class Window:
+    first_step: int
+    last_step: int
+    captured_steps: int
+    amax: float  # largest unscaled in-scope backward value (0: none)
+    log2_scale: int | None  # this window's recommendation (None: no nonzero values)
+    limiting_module: str | None
+    limiting_op: str | None
+    underflow_fraction: float  # at this window's own scale
+    underflow_at_run_scale: float
+
+
+@dataclass(frozen=True)
+class Drift:
+    format: str
+    headroom_bits: int
+    window_steps: int
+    windows: list[Window]
+    run_log2_scale: int | None
+    binades: int  # largest minus smallest per-window log2 scale (0 with fewer than 2)
+    threshold_binades: int
+
+    @property
+    def warn(self) -> bool:
+        return self.binades > self.threshold_binades
+
+    @property
+    def worst(self) -> Window | None:
+        """The window with the smallest recommended scale (ties: the most underflow)."""
+        judged = [w for w in self.windows if w.log2_scale is not None]
+        if not judged:
+            return None
+        return min(judged, key=lambda w: (w.log2_scale, -w.underflow_at_run_scale))
+
+    def to_dict(self) -> dict[str, Any]:
+        worst = self.worst
+        return {
+            **{k: v for k, v in asdict(self).items() if k != "windows"},
+            "warn": self.warn,
+            "worst_window": asdict(worst) if worst is not None else None,
+            "windows": [asdict(w) for w in self.windows],
+        }
+
+
+def drift(
+    report: Report,
+    fmt: Format,
+    headroom_bits: int = config.DEFAULT_HEADROOM_BITS,
+    *,
+    window_steps: int | None = None,
+    threshold_binades: int = DEFAULT_DRIFT_BINADES,
+    include_loss: bool = False,
+) -> Drift:
+    """Per-window recommendations of ``report`` for ``fmt`` (windows of ``window_steps``
+    steps; default: the run in about ten windows)."""
+    if window_steps is not None and window_steps < 1:
+        raise ValueError("window_steps must be at least 1")
+    scope = analysis.default_scope(report, include_loss)
+    records = scope.select(report.records)
+    steps = report.steps["step"].to_numpy(dtype=np.int64)
+    first = int(steps.min()) if len(steps) else 0
+    last = int(steps.max()) if len(steps) else -1
+    if window_steps is None:
+        window_steps = max(1, math.ceil((last - first + 1) / DEFAULT_WINDOWS))
+    limit = math.ldexp(fmt.max_finite, -headroom_bits)
+
+    scaling = records[records["scales_with_loss"]]
+    unscaled = scaling["amax"] / scaling["loss_scale"]
+    run_amax = float(unscaled.max()) if len(unscaled) and unscaled.max() > 0 else 0.0
+    run_k = _clamp(largest_log2_scale(run_amax, limit)) if run_amax > 0 else None
+
+    condensed = analysis.condense(report, scope, ("step",))
+    step_of_group = (
+        condensed.groups["step"].to_numpy(dtype=np.int64)
+        if len(condensed.groups)
+        else (np.zeros(0, dtype=np.int64))
+    )
+    window_of_record = (scaling["step"].to_numpy(dtype=np.int64) - first) // window_steps
+    windows: list[Window] = []
+    for w in range((last - first) // window_steps + 1 if last >= first else 0):
+        lo, hi = first + w * window_steps, first + (w + 1) * window_steps - 1
+        rows = np.flatnonzero((step_of_group >= lo) & (step_of_group <= hi))
+        if not len(rows):
+            continue  # no captured step in this window
+        in_window = unscaled[window_of_record == w]
+        amax = float(in_window.max()) if len(in_window) else 0.0
+        k = _clamp(largest_log2_scale(amax, limit)) if amax > 0 else None
+        limiter = scaling.loc[in_window.idxmax()] if amax > 0 else None
+        part = analysis.Condensed(
+            condensed.groups.iloc[rows].reset_index(drop=True),
+            condensed.scaled[rows],
+            condensed.fixed[rows],
+        ).total()
+        own = part.at(fmt, k if k is not None else 0).iloc[0]
+        at_run = part.at(fmt, run_k if run_k is not None else 0).iloc[0]
+        windows.append(
+            Window(
+                first_step=lo,
+                last_step=min(hi, last),
+                captured_steps=len(rows),
+                amax=amax,
+                log2_scale=k,
+                limiting_module=str(limiter["module"]) if limiter is not None else None,
+                limiting_op=str(limiter["op"]) if limiter is not None else None,
+                underflow_fraction=float(own["underflow_fraction"]),
+                underflow_at_run_scale=float(at_run["underflow_fraction"]),
+            )
+        )
+    ks = [w.log2_scale for w in windows if w.log2_scale is not None]
+    return Drift(
+        format=fmt.name,
+        headroom_bits=headroom_bits,
+        window_steps=window_steps,
+        windows=windows,
+        run_log2_scale=run_k,
+        binades=(max(ks) - min(ks)) if len(ks) >= 2 else 0,
+        threshold_binades=threshold_binades,
+    )
+
+
+def _clamp(k: int) -> int:
+    return min(max(k, LOG2_SCALE_MIN), LOG2_SCALE_MAX)
+
+
+def window_report(report: Report, first_step: int, last_step: int) -> Report:
+    """What ``report`` recorded in steps ``first_step..last_step`` (record ids renumbered)."""
+    records = report.records
+    keep = ((records["step"] >= first_step) & (records["step"] <= last_step)).to_numpy()
+    new_id = np.full(len(records), -1, dtype=np.int64)
+    new_id[keep] = np.arange(int(keep.sum()))
+    bins = report.bins
+    bin_records = bins["record_id"].to_numpy()
+    bins_kept = bins[keep[bin_records]].copy()
+    bins_kept["record_id"] = new_id[bins_kept["record_id"].to_numpy()].astype(np.int32)
+    kept = records[keep].copy()
+    kept["record_id"] = np.arange(len(kept), dtype=np.int32)
+    steps = report.steps
+    in_range = (steps["step"] >= first_step) & (steps["step"] <= last_step)
+    return Report(
+        {**report.meta, "window_of_run": [first_step, last_step]},
+        kept.reset_index(drop=True),
+        bins_kept.reset_index(drop=True),
+        steps[in_range].reset_index(drop=True),
+    )

@@ -1,0 +1,1103 @@
+"""Audit an unmodified training script: what ``fpaudit run SCRIPT.py`` does.
+
+The script runs in this process as ``python SCRIPT.py ARGS`` would run it
+(``__name__ == "__main__"``, ``sys.argv``, the script's folder first on
+``sys.path``), while fpaudit watches the calls a mixed-precision loop makes:
+
+* ``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` is a subclass):
+  ``scale``, ``unscale_``, ``step`` and ``update``;
+* every optimizer's ``step`` (torch's global optimizer hooks) and ``zero_grad``;
+* ``lr_scheduler.step``, ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``;
+* ``torch.autograd.backward`` (what ``loss.backward()`` calls);
+* reads of ``.grad`` by the script while the gradients are still scaled;
+* top-level module calls: the first one with trainable parameters is the model.
+
+A *step* is one optimizer step of the first optimizer that steps; when an
+enabled ``GradScaler`` takes part, the step ends at ``scaler.update()``, which
+comes after every optimizer of the iteration.
+
+Nothing here reads a device value while the script runs: the scale in force,
+the inf checks, norms and losses stay 0-dim device tensors (``_ScalarLog``)
+and are read in one transfer per device at the end, so the run has no host
+syncs beyond the one ``GradScaler.step`` makes anyway. Every K-th step
+(``capture_every``) the core audit records every backward op under the scale
+in force; a captured step costs one more sync, as in ``fpaudit scan``.
+
+Misuse is judged after the run, from those values (``findings``): each finding
+names the file and line of the call, the first frame outside torch and fpaudit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import runpy
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import fpaudit
+from fpaudit import modelfile
+from fpaudit.capture import Audit, Selection
+from fpaudit.errors import FpauditError, Interrupted, ModelFileError, UsageError
+from fpaudit.records import LOSS_MODULE, STEP_COLUMNS, STEP_DEFAULTS, ReportBuilder
+
+if TYPE_CHECKING:
+    from fpaudit.report import Report
+
+_OUTSIDE = tuple(
+    os.path.dirname(module.__file__) + os.sep for module in (torch, fpaudit) if module.__file__
+)
+_BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the C getset descriptor of Tensor.grad
+_INF = float("inf")
+
+
+class StopRun(BaseException):
+    """``--max-steps`` reached: unwinds the script (a BaseException, so that a script's
+    ``except Exception`` does not swallow it)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    max_steps: int | None = None  # stop after this many optimizer steps
+    capture_every: int = 10  # capture backward ops every K-th step; 0: never
+    window: int = 1  # merge the records of W consecutive captured steps
+    selection: Selection = field(default_factory=Selection)
+    max_backoffs: int = 5  # more consecutive scale back-offs than this is a finding
+    max_skip_rate: float = 0.02  # a higher skip rate after calibration is a finding
+    watch_grad_reads: bool = True  # find .grad reads while the gradients are scaled
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UsageError(f"--max-steps must be at least 1, got {self.max_steps}")
+        if self.capture_every < 0:
+            raise UsageError(f"--capture-every must be 0 (never) or more, got {self.capture_every}")
+        if self.window < 1:
+            raise UsageError(f"--window must be at least 1, got {self.window}")
+        if self.max_backoffs < 1:
+            raise UsageError(f"--max-backoffs must be at least 1, got {self.max_backoffs}")
+        if not 0.0 <= self.max_skip_rate <= 1.0:
+            raise UsageError(f"--max-skip-rate must be between 0 and 1, got {self.max_skip_rate}")
+
+
+# -- findings ---------------------------------------------------------------
+FINDINGS = {
+    # code: (severity, what it means)
+    "clip-before-unscale": (
+        "error",
+        "gradients clipped while still multiplied by the loss scale",
+    ),
+    "step-without-unscale": (
+        "error",
+        "optimizer.step() on gradients still multiplied by the loss scale",
+    ),
+    "mixed-scale-accumulation": (
+        "error",
+        "micro-batches of one accumulated batch were scaled differently",
+    ),
+    "unscale-twice": ("error", "unscale_() ran twice on the same accumulated gradients"),
+    "grad-read-while-scaled": ("warning", ".grad read while gradients are still scaled"),
+    "scheduler-on-skipped-step": ("warning", "LR scheduler stepped on a skipped optimizer step"),
+    "scale-falling": ("warning", "the loss scale keeps falling"),
+    "scale-below-one": ("warning", "the loss scale fell below 1"),
+    "high-skip-rate": ("warning", "many optimizer steps skipped after calibration"),
+}
+_MAX_LISTED_STEPS = 20
+
+
+@dataclass
+class Finding:
+    code: str
+    file: str
+    line: int
+    message: str
+    steps: list[int] = field(default_factory=list)  # the first few steps it happened at
+    count: int = 0  # in how many steps
+
+    @property
+    def severity(self) -> str:
+        return FINDINGS[self.code][0]
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    last_step: int = field(default=-1, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["last_step"]
+        return {**data, "severity": self.severity}
+
+
+def call_site() -> tuple[str, int]:
+    """File and line of the innermost frame outside torch and fpaudit: the script's call."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_OUTSIDE) and not filename.startswith("<"):
+            return filename, frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<unknown>", 0
+
+
+class _Findings:
+    """Findings keyed by (code, site); each keeps a count and its first steps."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[str, str, int], Finding] = {}
+
+    def add(self, code: str, site: tuple[str, int], step: int, message: str) -> None:
+        key = (code, *site)
+        finding = self.items.get(key)
+        if finding is None:
+            finding = self.items[key] = Finding(code, site[0], site[1], message)
+        if step != finding.last_step:
+            finding.count += 1
+            finding.last_step = step
+            if len(finding.steps) < _MAX_LISTED_STEPS:
+                finding.steps.append(step)
+
+
+# -- device values, read once -----------------------------------------------
+class _ScalarLog:
+    """0-dim tensors kept on their device until the run ends, then read in one
+    transfer per device. Stacked 256 at a time, so a long run holds few tensors."""
+
+    _CHUNK = 256
+
+    def __init__(self) -> None:
+        self._pending: dict[torch.device, list[torch.Tensor]] = {}
+        self._chunks: dict[torch.device, list[torch.Tensor]] = {}
+        self._slots: list[tuple[torch.device, int]] = []
+        self._counts: dict[torch.device, int] = {}
+
+    def add(self, value: torch.Tensor) -> int:
+        """Keep a copy of ``value`` (so later in-place changes do not show); its slot."""
+        device = value.device
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        copy = value.detach().reshape(()).to(dtype=dtype, copy=True)
+        pending = self._pending.setdefault(device, [])
+        pending.append(copy)
+        slot = self._counts.get(device, 0)
+        self._counts[device] = slot + 1
+        if len(pending) == self._CHUNK:
+            self._chunks.setdefault(device, []).append(torch.stack(pending))
+            pending.clear()
+        self._slots.append((device, slot))
+        return len(self._slots) - 1
+
+    def read(self) -> np.ndarray:
+        """Every value added, in order, as float64 (one transfer per device)."""
+        per_device: dict[torch.device, np.ndarray] = {}
+        for device, count in self._counts.items():
+            parts = list(self._chunks.get(device, []))
+            if self._pending.get(device):
+                parts.append(torch.stack(self._pending[device]))
+            values = torch.cat(parts).cpu().numpy().astype(np.float64)
+            assert len(values) == count
+            per_device[device] = values
+        return np.array([per_device[d][s] for d, s in self._slots], dtype=np.float64)
+
+
+@dataclass
+class _Step:
+    """What one optimizer step did; tensors become slots of the scalar log at its end."""
+
+    index: int
+    started: float
+    capture: bool
+    backward_calls: int = 0
+    attempted: bool = False  # the first optimizer tried to step
+    stepped: bool = False  # some optimizer.step() ran
+    scaler: Any = None  # the enabled GradScaler in use this step
+    scaler_stepped: bool = False  # scaler.unscale_ or scaler.step ran: update() ends the step
+    scale_before: int = -1  # slots of the scalar log; -1: none
+    found_inf: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    loss_from_scale: bool = False
+    grad_amax: torch.Tensor | None = None  # largest |grad| before unscale_ (scaled)
+    norm: int = -1
+    norm_scaled: bool = False  # the norm was of scaled gradients
+    max_norm: float = math.nan
+    captured: bool = False
+    seconds: float = 0.0
+    slots: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Span:
+    """Gradients accumulated since they were last zeroed: one effective batch."""
+
+    scales: list[tuple[int, int, tuple[str, int], int]] = field(default_factory=list)
+    # (scaler update count, scale slot, site of scale(), step)
+    unscaled: set[int] = field(default_factory=set)  # ids of optimizers unscaled in it
+
+
+class TrainingMonitor:
+    """Instruments torch's training APIs while installed (see the module docstring)."""
+
+    def __init__(self, options: RunOptions = RunOptions()) -> None:
+        self.options = options
+        self.findings = _Findings()
+        self.log = _ScalarLog()
+        self.steps: list[_Step] = []
+        self.audit: Audit | None = None
+        self.audited_model: nn.Module | None = None
+        self.models: list[str] = []  # class names of top-level modules with trainable parameters
+        self.scaler_settings: dict[str, Any] | None = None
+        self.optimizers: list[str] = []
+        self.schedulers: list[str] = []
+        self.update_site: tuple[str, int] | None = None
+        self.done = False  # --max-steps reached: the next step's first call stops the script
+        self._primary: torch.optim.Optimizer | None = None
+        self._probes: dict[int, torch.Tensor] = {}  # optimizer id -> a parameter to watch
+        self._last_attempt: dict[int, int] = {}  # optimizer id -> step index
+        self._scheduler_calls: list[tuple[tuple[str, int], int, str]] = []
+        self._updates = 0  # scaler.update() calls: the scale's version
+        self._trainable: dict[int, bool] = {}
+        self._depth = 0  # module call depth
+        self._optimizer_depth = 0
+        self._scheduler_depth = 0
+        self._in_scaler_step = 0
+        self._internal = 0  # inside a call whose own .grad reads are not the script's
+        self._in_backward = 0
+        self._scaled_since_unscale = False  # an enabled scaler's scale() since unscale_/step
+        self._scaled_pending = False  # gradients hold scaled values not yet unscaled
+        self._capturing = False
+        self._span = _Span()
+        self._mixed: list[list[tuple[int, int, tuple[str, int], int]]] = []
+        self._step = self._new_step(0)
+
+    # -- installation --------------------------------------------------------
+    @contextmanager
+    def installed(self) -> Iterator[TrainingMonitor]:
+        """Patch torch's training APIs for the duration of the block."""
+        with ExitStack() as stack:
+            self._patch(stack)
+            try:
+                yield self
+            finally:
+                if self._capturing and self.audit is not None:
+                    self._capturing = False
+                    self.audit.__exit__(RuntimeError, None, None)  # drop the open step
+
+    def _patch(self, stack: ExitStack) -> None:
+        scaler = torch.amp.GradScaler
+        for name, wrapper in (
+            ("scale", self._wrap_scale),
+            ("unscale_", self._wrap_unscale),
+            ("step", self._wrap_scaler_step),
+            ("update", self._wrap_update),
+        ):
+            _replace(stack, scaler, name, wrapper(getattr(scaler, name)))
+        backward = torch.autograd.backward
+        _replace(stack, torch.autograd, "backward", self._wrap_backward(backward))
+        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+            for name in ("clip_grad_norm_", "clip_grad_value_"):
+                original = getattr(module, name, None)
+                if original is not None:
+                    _replace(stack, module, name, self._wrap_clip(name, original))
+        _replace(
+            stack,
+            torch.optim.Optimizer,
+            "zero_grad",
+            self._wrap_zero_grad(torch.optim.Optimizer.zero_grad, optimizer=True),
+        )
+        _replace(stack, nn.Module, "zero_grad", self._wrap_zero_grad(nn.Module.zero_grad))
+        for scheduler_class in _scheduler_classes():
+            _replace(stack, scheduler_class, "step", self._wrap_scheduler_step(scheduler_class))
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        stack.enter_context(register_optimizer_step_pre_hook(self._optimizer_pre_hook))
+        stack.enter_context(register_optimizer_step_post_hook(self._optimizer_post_hook))
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        stack.enter_context(register_module_forward_pre_hook(self._forward_pre_hook))
+        stack.enter_context(register_module_forward_hook(self._forward_hook, always_call=True))
+        if self.options.watch_grad_reads:
+            stack.enter_context(self._watch_grad_reads())
+
+    @contextmanager
+    def _watch_grad_reads(self) -> Iterator[None]:
+        monitor = self
+
+        def get(tensor: torch.Tensor) -> torch.Tensor | None:
+            grad = _BASE_GRAD.__get__(tensor)
+            if grad is not None and monitor._scaled_pending and not monitor._quiet():
+                monitor._grad_read()
+            return grad
+
+        def set_(tensor: torch.Tensor, value: torch.Tensor | None) -> None:
+            _BASE_GRAD.__set__(tensor, value)
+
+        def delete(tensor: torch.Tensor) -> None:
+            _BASE_GRAD.__delete__(tensor)
+
+        torch.Tensor.grad = property(get, set_, delete, _BASE_GRAD.__doc__)  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            del torch.Tensor.grad
+
+    def _quiet(self) -> bool:
+        return bool(self._internal or self._in_backward)
+
+    # -- steps ---------------------------------------------------------------
+    def _new_step(self, index: int) -> _Step:
+        every = self.options.capture_every
+        return _Step(index, time.perf_counter(), capture=bool(every) and index % every == 0)
+
+    def _maybe_stop(self) -> None:
+        if self.done:
+            raise StopRun
+
+    def _scale_slot(self, scaler: Any) -> int:
+        return self.log.add(scaler._scale)
+
+    def _use_scaler(self, scaler: Any) -> None:
+        step = self._step
+        if step.scaler is None:
+            step.scaler = scaler
+            step.scale_before = self._scale_slot(scaler)
+        if self.scaler_settings is None:
+            self.scaler_settings = {
+                "class": f"{type(scaler).__module__}.{type(scaler).__qualname__}",
+                "init_scale": float(scaler._init_scale),
+                "growth_factor": float(scaler._growth_factor),
+                "backoff_factor": float(scaler._backoff_factor),
+                "growth_interval": int(scaler._growth_interval),
+            }
+
+    def _end_step(self) -> None:
+        step = self._step
+        if self._capturing:
+            self._close_capture()
+        step.seconds = time.perf_counter() - step.started
+        if step.loss is not None:
+            step.slots["loss"] = self.log.add(step.loss)
+        if step.found_inf is not None:
+            step.slots["found_inf"] = self.log.add(step.found_inf)
+        if step.grad_amax is not None:
+            step.slots["grad_amax"] = self.log.add(step.grad_amax)
+        if step.scaler is not None:
+            step.slots["scale_after"] = self._scale_slot(step.scaler)
+        self.steps.append(step)
+        if self.options.max_steps is not None and len(self.steps) >= self.options.max_steps:
+            self.done = True
+        self._step = self._new_step(step.index + 1)
+
+    def _attempt(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._primary is None:
+            self._primary = optimizer
+        if self._capturing:
+            self._close_capture()
+        self._last_attempt[id(optimizer)] = self._step.index
+        if optimizer is self._primary:
+            self._step.attempted = True
+        if id(optimizer) not in self._probes:
+            self._note_optimizer(optimizer)
+
+    def _note_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizers.append(type(optimizer).__name__)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if isinstance(param, torch.Tensor) and param.requires_grad:
+                    self._probes[id(optimizer)] = param
+                    return
+
+    def _grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        grads = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = _BASE_GRAD.__get__(param)
+                if grad is not None and grad.layout == torch.strided and grad.is_floating_point():
+                    grads.append(grad)
+        return grads
+
+    def _note_grad_amax(self, optimizer: torch.optim.Optimizer) -> None:
+        """The largest gradient magnitude, as the optimizer sees the gradients (no sync)."""
+        self._note_amax_of(self._grads(optimizer))
+
+    def _note_amax_of(self, grads: list[torch.Tensor]) -> None:
+        if not grads:
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        maxima = [
+            torch.stack([n.float() for n in torch._foreach_norm(group, _INF)]).max()
+            for group in by_device.values()
+        ]
+        device = maxima[0].device
+        amax = torch.stack([m.to(device) for m in maxima]).max()
+        step = self._step
+        step.grad_amax = amax if step.grad_amax is None else torch.maximum(step.grad_amax, amax)
+
+    # -- capture of backward ops ----------------------------------------------
+    def _trainable_root(self, module: nn.Module) -> bool:
+        known = self._trainable.get(id(module))
+        if known is None:
+            known = any(p.requires_grad for p in module.parameters())
+            self._trainable[id(module)] = known
+            if known:
+                self.models.append(type(module).__name__)
+        return known
+
+    def _start_capture(self, module: nn.Module) -> None:
+        if self.audit is None:
+            self.audited_model = module
+            self.audit = Audit(module, selection=self.options.selection, window=self.options.window)
+        elif module is not self.audited_model:
+            return  # another model: only the first is audited
+        self.audit.__enter__()
+        self.audit.entered_by(module)
+        self._capturing = True
+
+    def _close_capture(self) -> None:
+        """Gradients are complete (unscale_ or an optimizer step is next): close the step."""
+        assert self.audit is not None
+        step = self._step
+        self._capturing = False
+        if step.backward_calls == 0:  # forward only so far (evaluation): try again later
+            self.audit.__exit__(RuntimeError, None, None)
+            return
+        scale = step.scaler._scale if step.scaler is not None else 1.0
+        self._internal += 1
+        try:
+            self.audit.step(loss=step.loss, index=step.index, loss_scale=scale)
+        finally:
+            self._internal -= 1
+            self.audit.__exit__(None, None, None)
+        step.captured = True
+        step.capture = False
+
+    # -- hooks -----------------------------------------------------------------
+    def _forward_pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self._maybe_stop()
+            step = self._step
+            if (
+                step.capture
+                and not self._capturing
+                and not self._in_backward
+                and self._trainable_root(module)
+            ):
+                self._start_capture(module)
+        self._depth += 1
+
+    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(self._depth - 1, 0)
+
+    def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth += 1
+        if self._optimizer_depth > 1:
+            return
+        self._step.stepped = True
+        if self._in_scaler_step:
+            return
+        self._maybe_stop()
+        if self._scaled_pending:
+            self.findings.add(
+                "step-without-unscale",
+                call_site(),
+                self._step.index,
+                f"{type(optimizer).__name__}.step() ran on gradients still multiplied by the "
+                "loss scale; call scaler.step(optimizer) (or scaler.unscale_(optimizer) first)",
+            )
+        self._attempt(optimizer)
+        self._internal += 1
+        try:
+            self._note_grad_amax(optimizer)
+        finally:
+            self._internal -= 1
+
+    def _optimizer_post_hook(
+        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+    ) -> None:
+        self._optimizer_depth -= 1
+        if self._optimizer_depth or self._in_scaler_step:
+            return
+        step = self._step
+        if optimizer is self._primary and not step.scaler_stepped:
+            self._end_step()  # no scaler.update() to wait for
+
+    def _grad_read(self) -> None:
+        caller = sys._getframe(2)
+        filename = caller.f_code.co_filename
+        if filename.startswith(_OUTSIDE) or filename.startswith("<"):
+            return
+        self.findings.add(
+            "grad-read-while-scaled",
+            (filename, caller.f_lineno),
+            self._step.index,
+            ".grad read while the gradients are still multiplied by the loss scale: values "
+            "logged or checked here are S times too large; call scaler.unscale_(optimizer) "
+            "first",
+        )
+
+    def _new_span(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Gradients were zeroed (all, or ``optimizer``'s): a new effective batch starts."""
+        span = self._span
+        if len({version for version, *_ in span.scales}) > 1:
+            self._mixed.append(span.scales)  # judged after the run, when values are known
+        span.scales = []
+        if optimizer is None:
+            span.unscaled.clear()
+        else:
+            span.unscaled.discard(id(optimizer))
+
+    def _probe_span(self) -> None:
+        """Gradients set to None by hand (not by zero_grad) also start a new batch
+        (checked when a micro-batch is scaled, before its backward)."""
+        if self._span.scales or self._span.unscaled:
+            for probe in self._probes.values():
+                if _BASE_GRAD.__get__(probe) is None:
+                    self._new_span()
+                    return
+
+    # -- wrappers ----------------------------------------------------------------
+    def _wrap_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        monitor = self
+
+        def scale(scaler: Any, outputs: Any) -> Any:
+            if not scaler._enabled:
+                return original(scaler, outputs)
+            monitor._maybe_stop()
+            monitor._probe_span()
+            site = call_site()
+            result = original(scaler, outputs)  # initialises scaler._scale on first use
+            monitor._use_scaler(scaler)
+            step = monitor._step
+            span = monitor._span
+            if not span.scales or span.scales[-1][0] != monitor._updates:
+                span.scales.append(
+                    (monitor._updates, monitor._scale_slot(scaler), site, step.index)
+                )
+            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+                loss = outputs.detach().reshape(()).float()
+                running = step.loss if step.loss_from_scale else None
+                step.loss = loss if running is None else running + loss
+                step.loss_from_scale = True
+            monitor._scaled_since_unscale = True
+            return result
+
+        return scale
+
+    def _wrap_unscale(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        monitor = self
+
+        def unscale_(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+            if not scaler._enabled:
+                return original(scaler, optimizer)
+            site = call_site()
+            if monitor._capturing:
+                monitor._close_capture()
+            if id(optimizer) in monitor._span.unscaled:
+                monitor.findings.add(
+                    "unscale-twice",
+                    site,
+                    monitor._step.index,
+                    "unscale_() ran again on gradients already unscaled since they were last "
+                    "zeroed: they are divided by the scale twice",
+                )
+            monitor._span.unscaled.add(id(optimizer))
+            monitor._use_scaler(scaler)
+            monitor._step.scaler_stepped = True
+            monitor._internal += 1
+            try:
+                monitor._note_grad_amax(optimizer)  # still scaled: divided by the scale later
+                original(scaler, optimizer)
+            finally:
+                monitor._internal -= 1
+            monitor._scaled_since_unscale = False
+            monitor._scaled_pending = False
+
+        return unscale_
+
+    def _wrap_scaler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        monitor = self
+
+        def step(scaler: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if not scaler._enabled:
+                return original(scaler, optimizer, *args, **kwargs)
+            monitor._maybe_stop()
+            monitor._use_scaler(scaler)
+            monitor._step.scaler_stepped = True
+            monitor._attempt(optimizer)
+            monitor._internal += 1
+            monitor._in_scaler_step += 1
+            try:  # unscale_ (wrapped above) runs inside unless the script called it
+                result = original(scaler, optimizer, *args, **kwargs)
+            finally:
+                monitor._in_scaler_step -= 1
+                monitor._internal -= 1
+            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            if found:
+                values = list(found.values())
+                total = values[0].reshape(()).float()
+                for value in values[1:]:
+                    total = total + value.to(total.device, non_blocking=True).reshape(()).float()
+                current = monitor._step.found_inf
+                monitor._step.found_inf = total if current is None else current + total
+            monitor._scaled_since_unscale = False
+            monitor._scaled_pending = False
+            return result
+
+        return step
+
+    def _wrap_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        monitor = self
+
+        def update(scaler: Any, new_scale: Any = None) -> None:
+            if not scaler._enabled:
+                return original(scaler, new_scale)
+            if monitor.update_site is None:
+                monitor.update_site = call_site()
+            if scaler._scale is not None:
+                monitor._use_scaler(scaler)
+            original(scaler, new_scale)
+            monitor._updates += 1
+            if monitor._step.attempted:
+                monitor._end_step()
+
+        return update
+
+    def _wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        monitor = self
+
+        def backward(*args: Any, **kwargs: Any) -> None:
+            monitor._maybe_stop()
+            step = monitor._step
+            step.backward_calls += 1
+            tensors = args[0] if args else kwargs.get("tensors")
+            if (
+                not step.loss_from_scale
+                and isinstance(tensors, torch.Tensor)
+                and tensors.numel() == 1
+            ):
+                loss = tensors.detach().reshape(()).float()
+                step.loss = loss if step.loss is None else step.loss + loss
+            monitor._in_backward += 1
+            try:
+                original(*args, **kwargs)
+            finally:
+                monitor._in_backward -= 1
+            if monitor._scaled_since_unscale:
+                monitor._scaled_pending = True
+
+        backward.__doc__ = original.__doc__
+        return backward
+
+    def _wrap_clip(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        monitor = self
+
+        def clip(parameters: Any, limit: float, *args: Any, **kwargs: Any) -> Any:
+            site = call_site()
+            step = monitor._step
+            scaled = monitor._scaled_pending
+            if scaled:
+                # Measure before clipping shrinks them: unscale_ will only see the result.
+                if not isinstance(parameters, torch.Tensor):
+                    parameters = list(parameters)
+                params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+                grads = [_BASE_GRAD.__get__(p) for p in params if isinstance(p, torch.Tensor)]
+                monitor._internal += 1
+                try:
+                    monitor._note_amax_of(
+                        [g for g in grads if g is not None and g.layout == torch.strided]
+                    )
+                finally:
+                    monitor._internal -= 1
+                monitor.findings.add(
+                    "clip-before-unscale",
+                    site,
+                    step.index,
+                    f"{name}(..., {limit:g}) clipped gradients still multiplied by the loss "
+                    "scale S: the threshold is meant for unscaled gradients, so clipping is "
+                    "off by a factor S; call scaler.unscale_(optimizer) before clipping",
+                )
+            monitor._internal += 1
+            try:
+                result = original(parameters, limit, *args, **kwargs)
+            finally:
+                monitor._internal -= 1
+            if name == "clip_grad_norm_" and isinstance(result, torch.Tensor):
+                step.norm = monitor.log.add(result)
+                step.norm_scaled = scaled
+                step.max_norm = float(limit)
+            return result
+
+        clip.__doc__ = original.__doc__
+        clip.__name__ = name
+        return clip
+
+    def _wrap_zero_grad(
+        self, original: Callable[..., Any], *, optimizer: bool = False
+    ) -> Callable[..., Any]:
+        monitor = self
+
+        def zero_grad(owner: Any, *args: Any, **kwargs: Any) -> None:
+            monitor._new_span(owner if optimizer else None)
+            monitor._scaled_pending = False
+            monitor._internal += 1
+            try:
+                return original(owner, *args, **kwargs)
+            finally:
+                monitor._internal -= 1
+
+        zero_grad.__doc__ = original.__doc__
+        return zero_grad
+
+    def _wrap_scheduler_step(self, cls: type) -> Callable[..., Any]:
+        original = cls.__dict__["step"]
+        monitor = self
+
+        def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+            outermost = monitor._scheduler_depth == 0
+            initial = getattr(scheduler, "_step_count", 1) == 0  # the constructor's own step
+            if outermost and not initial:
+                optimizer = getattr(scheduler, "optimizer", None)
+                last = monitor._last_attempt.get(id(optimizer), -1)
+                monitor._scheduler_calls.append((call_site(), last, type(scheduler).__name__))
+                name = type(scheduler).__name__
+                if name not in monitor.schedulers:
+                    monitor.schedulers.append(name)
+            site = call_site()
+            monitor._scheduler_depth += 1
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    return original(scheduler, *args, **kwargs)
+            finally:
+                monitor._scheduler_depth -= 1
+                for warning in caught:  # torch's own warnings, told at the script's line
+                    warnings.warn_explicit(
+                        warning.message, warning.category, site[0], site[1], module="__main__"
+                    )
+
+        step.__doc__ = original.__doc__
+        return step
+
+    # -- after the run ---------------------------------------------------------
+    def steps_table(self) -> tuple[dict[str, list[Any]], np.ndarray]:
+        """The steps table (every column of STEP_COLUMNS) and the scalar log's values."""
+        values = self.log.read()
+
+        def value(slot: int) -> float:
+            return float(values[slot]) if slot >= 0 else math.nan
+
+        captured: dict[int, dict[str, Any]] = {}
+        if self.audit is not None:
+            rows = self.audit.step_rows()
+            for i, index in enumerate(rows["step"]):
+                captured[index] = {name: column[i] for name, column in rows.items()}
+        table: dict[str, list[Any]] = {name: [] for name in STEP_COLUMNS}
+        for step in self.steps:
+            scale = value(step.scale_before) if step.scaler is not None else 1.0
+            after = value(step.slots.get("scale_after", -1)) if step.scaler is not None else scale
+            found = value(step.slots.get("found_inf", -1))
+            skipped = bool(found > 0) if not math.isnan(found) else False
+            loss = value(step.slots.get("loss", -1))
+            norm = value(step.norm)
+            grad_norm = norm / scale if step.norm_scaled else norm
+            amax = value(step.slots.get("grad_amax", -1))
+            row = {
+                **STEP_DEFAULTS,
+                "step": step.index,
+                "loss": loss,
+                "loss_finite": math.isnan(loss) or math.isfinite(loss),
+                "loss_scale": scale,
+                "scale_after": after,
+                "skipped": skipped,
+                "optimizer_step": step.stepped and not skipped,
+                "grad_norm": grad_norm,
+                "clip_max_norm": step.max_norm,
+                "clipped": bool(norm > step.max_norm),
+                "grad_amax": amax / scale if math.isfinite(amax) else amax,
+                "backward_calls": step.backward_calls,
+                "captured": step.captured,
+                "records": 0,
+                "seconds": step.seconds,
+            }
+            if step.captured and step.index in captured:
+                from_audit = captured[step.index]
+                for name in ("records", "nonfinite_grads", "first_nonfinite"):
+                    row[name] = from_audit[name]
+            for name in STEP_COLUMNS:
+                table[name].append(row[name])
+        return table, values
+
+    def judge(self, table: dict[str, list[Any]], values: np.ndarray) -> list[Finding]:
+        """Findings that need the run's values: scales, skips, schedulers."""
+        skipped = dict(zip(table["step"], table["skipped"], strict=True))
+        for site, attempt, name in self._scheduler_calls:
+            if skipped.get(attempt, False):
+                self.findings.add(
+                    "scheduler-on-skipped-step",
+                    site,
+                    attempt,
+                    f"{name}.step() ran after a skipped optimizer step: the learning rate moved "
+                    "on while the weights did not; step the scheduler only when "
+                    "scaler.get_scale() did not fall",
+                )
+        self._judge_spans(values)
+        self._judge_scale(table)
+        return sorted(
+            self.findings.items.values(),
+            key=lambda f: (("error", "warning", "info").index(f.severity), f.file, f.line),
+        )
+
+    def _judge_spans(self, values: np.ndarray) -> None:
+        """Micro-batches of one effective batch that ran under different scale values."""
+        for scales in [*self._mixed, self._span.scales]:
+            if len(scales) < 2:
+                continue
+            first = values[scales[0][1]]
+            for _version, slot, site, step in scales[1:]:
+                if values[slot] != first:
+                    update = f" (scaler.update() at {_where(self.update_site)} ran between them)"
+                    self.findings.add(
+                        "mixed-scale-accumulation",
+                        site,
+                        step,
+                        f"a micro-batch scaled by {_power(values[slot])} was accumulated onto "
+                        f"gradients scaled by {_power(first)}{update if self.update_site else ''}"
+                        ": unscale_ divides the sum by one scale, so micro-batches are weighted "
+                        "unequally; update the scaler once per optimizer step",
+                    )
+
+    def _judge_scale(self, table: dict[str, list[Any]]) -> None:
+        """A scale that keeps falling, falls below 1, or skips too often after calibration."""
+        if self.scaler_settings is None or not table["step"]:
+            return
+        site = self.update_site or ("<script>", 0)
+        steps = np.array(table["step"])
+        before = np.array(table["loss_scale"])
+        after = np.array(table["scale_after"])
+        backoff = after < before
+        stats = skip_statistics(np.array(table["skipped"], dtype=bool))
+        # Backing off from the initial scale until gradients fit is calibration, not decay.
+        runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats["calibration_steps"])]
+        long_runs = [(start, end) for start, end in runs if end - start > self.options.max_backoffs]
+        for start, end in long_runs:
+            self.findings.add(
+                "scale-falling",
+                site,
+                int(steps[start]),
+                f"the scale backed off {end - start} times in a row (steps {steps[start]} to "
+                f"{steps[end - 1]}, {_power(before[start])} to {_power(after[end - 1])}): every "
+                "step overflows whatever the scale, which points at inf/NaN from the forward "
+                "pass or the data (try `fpaudit scan --amp --forward`), not at a too-large scale",
+            )
+        below = np.flatnonzero(after < 1.0)
+        if len(below):
+            first = int(below[0])
+            self.findings.add(
+                "scale-below-one",
+                site,
+                int(steps[first]),
+                f"the scale fell below 1 ({_power(after[first])} after step {steps[first]}): "
+                "gradients are now held smaller than unscaled, so loss scaling only adds "
+                "underflow; something overflows at every scale",
+            )
+        if (
+            stats["skipped_after_calibration"] >= 3
+            and stats["skip_rate_after_calibration"] > self.options.max_skip_rate
+        ):
+            rate = stats["skip_rate_after_calibration"]
+            phase = " after calibration" if stats["calibration_steps"] else ""
+            self.findings.add(
+                "high-skip-rate",
+                site,
+                int(steps[stats["calibration_steps"]]),
+                f"{stats['skipped_after_calibration']} of {stats['steps_after_calibration']} "
+                f"steps{phase} were skipped ({rate:.1%}, more than "
+                f"{self.options.max_skip_rate:.1%}): each skip discards a batch; look for "
+                "steps that overflow at every scale, or a growth interval too short",
+            )
+
+
+def skip_statistics(skipped: np.ndarray) -> dict[str, Any]:
+    """Skipped steps, split at the end of calibration: the leading run of skips while a
+    fresh dynamic scaler backs off from its initial scale (expected, not a problem)
+    until its first step that is not skipped."""
+    # A run that never takes a step never calibrated: its skips all count.
+    calibration = int(np.argmin(skipped)) if not skipped.all() else 0
+    after = skipped[calibration:]
+    return {
+        "steps": len(skipped),
+        "skipped": int(skipped.sum()),
+        "calibration_steps": calibration,
+        "steps_after_calibration": len(after),
+        "skipped_after_calibration": int(after.sum()),
+        "skip_rate_after_calibration": float(after.mean()) if len(after) else 0.0,
+    }
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of every run of True in ``mask``."""
+    padded = np.concatenate([[False], mask, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def _power(value: float) -> str:
+    """2^k for a power of two, else the number."""
+    if value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5:
+        return f"2^{math.frexp(value)[1] - 1}"
+    return f"{value:g}"
+
+
+def _where(site: tuple[str, int] | None) -> str:
+    return f"{site[0]}:{site[1]}" if site is not None else "?"
+
+
+def _scheduler_classes() -> list[type]:
+    """LRScheduler and every scheduler class in torch that defines its own ``step``."""
+    from torch.optim import lr_scheduler
+
+    base = lr_scheduler.LRScheduler
+    found: list[type] = [base]
+    for value in vars(lr_scheduler).values():
+        subclass = isinstance(value, type) and issubclass(value, base) and value is not base
+        if subclass and "step" in value.__dict__:
+            found.append(value)
+    return found
+
+
+def _replace(stack: ExitStack, owner: Any, name: str, value: Any) -> None:
+    """Set ``owner.name = value`` until ``stack`` closes."""
+    had = name in vars(owner)
+    previous = vars(owner).get(name)
+    setattr(owner, name, value)
+
+    def restore() -> None:
+        if had:
+            setattr(owner, name, previous)
+        else:
+            delattr(owner, name)
+
+    stack.callback(restore)
+
+
+# -- running a script -----------------------------------------------------------
+@dataclass
+class RunOutcome:
+    """A finished run: the report (not yet written) and how the script ended."""
+
+    report: Report
+    findings: list[Finding]
+    failure: FpauditError | None = None  # the script failed; write the report, then say this
+    interrupted: Interrupted | None = None
+
+
+def run_script(
+    script: str | os.PathLike[str],
+    args: list[str] | tuple[str, ...] = (),
+    options: RunOptions = RunOptions(),
+    *,
+    meta: dict[str, Any] | None = None,
+) -> RunOutcome:
+    """Run ``script`` with ``args`` as ``python script args`` would, under a monitor.
+
+    Whatever way the script ends (finishes, reaches ``max_steps``, raises,
+    exits, is interrupted) the steps done so far come back as a report.
+    """
+    path = Path(script)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ModelFileError(f"training script {path} {what}")
+    monitor = TrainingMonitor(options)
+    failure: FpauditError | None = None
+    interrupted: Interrupted | None = None
+    stopped_by: str | None = None
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        with monitor.installed():
+            runpy.run_path(str(path), run_name="__main__")
+    except StopRun:
+        stopped_by = "max-steps"
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            detail = f"status {done.code}" if isinstance(done.code, int) else repr(done.code)
+            failure = ModelFileError(f"{path} exited with {detail}")
+            stopped_by = "script exit"
+    except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
+        interrupted = error if isinstance(error, Interrupted) else Interrupted()
+        stopped_by = interrupted.signal_name
+    except Exception as error:
+        failure = ModelFileError(
+            f"{modelfile.where(error, path)}: the script raised {modelfile.describe(error)}"
+        )
+        stopped_by = "script error"
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+
+    table, values = monitor.steps_table()
+    findings = monitor.judge(table, values)
+    if monitor.audit is not None:
+        report = monitor.audit.build_report(table)
+    else:
+        from fpaudit.report import run_metadata
+
+        report = ReportBuilder(modules=[LOSS_MODULE]).build(run_metadata(), table)
+    amp_dtype = _live_dtype(report)
+    report.meta.update(
+        {
+            "command": "run",
+            "script": str(path),
+            "script_args": list(args),
+            "steps_requested": options.max_steps,
+            "steps_run": len(monitor.steps),
+            "complete": failure is None and interrupted is None,
+            "stopped_by": stopped_by,
+            "capture_every": options.capture_every,
+            "selection": options.selection.describe(),
+            "scaler": monitor.scaler_settings,
+            "optimizers": monitor.optimizers,
+            "schedulers": monitor.schedulers,
+            "models": monitor.models,
+            "audited_model": type(monitor.audited_model).__name__
+            if monitor.audited_model is not None
+            else None,
+            "amp": {"float16": "fp16", "bfloat16": "bf16"}.get(amp_dtype or ""),
+            "amp_dtype": amp_dtype,
+            "findings": [f.to_dict() for f in findings],
+            "training": skip_statistics(np.array(table["skipped"], dtype=bool)),
+            **(meta or {}),
+        }
+    )
+    return RunOutcome(report, findings, failure, interrupted)
+
+
+def _live_dtype(report: Report) -> str | None:
+    """The low-precision dtype most backward values were held in (autocast or .half())."""
+    from fpaudit.records import KIND_BACKWARD
+
+    records = report.records
+    low = records[(records["kind"] == KIND_BACKWARD) & records["dtype"].isin(_LOW_DTYPES)]
+    if low.empty:
+        return None
+    return str(low.groupby("dtype")["elements"].sum().idxmax())
+
+
+_LOW_DTYPES = ("float16", "bfloat16")
