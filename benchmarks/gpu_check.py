@@ -14,7 +14,11 @@ What it checks, on the sample transformer:
 4. overhead: plain and audited steps interleaved, medians, ratio;
 5. live mode on the device: a step under ``torch.autocast`` in fp16 with the fp32
    shadow, also free of host syncs, and the values the shadow found lost;
-6. ``fpaudit verify`` on the device at scale 1 and at the recommended scale.
+6. ``fpaudit verify`` on the device at scale 1 and at the recommended scale;
+7. ``fpaudit run`` on ``sample_configs/train_loop.py --bugs`` on the device: the three
+   findings, and no host sync beyond the script's own (GradScaler's ``.item()``, its
+   ``get_scale()``, its prints) and fpaudit's one read at the end, counted with
+   ``torch.cuda.set_sync_debug_mode("warn")`` against the plain script.
 
 Prints a summary; ``--json FILE`` also writes it.
 """
@@ -27,6 +31,7 @@ import runpy
 import statistics
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -79,6 +84,53 @@ def check_exactness(device: torch.device) -> dict[str, Any]:
     return {
         "exact": bool(np.array_equal(host.counts, expected)),
         "amax_exact": host.amax == float(finite.max()),
+    }
+
+
+def count_syncs(device: torch.device, run: Any) -> int:
+    """Synchronising CUDA calls made by ``run()`` (0 off CUDA)."""
+    if device.type != "cuda":
+        run()
+        return 0
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def check_run(device: torch.device, steps: int) -> dict[str, Any]:
+    from fpaudit.training import RunOptions, run_script
+
+    script = ROOT / "sample_configs" / "train_loop.py"
+    args = ["--steps", str(steps), "--device", str(device), "--bugs"]
+
+    def plain() -> None:
+        saved = sys.argv
+        sys.argv = [str(script), *args]
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        finally:
+            sys.argv = saved
+
+    outcome: list[Any] = []
+    plain_syncs = count_syncs(device, plain)
+    fpaudit_syncs = count_syncs(
+        device, lambda: outcome.append(run_script(script, args, RunOptions(capture_every=0)))
+    )
+    captured = run_script(script, args, RunOptions(capture_every=5)).report
+    steps_table = outcome[0].report.steps
+    return {
+        "run_findings": sorted(f.code for f in outcome[0].findings),
+        "run_skipped_steps": [int(s) for s in steps_table.loc[steps_table["skipped"], "step"]],
+        "run_syncs_plain_script": plain_syncs,
+        "run_syncs_under_fpaudit": fpaudit_syncs,  # + 1: the one read at the end
+        "run_no_extra_sync": fpaudit_syncs <= plain_syncs + 1,
+        "run_captured_live_dtype": captured.meta.get("amp_dtype"),
     }
 
 
@@ -189,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 "stalled": len(result.stalled),
                 "max_zeroed_fraction": max(p.zeroed_fraction for p in result.parameters),
             }
+    summary.update(check_run(device, 20 if args.quick else 200))
     summary.update(
         {
             "no_host_sync_during_capture": sync_error is None,
@@ -207,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = summary["exact"] and summary["amax_exact"] and summary["no_host_sync_during_capture"]
     ok = ok and summary["backward_records_per_step"] > 0
     ok = ok and all(v["float16_records"] > 0 for v in live.values())
+    ok = ok and summary["run_no_extra_sync"] and len(summary["run_findings"]) == 3
     summary["ok"] = bool(ok)
     print(json.dumps(summary, indent=2))
     if args.json:

@@ -332,6 +332,7 @@ def scan_command(
             raise typer.Exit(stopped.exit_code) from None
         report.write(out_path, force=options["force"])
     from fpaudit import analysis
+    from fpaudit.drift import drift
     from fpaudit.recommendation import recommend
 
     problems = ~report.steps["loss_finite"]
@@ -353,6 +354,10 @@ def scan_command(
             forward_problems,
             first_nonfinite,
         )
+        drifted = drift(report, fmt, headroom, include_loss=options["include_loss"])
+        if drifted.warn or len(drifted.windows) >= 10:  # long scans: say how it moved
+            for line in render.drift_lines(drifted):
+                render.stdout().print(line)
 
 
 @app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -279,3 +279,22 @@ def test_show_steps_renders_the_table_skip_rate_and_findings(
         "clip-before-unscale",
         "scheduler-on-skipped-step",
     }
+
+
+def test_the_deprecated_cuda_alias_is_instrumented_through_its_base_class() -> None:
+    from fpaudit.training import TrainingMonitor
+
+    monitor = TrainingMonitor()
+    with monitor.installed():
+        # torch.cuda.amp.GradScaler subclasses torch.amp.GradScaler without overriding these
+        for name in ("scale", "unscale_", "step", "update"):
+            assert getattr(torch.cuda.amp.GradScaler, name) is getattr(torch.amp.GradScaler, name)
+            assert getattr(torch.amp.GradScaler, name).__module__ == "fpaudit.training"
+
+
+def test_a_long_scan_reports_drift(cli, tmp_path: Path) -> None:
+    from .conftest import SAMPLES
+
+    result = cli("scan", SAMPLES / "quadratic.py", "--steps", "20", "--out", tmp_path / "r")
+    assert result.code == 0, result.stderr
+    assert "Drift (fp16): per-window recommendations (windows of 2 steps)" in result.stdout
