@@ -91,6 +91,22 @@ _DATA_MOVEMENT = frozenset(
 )
 
 
+# Ops whose outputs are not values of the computation: uninitialised buffers, and
+# the collectives and copies of distributed wrappers (DDP's all-reduce of a gradient
+# bucket, FSDP's all-gather of parameters for backward). Each rank records its own
+# gradient values where they are computed; these would count them again, or count
+# parameters and garbage as backward values.
+_UNINITIALISED = frozenset(
+    {
+        _aten.empty.memory_format,
+        _aten.empty_strided.default,
+        _aten.empty_like.default,
+        _aten.new_empty.default,
+        _aten.new_empty_strided.default,
+    }
+)
+_NOT_VALUES = frozenset({"c10d", "_c10d_functional", "fsdp", "_dtensor"})
+
 _ENGINE_ENTRY = "_engine_run_backward"
 
 
@@ -171,7 +187,9 @@ def creates_new_values(func: torch._ops.OpOverload, args: tuple[Any, ...], outpu
     """False for ops that only re-present values: views, detach, same-dtype copies and moves."""
     is_view = _IS_VIEW.get(func)
     if is_view is None:
-        is_view = _IS_VIEW[func] = bool(func.is_view)
+        is_view = _IS_VIEW[func] = (
+            bool(func.is_view) or func in _UNINITIALISED or func.namespace in _NOT_VALUES
+        )
     if is_view:
         return False
     if func in _DATA_MOVEMENT:
@@ -445,6 +463,13 @@ class Selection:
         return {k: list(v) for k, v in self.__dict__.items() if v}
 
 
+def _rank() -> int:
+    """This process's torch.distributed rank (0 when not distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 @dataclass(frozen=True)
 class StepSummary:
     """What a closed step looked like, for the caller's decisions (optimizer step, progress)."""
@@ -500,7 +525,7 @@ class Audit:
         self._rows: dict[RecordKey, tuple[histogram.HistogramTable, int]] = {}
         self._row_keys: dict[torch.device, list[RecordKey]] = {}
         self._builder = ReportBuilder(
-            modules=[LOSS_MODULE, *self._clock.names.values()], window=window
+            modules=[LOSS_MODULE, *self._clock.names.values()], window=window, rank=_rank()
         )
         self._stack: ExitStack | None = None
         self._step_started = time.perf_counter()
@@ -574,6 +599,8 @@ class Audit:
             accepted = self._accepted[(kind, module, op)] = self.selection.accepts(kind, module, op)
         if not accepted:
             return None
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()  # a DTensor (FSDP2, tensor parallel): this rank's shard
         dtype = str(tensor.dtype).removeprefix("torch.")
         key = RecordKey(kind, module, node, op, output, dtype, scales_with_loss)
         place = self._rows.get(key)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shlex
 import signal
 import sys
@@ -136,6 +137,11 @@ def _sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _no_progress() -> Iterator[None]:
+    yield None
 
 
 def _headroom(value: int) -> int:
@@ -321,16 +327,31 @@ def scan_command(
         "config": str(config_file) if config_file else None,
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items()},
     }
-    with output_lock(out_path), _sigterm_raises():
+    from fpaudit import distributed
+
+    # Under torchrun every rank runs this command; rank 0 locks, shows progress and sums up.
+    lead = int(os.environ.get("RANK", "0")) == 0 if distributed.launched() else True
+    lock = output_lock(out_path) if lead else contextlib.nullcontext()
+    with lock, _sigterm_raises():
         try:
-            with render.step_progress(scan_options.steps) as advance:
+            progress = render.step_progress(scan_options.steps) if lead else _no_progress()
+            with progress as advance:
                 report = scan(model_file, scan_options, on_step=advance, meta=meta)
         except ScanInterrupted as stopped:  # keep the completed steps
-            stopped.report.write(out_path, force=options["force"])
+            distributed.write_report(stopped.report, out_path, force=options["force"])
             render.interrupted(str(out_path), stopped.signal_name, stopped.report.meta["steps_run"],
                                scan_options.steps)  # fmt: skip
             raise typer.Exit(stopped.exit_code) from None
-        report.write(out_path, force=options["force"])
+        distributed.write_report(report, out_path, force=options["force"])
+    if distributed.active():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        if not lead:
+            return
+        from fpaudit.report import Report
+
+        report = Report.read(out_path)  # every rank's part, merged
     from fpaudit import analysis
     from fpaudit.drift import drift
     from fpaudit.recommendation import recommend

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 # The columns of the records and steps tables (report.py turns them into the
 # versioned Parquet schema; the order is the order in the files).
 RECORD_COLUMNS = {
-    "record_id": "int32",
+    "record_id": "int32",  # numbers the records of one rank: 0, 1, 2, ...
+    "rank": "int16",  # the torch.distributed rank that recorded it (0 in one process)
     "step": "int32",  # the (first) step the record covers
     "steps": "int32",  # how many captured steps it covers (--window)
     "kind": "string",
@@ -46,6 +47,7 @@ RECORD_COLUMNS = {
 }
 STEP_COLUMNS = {
     "step": "int32",
+    "rank": "int16",
     "loss": "float64",  # fpaudit run: the sum of the losses backpropagated in the step
     "loss_finite": "bool",
     "loss_scale": "float64",  # the scale in force during the step
@@ -65,6 +67,7 @@ STEP_COLUMNS = {
     "seconds": "float64",
 }
 STEP_DEFAULTS: dict[str, Any] = {
+    "rank": 0,
     "scale_after": None,  # None: the step's loss_scale
     "skipped": False,
     "optimizer_step": False,
@@ -148,11 +151,12 @@ class ReportBuilder:
     keeps one row per step either way.
     """
 
-    def __init__(self, modules: list[str], window: int = 1) -> None:
+    def __init__(self, modules: list[str], window: int = 1, rank: int = 0) -> None:
         if window < 1:
             raise ValueError("window must be at least 1")
         self.modules = modules
         self.window = window
+        self.rank = rank
         self._records: dict[str, list[np.ndarray]] = {name: [] for name in RECORD_COLUMNS}
         self._bins: dict[str, list[np.ndarray]] = {"record_id": [], "offset": [], "count": []}
         self._steps: dict[str, list[Any]] = {name: [] for name in STEP_COLUMNS}
@@ -225,6 +229,7 @@ class ReportBuilder:
         step_row = {
             **STEP_DEFAULTS,
             "step": step,
+            "rank": self.rank,
             "loss": math.nan if loss is None else loss,
             "loss_finite": loss_finite,
             "loss_scale": loss_scale,
@@ -270,6 +275,7 @@ class ReportBuilder:
         self._next_record += n
         columns: dict[str, Any] = {
             "record_id": ids,
+            "rank": np.full(n, self.rank, dtype=np.int16),
             "step": step,
             "steps": steps,
             "calls": calls,

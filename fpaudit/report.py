@@ -163,54 +163,77 @@ class Report:
         )
         return f"the run was stopped by {by}{steps}"
 
+    @property
+    def ranks(self) -> list[int]:
+        """The torch.distributed ranks that recorded this report ([0] for one process)."""
+        return sorted({int(r) for r in self.steps["rank"]} | {int(r) for r in self.records["rank"]})
+
+    def for_rank(self, rank: int) -> Report:
+        """What one rank recorded, as a report of its own (record ids renumbered)."""
+        keep = (self.records["rank"] == rank).to_numpy()
+        new_id = np.full(len(keep), -1, dtype=np.int64)
+        new_id[keep] = np.arange(int(keep.sum()))
+        bins = self.bins[keep[self.bins["record_id"].to_numpy()]]
+        bins = bins.assign(record_id=new_id[bins["record_id"].to_numpy()].astype(np.int32))
+        records = self.records[keep]
+        records = records.assign(record_id=np.arange(len(records), dtype=np.int32))
+        steps = self.steps[self.steps["rank"] == rank]
+        meta = {**self.meta, "ranks": 1, "rank": rank}
+        return Report(
+            meta,
+            records.reset_index(drop=True),
+            bins.reset_index(drop=True),
+            steps.reset_index(drop=True),
+        )
+
     # Condensed histograms computed by fpaudit.analysis; valid while the tables are unchanged.
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- writing ---------------------------------------------------------
     def write(self, path: str | os.PathLike[str], *, force: bool = False) -> Path:
-        """Write the report directory atomically; refuse to replace one unless ``force``."""
-        target = Path(path)
-        if target.exists() or target.is_symlink():
-            if not force:
-                raise ReportError(f"{target} already exists; pass --force to overwrite it")
-            if not target.is_dir() or not (target / META_FILE).is_file():
-                raise ReportError(
-                    f"{target} exists and is not an fpaudit report; refusing to replace it"
-                )
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(
-            tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        )
+        """Write the report directory atomically; refuse to replace one unless ``force``.
+
+        Under ``torch.distributed`` with several ranks, every rank calls
+        :func:`fpaudit.distributed.write_report` instead: each writes its part.
+        """
+        target = check_target(path, force)
+        staging = new_staging(target)
         try:
-            meta = dict(self.meta)
-            meta["schema_version"] = SCHEMA_VERSION
-            meta["histogram"] = histogram_layout()
-            meta["files"] = {}
-            for name, schema in TABLES.items():
-                frame: pd.DataFrame = getattr(self, name)
-                if name == "bins":
-                    lower, upper = layout.value_bounds(frame["binade"], frame["cls"])
-                    frame = frame.assign(lower=lower, upper=upper)
-                table = pa.Table.from_pandas(
-                    frame[schema.names], schema=schema, preserve_index=False
-                )
-                table = table.replace_schema_metadata(
-                    {"fpaudit.schema_version": str(SCHEMA_VERSION)}
-                )
-                file = staging / f"{name}.parquet"
-                pq.write_table(table, file, compression="zstd")
-                meta["files"][file.name] = {"rows": table.num_rows, "sha256": _sha256(file)}
-                _fsync(file)
-            meta_file = staging / META_FILE
-            meta_file.write_text(json.dumps(meta, indent=2, sort_keys=True, allow_nan=False) + "\n")
-            _fsync(meta_file)
-            _fsync(staging)
-            _replace_dir(staging, target)
+            files = self.write_tables(staging)
+            self.write_meta(staging, files)
+            finish(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         self.path = target
         return target
+
+    def write_tables(self, directory: Path, prefix: str = "") -> dict[str, dict[str, Any]]:
+        """Write the three tables under ``directory / prefix``; their checksummed entries."""
+        (directory / prefix).mkdir(parents=True, exist_ok=True)
+        files: dict[str, dict[str, Any]] = {}
+        for name, schema in TABLES.items():
+            frame: pd.DataFrame = getattr(self, name)
+            if name == "bins":
+                lower, upper = layout.value_bounds(frame["binade"], frame["cls"])
+                frame = frame.assign(lower=lower, upper=upper)
+            table = pa.Table.from_pandas(frame[schema.names], schema=schema, preserve_index=False)
+            table = table.replace_schema_metadata({"fpaudit.schema_version": str(SCHEMA_VERSION)})
+            relative = f"{prefix}{name}.parquet"
+            file = directory / relative
+            pq.write_table(table, file, compression="zstd")
+            files[relative] = {"rows": table.num_rows, "sha256": _sha256(file)}
+            _fsync(file)
+        return files
+
+    def write_meta(self, directory: Path, files: dict[str, dict[str, Any]], **extra: Any) -> None:
+        meta = {**self.meta, **extra}
+        meta["schema_version"] = SCHEMA_VERSION
+        meta["histogram"] = histogram_layout()
+        meta["files"] = files
+        meta_file = directory / META_FILE
+        meta_file.write_text(json.dumps(meta, indent=2, sort_keys=True, allow_nan=False) + "\n")
+        _fsync(meta_file)
 
     # -- reading ---------------------------------------------------------
     @classmethod
@@ -222,15 +245,47 @@ class Report:
         if not root.is_dir():
             raise ReportError(f"report {root} is not a directory")
         meta = _read_meta(root)
-        tables: dict[str, pd.DataFrame] = {}
-        for name, schema in TABLES.items():
-            if name == "steps" and meta["schema_version"] == 1:
-                tables[name] = _upgrade_v1_steps(_read_table(root, name, _V1_STEPS, meta))
-            else:
-                tables[name] = _read_table(root, name, schema, meta)
-        report = cls(meta, tables["records"], tables["bins"], tables["steps"], path=root)
-        _check_consistency(report, root)
-        return report
+        ranks = meta.get("ranks", 1)
+        prefixes = [""] if ranks == 1 else [rank_prefix(r) for r in range(ranks)]
+        parts = []
+        for prefix in prefixes:
+            tables: dict[str, pd.DataFrame] = {}
+            for name, schema in TABLES.items():
+                if meta["schema_version"] == 1 and name in _V1_TABLES:
+                    old = _read_table(root, name, _V1_TABLES[name], meta, prefix)
+                    tables[name] = _upgrade_v1(name, old)
+                else:
+                    tables[name] = _read_table(root, name, schema, meta, prefix)
+            part = cls(meta, tables["records"], tables["bins"], tables["steps"], path=root)
+            _check_consistency(part, root / prefix if prefix else root)
+            parts.append(part)
+        return parts[0] if len(parts) == 1 else _merge_ranks(parts, meta, root)
+
+
+def check_target(path: str | os.PathLike[str], force: bool) -> Path:
+    """``path`` as a report target: new, or an fpaudit report that ``force`` may replace."""
+    target = Path(path)
+    if target.exists() or target.is_symlink():
+        if not force:
+            raise ReportError(f"{target} already exists; pass --force to overwrite it")
+        if not target.is_dir() or not (target / META_FILE).is_file():
+            raise ReportError(
+                f"{target} exists and is not an fpaudit report; refusing to replace it"
+            )
+    return target
+
+
+def new_staging(target: Path) -> Path:
+    """A fresh hidden directory beside ``target`` to write into."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+
+
+def finish(staging: Path, target: Path) -> None:
+    """Sync ``staging`` and move it into place (an old report stays until then)."""
+    for directory in [staging, *(p for p in staging.iterdir() if p.is_dir())]:
+        _fsync(directory)
+    _replace_dir(staging, target)
 
 
 @contextlib.contextmanager
@@ -348,13 +403,40 @@ def _read_meta(root: Path) -> dict[str, Any]:
     if not isinstance(files, dict):
         raise ReportError(f"{meta_file}: corrupt metadata (no file list)")
     _check_meta_types(meta, meta_file)
+    if meta.get("ranks", 1) < 1:
+        raise ReportError(f"{meta_file}: ranks must be at least 1")
     return meta
 
 
-def _read_table(root: Path, name: str, schema: pa.Schema, meta: dict[str, Any]) -> pd.DataFrame:
+def rank_prefix(rank: int) -> str:
+    """Where a rank's tables live in a report of several ranks."""
+    return f"rank-{rank:05d}/"
+
+
+def _merge_ranks(parts: list[Report], meta: dict[str, Any], root: Path) -> Report:
+    """One report from the ranks' parts: record ids renumbered, so that every analysis
+    merges ranks exactly (counts add, amax is the max over ranks)."""
+    offsets = np.cumsum([0] + [len(p.records) for p in parts[:-1]])
+    records, bins = [], []
+    for part, offset in zip(parts, offsets, strict=True):
+        records.append(part.records.assign(record_id=part.records["record_id"] + offset))
+        bins.append(part.bins.assign(record_id=part.bins["record_id"] + offset))
+    merged = {
+        "records": pd.concat(records, ignore_index=True),
+        "bins": pd.concat(bins, ignore_index=True),
+        "steps": pd.concat([p.steps for p in parts], ignore_index=True),
+    }
+    for name in ("records", "bins"):
+        merged[name]["record_id"] = merged[name]["record_id"].astype(np.int32)
+    return Report(meta, merged["records"], merged["bins"], merged["steps"], path=root)
+
+
+def _read_table(
+    root: Path, name: str, schema: pa.Schema, meta: dict[str, Any], prefix: str = ""
+) -> pd.DataFrame:
     """Read one table, checked against its checksum and schema (bins without derived columns)."""
-    file = root / f"{name}.parquet"
-    entry = meta["files"].get(file.name)
+    file = root / f"{prefix}{name}.parquet"
+    entry = meta["files"].get(f"{prefix}{name}.parquet")
     if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
         raise ReportError(f"{root / META_FILE}: no checksum for {file.name}")
     if not file.is_file():
@@ -428,6 +510,7 @@ def _check_consistency(report: Report, root: Path) -> None:
         )
 
 
+_V1_RECORDS = pa.schema([f for f in RECORDS_SCHEMA if f.name != "rank"])
 _V1_STEPS = pa.schema(
     [
         f
@@ -438,13 +521,19 @@ _V1_STEPS = pa.schema(
 )
 
 
-def _upgrade_v1_steps(steps: pd.DataFrame) -> pd.DataFrame:
-    """A version 1 steps table with the columns version 2 added, at their defaults."""
+def _upgrade_v1(name: str, table: pd.DataFrame) -> pd.DataFrame:
+    """A version 1 table with the columns version 2 added, at their defaults."""
+    if name == "records":
+        return frame({**table, "rank": np.zeros(len(table), np.int16)}, RECORDS_SCHEMA)
+    steps = table
     columns: dict[str, Any] = {name: steps[name] for name in _V1_STEPS.names}
     for name, default in STEP_DEFAULTS.items():
         if name not in columns:
             columns[name] = steps["loss_scale"] if default is None else [default] * len(steps)
     return frame(columns, STEPS_SCHEMA)
+
+
+_V1_TABLES = {"records": _V1_RECORDS, "steps": _V1_STEPS}
 
 
 def _check_meta_types(meta: dict[str, Any], meta_file: Path) -> None:
@@ -456,7 +545,8 @@ def _check_meta_types(meta: dict[str, Any], meta_file: Path) -> None:
         "stopped_by": (str, type(None)),
         "steps": (int,),
         "steps_run": (int,),
-        "steps_requested": (int, type(None)),  # fpaudit run without --max-steps: None
+        "steps_requested": (int, type(None)),
+        "ranks": (int,),  # fpaudit run without --max-steps: None
         "findings": (list,),
         "training": (dict,),
         "scaler": (dict, type(None)),

@@ -10,6 +10,7 @@ defines an optimizer and the step's loss and gradients are finite.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fpaudit import modelfile
+from fpaudit import distributed, modelfile
 from fpaudit.capture import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, UsageError
 from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
@@ -113,13 +114,22 @@ def scan(
 ) -> Report:
     """Scan ``model_path`` for ``options.steps`` steps and return the report (not written)."""
     path = Path(model_path)
-    device = resolve_device(options.device)
+    rank, world = 0, 1
+    if distributed.launched():  # torchrun: this rank's device, the process group
+        device = resolve_device(distributed.local_device(options.device))
+        rank, world = distributed.init_from_environment(device)
+    else:
+        device = resolve_device(options.device)
     if options.seed is not None:
         seed_everything(options.seed)
     spec = modelfile.load(path)
     with modelfile.user_code(path, f"moving the model to {device}"):
         model = spec.model.to(device)
     model.train()
+    trained: torch.nn.Module = model  # what forward runs through (DDP under torchrun)
+    if world > 1 and any(p.requires_grad for p in model.parameters()):
+        ids = [device.index] if device.type == "cuda" else None
+        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     optimizer = None
     if spec.make_optimizer is not None:
         with modelfile.user_code(path, "optimizer(params)"):
@@ -146,8 +156,10 @@ def scan(
 
     steps_run = 0
     interrupted: Interrupted | None = None
+    # Under torchrun each rank takes every world-th batch: its own shard of the data.
+    batches = itertools.islice(spec.batches(options.steps * world), rank, None, world)
     try:
-        for step, batch in enumerate(spec.batches(options.steps)):
+        for step, batch in enumerate(batches):
             captured = step % options.every == 0
             with audit if captured else contextlib.nullcontext():
                 if optimizer is not None:
@@ -161,7 +173,7 @@ def scan(
                     else contextlib.nullcontext()
                 )
                 with forward, autocast(), modelfile.user_code(path, "loss(model, batch)"):
-                    loss = spec.loss(model, batch)
+                    loss = spec.loss(trained, batch)
                 loss = modelfile.check_loss(loss, path)
                 seed = torch.full_like(loss, options.loss_scale)
                 if captured:
@@ -212,6 +224,7 @@ def scan(
             "shadow": options.shadow,
             "forward": options.forward,
             "capture_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "world_size": world,
         }
     )
     if device.type == "cuda":

@@ -56,7 +56,8 @@ def observed(report: Report) -> bool:
 
 def thresholds(report: Report, fmt: Format, scope: analysis.Scope) -> Thresholds:
     """The overflow threshold of every step of ``report`` (see the module docstring)."""
-    steps = report.steps.sort_values("step", kind="stable")
+    steps = report.steps  # several ranks share one scaler trajectory (DDP): take the first's
+    steps = steps[steps["rank"] == steps["rank"].min()].sort_values("step", kind="stable")
     index = steps["step"].to_numpy(dtype=np.int64)
     real_scale = steps["loss_scale"].to_numpy(dtype=np.float64)
     skipped = steps["skipped"].to_numpy(dtype=bool) | (

@@ -1,0 +1,112 @@
+"""Runs on several processes (torch.distributed, torchrun): one report, one part per rank.
+
+Each rank captures its own backward values (its own data shard, its own
+activations) and writes its own tables into ``rank-NNNNN/`` of one report
+directory; rank 0 writes ``meta.json`` with every part's checksum and moves
+the directory into place, so the report appears whole or not at all. Reading
+merges the parts exactly: records of all ranks are pooled, so counts add and
+the amax (hence the recommendation) is the largest over all ranks; each
+record keeps its ``rank``.
+
+The ranks must share a filesystem for the report directory (one node, or a
+shared mount across nodes).
+
+With ``DistributedDataParallel`` the parameter gradients (``kind = grad``) are
+the all-reduced ones, identical on every rank; the backward-op values differ
+per rank, and DDP's copies of gradients into its buckets are recorded under
+their parameters' modules (its all-reduce is not: see ``capture._NOT_VALUES``).
+Under FSDP2 (``fully_shard``) backward values inside modules are attributed as
+usual and each rank records its own shard of every parameter gradient (the
+DTensor's local part); FSDP's all-gather copies and uninitialised buffers are
+not values and are not recorded. FSDP1 (``FullyShardedDataParallel`` with flat
+parameters) is untested: gradients of a flat parameter belong to no single
+module and would land under ``<loss>``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from fpaudit.errors import ReportError
+
+if TYPE_CHECKING:  # pandas and pyarrow: only once a report is written
+    from fpaudit.report import Report
+
+
+def active() -> bool:
+    """True when a process group with more than one rank is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def launched() -> bool:
+    """True when this process was started by torchrun (or a launcher that sets the same)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def init_from_environment(device: torch.device) -> tuple[int, int]:
+    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); (rank, world)."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def local_device(spec: str) -> str:
+    """Under torchrun, ``auto`` and ``cuda`` mean this rank's own GPU (LOCAL_RANK)."""
+    if spec in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return spec
+
+
+def write_report(report: Report, path: str | os.PathLike[str], *, force: bool = False) -> Path:
+    """Every rank calls this: each writes its part, rank 0 the metadata. One process: plain write.
+
+    A problem on any rank (the target exists, a disk error) is raised on every rank, so
+    no rank waits forever; nothing is left behind.
+    """
+    from fpaudit.report import check_target, finish, new_staging, rank_prefix
+
+    if not active():
+        return report.write(path, force=force)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    target = Path(path)
+    plan: list[Any] = [None]
+    if rank == 0:
+        try:
+            plan = [("ok", str(new_staging(check_target(target, force))))]
+        except ReportError as error:
+            plan = [("error", str(error))]
+    dist.broadcast_object_list(plan, src=0)
+    status, value = plan[0]
+    if status == "error":
+        raise ReportError(value)
+    staging = Path(value)
+    try:
+        mine: tuple[str, Any] = ("ok", report.write_tables(staging, rank_prefix(rank)))
+    except Exception as error:  # tell the others before raising
+        mine = ("error", f"rank {rank}: {type(error).__name__}: {error}")
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, (mine, report.complete))
+    outcome: list[Any] = [("ok", "")]
+    if rank == 0:
+        errors = [entry[1] for entry, _ in parts if entry[0] == "error"]
+        try:
+            if errors:
+                raise ReportError(f"writing {target} failed: {errors[0]}")
+            files = {name: e for entry, _ in parts for name, e in entry[1].items()}
+            complete = all(done for _, done in parts)
+            report.write_meta(staging, files, ranks=world, complete=complete)
+            finish(staging, target)
+        except Exception as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            outcome = [("error", str(error))]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0][0] == "error":
+        raise ReportError(outcome[0][1])
+    report.path = target
+    return target
