@@ -840,6 +840,49 @@ def simulate_command(
         render.simulation(result)
 
 
+@app.command("plot")
+def plot_command(
+    report_path: ReportArgument,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="The image to write: FILE.png or FILE.svg (required)."),
+    ] = None,
+    format_: FormatOption = None,
+    scale: Annotated[
+        str | None,
+        typer.Option(
+            "--scale", "-s", help="Power-of-two scale (4096, 2^12) or 'recommended' [default]."
+        ),
+    ] = None,
+    headroom_bits: HeadroomOption = None,
+    config_file: ConfigOption = None,
+) -> None:
+    """Draw a report: value histogram against the format's bands, modules x binades, scale.
+
+    Example: fpaudit plot report -o report.png --format fp16 --scale recommended
+    """
+    from fpaudit.plot import image_format, plot_report
+    from fpaudit.report import Report
+
+    options = _merge(
+        "plot", config_file,
+        dict(output=output, format=format_, scale=scale, headroom_bits=headroom_bits),
+        dict(output=None, format=None, scale="recommended", headroom_bits=None),
+    )  # fmt: skip
+    if options["output"] is None:
+        raise UsageError("plot needs -o FILE.png or -o FILE.svg")
+    image_format(Path(options["output"]))  # a bad suffix fails before the report is read
+    log2_scale = _scale(options["scale"])
+    report = Report.read(report_path)
+    render.incomplete_note(report.incompleteness())
+    fmt = _reading_format(options["format"], report)
+    headroom = _headroom(
+        _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
+    )
+    written = plot_report(report, Path(options["output"]), fmt, log2_scale, headroom_bits=headroom)
+    render.stdout().print(f"Wrote {written}")
+
+
 @app.command("gate")
 def gate_command(
     report_path: ReportArgument,

@@ -3,7 +3,7 @@
 A config file sets the same options as the flags, with ``_`` or ``-`` in
 names. Top-level keys apply to every command that has that option; a table
 named after a command (``[scan]``, ``[run]``, ``[show]``, ``[recommend]``,
-``[simulate]``, ``[gate]``) applies to that command only and wins over the top
+``[simulate]``, ``[plot]``, ``[gate]``) applies to that command only and wins over the top
 level. Unknown keys and tables are errors.
 Precedence: command line > config file > built-in default.
 """
@@ -131,6 +131,12 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "worst_window": "bool",
         "drift_window": "int",
         "drift_binades": "int",
+    },
+    "plot": {
+        "output": "str",
+        "format": "format",
+        "scale": "scale",
+        "headroom_bits": "int",
     },
     "simulate": {
         "policy": "str",
