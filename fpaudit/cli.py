@@ -914,6 +914,12 @@ def gate_command(
             help="Judge a report whose run was interrupted instead of failing it.",
         ),
     ] = None,
+    junit: Annotated[
+        Path | None,
+        typer.Option(
+            "--junit", help="Also write the verdict as JUnit XML: one test case per module."
+        ),
+    ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
@@ -928,9 +934,9 @@ def gate_command(
         "gate", config_file,
         dict(max_underflow=max_underflow, format=format_, scale=scale, per_module=per_module,
              headroom_bits=headroom_bits, include_loss=include_loss, json=json_output,
-             allow_incomplete=allow_incomplete),
+             allow_incomplete=allow_incomplete, junit=junit),
         dict(max_underflow=None, format=None, scale=None, per_module=False, headroom_bits=None,
-             include_loss=None, json=False, allow_incomplete=False),
+             include_loss=None, json=False, allow_incomplete=False, junit=None),
     )  # fmt: skip
     limit = options["max_underflow"]
     if limit is None:
@@ -950,10 +956,22 @@ def gate_command(
         report, fmt, limit, log2_scale=log2_scale, per_module=options["per_module"],
         headroom_bits=headroom, include_loss=include, allow_incomplete=options["allow_incomplete"],
     )  # fmt: skip
+    if options["junit"] is not None:
+        from fpaudit import ci
+
+        modules = ci.gate_modules(report, result, include_loss=include)
+        text = ci.junit_xml(result, modules, report_path=str(report_path))
+        ci.write_junit(text, Path(options["junit"]))
     if options["json"]:
         render.print_json(result.to_dict())
     else:
         render.gate(result)
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        from fpaudit import ci
+
+        stream = sys.stderr if options["json"] else sys.stdout  # keep --json parseable
+        for line in ci.github_annotations(result, report_path=str(report_path)):
+            stream.write(line + "\n")
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
 
 
