@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -16,7 +17,9 @@ SAMPLE_CONFIGS = sorted(p.name for p in SAMPLES.glob("*.toml"))
 
 
 def test_the_samples_are_the_ones_documented() -> None:
-    assert SAMPLE_MODELS == ["convnet.py", "mlp.py", "quadratic.py", "transformer.py"]
+    assert SAMPLE_MODELS == [
+        "convnet.py", "hf_bert.py", "hf_gpt2.py", "mlp.py", "quadratic.py", "transformer.py"
+    ]  # fmt: skip
     assert SAMPLE_SCRIPTS == ["train_loop.py"]
     assert SAMPLE_CONFIGS == ["bf16_audit.toml", "fp16_ci_gate.toml", "fp8_e5m2_backward.toml"]
 
@@ -39,8 +42,20 @@ def test_the_sample_training_loop_is_clean_and_its_bugs_are_found(cli, tmp_path:
     assert meta["amp_dtype"] == "float16"  # autocast's backward values, captured live
 
 
+NEEDS_TRANSFORMERS = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="the hf_* samples need transformers: pip install 'fpaudit[huggingface]'",
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SAMPLE_MODELS)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=NEEDS_TRANSFORMERS) if n.startswith("hf_") else n
+        for n in SAMPLE_MODELS
+    ],
+)
 def test_every_sample_scans_and_pandas_reads_the_report(cli, tmp_path: Path, name: str) -> None:
     out = tmp_path / "report"
     result = cli("scan", SAMPLES / name, "--steps", "2", "--out", out)

@@ -1,0 +1,301 @@
+"""Audit a run of a training framework from one of its callbacks.
+
+Each integration lives in its own module and imports its framework only there,
+so ``import fpaudit`` never imports Lightning or transformers:
+
+* :mod:`fpaudit.integrations.lightning`: ``FpauditCallback``, a
+  ``lightning.pytorch.Callback``;
+* :mod:`fpaudit.integrations.huggingface`: ``FpauditTrainerCallback``, a
+  ``transformers.TrainerCallback``.
+
+Both audit the optimizer steps they are told to (``steps``: the first N
+optimizer steps of the run; ``every``: every K-th of them) and write one
+report when training ends::
+
+    from fpaudit.integrations.lightning import FpauditCallback
+
+    trainer = lightning.Trainer(callbacks=[FpauditCallback(out="fpaudit-report", steps=20)])
+    trainer.fit(model, data)
+    # then: fpaudit show fpaudit-report
+
+This module holds what the two share (:class:`AuditSession`): which steps to
+audit, the audit of the open step, and the report's metadata.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fpaudit.capture import Audit, Selection, StepSummary
+from fpaudit.errors import UsageError
+from fpaudit.formats import get_format
+
+if TYPE_CHECKING:
+    from fpaudit.report import Report
+
+__all__ = ["AuditSession", "Patches", "live_dtype", "scale_tensor", "unscaled"]
+
+_LOW_DTYPES = ("float16", "bfloat16")
+_AMP_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def live_dtype(report: Report) -> str | None:
+    """The low-precision dtype most backward values were held in (autocast or a
+    low-precision model), or None when backward ran in fp32."""
+    from fpaudit.records import KIND_BACKWARD
+
+    records = report.records
+    low = records[(records["kind"] == KIND_BACKWARD) & records["dtype"].isin(_LOW_DTYPES)]
+    if low.empty:
+        return None
+    return str(low.groupby("dtype")["elements"].sum().idxmax())
+
+
+class AuditSession:
+    """Which optimizer steps to audit, the open step's audit, and the report.
+
+    A framework callback calls, in order: :meth:`start` when training starts,
+    then per audited optimizer step :meth:`begin` (before the first forward of
+    the step), :meth:`add_loss` per backward, :meth:`close` once every backward
+    of the step is done and before the gradients are unscaled or clipped, and
+    :meth:`mark_optimizer_step` once the optimizer ran; :meth:`finish` writes
+    the report. :meth:`abort` drops an open step.
+
+    ``steps`` counts optimizer steps from the start of training (a resumed run
+    counts from where it resumed): steps ``0 .. steps-1`` of the run are
+    candidates, of which every ``every``-th (0, K, 2K, ...) is audited, as
+    ``fpaudit scan --steps N --every K`` does. None: no limit.
+    """
+
+    def __init__(
+        self,
+        command: str,
+        *,
+        out: str | Path,
+        steps: int | None,
+        every: int,
+        formats: Sequence[str] | None,
+        force: bool,
+        selection: Selection | None,
+    ) -> None:
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise UsageError(f"steps must be at least 1 (or None: no limit), got {steps!r}")
+        if not isinstance(every, int) or every < 1:
+            raise UsageError(f"every must be at least 1, got {every!r}")
+        if isinstance(formats, str):
+            formats = (formats,)
+        self.formats: tuple[str, ...] | None = (
+            tuple(get_format(name).name for name in dict.fromkeys(formats))
+            if formats is not None
+            else None
+        )
+        if self.formats == ():
+            raise UsageError("formats must name at least one format (or be None: automatic)")
+        self.command = command
+        self.out = Path(out)
+        self.steps = steps
+        self.every = every
+        self.force = force
+        self.selection = selection if selection is not None else Selection()
+        self.audit: Audit | None = None
+        self.model: nn.Module | None = None
+        self.report: Report | None = None
+        self.path: Path | None = None
+        self._first = 0
+        self._index = -1
+        self._loss: torch.Tensor | None = None
+        self._open = False
+        self._pending: StepSummary | None = None
+        self._finished = True
+
+    # -- the run ---------------------------------------------------------
+    def start(self, model: nn.Module, first_step: int) -> None:
+        """Training starts at optimizer step ``first_step`` (0, or where a resumed run resumes).
+
+        Refuses an existing ``out`` unless ``force`` (and anything there but a report),
+        now rather than after training.
+        """
+        if self.out.exists() or self.out.is_symlink():
+            if not self.force:
+                raise UsageError(f"{self.out} already exists; pass force=True to overwrite it")
+            if not (self.out / "meta.json").is_file():
+                raise UsageError(
+                    f"{self.out} exists and is not an fpaudit report; refusing to replace it"
+                )
+        self.model = model
+        self.audit = Audit(model, selection=self.selection)
+        self.report = self.path = None
+        self._first = first_step
+        self._index = -1
+        self._open = False
+        self._pending = None
+        self._finished = False
+
+    def wants(self, index: int) -> bool:
+        """Is optimizer step ``index`` (the framework's global step) one to audit?"""
+        if self.audit is None or self._open or index <= self._index:
+            return False
+        relative = index - self._first
+        if relative < 0 or (self.steps is not None and relative >= self.steps):
+            return False
+        return relative % self.every == 0
+
+    @property
+    def is_open(self) -> bool:
+        """A step is being audited: its forward and backward passes are recorded."""
+        return self._open
+
+    def begin(self, index: int) -> None:
+        """Start auditing optimizer step ``index``: enter before the step's first forward."""
+        if self.audit is None or self._open:
+            return
+        self.audit.__enter__()
+        self._open = True
+        self._index = index
+        self._loss = None
+        self._pending = None
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Add one backward's unscaled loss (a 0-dim tensor; no host sync) to the step's."""
+        if not self._open:
+            return
+        value = loss.detach().reshape(()).float()
+        self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
+
+    def close(self, loss_scale: float | torch.Tensor) -> StepSummary | None:
+        """Every backward of the step is done: record the parameter gradients (still
+        multiplied by ``loss_scale``, the scale backward ran under) and close the step."""
+        if self.audit is None or not self._open:
+            return None
+        self._open = False
+        try:
+            summary = self.audit.step(loss=self._loss, index=self._index, loss_scale=loss_scale)
+        except BaseException:
+            self.audit.__exit__(RuntimeError, None, None)
+            raise
+        self.audit.__exit__(None, None, None)
+        self._loss = None
+        self._pending = summary
+        return summary
+
+    def abort(self) -> None:
+        """Drop the open step (its hooks come off; nothing of it is recorded)."""
+        if self.audit is not None and self._open:
+            self._open = False
+            self._loss = None
+            self.audit.__exit__(RuntimeError, None, None)
+
+    @property
+    def pending(self) -> StepSummary | None:
+        """The last closed step, until :meth:`mark_optimizer_step` records its outcome."""
+        return self._pending
+
+    def mark_optimizer_step(self, stepped: bool, skipped: bool = False) -> None:
+        """Whether the optimizer stepped after the last closed step, or skipped for inf/NaN."""
+        if self.audit is not None and self._pending is not None:
+            self.audit.mark_optimizer_step(stepped, skipped)
+            self._pending = None
+
+    def finish(
+        self,
+        *,
+        steps_run: int,
+        stopped_by: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Path | None:
+        """Write the report to ``out`` (once per run); its path, or None when not started.
+
+        ``stopped_by`` (an exception's name) marks the report incomplete.
+        """
+        if self._finished or self.audit is None:
+            return None
+        self._finished = True
+        self.abort()
+        report = self.audit.report
+        amp_dtype = live_dtype(report)
+        formats = self.formats or (_AMP_NAMES.get(amp_dtype or "", "fp16"),)
+        model = self.model
+        first = next(model.parameters(), None) if model is not None else None
+        report.meta.update(
+            {
+                "command": self.command,
+                "formats": list(formats),
+                "steps_requested": self.steps,
+                "steps_run": max(steps_run, 0),
+                "complete": stopped_by is None,
+                "stopped_by": stopped_by,
+                "every": self.every,
+                "selection": self.selection.describe(),
+                "amp": _AMP_NAMES.get(amp_dtype or ""),
+                "amp_dtype": amp_dtype,
+                "capture_dtype": str(first.dtype).removeprefix("torch.")
+                if first is not None
+                else None,
+                "model_class": type(model).__name__ if model is not None else None,
+                **(meta or {}),
+            }
+        )
+        self.report = report
+        self.path = report.write(self.out, force=self.force)
+        if not report.meta["steps"]:
+            warnings.warn(
+                f"fpaudit: no optimizer step was audited; {self.out} holds an empty report",
+                stacklevel=2,
+            )
+        return self.path
+
+
+def scale_tensor(scaler: Any) -> torch.Tensor | None:
+    """The scale an enabled ``torch.amp.GradScaler`` is in force with (a 0-dim tensor,
+    no host sync), or None for no scaler, a disabled one or one not yet used."""
+    if scaler is None:
+        return None
+    enabled = getattr(scaler, "is_enabled", None)
+    if callable(enabled) and not enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def unscaled(loss: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``loss`` (as backpropagated) divided by the loss scale: exact for powers of two."""
+    value = loss.detach().reshape(()).float()
+    return value if scale is None else value / scale.to(value.device).reshape(())
+
+
+class Patches:
+    """Attributes replaced for a while (functions of a module, methods of one object)
+    and put back by :meth:`restore`; one put back only if it still holds the replacement."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def replace(self, owner: Any, name: str, value: Any) -> Any:
+        """Set ``owner.name`` to ``value``; return what it was."""
+        own = name in getattr(owner, "__dict__", {})  # else inherited: deleting restores it
+        original = getattr(owner, name)
+        setattr(owner, name, value)
+
+        def undo() -> None:
+            if getattr(owner, name, None) is not value:
+                return  # replaced again since: leave the newer one alone
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # e.g. an instance attribute shadowing a method
+
+        self._undo.append(undo)
+        return original
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def __bool__(self) -> bool:
+        return bool(self._undo)

@@ -1,0 +1,272 @@
+"""Audit a Hugging Face ``Trainer`` run: ``FpauditTrainerCallback``, a ``TrainerCallback``.
+
+Usage::
+
+    from transformers import Trainer, TrainingArguments
+    from fpaudit.integrations.huggingface import FpauditTrainerCallback
+
+    audit = FpauditTrainerCallback(out="fpaudit-report", steps=50, every=5)
+    trainer = Trainer(model=model, args=TrainingArguments(..., fp16=True),
+                      train_dataset=data, callbacks=[audit])
+    try:
+        trainer.train()
+    finally:
+        audit.finish()  # writes the report if training raised (no-op after on_train_end)
+    # then: fpaudit show fpaudit-report --scale recommended
+
+Requires ``transformers`` with its ``Trainer`` (``pip install transformers accelerate``).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fpaudit.capture import Selection
+from fpaudit.integrations import AuditSession, Patches, scale_tensor, unscaled
+
+try:
+    import transformers
+    from transformers import TrainerCallback
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "fpaudit.integrations.huggingface needs Hugging Face transformers: "
+        "pip install transformers accelerate"
+    ) from error
+
+__all__ = ["FpauditTrainerCallback"]
+
+_CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_")
+
+
+class FpauditTrainerCallback(TrainerCallback):
+    """Audit the backward pass of selected optimizer steps; write a report when training ends.
+
+    Options as :class:`fpaudit.integrations.lightning.FpauditCallback`:
+    ``steps`` (audit among the first N optimizer steps of the run; None: all),
+    ``every`` (every K-th of them), ``formats`` (None: the run's AMP dtype,
+    else fp16), ``force`` (replace an existing report; checked when training
+    starts) and ``selection``. Steps are numbered by ``state.global_step``.
+
+    How a step is captured (transformers 5.x ``Trainer._inner_training_loop``):
+    ``on_step_begin`` comes before the first micro-batch's forward and enters
+    the audit on ``kwargs["model"]``. After the last micro-batch's backward the
+    Trainer clips the gradients (``max_grad_norm``, default 1.0; with fp16 the
+    ``GradScaler`` unscales them first) and measures their norm, *then* calls
+    ``on_pre_optimizer_step``: no callback sees the gradients as backward left
+    them. So while a step is audited the callback also wraps, and puts back
+    when the step closes, the calls that come first: the scaler's ``unscale_``
+    (an attribute of that one scaler object) and
+    ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (which
+    accelerate calls even without clipping, to measure the norm). The first
+    of them, or ``on_pre_optimizer_step``, closes the step: parameter
+    gradients are recorded accumulated, unclipped and still multiplied by the
+    scale, which is the step's loss scale (1 without a scaler). Each backward's
+    loss is read from ``torch.autograd.backward`` (also wrapped during the step)
+    and unscaled: the step's loss is the sum of the losses backpropagated
+    (divided by ``gradient_accumulation_steps`` as the Trainer does).
+
+    Supported: one process, CPU or GPU; fp32, ``bf16=True`` (also on CPU),
+    ``fp16=True`` (GPU; the CPU backend runs fp16 as fp32);
+    ``gradient_accumulation_steps``; ``max_grad_norm``. Under DDP only the
+    main process (``state.is_world_process_zero``) audits and writes.
+
+    Not supported: DeepSpeed and FSDP (their engines unscale and clip
+    elsewhere: gradients would be recorded after clipping), ``torch_compile``
+    (compiled models bypass the audit), several GPUs in one process
+    (``nn.DataParallel``). The Trainer has no exception callback: if
+    ``train()`` raises, call :meth:`finish` (see the module docstring) to
+    remove the hooks and write the steps recorded so far, marked incomplete.
+    """
+
+    def __init__(
+        self,
+        out: str | Path = "fpaudit-report",
+        steps: int | None = None,
+        every: int = 1,
+        formats: Sequence[str] | None = None,
+        force: bool = True,
+        selection: Selection | None = None,
+    ) -> None:
+        super().__init__()
+        self.session = AuditSession(
+            "huggingface",
+            out=out,
+            steps=steps,
+            every=every,
+            formats=formats,
+            force=force,
+            selection=selection,
+        )
+        self._active = False
+        self._first_step = 0
+        self._last_step = 0
+        self._meta: dict[str, Any] = {}
+        self._patches = Patches()
+        self._scaler: Any = None
+        self._unscaled = False
+
+    @property
+    def report_path(self) -> Path | None:
+        """Where the report was written (after training ends), else None."""
+        return self.session.path
+
+    # -- Trainer events ----------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._active = False
+        if not state.is_world_process_zero:
+            return
+        reason = _unsupported(args)
+        if reason is not None:
+            warnings.warn(f"fpaudit: {reason}; nothing is audited", stacklevel=2)
+            return
+        model = kwargs["model"]
+        self._first_step = self._last_step = int(state.global_step)
+        self.session.start(model, self._first_step)
+        self._meta = {
+            "transformers_version": transformers.__version__,
+            "precision": "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
+            "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+            "max_grad_norm": float(args.max_grad_norm),
+            "world_size": int(args.world_size),
+        }
+        self._active = True
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self._active:
+            return
+        self._last_step = int(state.global_step)
+        if self.session.is_open:  # a step that never reached its optimizer
+            self._close_or_drop(ok=False)
+        if not self.session.wants(int(state.global_step)):
+            return
+        optimizer = kwargs.get("optimizer")
+        self._meta["optimizer"] = type(getattr(optimizer, "optimizer", optimizer)).__name__
+        self._scaler = getattr(optimizer, "scaler", None)
+        self._unscaled = False
+        self.session.begin(int(state.global_step))
+        self._install()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._active and self.session.is_open:
+            self._close_or_drop(ok=True)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._active and self.session.pending is not None:
+            skipped = bool(getattr(kwargs.get("optimizer"), "step_was_skipped", False))
+            self.session.mark_optimizer_step(stepped=not skipped, skipped=skipped)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self._active:
+            return
+        self._last_step = int(state.global_step)
+        if self.session.is_open:  # no on_pre_optimizer_step (transformers < 4.45)
+            self._close_or_drop(ok=False)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._active:
+            self._last_step = int(state.global_step)
+            self._finish(None)
+
+    def finish(self, stopped_by: str | None = None) -> Path | None:
+        """Remove every hook and write the report; a no-op once it is written.
+
+        ``on_train_end`` writes the report of a run that ends normally. Call
+        this when ``trainer.train()`` raises (in ``except`` or ``finally``):
+        ``stopped_by`` defaults to the type of the exception being handled,
+        which marks the report incomplete.
+        """
+        if stopped_by is None:
+            error = sys.exc_info()[1]
+            stopped_by = type(error).__name__ if error is not None else None
+        return self._finish(stopped_by)
+
+    def _finish(self, stopped_by: str | None) -> Path | None:
+        if not self._active:
+            return None
+        self._active = False
+        if self.session.is_open:
+            self.session.abort()
+        self._patches.restore()
+        return self.session.finish(
+            steps_run=self._last_step - self._first_step, stopped_by=stopped_by, meta=self._meta
+        )
+
+    # -- closing the step before the gradients change ---------------------
+    def _close_or_drop(self, ok: bool) -> None:
+        """Close the open step (``ok``: the gradients are still as backward left them)."""
+        self._patches.restore()
+        if not ok:
+            warnings.warn(
+                "fpaudit: an audited step ended without reaching the optimizer; it is dropped",
+                stacklevel=3,
+            )
+            self.session.abort()
+            return
+        scale = None if self._unscaled else scale_tensor(self._scaler)
+        self.session.close(scale if scale is not None else 1.0)
+
+    def _before_gradients_change(self) -> None:
+        if self.session.is_open:
+            self._close_or_drop(ok=True)
+
+    def _install(self) -> None:
+        callback = self
+        original_backward = torch.autograd.backward
+
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            is_loss = isinstance(tensors, torch.Tensor) and tensors.numel() == 1
+            if is_loss and callback.session.is_open:  # unscale it (no host sync)
+                callback.session.add_loss(unscaled(tensors, scale_tensor(callback._scaler)))
+            return original_backward(tensors, *args, **kwargs)
+
+        backward.__doc__ = original_backward.__doc__
+        self._patches.replace(torch.autograd, "backward", backward)
+        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+            for name in _CLIP_FUNCTIONS:
+                original = getattr(module, name, None)
+                if original is not None:
+                    self._patches.replace(module, name, _closing_first(callback, original))
+        scaler = self._scaler
+        if _enabled(scaler):
+            original_unscale = scaler.unscale_
+
+            def unscale_(optimizer: Any) -> Any:
+                callback._before_gradients_change()
+                callback._unscaled = True
+                return original_unscale(optimizer)
+
+            self._patches.replace(scaler, "unscale_", unscale_)
+
+
+def _closing_first(callback: FpauditTrainerCallback, original: Callable[..., Any]) -> Any:
+    """``original`` (a gradient clipping function), closing the open step before it runs."""
+
+    def clip(*args: Any, **kwargs: Any) -> Any:
+        callback._before_gradients_change()
+        return original(*args, **kwargs)
+
+    clip.__doc__ = original.__doc__
+    clip.__name__ = original.__name__
+    return clip
+
+
+def _unsupported(args: Any) -> str | None:
+    if getattr(args, "deepspeed", None):
+        return "FpauditTrainerCallback does not support DeepSpeed"
+    if getattr(args, "fsdp", None):
+        return "FpauditTrainerCallback does not support FSDP"
+    if getattr(args, "torch_compile", False):
+        return "FpauditTrainerCallback cannot audit a compiled model (torch_compile=True)"
+    return None
+
+
+def _enabled(scaler: Any) -> bool:
+    """Is ``scaler`` a GradScaler that scales (accelerate's, when ``fp16=True`` on GPU)?"""
+    enabled = getattr(scaler, "is_enabled", None)
+    return callable(enabled) and bool(enabled()) and callable(getattr(scaler, "unscale_", None))

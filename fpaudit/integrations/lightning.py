@@ -1,0 +1,209 @@
+"""Audit a PyTorch Lightning run: ``FpauditCallback``, a ``lightning.pytorch.Callback``.
+
+Usage::
+
+    import lightning as L
+    from fpaudit.integrations.lightning import FpauditCallback
+
+    trainer = L.Trainer(
+        precision="16-mixed",
+        callbacks=[FpauditCallback(out="fpaudit-report", steps=50, every=5)],
+    )
+    trainer.fit(model, datamodule)
+    # then: fpaudit show fpaudit-report --scale recommended
+
+Requires ``lightning`` (``pip install lightning``); the older ``pytorch_lightning``
+package is not supported.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fpaudit.capture import Selection
+from fpaudit.integrations import AuditSession, scale_tensor, unscaled
+
+try:
+    import lightning
+    from lightning.pytorch import Callback
+except ImportError as error:  # pragma: no cover - exercised only without lightning
+    raise ImportError(
+        "fpaudit.integrations.lightning needs PyTorch Lightning: pip install lightning"
+    ) from error
+
+__all__ = ["FpauditCallback"]
+
+
+class FpauditCallback(Callback):
+    """Audit the backward pass of selected optimizer steps; write a report when training ends.
+
+    ``steps``: audit among the first N optimizer steps of the run (None: all);
+    ``every``: audit every K-th of them (0, K, 2K, ...); ``formats``: the
+    formats ``fpaudit show`` and ``gate`` judge by default (None: the run's AMP
+    dtype, else fp16); ``force``: replace an existing report at ``out``
+    (checked when training starts); ``selection``: which modules and ops to
+    record (:class:`fpaudit.Selection`). Steps are numbered by
+    ``trainer.global_step``; the report is written at ``on_train_end``, and at
+    ``on_exception`` marked incomplete (``stopped_by``: the exception's type).
+
+    How a step is captured (Lightning 2.x hook order, automatic optimization):
+    the audit is entered in ``on_train_batch_start`` of the step's first
+    micro-batch, before its ``training_step``; each ``on_before_backward`` adds
+    the micro-batch's loss; the step closes in ``on_after_backward`` of the
+    last micro-batch, before ``MixedPrecision.optimizer_step`` unscales the
+    gradients and before ``on_before_optimizer_step`` and gradient clipping.
+    So parameter gradients are recorded as backward made them, accumulated
+    over every micro-batch and still multiplied by the ``GradScaler`` scale,
+    which is recorded as the step's loss scale (1 without a scaler). The
+    step's loss is the sum of the (unscaled) losses backpropagated, i.e. the
+    mean of the micro-batch losses under ``accumulate_grad_batches``.
+
+    Supported: one device (CPU or GPU); ``precision`` 32, ``16-mixed`` (with
+    its ``GradScaler``), ``bf16-mixed``, ``16-true`` and ``bf16-true``;
+    ``accumulate_grad_batches`` (one audited step per optimizer step); gradient
+    clipping. DDP-style strategies: only global rank zero audits and writes the
+    report (the other ranks run unhooked); what rank zero records is its own
+    backward pass.
+
+    Not supported (the callback warns and records nothing): manual optimization
+    (``automatic_optimization = False``) and strategies that run backward and
+    accumulation themselves (DeepSpeed). Not supported by the audit itself:
+    compiled modules (``torch.compile``), ``nn.DataParallel``; FSDP records
+    under the FSDP-wrapped names and is untested.
+    """
+
+    def __init__(
+        self,
+        out: str | Path = "fpaudit-report",
+        steps: int | None = None,
+        every: int = 1,
+        formats: Sequence[str] | None = None,
+        force: bool = True,
+        selection: Selection | None = None,
+    ) -> None:
+        super().__init__()
+        self.session = AuditSession(
+            "lightning",
+            out=out,
+            steps=steps,
+            every=every,
+            formats=formats,
+            force=force,
+            selection=selection,
+        )
+        self._active = False
+        self._first_step = 0
+        self._scale: torch.Tensor | None = None
+
+    @property
+    def report_path(self) -> Path | None:
+        """Where the report was written (after training ends), else None."""
+        return self.session.path
+
+    # -- Lightning hooks ---------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._active = False
+        if not trainer.is_global_zero:
+            return
+        reason = _unsupported(trainer, pl_module)
+        if reason is not None:
+            warnings.warn(f"fpaudit: {reason}; nothing is audited", stacklevel=2)
+            return
+        self._first_step = int(trainer.global_step)
+        self.session.start(pl_module, self._first_step)
+        self._active = True
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._active or batch_idx % trainer.accumulate_grad_batches != 0:
+            return  # not the first micro-batch of an optimizer step
+        if self.session.is_open:  # a step that never reached its last backward
+            self.session.abort()
+        if self.session.wants(int(trainer.global_step)):
+            self._scale = None
+            self.session.begin(int(trainer.global_step))
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if self._active and self.session.is_open:
+            # MixedPrecision.pre_backward scaled the loss before this hook
+            self._scale = scale_tensor(getattr(trainer.precision_plugin, "scaler", None))
+            self.session.add_loss(unscaled(loss, self._scale))
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        if self._active and self.session.is_open and not _accumulating(trainer):
+            self.session.close(self._scale if self._scale is not None else 1.0)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._active and self.session.is_open:
+            # The step was not closed after its last backward (an unforeseen hook order);
+            # the gradients may be unscaled by now: drop it rather than mislabel them.
+            warnings.warn(
+                "fpaudit: a step reached the optimizer before its last backward was seen; "
+                "it is not recorded",
+                stacklevel=2,
+            )
+            self.session.abort()
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._active:
+            return
+        summary = self.session.pending
+        if summary is not None:
+            # A GradScaler skips the optimizer step on inf/NaN gradients; otherwise it steps.
+            skipped = self._scale is not None and summary.nonfinite_grads > 0
+            self.session.mark_optimizer_step(stepped=not skipped, skipped=skipped)
+        elif self.session.is_open and not _accumulating(trainer):
+            self.session.abort()  # training_step returned None: no backward to record
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._active:
+            self._finish(trainer, None)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self._active:
+            self._finish(trainer, type(exception).__name__)
+
+    def _finish(self, trainer: Any, stopped_by: str | None) -> None:
+        self._active = False
+        optimizers = getattr(trainer, "optimizers", None) or []
+        self.session.finish(
+            steps_run=int(trainer.global_step) - self._first_step,
+            stopped_by=stopped_by,
+            meta={
+                "lightning_version": lightning.__version__,
+                "precision": str(trainer.precision),
+                "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+                "strategy": type(trainer.strategy).__name__,
+                "world_size": int(trainer.world_size),
+                "optimizer": type(optimizers[0]).__name__ if optimizers else None,
+                "gradient_clip_val": trainer.gradient_clip_val,
+            },
+        )
+
+
+def _unsupported(trainer: Any, pl_module: Any) -> str | None:
+    if not getattr(pl_module, "automatic_optimization", True):
+        return "FpauditCallback supports automatic optimization only, not manual optimization"
+    if getattr(trainer.strategy, "handles_gradient_accumulation", False):
+        name = type(trainer.strategy).__name__
+        return f"FpauditCallback does not support {name}, which runs backward itself"
+    return None
+
+
+def _accumulating(trainer: Any) -> bool:
+    """Will more micro-batches be accumulated before the optimizer steps?"""
+    should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
+    if callable(should_accumulate):  # private, but exactly Lightning's own rule
+        return bool(should_accumulate())
+    epoch_loop = trainer.fit_loop.epoch_loop
+    ready = epoch_loop.batch_progress.current.ready
+    last = ready == trainer.num_training_batches or epoch_loop.batch_progress.is_last_batch
+    return ready % trainer.accumulate_grad_batches != 0 and not last
