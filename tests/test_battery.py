@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,22 @@ def report(damage: Callable[[Path], None] | None = None, **meta: object) -> Call
         built.write(tmp / "report")
         if damage is not None:
             damage(tmp / "report")
+
+    return setup
+
+
+def ranked_report(damage: Callable[[Path], None]) -> Callable[[Path], None]:
+    """A report of two ranks (parts written as torch.distributed ranks would), then damaged."""
+
+    def setup(tmp: Path) -> None:
+        root = tmp / "report"
+        root.mkdir()
+        built = report_from({"a": torch.tensor([2.0**-30, 1.0])})
+        files = {}
+        for rank in (0, 1):
+            files.update(built.write_tables(root, f"rank-{rank:05d}/"))
+        built.write_meta(root, files, ranks=2)
+        damage(root)
 
     return setup
 
@@ -261,6 +278,16 @@ CASES: list[Case] = [
     Case("--drift-binades -1", ["recommend", "{tmp}/report", "--drift-binades", "-1"], 2, "--drift-binades must be 0 or more", report()),
     Case("findings of the wrong type", ["show", "{tmp}/report", "--steps"], 2, "findings has the wrong type",
          report(edit_meta(lambda m: m.update(findings="none")))),
+    Case("--junit into a missing directory", ["gate", "{tmp}/report", "--max-underflow", "1", "--junit", "{tmp}/no/j.xml"], 2,
+         "--junit: directory <tmp>/no does not exist", report()),
+    Case("report of 2 ranks missing a part", ["show", "{tmp}/report"], 2, "rank-00001/records.parquet is missing",
+         ranked_report(lambda root: shutil.rmtree(root / "rank-00001"))),
+    Case("report of 0 ranks", ["show", "{tmp}/report"], 2, "ranks must be at least 1",
+         ranked_report(edit_meta(lambda m: m.update(ranks=0)))),
+    Case("plot without -o", ["plot", "{tmp}/report"], 2, "plot needs -o FILE.png or -o FILE.svg", report()),
+    Case("plot into a .bmp", ["plot", "{tmp}/report", "-o", "{tmp}/r.bmp"], 2, "-o must end in .png or .svg", report()),
+    Case("plot onto a directory", ["plot", "{tmp}/report", "-o", "{tmp}/d.png"], 2, "d.png is a directory",
+         report(lambda root: (root.parent / "d.png").mkdir())),
 ]  # fmt: skip
 
 
