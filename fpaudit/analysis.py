@@ -44,10 +44,11 @@ from fpaudit.report import Report
 _T_MIN = -160
 _T_MAX = 130
 
-# Loss scales are fp32 numbers (2**-149 .. 2**127), so unscaled binades span this:
-_UNSCALED_MIN = layout.BINADE_MIN - 127
-_UNSCALED_MAX = layout.BINADE_MAX + 149
-_N_UNSCALED = _UNSCALED_MAX - _UNSCALED_MIN + 1
+# Loss scales are fp32 numbers (2**-149 .. 2**127), so unscaled binades span this
+# (public: the plot draws on the same axis):
+UNSCALED_MIN = layout.BINADE_MIN - 127
+UNSCALED_MAX = layout.BINADE_MAX + 149
+N_UNSCALED = UNSCALED_MAX - UNSCALED_MIN + 1
 
 SHADOW_COLUMNS = ("shadow_calls", "shadow_nonzero", "lost", "overflowed")
 COUNT_COLUMNS = (
@@ -144,6 +145,19 @@ class Scope:
         return records[self.mask(records)]
 
 
+LOW_PRECISION_DTYPES = ("float16", "bfloat16")
+
+
+def held_dtype(report: Report) -> str | None:
+    """The low-precision dtype most backward values were held in (autocast or a
+    ``.half()`` model), or None when backward ran in fp32."""
+    records = report.records
+    low = records[(records["kind"] == KIND_BACKWARD) & records["dtype"].isin(LOW_PRECISION_DTYPES)]
+    if low.empty:
+        return None
+    return str(low.groupby("dtype")["elements"].sum().idxmax())
+
+
 def live_dtypes(report: Report) -> tuple[str, ...]:
     """In a live (--amp) report, the low-precision dtype the recommendation is about."""
     dtype = report.meta.get("amp_dtype")
@@ -162,7 +176,7 @@ class Condensed:
 
     ``groups`` has one row per group (its key columns, then ``elements``,
     ``zeros``, ``infs``, ``nans`` and the unscaled finite ``amax``);
-    ``scaled[g, b - _UNSCALED_MIN, cls]`` counts values of group g that scale
+    ``scaled[g, b - UNSCALED_MIN, cls]`` counts values of group g that scale
     with the loss by unscaled binade; ``fixed[g, b - BINADE_MIN, cls]`` the
     values that do not, by recorded binade.
     """
@@ -173,7 +187,7 @@ class Condensed:
 
     def at(self, fmt: Format, log2_scale: int) -> pd.DataFrame:
         """Counts and fractions per group at ``2**log2_scale``."""
-        unscaled = np.arange(_UNSCALED_MIN, _UNSCALED_MAX + 1)
+        unscaled = np.arange(UNSCALED_MIN, UNSCALED_MAX + 1)
         recorded = np.arange(layout.BINADE_MIN, layout.BINADE_MAX + 1)
         scaled_masks = _fate_masks(fmt, unscaled, log2_scale)
         fixed_masks = _fate_masks(fmt, recorded, 0)
@@ -276,13 +290,11 @@ def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("modul
     all_binades = bins["binade"].to_numpy()
     all_classes = bins["cls"].to_numpy()
     all_counts = bins["count"].to_numpy()
-    scaled_cells = n_groups * _N_UNSCALED * layout.N_CLASSES
+    scaled_cells = n_groups * N_UNSCALED * layout.N_CLASSES
     fixed_cells = n_groups * layout.N_BINADES * layout.N_CLASSES
     # One index space: the scaled cube, then the fixed one. Per record, the offset
     # of its cell block, with its shift to unscaled units folded in; -1 out of scope.
-    scaled_base = (
-        group_of_record * _N_UNSCALED - log2_loss_scale - _UNSCALED_MIN
-    ) * layout.N_CLASSES
+    scaled_base = (group_of_record * N_UNSCALED - log2_loss_scale - UNSCALED_MIN) * layout.N_CLASSES
     fixed_base = (
         scaled_cells + (group_of_record * layout.N_BINADES - layout.BINADE_MIN) * layout.N_CLASSES
     )
@@ -301,7 +313,7 @@ def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("modul
     scaled, fixed = cells[:scaled_cells], cells[scaled_cells:]
     result = Condensed(
         groups,
-        scaled.astype(np.int64).reshape(n_groups, _N_UNSCALED, layout.N_CLASSES),
+        scaled.astype(np.int64).reshape(n_groups, N_UNSCALED, layout.N_CLASSES),
         fixed.astype(np.int64).reshape(n_groups, layout.N_BINADES, layout.N_CLASSES),
     )
     if "module" in by:

@@ -92,8 +92,8 @@ FRACTIONS_GID = "fpaudit-fractions"  # the gid (SVG id) of the fractions text
 
 
 # Every binade a value can reach at any fp32 loss scale: one x axis for every scale.
-AXIS_LOW = min(analysis._UNSCALED_MIN + config.LOG2_SCALE_MIN, layout.BINADE_MIN)
-AXIS_HIGH = max(analysis._UNSCALED_MAX + config.LOG2_SCALE_MAX, layout.BINADE_MAX)
+AXIS_LOW = min(analysis.UNSCALED_MIN + config.LOG2_SCALE_MIN, layout.BINADE_MIN)
+AXIS_HIGH = max(analysis.UNSCALED_MAX + config.LOG2_SCALE_MAX, layout.BINADE_MAX)
 AXIS = np.arange(AXIS_LOW, AXIS_HIGH + 1)
 
 
@@ -106,8 +106,8 @@ def binade_counts(condensed: analysis.Condensed, log2_scale: int) -> np.ndarray:
     if not config.LOG2_SCALE_MIN <= log2_scale <= config.LOG2_SCALE_MAX:
         raise ValueError(f"log2_scale {log2_scale} is outside the range of an fp32 scale")
     counts = np.zeros((condensed.scaled.shape[0], len(AXIS)), dtype=np.int64)
-    start = analysis._UNSCALED_MIN + log2_scale - AXIS_LOW
-    counts[:, start : start + analysis._N_UNSCALED] += condensed.scaled.sum(axis=2)
+    start = analysis.UNSCALED_MIN + log2_scale - AXIS_LOW
+    counts[:, start : start + analysis.N_UNSCALED] += condensed.scaled.sum(axis=2)
     start = layout.BINADE_MIN - AXIS_LOW
     counts[:, start : start + layout.N_BINADES] += condensed.fixed.sum(axis=2)
     return counts

@@ -1060,7 +1060,9 @@ def run_script(
         from fpaudit.report import run_metadata
 
         report = ReportBuilder(modules=[LOSS_MODULE]).build(run_metadata(), table)
-    amp_dtype = _live_dtype(report)
+    from fpaudit.analysis import held_dtype
+
+    amp_dtype = held_dtype(report)
     report.meta.update(
         {
             "command": "run",
@@ -1087,17 +1089,3 @@ def run_script(
         }
     )
     return RunOutcome(report, findings, failure, interrupted)
-
-
-def _live_dtype(report: Report) -> str | None:
-    """The low-precision dtype most backward values were held in (autocast or .half())."""
-    from fpaudit.records import KIND_BACKWARD
-
-    records = report.records
-    low = records[(records["kind"] == KIND_BACKWARD) & records["dtype"].isin(_LOW_DTYPES)]
-    if low.empty:
-        return None
-    return str(low.groupby("dtype")["elements"].sum().idxmax())
-
-
-_LOW_DTYPES = ("float16", "bfloat16")

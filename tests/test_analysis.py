@@ -229,3 +229,35 @@ def test_log2_exact() -> None:
     for bad in (0.0, -2.0, 3.0, math.inf, math.nan):
         with pytest.raises(ValueError):
             analysis.log2_exact(bad)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [(torch.float32, None), (torch.float16, "float16"), (torch.bfloat16, "bfloat16")],
+)
+def test_held_dtype_is_the_low_precision_dtype_backward_ran_in(
+    dtype: torch.dtype, expected: str | None
+) -> None:
+    import fpaudit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)).to(dtype)
+    with fpaudit.audit(model) as audit:
+        model(torch.randn(3, 4, dtype=dtype)).float().sum().backward()
+        audit.step()
+    assert analysis.held_dtype(audit.report) == expected
+
+
+def test_held_dtype_under_autocast_ignores_the_fp32_values() -> None:
+    import fpaudit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Linear(64, 1))
+    with fpaudit.audit(model) as audit:
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(torch.randn(3, 4))
+        out.float().sum().backward()  # parameter gradients stay fp32, the matmuls run in bf16
+        audit.step()
+    records = audit.report.records
+    assert set(records["dtype"]) >= {"float32", "bfloat16"}
+    assert analysis.held_dtype(audit.report) == "bfloat16"

@@ -39,22 +39,9 @@ from fpaudit.formats import get_format
 if TYPE_CHECKING:
     from fpaudit.report import Report
 
-__all__ = ["AuditSession", "Patches", "live_dtype", "scale_tensor", "unscaled"]
+__all__ = ["AuditSession", "Patches", "scale_tensor", "unscaled"]
 
-_LOW_DTYPES = ("float16", "bfloat16")
 _AMP_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
-
-
-def live_dtype(report: Report) -> str | None:
-    """The low-precision dtype most backward values were held in (autocast or a
-    low-precision model), or None when backward ran in fp32."""
-    from fpaudit.records import KIND_BACKWARD
-
-    records = report.records
-    low = records[(records["kind"] == KIND_BACKWARD) & records["dtype"].isin(_LOW_DTYPES)]
-    if low.empty:
-        return None
-    return str(low.groupby("dtype")["elements"].sum().idxmax())
 
 
 class AuditSession:
@@ -218,7 +205,9 @@ class AuditSession:
         self._finished = True
         self.abort()
         report = self.audit.report
-        amp_dtype = live_dtype(report)
+        from fpaudit.analysis import held_dtype
+
+        amp_dtype = held_dtype(report)
         formats = self.formats or (_AMP_NAMES.get(amp_dtype or "", "fp16"),)
         model = self.model
         first = next(model.parameters(), None) if model is not None else None
