@@ -71,6 +71,7 @@ __all__ = [
     "bin_indices",
     "bin_value_bounds",
     "class_bounds",
+    "dense_flat",
     "finite_amax_bits",
     "finite_bin",
 ]
@@ -119,6 +120,28 @@ def bin_indices(x: torch.Tensor) -> torch.Tensor:
     index = torch.where(bits == 0, ZERO_BIN, index)
     index = torch.where(bits == _INF_BITS, INF_BIN, index)
     return torch.where(bits > _INF_BITS, NAN_BIN, index)
+
+
+def dense_flat(x: torch.Tensor) -> torch.Tensor:
+    """The elements of ``x`` as a contiguous 1-D tensor, without a copy where possible.
+
+    A histogram does not depend on the order of the elements, so a tensor whose
+    elements fill a block of memory exactly once (contiguous in some order of its
+    dimensions: transposed, permuted, channels-last; many backward ops return such
+    outputs) is read in memory order, as the block itself. Other layouts (gaps,
+    broadcast strides) are copied.
+    """
+    if x.is_contiguous():
+        return x.reshape(-1)
+    expected = 1
+    dims = sorted((stride, size) for size, stride in zip(x.shape, x.stride(), strict=True))
+    for stride, size in dims:
+        if size == 1:
+            continue  # a size-1 dimension may have any stride
+        if stride != expected:
+            return x.contiguous().reshape(-1)
+        expected *= size
+    return x.as_strided((x.numel(),), (1,), x.storage_offset())
 
 
 def finite_amax_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -179,7 +202,7 @@ class HistogramTable:
                 values = x.detach()
                 if values.dtype != torch.float32:
                     values = values.to(torch.float32)  # exact for fp16, bf16, fp8
-                kernel.histogram_add(values.contiguous(), self.table, row, _CLASS_BOUNDS)
+                kernel.histogram_add(dense_flat(values), self.table, row, _CLASS_BOUNDS)
         else:
             self._add_device(row, x)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -196,6 +197,37 @@ def test_non_contiguous_and_other_dtypes_through_the_kernel() -> None:
         host = hist.host()
         expected = torch.bincount(H.bin_indices(tensor.float()), minlength=H.N_BINS).numpy()
         assert np.array_equal(host.counts, expected)
+
+
+@pytest.mark.parametrize(
+    ("make", "copied"),
+    [
+        (lambda x: x, False),
+        (lambda x: x.permute(2, 0, 1), False),  # dense in another order: read in place
+        (lambda x: x.transpose(1, 2)[1:], False),  # ... at an offset into the storage
+        (lambda x: x.transpose(0, 2).unsqueeze(1), False),  # size-1 dims have any stride
+        (lambda x: x.reshape(2, 2, 5, 6).to(memory_format=torch.channels_last), False),
+        (lambda x: x[:, ::2], True),  # gaps: copied
+        (lambda x: x[:, :1].expand(4, 5, 6), True),  # broadcast: copied
+        (lambda x: x[:0], False),
+    ],
+)
+def test_dense_flat_holds_every_element_once_and_copies_only_when_it_must(
+    make: Callable[[torch.Tensor], torch.Tensor], copied: bool
+) -> None:
+    x = make(torch.arange(4 * 5 * 6, dtype=torch.float32).reshape(4, 5, 6))
+    flat = H.dense_flat(x)
+    assert flat.dim() == 1 and flat.is_contiguous()
+    assert torch.equal(flat.sort().values, x.reshape(-1).sort().values)
+    assert (flat.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()) == copied
+
+
+def test_a_permuted_tensor_is_binned_exactly_in_memory_order() -> None:
+    x = torch.randn(8, 16, 32).transpose(1, 2)
+    counted = torch.bincount(H.bin_indices(x.contiguous()), minlength=H.N_BINS)
+    hist = H.Histogram(torch.device("cpu"))
+    hist.add(x)
+    assert np.array_equal(hist.host().counts, counted.numpy())
 
 
 @settings(max_examples=60, deadline=None)
