@@ -497,9 +497,9 @@ def _check_consistency(report: Report, root: Path) -> None:
         raise ReportError(f"{root}/records.parquet: amax must be finite and not negative")
     # Every element of a record is a zero, an inf, a NaN or in one of its bins (exact
     # in float64 below 2**53 elements).
-    binned = np.bincount(refs, weights=bins["count"].to_numpy(), minlength=len(ids))
+    binned = _sum_by_record(refs, bins["count"].to_numpy(), len(ids))
     special = counts[:, 1] + counts[:, 2] + counts[:, 3]
-    if len(ids) and not np.array_equal(binned + special, counts[:, 0].astype(np.float64)):
+    if len(ids) and not np.array_equal(binned + special, counts[:, 0]):
         raise ReportError(f"{root}: records and bins disagree on element counts")
     scales = records["loss_scale"].to_numpy()
     mantissa, exponent = np.frexp(scales)
@@ -508,6 +508,25 @@ def _check_consistency(report: Report, root: Path) -> None:
         raise ReportError(
             f"{root}/records.parquet: loss_scale must be a power of two in fp32 range"
         )
+
+
+def _sum_by_record(refs: np.ndarray, counts: np.ndarray, records: int) -> np.ndarray:
+    """The sum of ``counts`` per record id (int64, exact), ``refs`` all in range.
+
+    Written reports keep bins in record order: then one ``reduceat`` over the
+    segments, with no array as long as the bins allocated (on tens of millions of
+    rows, fresh memory is what costs). Otherwise a weighted ``bincount``.
+    """
+    sums = np.zeros(records, dtype=np.int64)
+    if len(refs) == 0:
+        return sums
+    if not np.all(refs[1:] >= refs[:-1]):
+        return np.bincount(refs, weights=counts, minlength=records).astype(np.int64)
+    ids = np.arange(records)
+    starts = np.searchsorted(refs, ids, side="left")
+    present = starts < np.searchsorted(refs, ids, side="right")
+    sums[present] = np.add.reduceat(counts, starts[present])
+    return sums
 
 
 _V1_RECORDS = pa.schema([f for f in RECORDS_SCHEMA if f.name != "rank"])

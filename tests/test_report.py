@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
@@ -165,7 +166,6 @@ def test_missing_table(tmp_path: Path, report: Report) -> None:
 def test_builder_keeps_no_view_of_a_step_matrix() -> None:
     # A stored column that is a view would keep each step's whole gathered matrix
     # (records x 2219 int64) alive: memory growing with every captured step.
-    import numpy as np
 
     from fpaudit.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
 
@@ -210,7 +210,6 @@ def test_window_merges_steps_exactly() -> None:
 
 
 def test_window_keeps_loss_scales_apart_and_reports_an_open_window() -> None:
-    import numpy as np
 
     from fpaudit.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
 
@@ -261,3 +260,20 @@ def test_a_version_1_report_reads_with_the_new_step_columns_at_their_defaults(
     assert not back.steps["skipped"].any() and back.steps["captured"].all()
     assert back.steps["grad_norm"].isna().all()
     pd.testing.assert_frame_equal(back.records, report.records)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("records", [1, 7, 50])
+def test_bins_are_summed_per_record_exactly_in_or_out_of_order(records: int, ordered: bool) -> None:
+    from fpaudit.report import _sum_by_record
+
+    generator = np.random.default_rng(records)
+    refs = generator.integers(0, records, 400).astype(np.int32)
+    refs = refs[(refs != records // 2) & (refs != records - 1)]  # records without bins
+    refs = np.sort(refs) if ordered else refs
+    counts = generator.integers(0, 2**40, len(refs))
+    expected = [
+        sum(int(c) for r, c in zip(refs, counts, strict=True) if r == i) for i in range(records)
+    ]
+    assert _sum_by_record(refs, counts, records).tolist() == expected
+    assert _sum_by_record(refs[:0], counts[:0], records).tolist() == [0] * records
