@@ -5,13 +5,16 @@
 
 What it checks, on the sample transformer:
 
-1. exactness: the device histogram path equals the CPU reference on a tensor of
-   edge values and random bit patterns (ties, subnormals, signed zeros, inf, NaN);
+1. exactness: the device histogram paths (the Triton kernel, when Triton is installed,
+   and the pure-torch path) equal the CPU reference on a tensor of edge values and
+   random bit patterns (ties, subnormals, signed zeros, inf, NaN), in fp32 and fp16;
+   and their cost per value on 64 M values against one read (``sum``);
 2. no host sync while capturing: forward and backward run under
    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising
    call; only the step close (one transfer) runs outside it;
 3. attribution works on the autograd device threads (records per module);
-4. overhead: plain and audited steps interleaved, medians, ratio;
+4. overhead: plain and audited steps interleaved, medians, ratio (also with
+   ``FPAUDIT_KERNEL=torch``, the pure-torch histogram path);
 5. live mode on the device: a step under ``torch.autocast`` in fp16 with the fp32
    shadow, also free of host syncs, and the values the shadow found lost;
 6. ``fpaudit verify`` on the device at scale 1 and at the recommended scale;
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import statistics
 import sys
@@ -40,7 +44,7 @@ import numpy as np
 import torch
 
 import fpaudit
-from fpaudit import histogram
+from fpaudit import histogram, kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,6 +67,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextmanager
+def kernel_mode(value: str):
+    previous = os.environ.get(kernels.ENV)
+    os.environ[kernels.ENV] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[kernels.ENV]
+        else:
+            os.environ[kernels.ENV] = previous
+
+
 def check_exactness(device: torch.device) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     patterns = torch.randint(
@@ -73,18 +90,45 @@ def check_exactness(device: torch.device) -> dict[str, Any]:
                           2.0**-25, 65520.0, 464.0, 2.0**-134, 1.0])  # fmt: skip
     x = torch.cat([x, edges, torch.randn(1_000_000, generator=generator) * 1e-4])
     reference = torch.bincount(histogram.bin_indices(x), minlength=histogram.N_BINS).numpy()
-    on_device = histogram.Histogram(device)
-    with no_host_sync(device):
-        on_device.add(x.to(device))
-        on_device.add(x.to(device).half())
-    host = on_device.host()
     half = torch.bincount(histogram.bin_indices(x.half().float()), minlength=histogram.N_BINS)
     expected = reference + half.numpy()
     finite = x[torch.isfinite(x)].abs()
-    return {
-        "exact": bool(np.array_equal(host.counts, expected)),
-        "amax_exact": host.amax == float(finite.max()),
+    result: dict[str, Any] = {
+        "kernel": "triton" if device.type == "cuda" and kernels.device_kernel() else "torch"
     }
+    for path in ("auto", "torch"):
+        with kernel_mode(path):
+            on_device = histogram.Histogram(device)
+            with no_host_sync(device):
+                on_device.add(x.to(device))
+                on_device.add(x.to(device).half())
+            host = on_device.host()
+        suffix = "" if path == "auto" else "_torch_path"
+        result["exact" + suffix] = bool(np.array_equal(host.counts, expected))
+        result["amax_exact" + suffix] = host.amax == float(finite.max())
+    result["kernel_failure"] = kernels.device_failure()
+    return result
+
+
+def time_kernels(device: torch.device, n: int, reps: int) -> dict[str, float]:
+    """Nanoseconds per value: the histogram paths and one read, medians, interleaved."""
+    x = torch.randn(n, device=device) * 1e-3
+    table = histogram.HistogramTable(device)
+    row = table.new_row()
+    variants: dict[str, Any] = {"read (sum)": lambda: x.sum()}
+    if device.type == "cuda" and kernels.device_kernel() is not None:
+        variants["triton"] = lambda: table._add_device(row, x)
+    variants["torch path"] = lambda: table._add_device_torch(row, x)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for rep in range(reps + 1):
+        for name, run in variants.items():
+            synchronize(device)
+            start = time.perf_counter()
+            run()
+            synchronize(device)
+            if rep:  # the first round compiles and warms up
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) / n * 1e9 for name, t in times.items()}
 
 
 def count_syncs(device: torch.device, run: Any) -> int:
@@ -189,9 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(1 if args.quick else 3):
         plain()
         audited()
-    times: dict[str, list[float]] = {"plain": [], "fpaudit": []}
+
+    def audited_torch_path() -> None:
+        with kernel_mode("torch"):
+            audited()
+
+    times: dict[str, list[float]] = {"plain": [], "fpaudit": [], "fpaudit_torch_path": []}
+    variants = (("plain", plain), ("fpaudit", audited), ("fpaudit_torch_path", audited_torch_path))
     for _ in range(reps):
-        for name, step in (("plain", plain), ("fpaudit", audited)):
+        for name, step in variants:
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
@@ -251,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "median_step_seconds": medians,
             "ratio": medians["fpaudit"] / medians["plain"],
+            "ratio_torch_path": medians["fpaudit_torch_path"] / medians["plain"],
+            "kernel_ns_per_value": time_kernels(
+                device, 1 << 16 if args.quick else 1 << 26, 1 if args.quick else 10
+            ),
             "recommended_fp16_log2_scale": recommended,
             "live_fp16_shadow": live,
             "verify_fp16": verified,
@@ -258,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary["no_host_sync_during_capture"] = sync_error is None
     ok = summary["exact"] and summary["amax_exact"] and summary["no_host_sync_during_capture"]
+    ok = ok and summary["exact_torch_path"] and summary["amax_exact_torch_path"]
     ok = ok and summary["backward_records_per_step"] > 0
     ok = ok and all(v["float16_records"] > 0 for v in live.values())
     ok = ok and summary["run_no_extra_sync"] and len(summary["run_findings"]) == 3

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -236,6 +237,29 @@ class HistogramTable:
         torch.maximum(column, score, out=column)
 
     def _add_device(self, row: int, x: torch.Tensor) -> None:
+        kernel = kernels.device_kernel() if x.device.type == "cuda" else None
+        if kernel is None or not self._add_compiled(kernel, row, x):
+            self._add_device_torch(row, x)
+
+    def _add_compiled(self, kernel: ModuleType, row: int, x: torch.Tensor) -> bool:
+        """Bin ``x`` with the Triton kernel; False (and a warning, once) if it fails."""
+        values = x.detach()
+        if values.dtype not in kernel.NATIVE:
+            values = values.to(torch.float32)  # exact for fp8; fp64 rounds (see above)
+        try:
+            kernel.histogram_add(dense_flat(values), self.table, row)
+        except Exception as error:  # Triton too old for the kernel, no compiler, ...
+            kernels.device_kernel_failed(error)
+            warnings.warn(
+                f"fpaudit: the Triton histogram kernel failed ({kernels.device_failure()}); "
+                "using the pure-torch path",
+                stacklevel=3,
+            )
+            return False
+        return True
+
+    def _add_device_torch(self, row: int, x: torch.Tensor) -> None:
+        """The pure-torch device path (several passes, no host sync)."""
         # torch.bincount syncs with the host on CUDA (it sizes its output from
         # the max); index_add_ accumulates in place without a sync.
         index = bin_indices(x)

@@ -1,4 +1,5 @@
-"""The compiled CPU histogram kernel: built once per machine and torch version, then cached.
+"""The compiled histogram kernels: C++ for the CPU (built once per machine and torch
+version, then cached) and Triton for GPUs.
 
 ``_histogram_kernel.cpp`` bins fp32 values in one pass (about 20x faster than
 the pure-torch path on 2 cores). It is compiled with
@@ -6,10 +7,13 @@ the pure-torch path on 2 cores). It is compiled with
 needs a C++ compiler) and cached in torch's extension directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
 
-``FPAUDIT_KERNEL`` chooses: ``auto`` (default: the kernel when it builds,
-otherwise the pure-torch path), ``cpp`` (the kernel or an error) or ``torch``
-(always the pure-torch path). Both paths give identical results; the tests
-prove it.
+On CUDA devices ``_triton_kernel.py`` bins in one read of every value when Triton
+is installed (CUDA builds of torch bring it); Triton compiles it on first use.
+
+``FPAUDIT_KERNEL`` chooses: ``auto`` (default: each compiled kernel where it
+builds, otherwise the pure-torch path), ``cpp`` (the CPU kernel or an error),
+``triton`` (the GPU kernel or an error) or ``torch`` (always the pure-torch path).
+All paths give identical results; the tests prove it.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import torch
 from fpaudit.errors import UsageError
 
 ENV = "FPAUDIT_KERNEL"
-MODES = ("auto", "cpp", "torch")
+MODES = ("auto", "cpp", "triton", "torch")
 SOURCE = Path(__file__).with_name("_histogram_kernel.cpp")
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failure: str | None = None
+_device_module: ModuleType | None = None
+_device_failure: str | None = None
 
 
 def mode() -> str:
@@ -92,3 +98,40 @@ def cpu_kernel(on_build: Callable[[], None] | None = None) -> ModuleType | None:
     if _module is None and chosen == "cpp":
         raise UsageError(f"{ENV}=cpp but the CPU histogram kernel could not be built: {_failure}")
     return _module
+
+
+def device_kernel() -> ModuleType | None:
+    """The Triton kernel module for CUDA tensors, or None for the pure-torch path."""
+    global _device_module, _device_failure
+    chosen = mode()
+    if chosen == "torch":
+        return None
+    if _device_module is None and _device_failure is None:
+        with _lock:
+            if _device_module is None and _device_failure is None:
+                try:
+                    from fpaudit import _triton_kernel
+
+                    _device_module = _triton_kernel
+                except Exception as error:  # not installed, or too old for the kernel
+                    _device_failure = f"{type(error).__name__}: {error}".splitlines()[0]
+    if _device_module is None and chosen == "triton":
+        raise UsageError(
+            f"{ENV}=triton but the GPU histogram kernel is unavailable: {_device_failure}"
+        )
+    return _device_module
+
+
+def device_kernel_failed(error: Exception) -> None:
+    """The Triton kernel failed to compile or launch: use the pure-torch path from now on
+    (``FPAUDIT_KERNEL=triton`` makes that an error instead)."""
+    global _device_module, _device_failure
+    _device_module = None
+    _device_failure = f"{type(error).__name__}: {error}".splitlines()[0]
+    if mode() == "triton":
+        raise UsageError(f"{ENV}=triton but the GPU histogram kernel failed: {_device_failure}")
+
+
+def device_failure() -> str | None:
+    """Why the Triton kernel is not used, if it is not."""
+    return _device_failure

@@ -1,0 +1,169 @@
+"""The GPU histogram kernel (Triton), run in Triton's interpreter on the CPU.
+
+``TRITON_INTERPRET=1`` executes the kernel's Triton program with numpy, op by op, so
+these tests check its logic (bins, windows, the values beyond a window, amax, dtypes)
+against the pure-torch reference exactly. They cannot check Triton's GPU compiler or
+the speed: ``benchmarks/gpu_check.py`` does that on a CUDA machine.
+
+Triton reads ``TRITON_INTERPRET`` when it is first imported, so in a normal test run
+this module runs itself in a fresh process with the variable set
+(``test_in_the_interpreter``); ``TRITON_INTERPRET=1 pytest tests/test_triton_kernel.py``
+runs the tests directly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from types import ModuleType, SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fpaudit import histogram as H
+from fpaudit import kernels
+from fpaudit.errors import UsageError
+
+from .oracle import edge_values
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install 'fpaudit[test]')")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+in_the_interpreter = pytest.mark.skipif(not INTERPRETED, reason="run by test_in_the_interpreter")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run")
+def test_in_the_interpreter() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> ModuleType:
+    """fpaudit._triton_kernel, built for the interpreter (TRITON_INTERPRET=1)."""
+    from fpaudit import _triton_kernel
+
+    return _triton_kernel
+
+
+def _reference(x: torch.Tensor) -> tuple[np.ndarray, int]:
+    counts = torch.bincount(H.bin_indices(x), minlength=H.N_BINS).numpy()
+    return counts, int(H.finite_amax_bits(H._abs_bits(x)))
+
+
+def _triton(module: ModuleType, *tensors: torch.Tensor) -> tuple[np.ndarray, int]:
+    table = torch.zeros((3, H.WIDTH), dtype=torch.int64)
+    for x in tensors:
+        module.histogram_add(H.dense_flat(x), table, 1)
+    assert not table[0].any() and not table[2].any()  # only its own row
+    return table[1, : H.N_BINS].numpy(), int(table[1, H.AMAX_COLUMN])
+
+
+def _same(x: torch.Tensor, module: ModuleType) -> None:
+    counts, amax = _triton(module, x)
+    expected, expected_amax = _reference(x)
+    assert np.array_equal(counts, expected)
+    assert amax == expected_amax
+
+
+@in_the_interpreter
+def test_edge_values(interpreted: ModuleType) -> None:
+    # ties at every format's edges, signed zeros, fp32 subnormals, inf, NaN
+    _same(edge_values(), interpreted)
+
+
+@in_the_interpreter
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=3000))
+def test_arbitrary_bit_patterns(interpreted: ModuleType, patterns: list[int]) -> None:
+    # Random patterns span every binade: most blocks overflow the window.
+    _same(
+        torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32), interpreted
+    )
+
+
+@in_the_interpreter
+def test_many_blocks_windows_and_the_values_beyond_them(interpreted: ModuleType) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * interpreted.BLOCK + 17, generator=generator) * 1e-3
+    x[::5] = 0.0
+    x[7] = 2.0**-149  # 2**-149 .. 2**100 in one block: beyond any window of 63 binades
+    x[8] = 2.0**100
+    x[interpreted.BLOCK + 3] = float("inf")
+    x[-1] = float("nan")
+    _same(x, interpreted)
+
+
+@in_the_interpreter
+def test_a_block_without_finite_nonzero_values(interpreted: ModuleType) -> None:
+    _same(torch.tensor([0.0, -0.0, float("inf"), float("nan")] * 100), interpreted)
+
+
+@in_the_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_is_read_in_its_own_dtype_and_widened_exactly(
+    interpreted: ModuleType, dtype: torch.dtype
+) -> None:
+    x = torch.cat([edge_values().to(dtype), (torch.randn(5000) * 1e-5).to(dtype)])
+    _same(x, interpreted)
+
+
+@in_the_interpreter
+def test_rows_accumulate_and_amax_only_rises(interpreted: ModuleType) -> None:
+    a, b = torch.tensor([3.0, 0.5, 0.0]), torch.tensor([1.0, float("inf")])
+    counts, amax = _triton(interpreted, a, b)
+    expected = _reference(a)[0] + _reference(b)[0]
+    assert np.array_equal(counts, expected)
+    assert amax == int(torch.tensor(3.0).view(torch.int32))
+
+
+@in_the_interpreter
+def test_other_dtypes_and_layouts_through_the_table(interpreted: ModuleType) -> None:
+    x = torch.randn(32, 48) * 1e-6
+    for tensor in (x, x.t(), x[:, ::3], x.half(), x.bfloat16(), x.double()):
+        table = H.HistogramTable(torch.device("cpu"))
+        row = table.new_row()
+        assert table._add_compiled(interpreted, row, tensor)
+        rows, _ = table.collect()
+        expected = torch.bincount(H.bin_indices(tensor.float()), minlength=H.N_BINS).numpy()
+        assert np.array_equal(rows[row, : H.N_BINS], expected)
+
+
+def test_a_failing_kernel_falls_back_to_torch_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(x: torch.Tensor, table: torch.Tensor, row: int) -> None:
+        raise RuntimeError("PTX too old\nmore")
+
+    fake = SimpleNamespace(NATIVE=(torch.float32,), histogram_add=broken)
+    monkeypatch.setattr(kernels, "_device_module", fake)
+    monkeypatch.setattr(kernels, "_device_failure", None)
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    table = H.HistogramTable(torch.device("cpu"))
+    row = table.new_row()
+    with pytest.warns(UserWarning, match="Triton histogram kernel failed .*PTX too old"):
+        assert not table._add_compiled(fake, row, torch.ones(3))  # type: ignore[arg-type]
+    assert kernels.device_kernel() is None  # not tried again
+    assert kernels.device_failure() == "RuntimeError: PTX too old"
+
+    monkeypatch.setenv(kernels.ENV, "triton")
+    with pytest.raises(UsageError, match="FPAUDIT_KERNEL=triton but"):
+        kernels.device_kernel()
+
+
+def test_torch_mode_never_loads_the_gpu_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.ENV, "torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.device_kernel() is None
