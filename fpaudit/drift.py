@@ -100,19 +100,26 @@ def drift(
     run_amax = float(unscaled.max()) if len(unscaled) and unscaled.max() > 0 else 0.0
     run_k = _clamp(largest_log2_scale(run_amax, limit)) if run_amax > 0 else None
 
-    condensed = analysis.condense(report, scope, ("step",))
-    step_of_group = (
-        condensed.groups["step"].to_numpy(dtype=np.int64)
-        if len(condensed.groups)
-        else (np.zeros(0, dtype=np.int64))
+    # One pass over the bins grouped by window (not by step: a long run has thousands of
+    # steps, and a cube of bins per step is hundreds of MB to allocate and sum again).
+    step_of_record = report.records["step"].to_numpy(dtype=np.int64)
+    by_window = Report(
+        report.meta,
+        report.records.assign(**{_WINDOW: (step_of_record - first) // window_steps}),
+        report.bins,
+        report.steps,
     )
+    condensed = analysis.condense(by_window, scope, (_WINDOW,))
+    window_of_group = condensed.groups[_WINDOW].to_numpy(dtype=np.int64)
+    steps_in_scope = records["step"].to_numpy(dtype=np.int64)
     window_of_record = (scaling["step"].to_numpy(dtype=np.int64) - first) // window_steps
     windows: list[Window] = []
     for w in range((last - first) // window_steps + 1 if last >= first else 0):
         lo, hi = first + w * window_steps, first + (w + 1) * window_steps - 1
-        rows = np.flatnonzero((step_of_group >= lo) & (step_of_group <= hi))
+        rows = np.flatnonzero(window_of_group == w)
         if not len(rows):
             continue  # no captured step in this window
+        captured = np.unique(steps_in_scope[(steps_in_scope >= lo) & (steps_in_scope <= hi)])
         in_window = unscaled[window_of_record == w]
         amax = float(in_window.max()) if len(in_window) else 0.0
         k = _clamp(largest_log2_scale(amax, limit)) if amax > 0 else None
@@ -128,7 +135,7 @@ def drift(
             Window(
                 first_step=lo,
                 last_step=min(hi, last),
-                captured_steps=len(rows),
+                captured_steps=len(captured),
                 amax=amax,
                 log2_scale=k,
                 limiting_module=str(limiter["module"]) if limiter is not None else None,
@@ -147,6 +154,9 @@ def drift(
         binades=(max(ks) - min(ks)) if len(ks) >= 2 else 0,
         threshold_binades=threshold_binades,
     )
+
+
+_WINDOW = "_drift_window"
 
 
 def _clamp(k: int) -> int:

@@ -522,7 +522,7 @@ def _sum_by_record(refs: np.ndarray, counts: np.ndarray, records: int) -> np.nda
         return sums
     if not np.all(refs[1:] >= refs[:-1]):
         return np.bincount(refs, weights=counts, minlength=records).astype(np.int64)
-    ids = np.arange(records)
+    ids = np.arange(records, dtype=refs.dtype)  # another dtype would copy refs to match
     starts = np.searchsorted(refs, ids, side="left")
     present = starts < np.searchsorted(refs, ids, side="right")
     sums[present] = np.add.reduceat(counts, starts[present])

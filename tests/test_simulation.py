@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from fpaudit import histogram, scalers
+from fpaudit.analysis import totals
 from fpaudit.drift import drift, window_report
 from fpaudit.formats import get_format
+from fpaudit.recommendation import recommend
 from fpaudit.report import KIND_BACKWARD, RecordKey, Report, ReportBuilder, StepRecords
 from fpaudit.simulation import SOURCE_AMAX, SOURCE_OBSERVED, simulate, thresholds
 
@@ -175,6 +177,26 @@ def test_drift_per_window_recommendations() -> None:
     assert result.windows[0].underflow_at_run_scale == 0.0
     quiet = drift(drifting_report(), FP16, 4, window_steps=10, threshold_binades=6)
     assert not quiet.warn
+
+
+def test_each_window_is_what_recommend_says_of_that_window_alone() -> None:
+    # amax and the tiny values move from step to step, so windows differ in scale and
+    # in underflow; window 3 holds one step (9) only.
+    values = [torch.tensor([2.0**step, 2.0 ** (-20 - 2 * step), 0.0]) for step in range(10)]
+    report = report_of_steps(values)
+    result = drift(report, FP16, 4, window_steps=3)
+    assert [(w.first_step, w.last_step) for w in result.windows] == [(0, 2), (3, 5), (6, 8), (9, 9)]
+    run_scale = result.run_log2_scale
+    assert run_scale is not None
+    for w in result.windows:
+        alone = window_report(report, w.first_step, w.last_step)
+        expected = recommend(alone, FP16, 4)
+        assert w.captured_steps == w.last_step - w.first_step + 1
+        assert w.log2_scale == expected.log2_scale and w.amax == expected.amax
+        assert w.underflow_fraction == expected.underflow_fraction
+        at_run = totals(alone, FP16, run_scale)
+        assert w.underflow_at_run_scale == at_run["underflow"] / at_run["nonzero"]
+    assert len({w.log2_scale for w in result.windows}) == 4
 
 
 def test_window_report_keeps_only_its_steps() -> None:
