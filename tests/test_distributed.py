@@ -134,3 +134,57 @@ def test_fsdp2_shards_are_recorded_per_rank_without_fsdps_own_buffers(tmp_path: 
     grads = records[(records["kind"] == "grad") & (records["module"] == "0")]
     weight = grads[grads["op"] == "weight"]
     assert set(weight["elements"]) == {64} and set(weight["rank"]) == {0, 1}
+
+
+# -- the framework callbacks under torchrun ------------------------------------------------
+def _equal_across_ranks_and_summed(report: Report) -> None:
+    """Both ranks audited the same steps; merged counts are the sum of the parts; DDP's
+    all-reduced parameter gradients are the same on both ranks."""
+    assert report.ranks == [0, 1]
+    per_rank = report.steps.groupby("rank")["step"].apply(list)
+    assert per_rank[0] == per_rank[1] == [0, 1, 2]
+    parts = [report.for_rank(r) for r in (0, 1)]
+    scope = analysis.default_scope(report)
+    whole = analysis.totals(report, FP16, 0, scope=scope)
+    each = [analysis.totals(p, FP16, 0, scope=scope) for p in parts]
+    assert each[0]["elements"] > 0 and each[1]["elements"] > 0
+    for column in ("elements", "zeros", "nonzero", "underflow", "flushed"):
+        assert whole[column] == sum(e[column] for e in each), column
+    grads = report.records[report.records["kind"] == "grad"]
+    amax = grads.pivot_table(index=["step", "module", "op"], columns="rank", values="amax")
+    assert len(amax) and np.allclose(amax[0], amax[1])
+
+
+def test_the_lightning_callback_under_ddp_writes_one_report_of_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="pip install 'fpaudit[lightning]'")
+    out = tmp_path / "report"
+    done = torchrun(ROOT / "tests" / "scripts" / "lightning_ddp.py", out, fresh=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = Report.read(out)
+    assert report.meta["command"] == "lightning" and report.meta["world_size"] == 2
+    assert set(report.records["module"]) >= {"net.0", "net.2"}  # the module's own names
+    _equal_across_ranks_and_summed(report)
+
+
+def test_a_lightning_rank_that_raises_writes_its_steps_alone(tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="pip install 'fpaudit[lightning]'")
+    out = tmp_path / "report"
+    done = torchrun(ROOT / "tests" / "scripts" / "lightning_ddp.py", out, 1)
+    assert done.returncode != 0 and "boom" in done.stderr
+    assert not out.exists()  # no collective write that could wait for a rank that is gone
+    own = Report.read(tmp_path / "report.rank1")
+    assert own.ranks == [1] and list(own.steps["step"]) == [0, 1]
+    assert own.meta["complete"] is False and own.meta["stopped_by"] == "RuntimeError"
+
+
+def test_the_huggingface_callback_under_ddp_writes_one_report_of_every_rank(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers", reason="pip install 'fpaudit[huggingface]'")
+    out = tmp_path / "report"
+    done = torchrun(ROOT / "tests" / "scripts" / "hf_ddp.py", out, fresh=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = Report.read(out)
+    assert report.meta["command"] == "huggingface" and report.meta["world_size"] == 2
+    assert "transformer.h.0.attn.c_attn" in set(report.records["module"])
+    _equal_across_ranks_and_summed(report)

@@ -231,13 +231,35 @@ class AuditSession:
             }
         )
         self.report = report
-        self.path = report.write(self.out, force=self.force)
+        self.path = self._write(report, stopped_by)
         if not report.meta["steps"]:
             warnings.warn(
                 f"fpaudit: no optimizer step was audited; {self.out} holds an empty report",
                 stacklevel=2,
             )
         return self.path
+
+
+    def _write(self, report: Report, stopped_by: str | None) -> Path:
+        """One report from every rank under torch.distributed (each writes its part);
+        a rank that stops on an exception writes its own steps alone, to ``OUT.rankN``:
+        the other ranks may never reach a collective write, and waiting for them would
+        hang this one."""
+        from fpaudit import distributed
+
+        if not distributed.active():
+            return report.write(self.out, force=self.force)
+        if stopped_by is None:
+            return distributed.write_report(report, self.out, force=self.force)
+        import torch.distributed as dist
+
+        own = self.out.with_name(f"{self.out.name}.rank{dist.get_rank()}")
+        warnings.warn(
+            f"fpaudit: training stopped ({stopped_by}) on rank {dist.get_rank()}; its audited "
+            f"steps are in {own}, a report of this rank alone",
+            stacklevel=3,
+        )
+        return report.write(own, force=self.force)
 
 
 def scale_tensor(scaler: Any) -> torch.Tensor | None:

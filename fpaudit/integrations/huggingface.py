@@ -73,8 +73,9 @@ class FpauditTrainerCallback(TrainerCallback):
 
     Supported: one process, CPU or GPU; fp32, ``bf16=True`` (also on CPU),
     ``fp16=True`` (GPU; the CPU backend runs fp16 as fp32);
-    ``gradient_accumulation_steps``; ``max_grad_norm``. Under DDP only the
-    main process (``state.is_world_process_zero``) audits and writes.
+    ``gradient_accumulation_steps``; ``max_grad_norm``. Under DDP (torchrun)
+    every process audits its own backward pass and writes its part of one report;
+    one that stops on an exception writes its steps alone to ``OUT.rankN``.
 
     Not supported: DeepSpeed and FSDP (their engines unscale and clip
     elsewhere: gradients would be recorded after clipping), ``torch_compile``
@@ -119,8 +120,6 @@ class FpauditTrainerCallback(TrainerCallback):
     # -- Trainer events ----------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._active = False
-        if not state.is_world_process_zero:
-            return
         reason = _unsupported(args)
         if reason is not None:
             warnings.warn(f"fpaudit: {reason}; nothing is audited", stacklevel=2)

@@ -66,9 +66,10 @@ class FpauditCallback(Callback):
     Supported: one device (CPU or GPU); ``precision`` 32, ``16-mixed`` (with
     its ``GradScaler``), ``bf16-mixed``, ``16-true`` and ``bf16-true``;
     ``accumulate_grad_batches`` (one audited step per optimizer step); gradient
-    clipping. DDP-style strategies: only global rank zero audits and writes the
-    report (the other ranks run unhooked); what rank zero records is its own
-    backward pass.
+    clipping. DDP-style strategies: every rank audits its own backward pass and
+    writes its part of one report, as ``fpaudit scan`` does under torchrun (see
+    ``fpaudit.distributed``); a rank that stops on an exception writes its steps
+    alone to ``OUT.rankN``.
 
     Not supported (the callback warns and records nothing): manual optimization
     (``automatic_optimization = False``) and strategies that run backward and
@@ -108,8 +109,6 @@ class FpauditCallback(Callback):
     # -- Lightning hooks ---------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._active = False
-        if not trainer.is_global_zero:
-            return
         reason = _unsupported(trainer, pl_module)
         if reason is not None:
             warnings.warn(f"fpaudit: {reason}; nothing is audited", stacklevel=2)
