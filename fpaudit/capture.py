@@ -235,16 +235,33 @@ class _Provenance:
             self._fixed.pop(tensor, None)
 
 
+# Modules that wrappers insert between a model's modules: FSDP1's
+# FullyShardedDataParallel and activation checkpointing's CheckpointWrapper hold the
+# wrapped module under these names. Reports name modules as the model itself does.
+_WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def model_name(qualified: str) -> str:
+    """``qualified`` (as in ``named_modules()``) without wrapper segments:
+    ``_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.attn`` is ``blocks.0.attn``.
+    A wrapper and the module it wraps share the name."""
+    if "_wrapped_module" not in qualified:
+        return qualified
+    return ".".join(part for part in qualified.split(".") if part not in _WRAPPER_NAMES)
+
+
 class _ModuleClock:
     """Remembers, by autograd sequence number, which module was innermost in forward."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.names: dict[int, str] = {}
+        self.names: dict[int, str] = {}  # as reported (model_name)
+        self._qualified: dict[int, str] = {}  # as in named_modules()
         self.param_owner: dict[int, tuple[str, str]] = {}
         for name, module in model.named_modules():
-            self.names.setdefault(id(module), name)
+            self._qualified.setdefault(id(module), name)
+            self.names.setdefault(id(module), model_name(name))
             for param_name, param in module.named_parameters(recurse=False):
-                self.param_owner.setdefault(id(param), (name, param_name))
+                self.param_owner.setdefault(id(param), (model_name(name), param_name))
         self._stack = threading.local()
         self._starts: list[int] = []
         self._modules: list[str] = []
@@ -284,10 +301,11 @@ class _ModuleClock:
 
     def install(self, model: nn.Module, stack: ExitStack) -> None:
         for name, module in model.named_modules():
-            if self.names.get(id(module)) != name:
+            if self._qualified.get(id(module)) != name:
                 continue  # a shared module keeps its first name
+            reported = self.names[id(module)]
             stack.enter_context(
-                module.register_forward_pre_hook(lambda _m, _a, n=name: self.enter(n))
+                module.register_forward_pre_hook(lambda _m, _a, n=reported: self.enter(n))
             )
             stack.enter_context(
                 module.register_forward_hook(lambda _m, _a, _o: self.exit(), always_call=True)
@@ -525,7 +543,9 @@ class Audit:
         self._rows: dict[RecordKey, tuple[histogram.HistogramTable, int]] = {}
         self._row_keys: dict[torch.device, list[RecordKey]] = {}
         self._builder = ReportBuilder(
-            modules=[LOSS_MODULE, *self._clock.names.values()], window=window, rank=_rank()
+            modules=[LOSS_MODULE, *dict.fromkeys(self._clock.names.values())],
+            window=window,
+            rank=_rank(),
         )
         self._stack: ExitStack | None = None
         self._step_started = time.perf_counter()
@@ -621,7 +641,7 @@ class Audit:
             if grad is None or not grad.is_floating_point() or grad.layout != torch.strided:
                 continue
             module, _, param_name = name.rpartition(".")
-            self.record(KIND_GRAD, module, "AccumulateGrad", param_name, 0, True, grad)
+            self.record(KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad)
 
     def entered_by(self, module: nn.Module) -> None:
         """Note that ``module`` of the model is already running forward.

@@ -18,9 +18,11 @@ their parameters' modules (its all-reduce is not: see ``capture._NOT_VALUES``).
 Under FSDP2 (``fully_shard``) backward values inside modules are attributed as
 usual and each rank records its own shard of every parameter gradient (the
 DTensor's local part); FSDP's all-gather copies and uninitialised buffers are
-not values and are not recorded. FSDP1 (``FullyShardedDataParallel`` with flat
-parameters) is untested: gradients of a flat parameter belong to no single
-module and would land under ``<loss>``.
+not values and are not recorded. FSDP1 (``FullyShardedDataParallel``): module
+names are the model's own (the wrapper segments are dropped, see
+``capture.model_name``); each rank records its shard of the original parameters'
+gradients (``use_orig_params=True``) or of each unit's flat parameter
+(``_flat_param``, under the unit's module).
 """
 
 from __future__ import annotations

@@ -153,6 +153,37 @@ def test_checkpoint_recomputation_is_not_recorded_as_backward() -> None:
     assert {"inner.fc1", "inner.act", "inner.fc2", "out"} <= _modules(records)
 
 
+def test_wrapper_modules_are_reported_under_the_models_own_names() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fpaudit.capture import model_name
+
+    assert model_name("_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.attn") == (
+        "blocks.0.attn"
+    )
+    assert model_name("_fsdp_wrapped_module") == ""  # FSDP's root wraps the model
+    assert model_name("net._fsdp_wrapped_modules") == "net._fsdp_wrapped_modules"  # a user's
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+    model = nn.Sequential(checkpoint_wrapper(inner), nn.Linear(8, 1))
+    x = torch.randn(4, 6)
+    with fpaudit.audit(model) as audit:
+        model(x).sum().backward()
+        audit.step()
+    records = audit.report.records
+    assert {"0.0", "0.1", "1"} <= _modules(records)  # "0" (a Sequential) runs no op itself
+    assert audit.report.meta["modules"][1:] == ["", "0", "0.0", "0.1", "1"]  # once each
+    assert not records["module"].str.contains("wrapped").any()
+    assert "_checkpoint_wrapped_module" not in "".join(audit.report.meta["modules"])
+    grads = records[records["kind"] == KIND_GRAD]
+    assert set(zip(grads["module"], grads["op"], strict=True)) == {
+        ("0.0", "weight"), ("0.0", "bias"), ("1", "weight"), ("1", "bias"),
+    }  # fmt: skip
+    # the recomputed forward (checkpointing) is still not recorded as backward
+    assert "aten.addmm.default" not in set(records["op"])
+
+
 def test_frozen_layer_with_grad_requiring_successor() -> None:
     model = zoo.Frozen()
     records = _audit(model, lambda: model(torch.randn(2, 4)).sum())

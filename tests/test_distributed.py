@@ -188,3 +188,25 @@ def test_the_huggingface_callback_under_ddp_writes_one_report_of_every_rank(
     assert report.meta["command"] == "huggingface" and report.meta["world_size"] == 2
     assert "transformer.h.0.attn.c_attn" in set(report.records["module"])
     _equal_across_ranks_and_summed(report)
+
+
+@pytest.mark.parametrize("params", ["flat", "orig"])
+def test_fsdp1_under_the_models_own_names(tmp_path: Path, params: str) -> None:
+    out = tmp_path / "report"
+    done = torchrun(ROOT / "tests" / "scripts" / "fsdp1_audit.py", out, params, fresh=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = Report.read(out)
+    assert report.ranks == [0, 1]
+    records = report.records
+    assert not records["module"].str.contains("wrapped").any()
+    backward = records[records["kind"] == "backward"]
+    assert {"0", "1", "2"} <= set(backward["module"])  # the Sequential's own names
+    grads = records[(records["kind"] == "grad") & (records["step"] == 0)]
+    # 8*16 + 16 + 16 + 1 = 161 parameters, padded to 162 and sharded: 81 per rank
+    per_rank = grads.groupby("rank")["elements"].sum().tolist()
+    if params == "flat":  # one flat parameter, owned by the FSDP root: the model itself
+        assert per_rank == [81, 81]  # rank 1's shard ends in the padding
+        assert set(zip(grads["module"], grads["op"], strict=True)) == {("", "_flat_param")}
+    else:  # each rank holds shards of the original parameters; the padding is no one's
+        assert per_rank == [81, 80]
+        assert set(grads["module"]) <= {"0", "2"} and set(grads["op"]) <= {"weight", "bias"}

@@ -239,7 +239,6 @@ class AuditSession:
             )
         return self.path
 
-
     def _write(self, report: Report, stopped_by: str | None) -> Path:
         """One report from every rank under torch.distributed (each writes its part);
         a rank that stops on an exception writes its own steps alone, to ``OUT.rankN``:

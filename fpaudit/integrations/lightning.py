@@ -74,8 +74,8 @@ class FpauditCallback(Callback):
     Not supported (the callback warns and records nothing): manual optimization
     (``automatic_optimization = False``) and strategies that run backward and
     accumulation themselves (DeepSpeed). Not supported by the audit itself:
-    compiled modules (``torch.compile``), ``nn.DataParallel``; FSDP records
-    under the FSDP-wrapped names and is untested.
+    compiled modules (``torch.compile``), ``nn.DataParallel``; Lightning's FSDP
+    strategy is untested.
     """
 
     def __init__(
