@@ -530,6 +530,7 @@ def run_command(
         rec = recommend(report, fmt, headroom)
         drift_result = drift(report, fmt, headroom, **drift_options)
     items = report.meta["findings"]
+    render.report_notes(report, incomplete=False)  # the summary says if it was interrupted
     render.run_summary(str(out_path), report, items, rec, drift_result)
     if outcome.interrupted is not None:
         render.interrupted(str(out_path), outcome.interrupted.signal_name,
@@ -613,7 +614,7 @@ def show_command(
         raise UsageError(f"--limit must be at least 2, got {options['limit']}")
     if options["steps"]:
         report = Report.read(report_path)
-        render.incomplete_note(report.incompleteness())
+        render.report_notes(report)
         items = report.meta.get("findings")
         items = items if isinstance(items, list) else []
         if options["json"]:
@@ -636,7 +637,7 @@ def show_command(
         raise UsageError(f"--top must be at least 1, got {options['top']}")
     log2_scale = _scale(options["scale"])
     report = Report.read(report_path)
-    render.incomplete_note(report.incompleteness())
+    render.report_notes(report)
     fmt = _reading_format(options["format"], report)
     scale_source = "given"
     if log2_scale is None:
@@ -705,7 +706,7 @@ def recommend_command(
     )  # fmt: skip
     drift_options = _drift_options(options["drift_window"], options["drift_binades"])
     report = Report.read(report_path)
-    render.incomplete_note(report.incompleteness())
+    render.report_notes(report)
     fmt = _reading_format(options["format"], report)
     headroom = _headroom(
         _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
@@ -825,7 +826,7 @@ def simulate_command(
             raise UsageError("--policy static takes its scale from --static-scale")
         overrides["init_scale"] = numbers["static_scale"]
     report = Report.read(report_path)
-    render.incomplete_note(report.incompleteness())
+    render.report_notes(report)
     fmt = _reading_format(options["format"], report)
     headroom = _headroom(
         _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
@@ -874,7 +875,7 @@ def plot_command(
     image_format(Path(options["output"]))  # a bad suffix fails before the report is read
     log2_scale = _scale(options["scale"])
     report = Report.read(report_path)
-    render.incomplete_note(report.incompleteness())
+    render.report_notes(report)
     fmt = _reading_format(options["format"], report)
     headroom = _headroom(
         _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
@@ -947,6 +948,7 @@ def gate_command(
         raise UsageError(f"--max-underflow must be a fraction between 0 and 1, got {limit}")
     log2_scale = _scale(options["scale"])
     report = Report.read(report_path)
+    render.report_notes(report, incomplete=False)  # the verdict says if it is incomplete
     fmt = _reading_format(options["format"], report)
     headroom = _headroom(
         _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)

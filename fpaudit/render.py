@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from fpaudit.drift import Drift
     from fpaudit.gating import GateResult
     from fpaudit.recommendation import Recommendation
+    from fpaudit.report import Report
     from fpaudit.simulation import Simulation
     from fpaudit.verify import Verification
 
@@ -404,9 +405,20 @@ def interrupted(path: str, signal_name: str, done: int, steps: int | None) -> No
     )
 
 
-def incomplete_note(reason: str | None) -> None:
+def report_notes(report: Report, *, incomplete: bool = True) -> None:
+    """What a reader of ``report`` should know before its numbers, on stderr
+    (``incomplete``: also whether the run was interrupted)."""
+    reason = report.incompleteness() if incomplete else None
     if reason is not None:
         sys.stderr.write(f"fpaudit: note: this report is incomplete: {reason}\n")
+    inexact = report.inexact_scales()
+    if inexact:
+        shown = ", ".join(f"{s:g}" for s in inexact[:3]) + (", ..." if len(inexact) > 3 else "")
+        sys.stderr.write(
+            f"fpaudit: note: the run's loss scale ({shown}) is not a power of two: counts at "
+            "other scales treat it as the power of two below it, so they may be off by one "
+            "binade\n"
+        )
 
 
 def kernel_build_notice() -> None:

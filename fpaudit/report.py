@@ -29,6 +29,7 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -149,6 +150,14 @@ class Report:
     def complete(self) -> bool:
         """False when the run was interrupted (the report then holds the completed steps)."""
         return self.meta.get("complete", True) is not False
+
+    def inexact_scales(self) -> list[float]:
+        """The loss scales of captured values that are not powers of two (a training
+        script's own choice, seen by ``fpaudit run``). Counts at another scale shift such
+        values by whole binades as if the scale were 2**floor(log2 S), so they may be off
+        by one binade; amax, and so the recommendation, divide by S exactly."""
+        scales = np.unique(self.records["loss_scale"].to_numpy(dtype=np.float64))
+        return [float(s) for s in scales if math.frexp(float(s))[0] != 0.5]
 
     def incompleteness(self) -> str | None:
         """Why the report is incomplete, in words, or None."""
@@ -502,11 +511,12 @@ def _check_consistency(report: Report, root: Path) -> None:
     if len(ids) and not np.array_equal(binned + special, counts[:, 0]):
         raise ReportError(f"{root}: records and bins disagree on element counts")
     scales = records["loss_scale"].to_numpy()
-    mantissa, exponent = np.frexp(scales)
-    valid = (scales > 0) & (mantissa == 0.5) & (exponent - 1 >= -149) & (exponent - 1 <= 127)
+    # fp32 numbers from 2**-149 up (a GradScaler's scale is an fp32 tensor); powers of two
+    # unless a training script chose otherwise (see Report.inexact_scales).
+    valid = (scales >= 2.0**-149) & (scales <= float(np.finfo(np.float32).max))
     if len(scales) and not bool(np.all(valid)):
         raise ReportError(
-            f"{root}/records.parquet: loss_scale must be a power of two in fp32 range"
+            f"{root}/records.parquet: loss_scale must be a positive number in fp32 range"
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from fpaudit import analysis, histogram
 from fpaudit.formats import FORMATS
 from fpaudit.gating import gate
 from fpaudit.recommendation import largest_log2_scale, recommend
+from fpaudit.report import Report
 
 from .oracle import edge_values, oracle_counts
 from .reports import report_from
@@ -261,3 +263,26 @@ def test_held_dtype_under_autocast_ignores_the_fp32_values() -> None:
     records = audit.report.records
     assert set(records["dtype"]) >= {"float32", "bfloat16"}
     assert analysis.held_dtype(audit.report) == "bfloat16"
+
+
+def test_a_scale_that_is_not_a_power_of_two_counts_as_the_power_below_it(
+    tmp_path: Path,
+) -> None:
+    # Captured (scaled) values at S = 1000. 1.5 * 2^-10 / 1000 = 2^-19.38 lies in binade -20,
+    # but counts at other scales shift it as if S were 2^9 = 512, to 1.5 * 2^-19 in binade
+    # -19: at 2^-6 the true value 2^-25.38 rounds to zero in fp16 (<= 2^-25) while the count
+    # says 1.5 * 2^-25 does not. That is the documented approximation; amax divides exactly.
+    captured = torch.tensor([1.5 * 2.0**-10, 3.0, 0.0, 2.0**-30])
+    at_1000 = report_from({"a": captured}, loss_scale=1000.0)
+    at_512 = report_from({"a": captured}, loss_scale=512.0)
+    at_1000.write(tmp_path / "r")  # written and read back: nothing is refused
+    read = Report.read(tmp_path / "r")
+    assert read.inexact_scales() == [1000.0] and at_512.inexact_scales() == []
+    for k in (-6, 0, 4, 12):
+        counts, counts_512 = analysis.totals(read, "fp16", k), analysis.totals(at_512, "fp16", k)
+        assert counts.pop("amax") == 3.0 / 1000 and counts_512.pop("amax") == 3.0 / 512
+        assert counts == counts_512
+    assert torch.tensor(1.5 * 2.0**-10 / 1000 * 2.0**-6).half() == 0  # the truth at 2^-6
+    assert torch.tensor(1.5 * 2.0**-25).half() != 0  # what the count assumes
+    assert analysis.totals(read, "fp16", -6)["underflow"] == 1  # only 2^-30 / 512 * 2^-6
+    assert recommend(read, "fp16").amax == 3.0 / 1000

@@ -96,25 +96,38 @@ def truncate(name: str) -> Callable[[Path], None]:
     return damage
 
 
-def disagreeing_counts(root: Path) -> None:
-    import hashlib
+def edit_records(column: str, change: Callable[[list], None]) -> Callable[[Path], None]:
+    """Change one column of records.parquet in place, with a checksum to match."""
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    def damage(root: Path) -> None:
+        import hashlib
 
-    table = pq.read_table(root / "records.parquet")
-    elements = table.column("elements").to_pylist()
-    elements[0] += 5
-    index = table.schema.get_field_index("elements")
-    pq.write_table(
-        table.set_column(index, "elements", pa.array(elements, pa.int64())),
-        root / "records.parquet",
-    )
-    meta = json.loads((root / "meta.json").read_text())
-    meta["files"]["records.parquet"]["sha256"] = hashlib.sha256(
-        (root / "records.parquet").read_bytes()
-    ).hexdigest()
-    (root / "meta.json").write_text(json.dumps(meta))
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(root / "records.parquet")
+        values = table.column(column).to_pylist()
+        change(values)
+        index = table.schema.get_field_index(column)
+        field = table.schema.field(index)
+        pq.write_table(
+            table.set_column(index, field, pa.array(values, field.type)),
+            root / "records.parquet",
+        )
+        meta = json.loads((root / "meta.json").read_text())
+        meta["files"]["records.parquet"]["sha256"] = hashlib.sha256(
+            (root / "records.parquet").read_bytes()
+        ).hexdigest()
+        (root / "meta.json").write_text(json.dumps(meta))
+
+    return damage
+
+
+def _first(value: object) -> Callable[[list], None]:
+    def change(values: list) -> None:
+        values[0] = value(values[0]) if callable(value) else value
+
+    return change
 
 
 def locked(tmp: Path) -> None:
@@ -235,7 +248,8 @@ CASES: list[Case] = [
     Case("metadata field of the wrong type", ["show", "{tmp}/report"], 2, "modules has the wrong type",
          report(edit_meta(lambda m: m.update(modules="a,b")))),
     Case("tables tampered consistently", ["gate", "{tmp}/report", "--max-underflow", "0.1"], 2,
-         "records and bins disagree on element counts", report(disagreeing_counts)),
+         "records and bins disagree on element counts",
+         report(edit_records("elements", _first(lambda n: n + 5)))),
     Case("gate without a threshold", ["gate", "{tmp}/report"], 2, "gate needs --max-underflow", report()),
     Case("--max-underflow above 1", ["gate", "{tmp}/report", "--max-underflow", "2"], 2, "between 0 and 1, got 2.0", report()),
     Case("--max-underflow nan", ["gate", "{tmp}/report", "--max-underflow", "nan"], 2, "between 0 and 1, got nan", report()),
@@ -284,6 +298,8 @@ CASES: list[Case] = [
          ranked_report(lambda root: shutil.rmtree(root / "rank-00001"))),
     Case("report of 0 ranks", ["show", "{tmp}/report"], 2, "ranks must be at least 1",
          ranked_report(edit_meta(lambda m: m.update(ranks=0)))),
+    Case("report with a negative loss scale", ["show", "{tmp}/report"], 2,
+         "loss_scale must be a positive number in fp32 range", report(edit_records("loss_scale", _first(-1.0)))),
     Case("plot without -o", ["plot", "{tmp}/report"], 2, "plot needs -o FILE.png or -o FILE.svg", report()),
     Case("plot into a .bmp", ["plot", "{tmp}/report", "-o", "{tmp}/r.bmp"], 2, "-o must end in .png or .svg", report()),
     Case("plot onto a directory", ["plot", "{tmp}/report", "-o", "{tmp}/d.png"], 2, "d.png is a directory",

@@ -298,3 +298,20 @@ def test_a_long_scan_reports_drift(cli, tmp_path: Path) -> None:
     result = cli("scan", SAMPLES / "quadratic.py", "--steps", "20", "--out", tmp_path / "r")
     assert result.code == 0, result.stderr
     assert "Drift (fp16): per-window recommendations (windows of 2 steps)" in result.stdout
+
+
+def test_a_scale_that_is_not_a_power_of_two_is_kept_and_read_with_a_note(
+    cli, tmp_path: Path
+) -> None:
+    trace, out = tmp_path / "trace.json", tmp_path / "report"
+    done = cli("run", "--out", out, "--capture-every", "2", "--", AMP, "--steps", "6",
+               "--overflow-at", "3", "--init-scale", "1000", "--trace", trace)  # fmt: skip
+    assert done.code == 0, done.stderr
+    note = "loss scale (500, 1000) is not a power of two"  # steps 0, 2 and 4: 1000, 1000, 500
+    assert note in done.stderr
+    report = Report.read(out)  # readable: nothing the run recorded is lost
+    assert list(report.steps["loss_scale"]) == [t["scale"] for t in json.loads(trace.read_text())]
+    assert report.inexact_scales() == [500.0, 1000.0]
+    shown = cli("show", out, "--json")
+    assert shown.code == 0 and note in shown.stderr
+    assert json.loads(shown.stdout)  # the numbers still come, after the note

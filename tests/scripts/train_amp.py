@@ -18,6 +18,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--overflow-at", type=int, nargs="*", default=[3, 7])
 parser.add_argument("--growth-interval", type=int, default=4)
+parser.add_argument("--init-scale", type=float, default=2.0**10)
 parser.add_argument("--unscale-first", action="store_true", help="the correct order")
 parser.add_argument("--trace", help="write the scaler's own view of every step here (JSON)")
 parser.add_argument("--hang-at", type=int, help="at this step, touch --marker and sleep")
@@ -28,7 +29,9 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.99)
-scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=args.growth_interval)
+scaler = torch.amp.GradScaler(
+    "cpu", init_scale=args.init_scale, growth_interval=args.growth_interval
+)
 data = torch.randn(args.steps, 4, 8)
 target = torch.randn(args.steps, 4, 1)
 
