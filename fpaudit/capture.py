@@ -262,6 +262,12 @@ class _ModuleClock:
             self.names.setdefault(id(module), model_name(name))
             for param_name, param in module.named_parameters(recurse=False):
                 self.param_owner.setdefault(id(param), (model_name(name), param_name))
+            if type(module).__name__ == "FullyShardedDataParallel":
+                # FSDP1 with use_orig_params registers the original parameters only; its
+                # flat parameter (whose gradient FSDP divides and reduces) is the unit's.
+                flat = getattr(module, "_flat_param", None)
+                if isinstance(flat, torch.Tensor):
+                    self.param_owner.setdefault(id(flat), (model_name(name), "_flat_param"))
         self._stack = threading.local()
         self._starts: list[int] = []
         self._modules: list[str] = []

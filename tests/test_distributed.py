@@ -201,6 +201,10 @@ def test_fsdp1_under_the_models_own_names(tmp_path: Path, params: str) -> None:
     assert not records["module"].str.contains("wrapped").any()
     backward = records[records["kind"] == "backward"]
     assert {"0", "1", "2"} <= set(backward["module"])  # the Sequential's own names
+    # FSDP divides the unsharded flat gradient (161 values + 1 of padding) before its
+    # reduce-scatter: the FSDP unit's value, here the root's, in both modes
+    divided = backward[backward["op"] == "aten.div_.Tensor"]
+    assert set(divided["module"]) == {""} and set(divided["elements"]) == {162}
     grads = records[(records["kind"] == "grad") & (records["step"] == 0)]
     # 8*16 + 16 + 16 + 1 = 161 parameters, padded to 162 and sharded: 81 per rank
     per_rank = grads.groupby("rank")["elements"].sum().tolist()
