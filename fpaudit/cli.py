@@ -26,6 +26,7 @@ from fpaudit.formats import FORMATS, Format, get_format
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
 if TYPE_CHECKING:
+    from fpaudit.capture import Selection
     from fpaudit.report import Report
 
 # The analysis and report modules are imported inside the commands: pandas and
@@ -142,6 +143,38 @@ def _sigterm_raises() -> Iterator[None]:
 @contextlib.contextmanager
 def _no_progress() -> Iterator[None]:
     yield None
+
+
+def _selection(options: dict[str, Any]) -> Selection:
+    """What --module/--exclude-module/--op/--exclude-op keep."""
+    from fpaudit.capture import Selection
+
+    return Selection(
+        modules=tuple(options["module"]),
+        exclude_modules=tuple(options["exclude_module"]),
+        ops=tuple(options["op"]),
+        exclude_ops=tuple(options["exclude_op"]),
+    )
+
+
+def _new_report_path(options: dict[str, Any]) -> Path:
+    """--out, refused before any work if a report is there and --force is not given."""
+    out_path = Path(options["out"])
+    if out_path.exists() and not options["force"]:
+        raise UsageError(f"{out_path} already exists; pass --force to overwrite it")
+    return out_path
+
+
+def _load_cpu_kernel() -> None:
+    """Build or load the CPU kernel now (saying so if it compiles), not mid-step."""
+    from fpaudit import kernels
+
+    built = kernels.cpu_kernel(on_build=render.kernel_build_notice)
+    if built is None and kernels.failure():
+        render.stderr().print(
+            f"note: the CPU histogram kernel could not be built ({kernels.failure()}); "
+            "using the pure-torch path: identical results, slower"
+        )
 
 
 def _headroom(value: int) -> int:
@@ -269,8 +302,6 @@ def scan_command(
 
     Example: fpaudit scan sample_configs/transformer.py --steps 8 --format fp16 --out report
     """
-    from fpaudit import kernels
-    from fpaudit.capture import Selection
     from fpaudit.report import output_lock
     from fpaudit.scan import ScanInterrupted, ScanOptions, resolve_device, scan
 
@@ -302,23 +333,11 @@ def scan_command(
         amp=options["amp"],
         shadow=options["shadow"],
         forward=options["forward"],
-        selection=Selection(
-            modules=tuple(options["module"]),
-            exclude_modules=tuple(options["exclude_module"]),
-            ops=tuple(options["op"]),
-            exclude_ops=tuple(options["exclude_op"]),
-        ),
+        selection=_selection(options),
     )
-    out_path = Path(options["out"])
-    if out_path.exists() and not options["force"]:
-        raise UsageError(f"{out_path} already exists; pass --force to overwrite it")
+    out_path = _new_report_path(options)
     if resolve_device(scan_options.device).type == "cpu":
-        built = kernels.cpu_kernel(on_build=render.kernel_build_notice)
-        if built is None and kernels.failure():
-            render.stderr().print(
-                f"note: the CPU histogram kernel could not be built ({kernels.failure()}); "
-                "using the pure-torch path: identical results, slower"
-            )
+        _load_cpu_kernel()
     meta = {
         "formats": [f.name for f in formats],
         "headroom_bits": headroom,
@@ -456,8 +475,6 @@ def run_command(
 
     Example: fpaudit run --max-steps 200 --out run-report -- train.py --lr 3e-4
     """
-    from fpaudit import kernels
-    from fpaudit.capture import Selection
     from fpaudit.report import output_lock
     from fpaudit.training import RunOptions, run_script
 
@@ -483,25 +500,13 @@ def run_command(
         window=options["window"],
         max_backoffs=options["max_backoffs"],
         max_skip_rate=options["max_skip_rate"],
-        selection=Selection(
-            modules=tuple(options["module"]),
-            exclude_modules=tuple(options["exclude_module"]),
-            ops=tuple(options["op"]),
-            exclude_ops=tuple(options["exclude_op"]),
-        ),
+        selection=_selection(options),
     )
-    out_path = Path(options["out"])
-    if out_path.exists() and not options["force"]:
-        raise UsageError(f"{out_path} already exists; pass --force to overwrite it")
+    out_path = _new_report_path(options)
     import torch
 
     if run_options.capture_every and not torch.cuda.is_available():
-        built = kernels.cpu_kernel(on_build=render.kernel_build_notice)
-        if built is None and kernels.failure():
-            render.stderr().print(
-                f"note: the CPU histogram kernel could not be built ({kernels.failure()}); "
-                "using the pure-torch path: identical results, slower"
-            )
+        _load_cpu_kernel()
     meta = {
         "headroom_bits": headroom,
         "argv": shlex.join(["fpaudit", *_state["argv"]]),

@@ -93,6 +93,19 @@ class ModelFile:
     reiterable: bool
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None
 
+    def optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer | None:
+        """The file's ``optimizer(params)``, checked; None when the file defines none."""
+        if self.make_optimizer is None:
+            return None
+        with user_code(self.path, "optimizer(params)"):
+            optimizer = self.make_optimizer(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ModelFileError(
+                f"{self.path}: optimizer(params) returned {a_type(optimizer)}; "
+                "expected a torch.optim.Optimizer"
+            )
+        return optimizer
+
     def batches(self, steps: int) -> Iterator[Any]:
         """Batches for ``steps`` steps, restarting the source when it can be restarted."""
         produced = 0

@@ -130,15 +130,7 @@ def scan(
     if world > 1 and any(p.requires_grad for p in model.parameters()):
         ids = [device.index] if device.type == "cuda" else None
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    optimizer = None
-    if spec.make_optimizer is not None:
-        with modelfile.user_code(path, "optimizer(params)"):
-            optimizer = spec.make_optimizer(model.parameters())
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise modelfile.ModelFileError(
-                f"{path}: optimizer(params) returned {modelfile.a_type(optimizer)}; "
-                "expected a torch.optim.Optimizer"
-            )
+    optimizer = spec.optimizer(model.parameters())
 
     audit = Audit(
         model,

@@ -132,16 +132,8 @@ def verify(
     scale = math.ldexp(1.0, log2_scale)
 
     def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-        if spec.make_optimizer is None:
-            return torch.optim.SGD(model.parameters(), lr=1e-3)
-        with modelfile.user_code(path, "optimizer(params)"):
-            optimizer = spec.make_optimizer(model.parameters())
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise modelfile.ModelFileError(
-                f"{path}: optimizer(params) returned {modelfile.a_type(optimizer)}; "
-                "expected a torch.optim.Optimizer"
-            )
-        return optimizer
+        optimizer = spec.optimizer(model.parameters())
+        return optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def clip(model: nn.Module) -> None:
         if clip_norm is not None:
