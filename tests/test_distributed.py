@@ -193,7 +193,7 @@ def test_the_huggingface_callback_under_ddp_writes_one_report_of_every_rank(
 @pytest.mark.parametrize("params", ["flat", "orig"])
 def test_fsdp1_under_the_models_own_names(tmp_path: Path, params: str) -> None:
     out = tmp_path / "report"
-    done = torchrun(ROOT / "tests" / "scripts" / "fsdp1_audit.py", out, params, fresh=out)
+    done = torchrun(ROOT / "tests" / "scripts" / "fsdp_audit.py", out, params, fresh=out)
     assert done.returncode == 0, done.stderr[-3000:]
     report = Report.read(out)
     assert report.ranks == [0, 1]
