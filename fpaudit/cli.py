@@ -786,10 +786,33 @@ def simulate_command(
         ),
     ] = None,
     headroom_bits: HeadroomOption = None,
+    amax_history_len: Annotated[
+        int | None,
+        typer.Option("--amax-history-len", help="FP8 delayed scaling: amax history length H."),
+    ] = None,
+    margin: Annotated[
+        int | None, typer.Option("--margin", help="FP8 delayed scaling: margin in binades.")
+    ] = None,
+    amax_compute_algo: Annotated[
+        str | None,
+        typer.Option("--amax-compute-algo", help="FP8 delayed scaling: max or most_recent."),
+    ] = None,
+    sweep: Annotated[
+        bool | None,
+        typer.Option(
+            "--sweep", help="FP8 delayed scaling: replay H in 1..1024 x margin 0..2, recommend."
+        ),
+    ] = None,
+    max_overflow_steps: Annotated[
+        int | None,
+        typer.Option("--max-overflow-steps", help="--sweep's gate: overflow steps allowed."),
+    ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
     """Replay a loss-scaler policy over a report's steps: skips, scales, underflow.
+
+    With --policy te-delayed or msamp-delayed, replay FP8 delayed scaling per op instead.
 
     Example: fpaudit simulate run-report --policy deepspeed --hysteresis 2 --min-scale 1
     """
@@ -807,10 +830,19 @@ def simulate_command(
              backoff_factor=None, growth_interval=None, hysteresis=None, min_scale=None,
              max_scale=None, static_scale=None, headroom_bits=None, json=False),
     )  # fmt: skip
+    fp8_options = dict(amax_history_len=amax_history_len, margin=margin,
+                       amax_compute_algo=amax_compute_algo, sweep=sweep,
+                       max_overflow_steps=max_overflow_steps)  # fmt: skip
+    if options["policy"] in delayed_policies():
+        _simulate_delayed(report_path, options, _merge("simulate", config_file, fp8_options, {}))
+        return
     if options["policy"] not in scalers.POLICIES:
-        raise UsageError(
-            f"--policy must be one of {', '.join(scalers.POLICIES)}, got {options['policy']!r}"
-        )
+        known = (*scalers.POLICIES, *delayed_policies())
+        raise UsageError(f"--policy must be one of {', '.join(known)}, got {options['policy']!r}")
+    for name, value in fp8_options.items():
+        if value is not None:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} applies to --policy te-delayed or msamp-delayed only")
     numbers = {
         name: config.parse_number(options[name], "--" + name.replace("_", "-"))
         if options[name] is not None
@@ -844,6 +876,59 @@ def simulate_command(
         render.print_json(result.to_dict())
     else:
         render.simulation(result)
+
+
+def delayed_policies() -> tuple[str, ...]:
+    from fpaudit import delayed
+
+    return delayed.POLICIES
+
+
+def _simulate_delayed(report_path: Path, options: dict[str, Any], fp8: dict[str, Any]) -> None:
+    """``simulate --policy te-delayed|msamp-delayed``: FP8 delayed scaling, one or a sweep."""
+    from fpaudit import delayed
+    from fpaudit.report import Report
+
+    loss_scaler_flags = ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                         "hysteresis", "min_scale", "max_scale", "static_scale")  # fmt: skip
+    for name in loss_scaler_flags:
+        if options[name] is not None:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} is a loss-scaler setting; --policy {options['policy']} "
+                             "takes --amax-history-len, --margin, --amax-compute-algo")  # fmt: skip
+    algo = fp8.get("amax_compute_algo") or "max"
+    fmt = get_format(options["format"]) if options["format"] is not None else None
+    report = Report.read(report_path)
+    render.report_notes(report)
+    if fp8.get("sweep"):
+        for name in ("amax_history_len", "margin"):
+            if fp8.get(name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"--sweep tries every {flag}; drop {flag}")
+        swept = delayed.sweep(
+            report, options["policy"], amax_compute_algo=algo,
+            max_overflow_steps=fp8.get("max_overflow_steps") or 0, fmt=fmt,
+        )  # fmt: skip
+        if options["json"]:
+            render.print_json(swept.to_dict())
+        else:
+            render.fp8_sweep(swept)
+        return
+    if fp8.get("max_overflow_steps") is not None:
+        raise UsageError("--max-overflow-steps is the gate of --sweep; add --sweep")
+    settings = delayed.Settings(
+        options["policy"],
+        delayed.DEFAULT_HISTORY_LENGTH
+        if fp8.get("amax_history_len") is None
+        else fp8["amax_history_len"],
+        delayed.DEFAULT_MARGIN if fp8.get("margin") is None else fp8["margin"],
+        algo,
+    )
+    result = delayed.replay(report, settings, fmt)
+    if options["json"]:
+        render.print_json(result.to_dict())
+    else:
+        render.fp8_replay(result)
 
 
 @app.command("plot")

@@ -151,6 +151,11 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "static_scale": "scale",
         "headroom_bits": "int",
         "json": "bool",
+        "amax_history_len": "int",
+        "margin": "int",
+        "amax_compute_algo": "str",
+        "sweep": "bool",
+        "max_overflow_steps": "int",
     },
     "gate": {
         "format": "format",

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 if TYPE_CHECKING:
     import pandas as pd
 
+    from fpaudit.delayed import Replay as DelayedReplay
+    from fpaudit.delayed import Sweep as DelayedSweep
     from fpaudit.scan import StepProgress
 
 ROOT_LABEL = "(root)"
@@ -701,6 +703,95 @@ def simulation(result: Simulation) -> None:
         console.print(
             f"[yellow]{policy.name} would have stopped the run at step "
             f"{trajectory.aborted_at}: an overflow at the minimum scale.[/yellow]"
+        )
+    for note in result.notes:
+        console.print(f"Note: {note}")
+
+
+def _bounded(lower: float, upper: float) -> str:
+    """A fraction, or its bounds when the replay could only bound it."""
+    return percent(lower) if lower == upper else f"{percent(lower)}..{percent(upper)}"
+
+
+def fp8_replay(result: DelayedReplay, top: int = 10) -> None:
+    """``simulate --policy te-delayed``: overflow and flush per op, and the overflow steps."""
+    console = stdout()
+    s = result.settings
+    summary = result.summary()
+    console.print(
+        f"Replayed {s.policy} (amax_history_len {s.amax_history_len}, margin {s.margin}, "
+        f"{s.amax_compute_algo}) over {summary['steps']} step(s), {summary['ops']} op(s):"
+    )
+    lower, upper = result.overflow_steps("lower"), result.overflow_steps("upper")
+    if upper:
+        console.print(
+            f"Overflow in {_steps_list(upper, len(upper))}"
+            + ("" if lower == upper else f" ({len(lower)} certain, {len(upper)} possible)")
+        )
+    else:
+        console.print("No step overflows.")
+    overflow = _bounded(summary["overflow_fraction_lower"], summary["overflow_fraction_upper"])
+    flushed = _bounded(summary["flushed_fraction_lower"], summary["flushed_fraction_upper"])
+    console.print(
+        f"Overflow: {overflow} of nonzero values; flushed below the smallest normal: {flushed}."
+    )
+    ops = result.per_op()
+    ops = ops.sort_values(
+        ["overflow_steps_upper", "flushed_upper_fraction"], ascending=False, kind="stable"
+    ).head(top)
+    grid = Table(title="ops (worst first)", title_justify="left")
+    for name in ("module", "op", "format", "overflow steps", "overflow", "flushed",
+                 "scale range"):  # fmt: skip
+        grid.add_column(name, justify="left" if name in ("module", "op", "format")
+                        else "right", no_wrap=True)  # fmt: skip
+    for row in ops.itertuples():
+        steps = str(row.overflow_steps_upper)
+        if row.overflow_steps_lower != row.overflow_steps_upper:
+            steps = f"{row.overflow_steps_lower}..{steps}"
+        grid.add_row(
+            module_label(str(row.module)),
+            str(row.op).removeprefix("aten.").removesuffix(".default"),
+            str(row.format),
+            steps,
+            _bounded(row.overflow_lower_fraction, row.overflow_upper_fraction),
+            _bounded(row.flushed_lower_fraction, row.flushed_upper_fraction),
+            f"{row.min_scale:.4g}..{row.max_scale:.4g}",
+        )
+    console.print(grid)
+    for note in result.notes:
+        console.print(f"Note: {note}")
+
+
+def fp8_sweep(result: DelayedSweep) -> None:
+    """``simulate --policy te-delayed --sweep``: the grid and the recommended pair."""
+    console = stdout()
+    console.print(
+        f"Swept {result.policy} ({result.amax_compute_algo}) over amax_history_len x margin; "
+        f"gate: at most {result.max_overflow_steps} overflow step(s)."
+    )
+    grid = Table(title_justify="left")
+    for name in ("history", "margin", "overflow steps", "overflow", "flushed", ""):
+        grid.add_column(name, justify="right", no_wrap=True)
+    for replay in result.replays:
+        summary = replay.summary()
+        low, high = summary["overflow_steps_lower"], summary["overflow_steps_upper"]
+        grid.add_row(
+            str(replay.settings.amax_history_len),
+            str(replay.settings.margin),
+            str(high) if low == high else f"{low}..{high}",
+            _bounded(summary["overflow_fraction_lower"], summary["overflow_fraction_upper"]),
+            _bounded(summary["flushed_fraction_lower"], summary["flushed_fraction_upper"]),
+            "<- recommended" if replay is result.recommended else "",
+        )
+    console.print(grid)
+    chosen = result.recommended
+    if chosen is None:
+        console.print("No pair passes the gate.")
+    else:
+        console.print(
+            f"Recommended: DelayedScaling(amax_history_len={chosen.settings.amax_history_len}, "
+            f"margin={chosen.settings.margin}, "
+            f'amax_compute_algo="{chosen.settings.amax_compute_algo}")'
         )
     for note in result.notes:
         console.print(f"Note: {note}")
