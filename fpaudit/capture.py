@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fpaudit import _signals, histogram
+from fpaudit.origin_capture import OriginTracker
 from fpaudit.records import (
     KIND_BACKWARD,
     KIND_FORWARD,
@@ -378,6 +379,7 @@ class _BackwardMode(TorchDispatchMode):
         self._record: Recorder = audit.record
         self._op_names: dict[torch._ops.OpOverload, str] = {}
         self._unshadowable: set[torch._ops.OpOverload] = set()
+        self._origins = audit.origins  # scan --origins: None unless asked for
 
     def _op_name(self, func: torch._ops.OpOverload) -> str:
         op = self._op_names.get(func)
@@ -387,11 +389,18 @@ class _BackwardMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        origins = self._origins
+        # inputs are read before the op runs: an in-place op overwrites them
+        before = origins.before(args, kwargs) if origins is not None and not func.is_view else None
         output = func(*args, **kwargs)
         node = current_autograd_node()
         if node is None:
             if self._audit._forward_active:
                 self._record_forward(func, args, output)
+                if origins is not None and creates_new_values(func, args, output):
+                    origins.after(before, KIND_FORWARD, self._clock.current_module(), "",
+                                  self._op_name(func), list(_float_tensors(output)),
+                                  False)  # fmt: skip
             return output
         if self._clock.in_forward():
             return output  # a checkpointed module recomputing its forward
@@ -410,6 +419,9 @@ class _BackwardMode(TorchDispatchMode):
             (self._record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor), tensor)
             for index, tensor in _float_tensors(output)
         ]
+        if origins is not None:
+            origins.after(before, KIND_BACKWARD, module, node_name, op,
+                          list(_float_tensors(output)), not fixed)  # fmt: skip
         if self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
             self._compare_with_fp32(func, args, kwargs, places)
         return output
@@ -532,6 +544,7 @@ class Audit:
         selection: Selection = Selection(),
         window: int = 1,
         shadow: bool = False,
+        origins: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
@@ -539,6 +552,8 @@ class Audit:
         self.loss_scale = loss_scale
         self.selection = selection
         self.shadow = shadow
+        # scan --origins: per op call, did it make inf/NaN (fpaudit.origin_capture)
+        self.origins: OriginTracker | None = OriginTracker() if origins else None
         self._accepted: dict[tuple[str, str, str], bool] = {}
         self._forward_active = False
         self._forward_ops = 0
@@ -728,6 +743,8 @@ class Audit:
                 index=index,
                 first_nonfinite=first_nonfinite,
             )
+        if self.origins is not None:
+            self.origins.collect(self._builder.last_index, scale_value)
         self._clock.forget()
         self._step_started = time.perf_counter()
         return StepSummary(
@@ -761,7 +778,12 @@ class Audit:
         """The report; ``steps`` replaces its steps table (see ``ReportBuilder.build``)."""
         from fpaudit.report import run_metadata  # pandas and pyarrow: only once a report is built
 
-        return self._builder.build(run_metadata(self.model), steps)
+        report = self._builder.build(run_metadata(self.model), steps)
+        if self.origins is not None:
+            from fpaudit.origins import table_from_columns
+
+            report.origins = table_from_columns(self.origins.columns())
+        return report
 
 
 def audit(
@@ -771,12 +793,21 @@ def audit(
     selection: Selection = Selection(),
     window: int = 1,
     shadow: bool = False,
+    origins: bool = False,
 ) -> Audit:
     """Audit the backward pass of ``model``: see :class:`Audit`.
 
     ``selection`` limits what is recorded; ``window`` merges the records of that
     many consecutive captured steps (exactly) to keep long runs' reports small;
     ``shadow`` re-runs every low-precision backward op in fp32 to count the
-    values it lost (see :class:`_BackwardMode`).
+    values it lost (see :class:`_BackwardMode`); ``origins`` notes, per op call in
+    ``forward_pass`` and backward, whether it made inf/NaN (``fpaudit.origin_capture``).
     """
-    return Audit(model, loss_scale=loss_scale, selection=selection, window=window, shadow=shadow)
+    return Audit(
+        model,
+        loss_scale=loss_scale,
+        selection=selection,
+        window=window,
+        shadow=shadow,
+        origins=origins,
+    )

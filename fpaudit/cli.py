@@ -297,6 +297,14 @@ def scan_command(
             "--forward/--no-forward", help="Also record forward op outputs (a phase of their own)."
         ),
     ] = None,
+    origins: Annotated[
+        bool | None,
+        typer.Option(
+            "--origins/--no-origins",
+            help="Note, per op call forward and backward, whether it made inf/NaN (implies "
+            "--forward); see show --origins.",
+        ),
+    ] = None,
 ) -> None:
     """Run a model file for some steps and record every backward op.
 
@@ -312,11 +320,11 @@ def scan_command(
              include_loss=include_loss, out=out, seed=seed, loss_scale=loss_scale, top=top,
              force=force, every=every, window=window, module=module,
              exclude_module=exclude_module, op=op, exclude_op=exclude_op, amp=amp, shadow=shadow,
-             forward=forward),
+             forward=forward, origins=origins),
         dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
              include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False,
              every=1, window=1, module=[], exclude_module=[], op=[], exclude_op=[], amp=None,
-             shadow=False, forward=False),
+             shadow=False, forward=False, origins=False),
     )  # fmt: skip
     formats = [get_format(name) for name in dict.fromkeys(options["format"])]
     headroom = _headroom(options["headroom_bits"])
@@ -333,6 +341,7 @@ def scan_command(
         amp=options["amp"],
         shadow=options["shadow"],
         forward=options["forward"],
+        origins=options["origins"],
         selection=_selection(options),
     )
     out_path = _new_report_path(options)

@@ -91,6 +91,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "amp": "str",
         "shadow": "bool",
         "forward": "bool",
+        "origins": "bool",
         "module": "patterns",
         "exclude_module": "patterns",
         "op": "patterns",

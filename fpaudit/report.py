@@ -46,6 +46,8 @@ import pyarrow.parquet as pq
 
 from fpaudit import layout
 from fpaudit.errors import ReportError
+from fpaudit.origins import COLUMNS as ORIGIN_COLUMNS
+from fpaudit.origins import TABLE_NAME as ORIGINS_TABLE
 from fpaudit.records import (
     KIND_BACKWARD,
     KIND_GRAD,
@@ -99,6 +101,10 @@ BINS_SCHEMA = pa.schema(
 )
 STEPS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in STEP_COLUMNS.items()])
 TABLES = {"records": RECORDS_SCHEMA, "bins": BINS_SCHEMA, "steps": STEPS_SCHEMA}
+# Optional tables, written only when present and read only when listed in meta.json's
+# files (older reports have none): scan --origins's op calls (fpaudit.origins).
+ORIGINS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in ORIGIN_COLUMNS.items()])
+OPTIONAL_TABLES = {ORIGINS_TABLE: ORIGINS_SCHEMA}
 DERIVED_BIN_COLUMNS = ("lower", "upper")
 
 
@@ -145,6 +151,7 @@ class Report:
     bins: pd.DataFrame
     steps: pd.DataFrame
     path: Path | None = field(default=None, compare=False)
+    origins: pd.DataFrame | None = field(default=None, compare=False)  # scan --origins
 
     @property
     def complete(self) -> bool:
@@ -233,6 +240,16 @@ class Report:
             pq.write_table(table, file, compression="zstd")
             files[relative] = {"rows": table.num_rows, "sha256": _sha256(file)}
             _fsync(file)
+        for name, schema in OPTIONAL_TABLES.items():
+            frame = getattr(self, name)
+            if frame is None:
+                continue
+            table = pa.Table.from_pandas(frame[schema.names], schema=schema, preserve_index=False)
+            relative = f"{prefix}{name}.parquet"
+            file = directory / relative
+            pq.write_table(table, file, compression="zstd")
+            files[relative] = {"rows": table.num_rows, "sha256": _sha256(file)}
+            _fsync(file)
         return files
 
     def write_meta(self, directory: Path, files: dict[str, dict[str, Any]], **extra: Any) -> None:
@@ -266,6 +283,9 @@ class Report:
                 else:
                     tables[name] = _read_table(root, name, schema, meta, prefix)
             part = cls(meta, tables["records"], tables["bins"], tables["steps"], path=root)
+            for name, schema in OPTIONAL_TABLES.items():
+                if f"{prefix}{name}.parquet" in meta["files"]:
+                    setattr(part, name, _read_table(root, name, schema, meta, prefix))
             _check_consistency(part, root / prefix if prefix else root)
             parts.append(part)
         return parts[0] if len(parts) == 1 else _merge_ranks(parts, meta, root)

@@ -42,6 +42,7 @@ class ScanOptions:
     amp: str | None = None  # live mode: "fp16" or "bf16", forward under torch.autocast
     shadow: bool = False  # re-run low-precision backward ops in fp32 to count lost values
     forward: bool = False  # also record forward op outputs
+    origins: bool = False  # per op call, did it make inf/NaN (implies forward)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -138,6 +139,7 @@ def scan(
         selection=options.selection,
         window=options.window,
         shadow=options.shadow,
+        origins=options.origins,
     )
     amp_dtype = AMP_DTYPES[options.amp] if options.amp is not None else None
 
@@ -161,7 +163,7 @@ def scan(
                 batch = modelfile.move_to(batch, device)
                 forward = (
                     audit.forward_pass()
-                    if captured and options.forward
+                    if captured and (options.forward or options.origins)
                     else contextlib.nullcontext()
                 )
                 with forward, autocast(), modelfile.user_code(path, "loss(model, batch)"):
@@ -214,7 +216,8 @@ def scan(
             if options.amp
             else None,
             "shadow": options.shadow,
-            "forward": options.forward,
+            "forward": options.forward or options.origins,
+            "origins": options.origins,
             "capture_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "world_size": world,
         }

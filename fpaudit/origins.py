@@ -1,0 +1,147 @@
+"""Where a run breaks in fp16: the ops that *make* inf/NaN, live or predicted.
+
+Pure functions over the origins table that ``scan --origins`` stores in a report
+(``origins.parquet``, one row per floating output of every op call that creates
+values, in execution order; see ``fpaudit.origin_capture``). No torch.
+
+* **Live origin**: an op call whose output holds inf or NaN while every floating
+  input is finite. It is blamed with its module, aten op, phase, step, number of
+  non-finite elements and largest finite input magnitude. An op whose inputs
+  already hold inf/NaN only carries them (propagation): counted, never blamed.
+  ``inf - inf = NaN`` downstream of an overflow is propagation.
+* **Predicted origin at S** (from an fp32 reference run): an op call whose
+  values, at scale S, reach the format's overflow edge (65520 for fp16: under
+  round-to-nearest-even 65520 rounds to inf) while its inputs stay below it.
+  In backward, outputs and gradient inputs scale with S (in unscaled units: the
+  recorded value over the run's loss scale) and forward values and parameters
+  (inputs that require grad) do not; forward values never scale.
+
+Known limitations: a predicted origin reads each op in isolation (amax of inputs
+and output), not what the op would compute from already-rounded fp16 inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fpaudit.formats import Format
+
+COLUMNS: dict[str, str] = {
+    "step": "int32",
+    "sequence": "int32",  # execution order within the step (1, 2, ...), forward then backward
+    "phase": "string",  # forward or backward
+    "module": "string",
+    "node": "string",  # the autograd node (backward)
+    "op": "string",
+    "output": "int16",
+    "dtype": "string",
+    "scales_with_loss": "bool",
+    "loss_scale": "float64",  # the scale the step ran under
+    "elements": "int64",
+    "nonfinite": "int64",  # inf or NaN elements of the output
+    "amax": "float64",  # largest finite output magnitude
+    "inputs_nonfinite": "bool",  # some floating input held inf or NaN
+    "input_amax_scaled": "float64",  # largest finite magnitude of inputs scaled with the loss
+    "input_amax_fixed": "float64",  # ... of inputs that require grad (not scaled)
+}
+TABLE_NAME = "origins"
+
+
+def empty_table() -> pd.DataFrame:
+    return pd.DataFrame({name: pd.Series(dtype=_PANDAS[t]) for name, t in COLUMNS.items()})
+
+
+_PANDAS = {
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "float64": "float64",
+    "bool": "bool",
+    "string": "object",
+}
+
+
+def table_from_columns(columns: dict[str, list[Any]]) -> pd.DataFrame:
+    frame = pd.DataFrame({name: columns.get(name, []) for name in COLUMNS})
+    return frame.astype({name: _PANDAS[t] for name, t in COLUMNS.items()})
+
+
+@dataclass(frozen=True)
+class Origins:
+    """Live origins and per-step propagation counts of one report."""
+
+    origins: pd.DataFrame  # the blamed op calls, in (step, sequence) order
+    propagation: pd.DataFrame  # per step: op calls that only carried inf/NaN
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "origins": _rows(self.origins),
+            "propagation": _rows(self.propagation),
+        }
+
+
+_SHOWN = ["step", "sequence", "phase", "module", "op", "node", "output", "dtype", "nonfinite",
+          "elements", "largest_finite_input"]  # fmt: skip
+
+
+def _with_input(frame: pd.DataFrame) -> pd.DataFrame:
+    frame = frame.copy()
+    frame["largest_finite_input"] = np.maximum(
+        frame["input_amax_scaled"].to_numpy(), frame["input_amax_fixed"].to_numpy()
+    )
+    return frame
+
+
+def live(table: pd.DataFrame) -> Origins:
+    """The op calls that made inf/NaN from finite inputs, and how many carried them on."""
+    bad = table[table["nonfinite"] > 0]
+    blamed = _with_input(bad[~bad["inputs_nonfinite"]])
+    carried = bad[bad["inputs_nonfinite"]]
+    propagation = (
+        carried.groupby("step", sort=True).size().rename("op_calls").reset_index()
+        if not carried.empty
+        else pd.DataFrame({"step": pd.Series(dtype="int32"), "op_calls": pd.Series(dtype="int64")})
+    )
+    ordered = blamed.sort_values(["step", "sequence"], kind="stable").reset_index(drop=True)
+    return Origins(ordered[_SHOWN], propagation)
+
+
+def reaches_overflow(fmt: Format, values: np.ndarray) -> np.ndarray:
+    """Does a magnitude round past the format's largest finite value (65520 for fp16)?"""
+    edge = fmt.overflow_edge
+    values = np.asarray(values, dtype=np.float64)
+    return (values > edge) | ((values == edge) if fmt.overflow_edge_inclusive else False)
+
+
+def predicted(table: pd.DataFrame, fmt: Format, scale: float) -> pd.DataFrame:
+    """Op calls whose values reach ``fmt``'s overflow edge at ``scale`` while their
+    inputs do not, in execution order; ``first`` marks each step's first one."""
+    backward = (table["phase"] == "backward").to_numpy()
+    unscale = table["loss_scale"].to_numpy(dtype=np.float64)
+    factor = np.where(backward, scale / unscale, 1.0)
+    scales = table["scales_with_loss"].to_numpy(dtype=bool) & backward
+    output = table["amax"].to_numpy(dtype=np.float64) * np.where(scales, factor, 1.0)
+    inputs = np.maximum(
+        table["input_amax_scaled"].to_numpy(dtype=np.float64) * factor,
+        table["input_amax_fixed"].to_numpy(dtype=np.float64),
+    )
+    hit = reaches_overflow(fmt, output) & ~reaches_overflow(fmt, inputs)
+    hit &= ~table["inputs_nonfinite"].to_numpy(dtype=bool)
+    frame = _with_input(table[hit]).assign(
+        value_at_scale=output[hit], largest_input_at_scale=inputs[hit]
+    )
+    frame = frame.sort_values(["step", "sequence"], kind="stable").reset_index(drop=True)
+    frame["first"] = ~frame["step"].duplicated()
+    shown = [c for c in _SHOWN if c not in ("nonfinite",)]
+    return frame[[*shown, "amax", "value_at_scale", "largest_input_at_scale", "first"]]
+
+
+def _rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    out = []
+    for row in frame.to_dict(orient="records"):
+        out.append({k: v.item() if isinstance(v, np.generic) else v for k, v in row.items()})
+    return out
