@@ -567,6 +567,39 @@ def _drift_options(window_steps: int | None, binades: int | None) -> dict[str, A
     }
 
 
+def _show_origins(report_path: Path, options: dict[str, Any]) -> None:
+    """``show --origins``: live origins and propagation, and predicted origins at S."""
+    from fpaudit import origins
+    from fpaudit.recommendation import recommend
+    from fpaudit.report import Report
+
+    log2_scale = _scale(options["scale"])
+    report = Report.read(report_path)
+    render.report_notes(report)
+    if report.origins is None:
+        raise UsageError(f"{report_path} has no origins: scan it with --origins")
+    fmt = _reading_format(options["format"], report)
+    if log2_scale is None:
+        headroom = int(report.meta.get("headroom_bits", DEFAULT_HEADROOM_BITS))
+        log2_scale = recommend(report, fmt, headroom).log2_scale or 0
+    scale = math.ldexp(1.0, log2_scale)
+    live = origins.live(report.origins)
+    predicted = origins.predicted(report.origins, fmt, scale)
+    if options["json"]:
+        render.print_json(
+            {
+                **live.to_dict(),
+                "predicted": {
+                    "format": fmt.name,
+                    "scale": scale,
+                    "origins": render.json_records(predicted),
+                },
+            }
+        )
+    else:
+        render.origins_view(live, predicted, fmt, log2_scale, top=options["top"] or 10)
+
+
 @app.command("show")
 def show_command(
     report_path: ReportArgument,
@@ -606,6 +639,13 @@ def show_command(
         int | None,
         typer.Option("--limit", help="With --steps: rows shown, first and last [default: 40]."),
     ] = None,
+    origins: Annotated[
+        bool | None,
+        typer.Option(
+            "--origins",
+            help="The ops that made inf/NaN (scan --origins), and those predicted at --scale.",
+        ),
+    ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
@@ -620,10 +660,13 @@ def show_command(
     options = _merge(
         "show", config_file,
         dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output,
-             steps=steps, limit=limit),
+             steps=steps, limit=limit, origins=origins),
         dict(format=None, scale="1", top=None, kind=KIND_BACKWARD, by="module", json=False,
-             steps=False, limit=40),
+             steps=False, limit=40, origins=False),
     )  # fmt: skip
+    if options["origins"]:
+        _show_origins(report_path, options)
+        return
     if options["limit"] < 2:
         raise UsageError(f"--limit must be at least 2, got {options['limit']}")
     if options["steps"]:

@@ -123,6 +123,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "by": "str",
         "steps": "bool",
         "limit": "int",
+        "origins": "bool",
     },
     "recommend": {
         "format": "format",

@@ -14,10 +14,16 @@ values, in execution order; see ``fpaudit.origin_capture``). No torch.
   round-to-nearest-even 65520 rounds to inf) while its inputs stay below it.
   In backward, outputs and gradient inputs scale with S (in unscaled units: the
   recorded value over the run's loss scale) and forward values and parameters
-  (inputs that require grad) do not; forward values never scale.
+  (inputs that require grad) do not; forward values never scale. Backward outputs
+  that do not scale with the loss (from saved forward values alone) are not
+  predicted: they do not move with S, and autocast usually keeps them in fp32.
 
 Known limitations: a predicted origin reads each op in isolation (amax of inputs
-and output), not what the op would compute from already-rounded fp16 inputs.
+and output), not what the op would compute from already-rounded fp16 inputs; an op
+that autocast runs in fp32 (a norm's backward) is named where its values reach the
+edge, while a live run makes the inf where such a value is first cast to fp16.
+Outputs whose amax is exactly float32's largest value (``torch.finfo`` sentinels of
+attention masks) are not predicted origins.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fpaudit.formats import Format
+from fpaudit.formats import FP32, Format
 
 COLUMNS: dict[str, str] = {
     "step": "int32",
@@ -130,6 +136,12 @@ def predicted(table: pd.DataFrame, fmt: Format, scale: float) -> pd.DataFrame:
         table["input_amax_fixed"].to_numpy(dtype=np.float64),
     )
     hit = reaches_overflow(fmt, output) & ~reaches_overflow(fmt, inputs)
+    # backward values that do not scale with the loss (computed from saved forward values
+    # alone, such as a norm's pow(var, -1.5)) do not move with S: left to the live run
+    hit &= scales | ~backward
+    # torch.finfo(float32).max/min are sentinels (attention masks), not computed values: an
+    # fp16 run uses fp16's own finfo there
+    hit &= table["amax"].to_numpy(dtype=np.float64) != FP32.max_finite
     hit &= ~table["inputs_nonfinite"].to_numpy(dtype=bool)
     frame = _with_input(table[hit]).assign(
         value_at_scale=output[hit], largest_input_at_scale=inputs[hit]

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from fpaudit.delayed import Replay as DelayedReplay
     from fpaudit.delayed import Sweep as DelayedSweep
+    from fpaudit.origins import Origins as OriginsResult
     from fpaudit.scan import StepProgress
 
 ROOT_LABEL = "(root)"
@@ -795,3 +796,62 @@ def fp8_sweep(result: DelayedSweep) -> None:
         )
     for note in result.notes:
         console.print(f"Note: {note}")
+
+
+def origins_view(
+    live: OriginsResult, predicted: pd.DataFrame, fmt: Format, log2_scale: int, top: int = 10
+) -> None:
+    """``show --origins``: the ops that made inf/NaN, then the ones predicted at S."""
+    console = stdout()
+    found = live.origins
+    carried = int(live.propagation["op_calls"].sum()) if len(live.propagation) else 0
+    if found.empty:
+        console.print("No op made inf or NaN in the recorded steps.")
+    else:
+        console.print(
+            f"{len(found)} op call(s) made inf/NaN from finite inputs (origins); "
+            f"{carried} more only carried them (propagation, not blamed)."
+        )
+        grid = Table(title="origins, in execution order", title_justify="left")
+        for name in ("step", "phase", "module", "op", "inf/NaN", "of", "largest finite input"):
+            grid.add_column(name, justify="left" if name in ("phase", "module", "op") else "right",
+                            no_wrap=True)  # fmt: skip
+        for row in found.head(top).itertuples():
+            grid.add_row(
+                str(row.step),
+                str(row.phase),
+                module_label(str(row.module)),
+                str(row.op),
+                f"{row.nonfinite:,}",
+                f"{row.elements:,}",
+                f"{row.largest_finite_input:.4g}",
+            )
+        console.print(grid)
+        if len(found) > top:
+            console.print(f"… {len(found) - top} more (--top N, or --json)")
+    first = predicted[predicted["first"]]
+    edge = f"{fmt.overflow_edge:g}"
+    if first.empty:
+        console.print(
+            f"Predicted at S = {scale_text(log2_scale)}: no op's values reach {edge} "
+            f"({fmt.name}'s overflow edge)."
+        )
+        return
+    console.print(
+        f"Predicted at S = {scale_text(log2_scale)}: {len(predicted)} op call(s) reach {edge} "
+        f"({fmt.name}) from inputs below it; the first of each step:"
+    )
+    grid = Table(title_justify="left")
+    for name in ("step", "phase", "module", "op", "value at S", "largest input at S"):
+        grid.add_column(name, justify="left" if name in ("phase", "module", "op") else "right",
+                        no_wrap=True)  # fmt: skip
+    for row in first.head(top).itertuples():
+        grid.add_row(
+            str(row.step),
+            str(row.phase),
+            module_label(str(row.module)),
+            str(row.op),
+            f"{row.value_at_scale:.4g}",
+            f"{row.largest_input_at_scale:.4g}",
+        )
+    console.print(grid)
