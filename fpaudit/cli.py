@@ -1173,6 +1173,56 @@ def verify_command(
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
 
 
+@app.command("fp16-plan")
+def fp16_plan_command(
+    model_file: Annotated[
+        Path,
+        typer.Argument(help="Python file defining model, batches and loss.", show_default=False),
+    ],
+    steps: Annotated[
+        int | None, typer.Option("--steps", help="fp32 steps to scan [default: 4].")
+    ] = None,
+    headroom_bits: Annotated[
+        int | None,
+        typer.Option("--headroom-bits", help="Keep amax * S <= 65504 / 2^H [default: 1]."),
+    ] = None,
+    max_underflow: Annotated[
+        float | None,
+        typer.Option(
+            "--max-underflow", help="Largest backward underflow fraction at S [default: 0.001]."
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")
+    ] = None,
+    json_output: JsonOption = None,
+) -> None:
+    """The smallest set of modules to keep out of fp16, a loss scale, verified by running it.
+
+    Example: fpaudit fp16-plan model.py --headroom-bits 1 --max-underflow 0.001
+    """
+    from fpaudit import fp16plan
+
+    if steps is not None and steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {steps}")
+    plan = fp16plan.fp16_plan(
+        model_file,
+        steps=fp16plan.DEFAULT_STEPS if steps is None else steps,
+        headroom_bits=fp16plan.DEFAULT_HEADROOM_BITS if headroom_bits is None else headroom_bits,
+        max_underflow=fp16plan.DEFAULT_MAX_UNDERFLOW if max_underflow is None else max_underflow,
+        device=device or "auto",
+        seed=0 if seed is None else seed,
+    )
+    if json_output:
+        render.print_json(plan.to_dict())
+    else:
+        render.fp16_plan(plan)
+    raise typer.Exit(EXIT_OK if plan.passed else EXIT_GATE_FAILED)
+
+
 def _from_report(value: Any, report: Report, key: str, default: Any) -> Any:
     """An option not given anywhere falls back to what the scan used, then to the default."""
     if value is not None:

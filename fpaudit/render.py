@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from fpaudit.delayed import Replay as DelayedReplay
     from fpaudit.delayed import Sweep as DelayedSweep
+    from fpaudit.fp16plan import Plan as Fp16Plan
     from fpaudit.origins import Origins as OriginsResult
     from fpaudit.scan import StepProgress
 
@@ -855,3 +856,52 @@ def origins_view(
             f"{row.largest_input_at_scale:.4g}",
         )
     console.print(grid)
+
+
+def fp16_plan(plan: Fp16Plan) -> None:
+    """``fpaudit fp16-plan``: the modules to keep out, the scale, the verification, a snippet."""
+    console = stdout()
+    console.print(
+        f"fp16 plan for {plan.model_file} ({plan.steps} step(s) scanned in fp32, headroom "
+        f"{plan.headroom_bits} bit(s), underflow limit {percent(plan.max_underflow)}):"
+    )
+    if plan.log2_scale is None:
+        console.print("[red]No scale keeps the underflow within the limit.[/red]")
+    if plan.keep_out:
+        console.print("Keep out of fp16 (autocast disabled, fp32 inputs):")
+        for r in plan.ranges:
+            console.print(
+                f"  {module_label(r.module)}: forward amax {r.forward_amax:.4g}, "
+                f"backward amax {r.backward_amax:.4g} (unscaled)"
+            )
+    else:
+        console.print("No module needs to leave fp16.")
+    if plan.log2_scale is not None:
+        console.print(
+            f"Loss scale S = {scale_text(plan.log2_scale)}: "
+            f"{percent(plan.underflow_fraction)} of the backward values left in fp16 underflow."
+        )
+    console.print(
+        f"growth_interval = {plan.growth_interval}: 1 / the overflow rate at 2S "
+        f"({plan.overflow_rate_at_2s:.3g} per step over {plan.steps} step(s); 3/n when none "
+        "overflows), capped at 2000."
+    )
+    for note in plan.notes:
+        console.print(f"Note: {note}")
+    result = plan.verification
+    if result is not None:
+        updated = sum(1 for p in result.parameters if p.changed_mixed)
+        if result.passed:
+            console.print(
+                f"Verified: an fp16 step at S with these modules kept out is finite, loses "
+                f"{percent(result.lost_fraction)} of nonzero gradient elements, and updates "
+                f"{updated} of {len(result.parameters)} parameter(s) (every one fp32 updates)."
+            )
+        else:
+            problem = "its gradients held inf or NaN" if result.skipped else (
+                f"{len(result.stalled)} parameter(s) did not update"
+            )  # fmt: skip
+            console.print(f"[red]FAIL: the verifying fp16 step did not pass: {problem}.[/red]")
+    if plan.log2_scale is not None:
+        console.print("Paste:")
+        console.print(plan.snippet(), markup=False, highlight=False)

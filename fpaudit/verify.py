@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ class ParameterCheck:
     changed_fp32: bool
     changed_mixed: bool
     update_error: float  # |dw_mixed - dw_fp32| / |dw_fp32|: does the step move it alike?
+    zeroed: int = 0  # the count behind zeroed_fraction
+    nonzero: int = 0  # gradient elements nonzero in fp32
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,12 @@ class Verification:
     @property
     def passed(self) -> bool:
         return not self.skipped and not self.stalled
+
+    @property
+    def lost_fraction(self) -> float:
+        """Gradient elements nonzero in fp32 but zero after unscaling, over all parameters."""
+        nonzero = sum(p.nonzero for p in self.parameters)
+        return sum(p.zeroed for p in self.parameters) / nonzero if nonzero else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: inf and NaN (a skipped step's norms, an error against zero) are None."""
@@ -115,8 +124,12 @@ def verify(
     clip_norm: float | None = None,
     device: str = "auto",
     seed: int | None = 0,
+    keep_fp32: Sequence[str] = (),
 ) -> Verification:
-    """Run the fp32 reference step and the mixed-precision step and compare them."""
+    """Run the fp32 reference step and the mixed-precision step and compare them.
+
+    ``keep_fp32`` names modules whose forward the mixed step runs with autocast
+    disabled, on fp32 inputs (``fpaudit fp16-plan``)."""
     if amp not in AMP_DTYPES:
         raise UsageError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
     if clip_norm is not None and not (math.isfinite(clip_norm) and clip_norm > 0):
@@ -156,6 +169,10 @@ def verify(
 
     # mixed-precision step: backward on S * loss, unscale, skip if non-finite, clip, step
     mixed = copy.deepcopy(start).train()
+    if keep_fp32:
+        from fpaudit.fp16plan import keep_out_of_autocast
+
+        keep_out_of_autocast(mixed, keep_fp32, target.type)
     optimizer = make_optimizer(mixed)
     optimizer.zero_grad(set_to_none=True)
     with (
@@ -191,6 +208,8 @@ def verify(
                 changed_fp32=bool(fp32_updates[name].any()),
                 changed_mixed=bool(mixed_updates[name].any()),
                 update_error=_relative_error(mixed_updates[name], fp32_updates[name]),
+                zeroed=zeroed,
+                nonzero=int(nonzero.sum()),
             )
         )
     return Verification(
