@@ -166,3 +166,23 @@ def test_origins_survive_a_write_and_older_reports_have_none(tmp_path: Path) -> 
         "bins.parquet",
         "steps.parquet",
     }
+
+
+def test_show_origins_text_json_and_a_report_without_them(cli, tmp_path: Path) -> None:
+    from .conftest import one_error_line
+
+    report = run_once(nn.Sequential(Exp()).half(), torch.full((2, 4), 12.0, dtype=torch.float16))
+    report.write(tmp_path / "r")
+    text = cli("show", tmp_path / "r", "--origins")
+    assert text.code == 0, text.stderr
+    assert "aten.exp.default" in text.stdout and "propagation" in text.stdout
+    data = json.loads(cli("show", tmp_path / "r", "--origins", "--json").stdout)
+    assert [(o["phase"], o["module"], o["op"]) for o in data["origins"]] == [
+        ("forward", "0", "aten.exp.default")
+    ]
+    assert data["origins"][0]["nonfinite"] == 8 and data["predicted"]["scale"] == 1.0
+    with audit(nn.Linear(2, 2)) as session:
+        nn.Linear(2, 2)(torch.ones(2)).sum().backward()
+        session.step()
+    session.report.write(tmp_path / "plain")
+    assert "--origins" in one_error_line(cli("show", tmp_path / "plain", "--origins"))
