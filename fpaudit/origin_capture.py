@@ -19,7 +19,8 @@ all its floating inputs are finite; later ops that carry it are propagation.
 
 Known limitations: ops outside the dispatch mode's view (compiled code, custom
 kernels that bypass aten) are not seen; an op that consumes a non-finite value
-and also makes new ones is counted as propagation.
+and also makes new ones is counted as propagation; inputs on another device than
+the op's accelerator (0-dim CPU constants) are not read.
 """
 
 from __future__ import annotations
@@ -65,15 +66,18 @@ class OriginTracker:
         inputs = _float_inputs(args, kwargs)
         if not inputs:
             return None
-        device = inputs[0].device
+        # one device: an accelerator's when there is one (0-dim CPU tensors beside CUDA
+        # ones are constants; moving their flags over would cost a copy per op)
+        device = next((t.device for t in inputs if t.device.type != "cpu"), inputs[0].device)
+        inputs = [t for t in inputs if t.device == device]
         zero = torch.zeros((), dtype=torch.float64, device=device)
         nonfinite = zero.clone()
         scaled = zero.clone()
         fixed = zero.clone()
         for t in inputs:
-            bad = (~torch.isfinite(t.detach())).any().to(torch.float64).to(device)
+            bad = (~torch.isfinite(t.detach())).any().to(torch.float64)
             nonfinite = torch.maximum(nonfinite, bad)
-            amax = _finite_amax(t).to(device)
+            amax = _finite_amax(t)
             if t.requires_grad:
                 fixed = torch.maximum(fixed, amax)
             else:
