@@ -114,3 +114,17 @@ def test_plan_for_the_forward_breaking_decoder_verifies(cli, monkeypatch, tmp_pa
         assert not math.isfinite(
             float(fp16_breaking.loss(bare, fp16_breaking.batches()[0]).detach())
         )
+
+
+def test_plan_for_the_backward_breaking_decoder_lowers_the_scale(cli, monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("FP16_CASE", "backward")
+    result = cli("fp16-plan", MODELS / "fp16_breaking.py", "--steps", "1", "--device", "cpu",
+                 "--json")  # fmt: skip
+    assert result.code == 0, result.stderr
+    plan = json.loads(result.stdout)
+    # the forward fits fp16; the backward overflow at 2**16 (test_fp16_models) is avoided by
+    # a smaller scale: no module has to leave fp16, and the fp16 step at that scale updates
+    # every parameter
+    assert plan["keep_out"] == [] and plan["scale"] < 2.0**16
+    assert plan["passed"] and all(p["changed_mixed"] for p in plan["verification"]["parameters"])
