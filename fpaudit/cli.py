@@ -920,6 +920,13 @@ def gate_command(
             help="Judge a report whose run was interrupted instead of failing it.",
         ),
     ] = None,
+    allow_nonfinite: Annotated[
+        bool | None,
+        typer.Option(
+            "--allow-nonfinite/--require-finite",
+            help="Judge a report whose backward values or loss hold inf/NaN instead of failing it.",
+        ),
+    ] = None,
     junit: Annotated[
         Path | None,
         typer.Option(
@@ -929,7 +936,8 @@ def gate_command(
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
-    """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale.
+    """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale,
+    or when the report measured nothing, holds inf/NaN or no completed step.
 
     Example: fpaudit gate report --max-underflow 0.001 --format fp16 --per-module
     """
@@ -940,9 +948,10 @@ def gate_command(
         "gate", config_file,
         dict(max_underflow=max_underflow, format=format_, scale=scale, per_module=per_module,
              headroom_bits=headroom_bits, include_loss=include_loss, json=json_output,
-             allow_incomplete=allow_incomplete, junit=junit),
+             allow_incomplete=allow_incomplete, allow_nonfinite=allow_nonfinite, junit=junit),
         dict(max_underflow=None, format=None, scale=None, per_module=False, headroom_bits=None,
-             include_loss=None, json=False, allow_incomplete=False, junit=None),
+             include_loss=None, json=False, allow_incomplete=False, allow_nonfinite=False,
+             junit=None),
     )  # fmt: skip
     limit = options["max_underflow"]
     if limit is None:
@@ -962,6 +971,7 @@ def gate_command(
     result = run_gate(
         report, fmt, limit, log2_scale=log2_scale, per_module=options["per_module"],
         headroom_bits=headroom, include_loss=include, allow_incomplete=options["allow_incomplete"],
+        allow_nonfinite=options["allow_nonfinite"],
     )  # fmt: skip
     if options["junit"] is not None:
         from fpaudit import ci

@@ -161,6 +161,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "include_loss": "bool",
         "json": "bool",
         "allow_incomplete": "bool",
+        "allow_nonfinite": "bool",
         "junit": "str",
     },
 }

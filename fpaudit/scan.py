@@ -139,6 +139,7 @@ def scan(
         window=options.window,
         shadow=options.shadow,
     )
+    options.selection.check_modules(audit.module_names)  # a typo fails before any step
     amp_dtype = AMP_DTYPES[options.amp] if options.amp is not None else None
 
     def autocast() -> contextlib.AbstractContextManager[Any]:
@@ -173,6 +174,8 @@ def scan(
                 with modelfile.user_code(path, "backward"):
                     torch.autograd.backward(loss, grad_tensors=seed)
                 summary = audit.step(loss=loss, index=step) if captured else None
+                if captured and step == 0:  # the ops are known once a backward ran
+                    options.selection.check_ops(audit.seen_ops())
             if summary is not None:
                 loss_value, healthy = (
                     summary.loss,

@@ -259,7 +259,7 @@ CASES: list[Case] = [
          "--scale 'lots' is not a number", report()),
     Case("unknown --kind", ["show", "{tmp}/report", "--kind", "weights"], 2, "--kind must be backward, grad or forward", report()),
     Case("incomplete report at the gate", ["gate", "{tmp}/report", "--max-underflow", "1"], 1,
-         "The report is incomplete", report(complete=False, stopped_by="SIGINT", steps_run=2, steps_requested=9)),
+         "the report is incomplete", report(complete=False, stopped_by="SIGINT", steps_run=2, steps_requested=9)),
     Case("unknown command", ["audit"], 2, "No such command 'audit'"),
     # -- training scripts (fpaudit run) ---------------------------------------------------
     Case("training script missing", ["run", "--out", "{tmp}/r", "--", "{tmp}/train.py"], 2, "training script <tmp>/train.py does not exist"),
