@@ -178,8 +178,10 @@ def _load_cpu_kernel() -> None:
 
 
 def _headroom(value: int) -> int:
-    if value < 0:
-        raise UsageError(f"--headroom-bits must be 0 or more, got {value}")
+    if not 0 <= value <= config.MAX_HEADROOM_BITS:
+        raise UsageError(
+            f"--headroom-bits must be between 0 and {config.MAX_HEADROOM_BITS}, got {value}"
+        )
     return value
 
 
@@ -961,6 +963,8 @@ def gate_command(
     if not (0.0 <= limit <= 1.0):
         raise UsageError(f"--max-underflow must be a fraction between 0 and 1, got {limit}")
     log2_scale = _scale(options["scale"])
+    if options["junit"] is not None:
+        _outside_report(Path(options["junit"]), report_path, "--junit")
     report = Report.read(report_path)
     render.report_notes(report, incomplete=False)  # the verdict says if it is incomplete
     fmt = _reading_format(options["format"], report)
@@ -1044,6 +1048,16 @@ def verify_command(
     else:
         render.verification(result)
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+
+
+def _outside_report(path: Path, report_path: Path, flag: str) -> None:
+    """Refuse an output file inside the report being read: it would change the report
+    (and a later --force would delete it with the report)."""
+    target, root = path.resolve(), report_path.resolve()
+    if target == root or root in target.parents:
+        raise UsageError(
+            f"{flag} {path} is inside the report {report_path}; write it outside the report"
+        )
 
 
 def _from_report(value: Any, report: Report, key: str, default: Any) -> Any:

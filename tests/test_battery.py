@@ -296,7 +296,7 @@ CASES: list[Case] = [
          "--junit: directory <tmp>/no does not exist", report()),
     Case("report of 2 ranks missing a part", ["show", "{tmp}/report"], 2, "rank-00001/records.parquet is missing",
          ranked_report(lambda root: shutil.rmtree(root / "rank-00001"))),
-    Case("report of 0 ranks", ["show", "{tmp}/report"], 2, "ranks must be at least 1",
+    Case("report of 0 ranks", ["show", "{tmp}/report"], 2, "ranks 0 out of range 1..32768",
          ranked_report(edit_meta(lambda m: m.update(ranks=0)))),
     Case("report with a negative loss scale", ["show", "{tmp}/report"], 2,
          "loss_scale must be a positive number in fp32 range", report(edit_records("loss_scale", _first(-1.0)))),
