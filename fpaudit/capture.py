@@ -504,7 +504,7 @@ class Selection:
                 [*(f"--module {shlex.quote(p)}" for p in self.modules),
                  *(f"--exclude-module {shlex.quote(p)}" for p in self.exclude_modules)]
             )  # fmt: skip
-            raise UsageError(f"{globs} leave no module of the model to measure")
+            raise UsageError(f"the selection {globs} leaves no module of the model to measure")
 
     def check_ops(self, ops: Iterable[str]) -> None:
         """Raise ``UsageError`` naming an op glob that matches none of ``ops`` (the aten
@@ -516,16 +516,20 @@ class Selection:
             for pattern in patterns:
                 if not any(fnmatch.fnmatchcase(op, pattern) for op in seen):
                     raise UsageError(_no_match(flag, pattern, seen, "backward op"))
-        if (self.ops or self.exclude_ops) and not any(
-            self.accepts(KIND_BACKWARD, "", op) for op in seen
-        ):
+        kept = [
+            op
+            for op in seen
+            if (not self.ops or self._matches(op, self.ops))
+            and not self._matches(op, self.exclude_ops)
+        ]
+        if (self.ops or self.exclude_ops) and not kept:
             globs = " ".join(
                 [
                     *(f"--op {shlex.quote(p)}" for p in self.ops),
                     *(f"--exclude-op {shlex.quote(p)}" for p in self.exclude_ops),
                 ]
             )
-            raise UsageError(f"{globs} leave no backward op of the model to measure")
+            raise UsageError(f"the selection {globs} leaves no backward op of the model to measure")
 
 
 def _no_match(flag: str, pattern: str, names: list[str], what: str) -> str:
@@ -822,7 +826,10 @@ class Audit:
         """The report; ``steps`` replaces its steps table (see ``ReportBuilder.build``)."""
         from fpaudit.report import run_metadata  # pandas and pyarrow: only once a report is built
 
-        return self._builder.build(run_metadata(self.model), steps)
+        meta = run_metadata(self.model)
+        # fp64 values beyond fp32's range, binned as zero or inf (see fpaudit.histogram)
+        meta["out_of_range"] = sum(int(t.out_of_range) for t in self._tables.values())
+        return self._builder.build(meta, steps)
 
 
 def audit(

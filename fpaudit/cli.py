@@ -377,6 +377,7 @@ def scan_command(
     from fpaudit.drift import drift
     from fpaudit.recommendation import recommend
 
+    render.report_notes(report, incomplete=False)  # e.g. fp64 values beyond fp32's range
     problems = ~report.steps["loss_finite"]
     forward_problems = int(problems.sum())
     first_nonfinite = sorted(set(report.steps.loc[problems, "first_nonfinite"]) - {""})

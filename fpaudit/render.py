@@ -392,6 +392,13 @@ def report_notes(report: Report, *, incomplete: bool = True) -> None:
     reason = report.incompleteness() if incomplete else None
     if reason is not None:
         sys.stderr.write(f"fpaudit: note: this report is incomplete: {reason}\n")
+    out_of_range = report.meta.get("out_of_range")
+    if isinstance(out_of_range, int) and out_of_range > 0:
+        sys.stderr.write(
+            f"fpaudit: note: {count(out_of_range)} recorded fp64 value(s) lay outside fp32's "
+            "range (nonzero below 2^-149, or finite above fp32's max): they are binned as zero "
+            "or inf, so the counts do not include them as nonzero values\n"
+        )
     inexact = report.inexact_scales()
     if inexact:
         shown = ", ".join(f"{s:g}" for s in inexact[:3]) + (", ..." if len(inexact) > 3 else "")

@@ -213,7 +213,7 @@ CASES: list[Case] = [
     # -- flags ----------------------------------------------------------------------
     Case("--steps 0", ["scan", "{tmp}/model.py", "--steps", "0"], 2, "--steps must be at least 1, got 0", model(GOOD)),
     Case("--steps not a number", ["scan", "{tmp}/model.py", "--steps", "many"], 2, "Invalid value", model(GOOD)),
-    Case("negative --headroom-bits", ["scan", "{tmp}/model.py", "--headroom-bits", "-1"], 2, "--headroom-bits must be 0 or more", model(GOOD)),
+    Case("negative --headroom-bits", ["scan", "{tmp}/model.py", "--headroom-bits", "-1"], 2, "--headroom-bits must be between 0 and 64, got -1", model(GOOD)),
     Case("--loss-scale nan", ["scan", "{tmp}/model.py", "--loss-scale", "nan"], 2, "--loss-scale must be a positive number, got nan", model(GOOD)),
     Case("--loss-scale not a power of two", ["scan", "{tmp}/model.py", "--loss-scale", "1000"], 2,
          "nearest are 512 (2^9) and 1024 (2^10)", model(GOOD)),
