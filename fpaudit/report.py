@@ -679,11 +679,11 @@ def _check_meta_values(meta: dict[str, Any], meta_file: Path) -> None:
         if meta.get(key) is not None:
             text(key, meta[key])
     selection = meta.get("selection")
-    if selection is not None:
-        if not isinstance(selection, dict) or not all(
-            isinstance(v, list) and all(isinstance(p, str) for p in v) for v in selection.values()
-        ):
-            raise fail("selection", "must map option names to lists of glob strings")
+    globs = selection.values() if isinstance(selection, dict) else [None]
+    if selection is not None and not all(
+        isinstance(v, list) and all(isinstance(p, str) for p in v) for v in globs
+    ):
+        raise fail("selection", "must map option names to lists of glob strings")
     for index, item in enumerate(meta.get("findings") or []):
         where = f"findings[{index}]"
         if not isinstance(item, dict):

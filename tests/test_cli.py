@@ -257,7 +257,10 @@ def test_cuda_requested_without_cuda(cli, tmp_path: Path) -> None:
         (["show", "{report}", "--scale", "lots"], "--scale 'lots' is not a number"),
         (["show", "{report}", "--kind", "weights"], "--kind must be backward, grad or forward"),
         (["show", "{report}", "--top", "0"], "--top must be at least 1"),
-        (["recommend", "{report}", "--headroom-bits", "-2"], "--headroom-bits must be between 0 and 64"),
+        (
+            ["recommend", "{report}", "--headroom-bits", "-2"],
+            "--headroom-bits must be between 0 and 64",
+        ),
         (["gate", "{report}"], "gate needs --max-underflow"),
         (["gate", "{report}", "--max-underflow", "2"], "between 0 and 1"),
         (["gate", "{report}", "--max-underflow", "nan"], "between 0 and 1"),
