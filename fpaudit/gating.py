@@ -295,7 +295,7 @@ def _nothing_reason(report: Report, overall: dict[str, Any]) -> str:
         )
         hints.append(f"the scan's selection was {globs}")
     if report.records.empty:
-        hints.append("the report holds no records (was anything captured? a backward run?)")
+        hints.append("the report holds no records: nothing was captured, or no backward ran")
     else:
         elements, zeros = int(overall["elements"]), int(overall["zeros"])
         special = int(overall["nonfinite"])
