@@ -195,6 +195,15 @@ def symlinked(name: str) -> Callable[[Path], None]:
     return damage
 
 
+TRAIN = """import torch
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    optimizer.zero_grad()
+    model(torch.ones(3, 2)).sum().backward()
+    optimizer.step()
+"""
+
 SCALER = {"class": "torch.amp.GradScaler", "init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
           "growth_interval": 2000}  # fmt: skip
 
@@ -376,6 +385,8 @@ CASES: list[Case] = [
          "the selection --exclude-module '*' leaves no module of the model to measure", model(GOOD)),
     Case("--op with a typo", ["scan", "{tmp}/model.py", "--op", "aten.mmm.*", "--out", "{tmp}/r"], 2,
          "--op 'aten.mmm.*' matches no backward op of the model (closest: aten.mm.default", model(GOOD)),
+    Case("run --module with a typo", ["run", "--module", "lineer", "--capture-every", "1", "--out", "{tmp}/r", "--", "{tmp}/train.py"],
+         2, "--module 'lineer' matches no module of the model", model(TRAIN, "train.py")),
     Case("gate on a report of zeros", ["gate", "{tmp}/report", "--max-underflow", "0.01"], 1,
          "measured nothing", values_report({"a": [0.0, 0.0, -0.0]})),
     Case("gate on inf/NaN values only", ["gate", "{tmp}/report", "--max-underflow", "0.01"], 1,
