@@ -36,11 +36,13 @@ Known limitations:
 from __future__ import annotations
 
 import bisect
+import difflib
 import fnmatch
 import math
+import shlex
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fpaudit import _signals, histogram
+from fpaudit.errors import UsageError
 from fpaudit.origin_capture import OriginTracker
 from fpaudit.records import (
     KIND_BACKWARD,
@@ -498,6 +501,59 @@ class Selection:
     def describe(self) -> dict[str, list[str]]:
         return {k: list(v) for k, v in self.__dict__.items() if v}
 
+    def check_modules(self, names: Iterable[str]) -> None:
+        """Raise ``UsageError`` naming a module glob that matches none of ``names`` (the
+        model's modules; ``<loss>`` is always one), with the closest names, or when the
+        globs together keep no module at all."""
+        known = list(dict.fromkeys([LOSS_MODULE, *names]))
+        flags = (("--module", self.modules), ("--exclude-module", self.exclude_modules))
+        for flag, patterns in flags:
+            for pattern in patterns:
+                if not any(fnmatch.fnmatchcase(name, pattern) for name in known):
+                    raise UsageError(_no_match(flag, pattern, known, "module"))
+        if not any(self.accepts(KIND_GRAD, name, "") for name in known):
+            globs = " ".join(
+                [*(f"--module {shlex.quote(p)}" for p in self.modules),
+                 *(f"--exclude-module {shlex.quote(p)}" for p in self.exclude_modules)]
+            )  # fmt: skip
+            raise UsageError(f"the selection {globs} leaves no module of the model to measure")
+
+    def check_ops(self, ops: Iterable[str]) -> None:
+        """Raise ``UsageError`` naming an op glob that matches none of ``ops`` (the aten
+        ops that ran in backward), with the closest names, or when the globs keep none."""
+        seen = sorted(set(ops))
+        if not seen:
+            return  # nothing ran in backward: the report says it measured nothing
+        for flag, patterns in (("--op", self.ops), ("--exclude-op", self.exclude_ops)):
+            for pattern in patterns:
+                if not any(fnmatch.fnmatchcase(op, pattern) for op in seen):
+                    raise UsageError(_no_match(flag, pattern, seen, "backward op"))
+        kept = [
+            op
+            for op in seen
+            if (not self.ops or self._matches(op, self.ops))
+            and not self._matches(op, self.exclude_ops)
+        ]
+        if (self.ops or self.exclude_ops) and not kept:
+            globs = " ".join(
+                [
+                    *(f"--op {shlex.quote(p)}" for p in self.ops),
+                    *(f"--exclude-op {shlex.quote(p)}" for p in self.exclude_ops),
+                ]
+            )
+            raise UsageError(f"the selection {globs} leaves no backward op of the model to measure")
+
+
+def _no_match(flag: str, pattern: str, names: list[str], what: str) -> str:
+    shown = [n if n else "(root)" for n in names]
+    close = difflib.get_close_matches(pattern, shown, n=3, cutoff=0.5)
+    if close:
+        hint = f"closest: {', '.join(close)}"
+    else:
+        listed = ", ".join(shown[:8]) + (", ..." if len(shown) > 8 else "")
+        hint = f"{what}s are: {listed}"
+    return f"{flag} {pattern!r} matches no {what} of the model ({hint})"
+
 
 def _rank() -> int:
     """This process's torch.distributed rank (0 when not distributed)."""
@@ -615,6 +671,15 @@ class Audit:
                 yield
         finally:
             self._forward_active = False
+
+    @property
+    def module_names(self) -> list[str]:
+        """The model's module names as reports name them ("" is the model itself)."""
+        return list(dict.fromkeys(self._clock.names.values()))
+
+    def seen_ops(self, kind: str = KIND_BACKWARD) -> set[str]:
+        """The ops seen so far (recorded or left out by the selection)."""
+        return {op for (k, _, op) in self._accepted if k == kind}
 
     def _next_forward_op(self) -> int:
         self._forward_ops += 1
@@ -778,7 +843,10 @@ class Audit:
         """The report; ``steps`` replaces its steps table (see ``ReportBuilder.build``)."""
         from fpaudit.report import run_metadata  # pandas and pyarrow: only once a report is built
 
-        report = self._builder.build(run_metadata(self.model), steps)
+        meta = run_metadata(self.model)
+        # fp64 values beyond fp32's range, binned as zero or inf (see fpaudit.histogram)
+        meta["out_of_range"] = sum(int(t.out_of_range) for t in self._tables.values())
+        report = self._builder.build(meta, steps)
         if self.origins is not None:
             from fpaudit.origins import table_from_columns
 

@@ -3,7 +3,10 @@
 :func:`junit_xml` turns a :class:`~fpaudit.gating.GateResult` into one JUnit
 ``<testsuite>`` that test-report tools (Jenkins, GitLab, GitHub test-report
 actions) display: one ``<testcase>`` per module in network order, one
-``overall`` for the whole model and, for an interrupted run, one ``complete``.
+``overall`` for the whole model, one ``evidence`` when the report is no evidence
+(it measured nothing, holds inf/NaN or no completed step) and, for an
+interrupted run, one ``complete``. Which testcases fail is read from the gate's
+own verdict (:attr:`~fpaudit.gating.GateResult.failures`), never decided here.
 A module fails only when the gate judged it (``--per-module``); with
 ``--overall`` the modules are listed as passing, their numbers in
 ``<system-out>``, and only ``overall`` can fail. ``overall`` fails when the
@@ -30,12 +33,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fpaudit.errors import UsageError
-from fpaudit.render import count, module_label, percent, scale_text
+from fpaudit.text import module_label, percent, scale_text
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from fpaudit.gating import GateResult
+    from fpaudit.gating import Failure, GateResult
     from fpaudit.report import Report
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
 ANNOTATION_TITLE = "fpaudit gate"
 OVERALL = "overall"
 COMPLETE = "complete"
+EVIDENCE = "evidence"
 XML_DECLARATION = '<?xml version="1.0" encoding="UTF-8"?>\n'
 
 # Characters XML 1.0 cannot hold at all (ElementTree writes them unescaped, which
@@ -86,10 +90,6 @@ class _Failure:
     details: str
 
 
-def _where(result: GateResult) -> str:
-    return f"{result.format} at S = {scale_text(result.log2_scale)} ({result.scale_source})"
-
-
 def _numbers_text(numbers: _Numbers, result: GateResult) -> str:
     """Every number of a testcase, one ``key: value`` per line."""
     return "\n".join(
@@ -106,65 +106,48 @@ def _numbers_text(numbers: _Numbers, result: GateResult) -> str:
     )
 
 
-def _judge(name: str, numbers: _Numbers, result: GateResult, report_path: str) -> _Failure | None:
-    """The failure of a module or of ``overall``, or None when its numbers pass."""
-    too_much = numbers.underflow_fraction > result.max_underflow
-    if not too_much and numbers.overflow == 0:
-        return None
-    subject = "overall" if name == OVERALL else f"module {name}"
-    reasons = []
-    if too_much:
-        reasons.append(
-            f"underflow {percent(numbers.underflow_fraction)} exceeds the limit "
-            f"{percent(result.max_underflow)}"
-        )
-    if numbers.overflow:
-        reasons.append(f"{count(numbers.overflow)} value(s) overflow")
-    message = (
-        f"{subject}: {' and '.join(reasons)}; underflow fraction "
-        f"{numbers.underflow_fraction:.6g} vs --max-underflow {result.max_underflow:g} "
-        f"({count(numbers.underflow)} of {count(numbers.nonzero)} nonzero backward values), "
-        f"overflow {count(numbers.overflow)}; {_where(result)}"
-    )
-    details = f"report: {report_path}\n{_numbers_text(numbers, result)}"
+def _failure(failure: Failure, result: GateResult, report_path: str) -> _Failure:
+    """The testcase failure of one of the gate's failures (the gate decided it; this
+    only names its testcase and adds the numbers)."""
+    from fpaudit import gating
+
+    if failure.subject == gating.OVERALL:
+        name, numbers = OVERALL, _numbers_text(_overall(result), result)
+    elif failure.subject == gating.COMPLETE:
+        name, numbers = COMPLETE, "complete: false"
+    elif failure.subject == gating.EVIDENCE:
+        name, numbers = EVIDENCE, _evidence_text(result)
+    else:
+        name = module_label(failure.subject)
+        offender = next((o for o in result.offenders if o["module"] == failure.subject), None)
+        numbers = _numbers_text(_Numbers.of(offender), result) if offender else ""
     # An overflow is the worse failure: a dynamic scaler skips the step, a static one trains on inf.
-    return _Failure(name, "overflow" if numbers.overflow else "underflow", message, details)
+    kind = gating.OVERFLOW if gating.OVERFLOW in failure.kinds else failure.kinds[0]
+    return _Failure(name, kind, failure.reason, f"report: {report_path}\n{numbers}".rstrip())
+
+
+def _evidence_text(result: GateResult) -> str:
+    return "\n".join(
+        [
+            f"steps_run: {result.steps_run}",
+            f"nonzero: {result.nonzero}",
+            f"nonfinite: {result.nonfinite}",
+            f"nonfinite_loss_steps: {result.nonfinite_loss_steps}",
+            f"allow_nonfinite: {'true' if result.nonfinite_allowed else 'false'}",
+        ]
+    )
 
 
 def _overall(result: GateResult) -> _Numbers:
     return _Numbers(result.underflow_fraction, result.underflow, result.nonzero, result.overflow)
 
 
-def _incomplete(result: GateResult, report_path: str) -> _Failure | None:
-    if result.complete or result.incomplete_allowed:
-        return None
-    message = (
-        "the report is incomplete (its run was interrupted), which fails the gate; "
-        "pass --allow-incomplete to judge it anyway"
-    )
-    return _Failure(COMPLETE, "incomplete", message, f"report: {report_path}\ncomplete: false")
-
-
 def _failures(result: GateResult, report_path: str) -> list[_Failure]:
-    """Every failing testcase, in file order: modules, ``overall``, ``complete``."""
-    failures: list[_Failure] = []
-    if result.per_module:
-        for offender in result.offenders:
-            failure = _judge(
-                module_label(str(offender["module"])), _Numbers.of(offender), result, report_path
-            )
-            if failure is not None:
-                failures.append(failure)
-    for failure in (
-        _judge(OVERALL, _overall(result), result, report_path),
-        _incomplete(result, report_path),
-    ):
-        if failure is not None:
-            failures.append(failure)
-    if not result.passed and not failures:  # cannot happen with gating.gate; agree with it anyway
-        message = f"overall: the gate failed; {_where(result)}"
-        failures.append(_Failure(OVERALL, "underflow", message, f"report: {report_path}"))
-    return failures
+    """Every failing testcase, in file order: modules, ``overall``, ``evidence``, ``complete``."""
+    failures = [_failure(f, result, report_path) for f in result.failures]
+    # Two failures never share a testcase: modules, overall, evidence, complete are apart.
+    order = {OVERALL: 1, EVIDENCE: 2, COMPLETE: 3}
+    return sorted(failures, key=lambda f: order.get(f.name, 0))
 
 
 def gate_modules(report: Report, result: GateResult, *, include_loss: bool = False) -> pd.DataFrame:
@@ -204,7 +187,16 @@ def junit_xml(
     fraction against the limit, counts, overflow, format and scale.
     """
     classname = f"fpaudit.gate.{result.format}"
-    failures = {f.name: f for f in _failures(result, report_path)}
+    failures: dict[str, _Failure] = {}
+    for failure in _failures(result, report_path):  # evidence may fail for several reasons
+        first = failures.get(failure.name)
+        failures[failure.name] = (
+            failure
+            if first is None
+            else _Failure(
+                first.name, first.kind, f"{first.message}; {failure.message}", first.details
+            )
+        )
     cases: list[tuple[str, str | None]] = []  # (name, system-out)
     seen: set[str] = set()
     for row in _rows(modules):
@@ -213,9 +205,11 @@ def junit_xml(
         cases.append((name, f"report: {report_path}\n{_numbers_text(_Numbers.of(row), result)}"))
     # Offenders the table lacks (it should hold them all) still get their testcase.
     for missing in failures.values():
-        if missing.name not in seen and missing.name not in (OVERALL, COMPLETE):
+        if missing.name not in seen and missing.name not in (OVERALL, EVIDENCE, COMPLETE):
             cases.append((missing.name, None))
     cases.append((OVERALL, f"report: {report_path}\n{_numbers_text(_overall(result), result)}"))
+    if EVIDENCE in failures:  # the report measured nothing, or inf/NaN, or no step
+        cases.append((EVIDENCE, None))
     if not result.complete:
         allowed = "allowed by --allow-incomplete" if result.incomplete_allowed else "not allowed"
         cases.append((COMPLETE, f"the report's run was interrupted ({allowed})"))
@@ -245,9 +239,9 @@ def junit_xml(
         _sub(properties, "property", name=key, value=value)
     for name, system_out in cases:
         case = _sub(suite, "testcase", classname=classname, name=name, time="0")
-        failure = failures.get(name)
-        if failure is not None:  # its text holds the numbers: no <system-out> too
-            _sub(case, "failure", failure.details, message=failure.message, type=failure.kind)
+        failed = failures.get(name)
+        if failed is not None:  # its text holds the numbers: no <system-out> too
+            _sub(case, "failure", failed.details, message=failed.message, type=failed.kind)
         elif system_out is not None:
             _sub(case, "system-out", system_out)
     ET.indent(root, space="  ")

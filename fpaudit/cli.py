@@ -178,8 +178,10 @@ def _load_cpu_kernel() -> None:
 
 
 def _headroom(value: int) -> int:
-    if value < 0:
-        raise UsageError(f"--headroom-bits must be 0 or more, got {value}")
+    if not 0 <= value <= config.MAX_HEADROOM_BITS:
+        raise UsageError(
+            f"--headroom-bits must be between 0 and {config.MAX_HEADROOM_BITS}, got {value}"
+        )
     return value
 
 
@@ -384,6 +386,7 @@ def scan_command(
     from fpaudit.drift import drift
     from fpaudit.recommendation import recommend
 
+    render.report_notes(report, incomplete=False)  # e.g. fp64 values beyond fp32's range
     problems = ~report.steps["loss_finite"]
     forward_problems = int(problems.sum())
     first_nonfinite = sorted(set(report.steps.loc[problems, "first_nonfinite"]) - {""})
@@ -1057,6 +1060,13 @@ def gate_command(
             help="Judge a report whose run was interrupted instead of failing it.",
         ),
     ] = None,
+    allow_nonfinite: Annotated[
+        bool | None,
+        typer.Option(
+            "--allow-nonfinite/--require-finite",
+            help="Judge a report whose backward values or loss hold inf/NaN instead of failing it.",
+        ),
+    ] = None,
     junit: Annotated[
         Path | None,
         typer.Option(
@@ -1066,7 +1076,8 @@ def gate_command(
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
-    """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale.
+    """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale,
+    or when the report measured nothing, holds inf/NaN or no completed step.
 
     Example: fpaudit gate report --max-underflow 0.001 --format fp16 --per-module
     """
@@ -1077,9 +1088,10 @@ def gate_command(
         "gate", config_file,
         dict(max_underflow=max_underflow, format=format_, scale=scale, per_module=per_module,
              headroom_bits=headroom_bits, include_loss=include_loss, json=json_output,
-             allow_incomplete=allow_incomplete, junit=junit),
+             allow_incomplete=allow_incomplete, allow_nonfinite=allow_nonfinite, junit=junit),
         dict(max_underflow=None, format=None, scale=None, per_module=False, headroom_bits=None,
-             include_loss=None, json=False, allow_incomplete=False, junit=None),
+             include_loss=None, json=False, allow_incomplete=False, allow_nonfinite=False,
+             junit=None),
     )  # fmt: skip
     limit = options["max_underflow"]
     if limit is None:
@@ -1089,6 +1101,8 @@ def gate_command(
     if not (0.0 <= limit <= 1.0):
         raise UsageError(f"--max-underflow must be a fraction between 0 and 1, got {limit}")
     log2_scale = _scale(options["scale"])
+    if options["junit"] is not None:
+        _outside_report(Path(options["junit"]), report_path, "--junit")
     report = Report.read(report_path)
     render.report_notes(report, incomplete=False)  # the verdict says if it is incomplete
     fmt = _reading_format(options["format"], report)
@@ -1099,6 +1113,7 @@ def gate_command(
     result = run_gate(
         report, fmt, limit, log2_scale=log2_scale, per_module=options["per_module"],
         headroom_bits=headroom, include_loss=include, allow_incomplete=options["allow_incomplete"],
+        allow_nonfinite=options["allow_nonfinite"],
     )  # fmt: skip
     if options["junit"] is not None:
         from fpaudit import ci
@@ -1221,6 +1236,16 @@ def fp16_plan_command(
     else:
         render.fp16_plan(plan)
     raise typer.Exit(EXIT_OK if plan.passed else EXIT_GATE_FAILED)
+
+
+def _outside_report(path: Path, report_path: Path, flag: str) -> None:
+    """Refuse an output file inside the report being read: it would change the report
+    (and a later --force would delete it with the report)."""
+    target, root = path.resolve(), report_path.resolve()
+    if target == root or root in target.parents:
+        raise UsageError(
+            f"{flag} {path} is inside the report {report_path}; write it outside the report"
+        )
 
 
 def _from_report(value: Any, report: Report, key: str, default: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 from fpaudit.errors import ConfigError, UsageError
 
 DEFAULT_HEADROOM_BITS = 4  # binades kept free below a format's max, as PopART's 1/16 bin edge
+MAX_HEADROOM_BITS = 64  # more than any format's range (fp32 spans 277 binades, fp16 40)
 
 # A loss scale is an fp32 number: keep it a normal one.
 LOG2_SCALE_MIN = -126
@@ -168,6 +169,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "include_loss": "bool",
         "json": "bool",
         "allow_incomplete": "bool",
+        "allow_nonfinite": "bool",
         "junit": "str",
     },
 }

@@ -7,7 +7,9 @@ formats.
 
 Known limitations: float64 values are rounded to fp32 before binning, so
 their histogram is that of ``x.float()`` (magnitudes beyond fp32's range
-become inf or zero). Complex, sparse and integer tensors are not binned.
+become inf or zero). Such values are not lost silently: each table counts
+them (:attr:`HistogramTable.out_of_range`) and reports carry the total.
+Complex, sparse and integer tensors are not binned.
 """
 
 from __future__ import annotations
@@ -178,6 +180,9 @@ class HistogramTable:
         self.device = device
         self.table = torch.zeros((capacity, WIDTH), dtype=torch.int64, device=device)
         self.calls: list[int] = []  # tensors added to each row since the last reset
+        # fp64 values that fp32 (the binned range) cannot hold: nonzero finite values
+        # that round to zero or to inf. Cumulative: reset() keeps it.
+        self.out_of_range = torch.zeros((), dtype=torch.int64, device=device)
 
     @property
     def rows(self) -> int:
@@ -195,6 +200,8 @@ class HistogramTable:
         self.calls[row] += 1
         if x.numel() == 0:
             return
+        if x.dtype == torch.float64:
+            self._count_out_of_range(x)
         if x.device.type == "cpu":
             kernel = kernels.cpu_kernel(on_build=_warn_build)
             if kernel is None:
@@ -206,6 +213,13 @@ class HistogramTable:
                 kernel.histogram_add(dense_flat(values), self.table, row, _CLASS_BOUNDS)
         else:
             self._add_device(row, x)
+
+    def _count_out_of_range(self, x: torch.Tensor) -> None:
+        """Count the nonzero finite fp64 values that fp32 turns into zero or inf (no sync)."""
+        values = x.detach()
+        narrowed = values.to(torch.float32)
+        lost = ((values != 0) & (narrowed == 0)) | (torch.isfinite(values) & torch.isinf(narrowed))
+        self.out_of_range += lost.sum()
 
     def _raise_amax(self, row: int, amax_bits: torch.Tensor) -> None:
         column = self.table[row, AMAX_COLUMN : AMAX_COLUMN + 1]

@@ -49,8 +49,8 @@ import numpy as np
 from fpaudit import analysis, config, layout
 from fpaudit.errors import UsageError
 from fpaudit.formats import Format, as_format
-from fpaudit.render import count, module_label, percent
 from fpaudit.report import Report
+from fpaudit.text import count, module_label, percent
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -404,8 +404,23 @@ def build_figure(
     """The figure of ``report`` against ``fmt`` at ``2**log2_scale`` (None: the recommended).
 
     Raises UsageError when matplotlib is missing. Nothing is drawn on screen.
+    Module names and paths are data: no text is parsed as mathtext or TeX, so a
+    name such as ``$\\nocommand$`` is drawn as written.
     """
     _require_matplotlib()
+    from matplotlib import rc_context
+
+    with rc_context(_PLAIN_TEXT):
+        return _build_figure(report, fmt, log2_scale, headroom_bits)
+
+
+# Every Text reads these when it is made (tick labels: when drawn): user strings stay literal.
+_PLAIN_TEXT: dict[Any, Any] = {"text.parse_math": False, "text.usetex": False}
+
+
+def _build_figure(
+    report: Report, fmt: Format | str, log2_scale: int | None, headroom_bits: int
+) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -475,7 +490,7 @@ def plot_report(
     try:
         with (
             os.fdopen(fd, "wb") as handle,
-            rc_context({"svg.fonttype": "none", "svg.hashsalt": "fpaudit"}),
+            rc_context({"svg.fonttype": "none", "svg.hashsalt": "fpaudit", **_PLAIN_TEXT}),
         ):
             figure.savefig(handle, format=kind, dpi=DPI, metadata=metadata)
             handle.flush()

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from fpaudit.formats import Format
+from fpaudit.text import count, module_label, percent, scale_text
 
 if TYPE_CHECKING:
     from fpaudit.drift import Drift
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
     from fpaudit.origins import Origins as OriginsResult
     from fpaudit.scan import StepProgress
 
-ROOT_LABEL = "(root)"
 PIPE_WIDTH = 120
 
 MODULE_JSON_KEYS = (
@@ -56,11 +57,17 @@ MODULE_JSON_KEYS = (
 
 
 def _console(stream: Any) -> Console:
+    """A console that prints strings as they are: module names, paths and messages are
+    data, so no ``[...]`` markup and no ``:emoji:`` codes are interpreted (a ModuleDict
+    key ``[/]`` or an --out of ``runs/[bold]x`` prints literally). Styles come from
+    :class:`rich.text.Text` objects only."""
     # A terminal tells rich its width; logs and pipes have none, so give tables room.
     width = None
     if not (hasattr(stream, "isatty") and stream.isatty()):
         width = int(os.environ.get("COLUMNS", "") or PIPE_WIDTH)
-    return Console(file=stream, highlight=False, soft_wrap=True, width=width)
+    return Console(
+        file=stream, highlight=False, soft_wrap=True, width=width, markup=False, emoji=False
+    )
 
 
 def stdout() -> Console:
@@ -94,30 +101,8 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def module_label(name: str) -> str:
-    return ROOT_LABEL if name == "" else name
-
-
-def percent(fraction: float) -> str:
-    if fraction == 0:
-        return "0%"
-    return f"{100 * fraction:.3g}%"
-
-
-def scale_text(log2_scale: int | None) -> str:
-    if log2_scale is None:
-        return "none"
-    value = math.ldexp(1.0, log2_scale)
-    plain = f"{int(value)}" if log2_scale >= 0 and log2_scale < 53 else f"{value:.4g}"
-    return f"2^{log2_scale} = {plain}"
-
-
 def magnitude(value: float) -> str:
     return "0" if value == 0 else f"{value:.3g}"
-
-
-def count(value: int) -> str:
-    return f"{int(value):,}"
 
 
 # -- formats ---------------------------------------------------------------
@@ -302,27 +287,28 @@ def recommendation(rec: Recommendation) -> None:
 
 # -- gate ------------------------------------------------------------------
 def gate(result: GateResult) -> None:
+    """The verdict line, then every reason the gate failed (decided by the gate)."""
     console = stdout()
     verdict = "PASS" if result.passed else "FAIL"
+    lost = (
+        f", lost {percent(result.lost_fraction)} of {count(result.shadow_nonzero)} live values"
+        if result.shadow_nonzero
+        else ""
+    )
     console.print(
         f"{verdict}: {result.format} at S = {scale_text(result.log2_scale)} "
         f"({result.scale_source}): underflow {percent(result.underflow_fraction)} of "
         f"{count(result.nonzero)} nonzero backward values (limit "
-        f"{percent(result.max_underflow)}), overflow {count(result.overflow)}."
+        f"{percent(result.max_underflow)}), overflow {count(result.overflow)}{lost}."
     )
-    if not result.complete:
-        allowed = (
-            "allowed by --allow-incomplete"
-            if result.incomplete_allowed
-            else ("which fails the gate; pass --allow-incomplete to judge it anyway")
-        )
-        console.print(f"  The report is incomplete (its run was interrupted), {allowed}.")
-    for offender in result.offenders:
+    if not result.complete and result.incomplete_allowed:
         console.print(
-            f"  {module_label(offender['module'])}: underflow "
-            f"{percent(offender['underflow_fraction'])} ({count(offender['underflow'])} of "
-            f"{count(offender['nonzero'])}), overflow {count(offender['overflow'])}"
+            "  The report is incomplete (its run was interrupted), allowed by --allow-incomplete."
         )
+    if (result.nonfinite or result.nonfinite_loss_steps) and result.nonfinite_allowed:
+        console.print("  inf/NaN values were judged anyway, allowed by --allow-nonfinite.")
+    for failure in result.failures:
+        console.print(f"  {failure.reason}")
 
 
 # -- verify ----------------------------------------------------------------
@@ -369,13 +355,8 @@ def verification(result: Verification) -> None:
     )
     if result.passed:
         console.print(f"PASS: every parameter that changes in fp32 also changes in {result.amp}.")
-    elif result.skipped:
-        console.print(
-            f"FAIL: the {result.amp} step was skipped: its gradients held inf or NaN at this scale."
-        )
-    else:
-        stalled = ", ".join(result.stalled)
-        console.print(f"FAIL: these parameters change in fp32 but not in {result.amp}: {stalled}.")
+    for reason in result.reasons:
+        console.print(f"FAIL: {reason}.")
 
 
 # -- scan ------------------------------------------------------------------
@@ -415,6 +396,13 @@ def report_notes(report: Report, *, incomplete: bool = True) -> None:
     reason = report.incompleteness() if incomplete else None
     if reason is not None:
         sys.stderr.write(f"fpaudit: note: this report is incomplete: {reason}\n")
+    out_of_range = report.meta.get("out_of_range")
+    if isinstance(out_of_range, int) and out_of_range > 0:
+        sys.stderr.write(
+            f"fpaudit: note: {count(out_of_range)} recorded fp64 value(s) lay outside fp32's "
+            "range (nonzero below 2^-149, or finite above fp32's max): they are binned as zero "
+            "or inf, so the counts do not include them as nonzero values\n"
+        )
     inexact = report.inexact_scales()
     if inexact:
         shown = ", ".join(f"{s:g}" for s in inexact[:3]) + (", ..." if len(inexact) > 3 else "")
@@ -448,8 +436,10 @@ def scan_summary(
     console.print(f"Scanned {steps} step(s){captured_text}; report written to {path}")
     if forward_problems:
         console.print(
-            f"[red]{forward_problems} step(s) had a non-finite loss[/red]: recorded as forward "
-            "problems; their backward values are not counted."
+            Text.assemble(
+                (f"{forward_problems} step(s) had a non-finite loss", "red"),
+                ": recorded as forward problems; their backward values are not counted.",
+            )
         )
         if first_nonfinite:
             console.print(
@@ -527,8 +517,13 @@ def findings(items: Sequence[dict[str, Any]], console: Console | None = None) ->
         where = f"{item['file']}:{item['line']}"
         steps = _steps_list(item["steps"], item["count"])
         console.print(
-            f"  [{colour}]{item['severity']}[/{colour}] {where} [bold]{item['code']}[/bold]: "
-            f"{item['message']} (in {item['count']} step(s): {steps})"
+            Text.assemble(
+                "  ",
+                (str(item["severity"]), colour),
+                f" {where} ",
+                (str(item["code"]), "bold"),
+                f": {item['message']} (in {item['count']} step(s): {steps})",
+            )
         )
 
 
@@ -568,7 +563,7 @@ def scale_lines(steps: pd.DataFrame) -> list[str]:
     ]
 
 
-def drift_lines(result: Drift) -> list[str]:
+def drift_lines(result: Drift) -> list[str | Text]:
     judged = [w for w in result.windows if w.log2_scale is not None]
     if len(judged) < 2:
         return []
@@ -583,7 +578,7 @@ def drift_lines(result: Drift) -> list[str]:
     if not result.warn:
         return [text + "."]
     return [
-        f"[yellow]{text}: more than {result.threshold_binades}.[/yellow]",
+        Text(f"{text}: more than {result.threshold_binades}.", style="yellow"),
         "  A static scale calibrated on a few steps would be wrong elsewhere in the run; "
         "calibrate on the whole run (as this recommendation does) or use a dynamic scaler.",
     ]
@@ -613,8 +608,8 @@ def run_summary(
         for line in recommendation_lines(rec):
             console.print(line)
     if drift_result is not None:
-        for line in drift_lines(drift_result):
-            console.print(line)
+        for drift_line in drift_lines(drift_result):
+            console.print(drift_line)
 
 
 def steps_view(report: Any, limit: int, items: Sequence[dict[str, Any]]) -> None:
@@ -647,7 +642,7 @@ def steps_view(report: Any, limit: int, items: Sequence[dict[str, Any]]) -> None
             f"{row.loss:.4g}",
             power(row.loss_scale),
             power(row.scale_after),
-            "[red]skipped[/red]" if row.skipped else "",
+            Text("skipped", style="red") if row.skipped else "",
             norm,
             "" if math.isnan(row.grad_amax) else f"{row.grad_amax:.3g}",
             str(row.backward_calls),
@@ -703,8 +698,11 @@ def simulation(result: Simulation) -> None:
         console.print("The replayed trajectory equals the real run's, step for step.")
     if trajectory.aborted_at is not None:
         console.print(
-            f"[yellow]{policy.name} would have stopped the run at step "
-            f"{trajectory.aborted_at}: an overflow at the minimum scale.[/yellow]"
+            Text(
+                f"{policy.name} would have stopped the run at step "
+                f"{trajectory.aborted_at}: an overflow at the minimum scale.",
+                style="yellow",
+            )
         )
     for note in result.notes:
         console.print(f"Note: {note}")

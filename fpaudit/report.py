@@ -44,7 +44,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fpaudit import layout
+from fpaudit import config, layout
 from fpaudit.errors import ReportError
 from fpaudit.origins import COLUMNS as ORIGIN_COLUMNS
 from fpaudit.origins import TABLE_NAME as ORIGINS_TABLE
@@ -78,6 +78,13 @@ __all__ = [
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 META_FILE = "meta.json"
+# A reader trusts nothing it has not checked: meta.json is read only up to this size
+# (a model of 100,000 modules needs a few MB) and this nesting depth (fpaudit writes 3).
+MAX_META_BYTES = 64 << 20
+MAX_META_DEPTH = 32
+_INT32_MAX = 2**31 - 1  # steps are int32 in the tables
+_MAX_RANKS = 2**15  # ranks are int16 in the tables
+_FP32_MAX = float(np.finfo(np.float32).max)
 
 _ARROW_TYPES = {
     "int8": pa.int8(),
@@ -408,14 +415,32 @@ def _replace_dir(staging: Path, target: Path) -> None:
 
 def _read_meta(root: Path) -> dict[str, Any]:
     meta_file = root / META_FILE
+    if meta_file.is_symlink():
+        raise ReportError(f"{meta_file} is a symbolic link; a report's files must be its own")
     if not meta_file.is_file():
         raise ReportError(f"{root} is not an fpaudit report (no {META_FILE})")
     try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        with meta_file.open("rb") as handle:
+            data = handle.read(MAX_META_BYTES + 1)
+    except OSError as error:
+        raise ReportError(f"{meta_file}: cannot read ({error.strerror or error})") from None
+    if len(data) > MAX_META_BYTES:
+        raise ReportError(
+            f"{meta_file}: larger than {MAX_META_BYTES >> 20} MiB, more than any report's "
+            "metadata; refusing to read it"
+        )
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ReportError(f"{meta_file}: corrupt metadata (nested too deeply)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ReportError(f"{meta_file}: corrupt metadata ({error})") from None
     if not isinstance(meta, dict):
         raise ReportError(f"{meta_file}: corrupt metadata (not a JSON object)")
+    if _depth(meta) > MAX_META_DEPTH:
+        raise ReportError(
+            f"{meta_file}: corrupt metadata (nested deeper than {MAX_META_DEPTH} levels)"
+        )
     version = meta.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise ReportError(f"{meta_file}: no valid schema_version")
@@ -432,9 +457,22 @@ def _read_meta(root: Path) -> dict[str, Any]:
     if not isinstance(files, dict):
         raise ReportError(f"{meta_file}: corrupt metadata (no file list)")
     _check_meta_types(meta, meta_file)
-    if meta.get("ranks", 1) < 1:
-        raise ReportError(f"{meta_file}: ranks must be at least 1")
+    _check_meta_values(meta, meta_file)
     return meta
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects (iteratively: no recursion to exhaust)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            if level > MAX_META_DEPTH:
+                break
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def rank_prefix(rank: int) -> str:
@@ -468,6 +506,9 @@ def _read_table(
     entry = meta["files"].get(f"{prefix}{name}.parquet")
     if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
         raise ReportError(f"{root / META_FILE}: no checksum for {file.name}")
+    for part in (file.parent, file) if prefix else (file,):
+        if part.is_symlink():
+            raise ReportError(f"{part} is a symbolic link; a report's files must be its own")
     if not file.is_file():
         raise ReportError(f"{file} is missing")
     if _sha256(file) != entry["sha256"]:
@@ -494,6 +535,9 @@ def _read_table(
         raise ReportError(f"{file} is corrupt ({type(error).__name__}: {error})") from None
     if table.num_rows != entry.get("rows"):
         raise ReportError(f"{file} has {table.num_rows} rows, metadata says {entry.get('rows')}")
+    # Schema metadata is the writer's word, not data: pandas would act on a "pandas" entry
+    # (index columns, dtypes, extension types), so it is dropped before conversion.
+    table = table.replace_schema_metadata(None)
     return table.to_pandas(split_blocks=True, self_destruct=True)  # no second copy
 
 
@@ -608,6 +652,102 @@ def _check_meta_types(meta: dict[str, Any], meta_file: Path) -> None:
         listed = key in ("modules", "formats") and key in meta
         if listed and not all(isinstance(item, str) for item in meta[key]):
             raise ReportError(f"{meta_file}: {key} must be a list of strings")
+
+
+def _check_meta_values(meta: dict[str, Any], meta_file: Path) -> None:
+    """Every number a reader uses lies in its range, and the findings, training and
+    scaler blocks have the shape their readers expect; each message names the field."""
+
+    def fail(field: str, problem: str) -> ReportError:
+        return ReportError(f"{meta_file}: {field} {problem}")
+
+    def whole(field: str, value: Any, low: int, high: int, *, none: bool = False) -> None:
+        if value is None and none:
+            return
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise fail(field, f"must be a whole number, got {_shown(value)}")
+        if not low <= value <= high:
+            raise fail(field, f"{_shown(value)} out of range {low}..{high}")
+
+    def number(field: str, value: Any, low: float, high: float) -> None:
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise fail(field, f"must be a number, got {_shown(value)}")
+        if not (math.isfinite(value) and low <= value <= high):
+            raise fail(field, f"{_shown(value)} out of range {low:g}..{high:g}")
+
+    def text(field: str, value: Any) -> None:
+        if not isinstance(value, str):
+            raise fail(field, f"must be a string, got {_shown(value)}")
+
+    bounds = {
+        "headroom_bits": (0, config.MAX_HEADROOM_BITS),
+        "steps": (0, _INT32_MAX),
+        "steps_run": (0, _INT32_MAX),
+        "every": (1, _INT32_MAX),
+        "ranks": (1, _MAX_RANKS),
+        "world_size": (1, _MAX_RANKS),
+        "out_of_range": (0, 2**62),
+    }
+    for key, (low, high) in bounds.items():
+        if key in meta:
+            whole(key, meta[key], low, high)
+    if "steps_requested" in meta:
+        whole("steps_requested", meta["steps_requested"], 0, _INT32_MAX, none=True)
+    if meta.get("loss_scale") is not None:
+        number("loss_scale", meta["loss_scale"], 2.0**-149, _FP32_MAX)
+    for key in ("amp", "amp_dtype", "command"):
+        if meta.get(key) is not None:
+            text(key, meta[key])
+    selection = meta.get("selection")
+    globs = selection.values() if isinstance(selection, dict) else [None]
+    if selection is not None and not all(
+        isinstance(v, list) and all(isinstance(p, str) for p in v) for v in globs
+    ):
+        raise fail("selection", "must map option names to lists of glob strings")
+    for index, item in enumerate(meta.get("findings") or []):
+        where = f"findings[{index}]"
+        if not isinstance(item, dict):
+            raise fail(where, f"must be an object, got {_shown(item)}")
+        for key in ("code", "file", "message", "severity"):
+            text(f"{where}.{key}", item.get(key))
+        whole(f"{where}.line", item.get("line"), 0, _INT32_MAX)
+        whole(f"{where}.count", item.get("count"), 0, _INT32_MAX)
+        steps = item.get("steps")
+        if not isinstance(steps, list):
+            raise fail(f"{where}.steps", f"must be a list of steps, got {_shown(steps)}")
+        for step in steps:
+            whole(f"{where}.steps", step, 0, _INT32_MAX)
+    training = meta.get("training")
+    if training is not None:
+        for key in (
+            "steps",
+            "skipped",
+            "calibration_steps",
+            "steps_after_calibration",
+            "skipped_after_calibration",
+        ):
+            whole(f"training.{key}", training.get(key), 0, _INT32_MAX)
+        number(
+            "training.skip_rate_after_calibration",
+            training.get("skip_rate_after_calibration"),
+            0.0,
+            1.0,
+        )
+    scaler = meta.get("scaler")
+    if scaler is not None:
+        text("scaler.class", scaler.get("class"))
+        number("scaler.init_scale", scaler.get("init_scale"), 2.0**-149, _FP32_MAX)
+        number("scaler.growth_factor", scaler.get("growth_factor"), 0.0, _FP32_MAX)
+        number("scaler.backoff_factor", scaler.get("backoff_factor"), 0.0, _FP32_MAX)
+        whole("scaler.growth_interval", scaler.get("growth_interval"), 0, _INT32_MAX)
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message: short, whatever it is."""
+    text = json.dumps(value) if not isinstance(value, float) else f"{value:g}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**6:
+        text = f"{float(value):g}"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def frame(columns: dict[str, Any], schema: pa.Schema, names: Sequence[str] = ()) -> pd.DataFrame:

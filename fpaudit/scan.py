@@ -141,6 +141,7 @@ def scan(
         shadow=options.shadow,
         origins=options.origins,
     )
+    options.selection.check_modules(audit.module_names)  # a typo fails before any step
     amp_dtype = AMP_DTYPES[options.amp] if options.amp is not None else None
 
     def autocast() -> contextlib.AbstractContextManager[Any]:
@@ -175,6 +176,8 @@ def scan(
                 with modelfile.user_code(path, "backward"):
                     torch.autograd.backward(loss, grad_tensors=seed)
                 summary = audit.step(loss=loss, index=step) if captured else None
+                if captured and step == 0:  # the ops are known once a backward ran
+                    options.selection.check_ops(audit.seen_ops())
             if summary is not None:
                 loss_value, healthy = (
                     summary.loss,

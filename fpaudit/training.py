@@ -463,6 +463,7 @@ class TrainingMonitor:
         if self.audit is None:
             self.audited_model = module
             self.audit = Audit(module, selection=self.options.selection, window=self.options.window)
+            self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
         elif module is not self.audited_model:
             return  # another model: only the first is audited
         self.audit.__enter__()

@@ -11,7 +11,10 @@ From identical weights and the same batch:
 Per parameter it reports the fraction of gradient elements that are nonzero in
 fp32 but zero after unscaling, the relative error against the fp32 gradient,
 and whether the parameter changed in each step. The check fails when the step
-was skipped or a parameter that changes in fp32 did not change.
+was skipped or a parameter that changes in fp32 did not change, and, as a
+verdict needs evidence, when the fp32 reference itself proves nothing: its loss
+or gradients hold inf or NaN, or no gradient element is nonzero (no backward
+reached a parameter).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class Verification:
     grad_norm_mixed: float  # the same, of the unscaled mixed-precision gradients
     optimizer: str
     parameters: list[ParameterCheck] = field(default_factory=list)
+    reference_nonzero: int = 0  # nonzero elements of the fp32 reference gradients
+    reference_finite: bool = True  # the fp32 loss and gradients are finite
 
     @property
     def stalled(self) -> list[str]:
@@ -63,8 +68,32 @@ class Verification:
         return [p.name for p in self.parameters if p.changed_fp32 and not p.changed_mixed]
 
     @property
+    def reasons(self) -> list[str]:
+        """Every reason the check failed, one line each; empty when it passed."""
+        reasons = []
+        if not self.reference_finite:
+            reasons.append(
+                "the fp32 reference step holds inf or NaN (loss or gradients): there is "
+                "nothing sound to compare with"
+            )
+        if self.reference_nonzero == 0:
+            reasons.append(
+                "measured nothing: no fp32 reference gradient element is nonzero (did the "
+                "loss reach any parameter?), so no parameter can be seen to stall"
+            )
+        if self.skipped:
+            reasons.append(
+                f"the {self.amp} step was skipped: its gradients held inf or NaN at this scale"
+            )
+        if self.stalled:
+            reasons.append(
+                f"these parameters change in fp32 but not in {self.amp}: {', '.join(self.stalled)}"
+            )
+        return reasons
+
+    @property
     def passed(self) -> bool:
-        return not self.skipped and not self.stalled
+        return not self.reasons
 
     @property
     def lost_fraction(self) -> float:
@@ -75,7 +104,7 @@ class Verification:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: inf and NaN (a skipped step's norms, an error against zero) are None."""
         data = _finite_or_none(asdict(self))
-        data.update(passed=self.passed, stalled=self.stalled)
+        data.update(passed=self.passed, stalled=self.stalled, reasons=self.reasons)
         return data
 
 
@@ -161,6 +190,10 @@ def verify(
     with modelfile.user_code(path, "backward"):
         loss.backward()
     fp32_grads = _gradients(reference)
+    reference_finite = bool(torch.isfinite(loss.detach()).all()) and all(
+        bool(torch.isfinite(g).all()) for g in fp32_grads.values()
+    )
+    reference_nonzero = sum(int(torch.count_nonzero(g)) for g in fp32_grads.values())
     before = _weights(reference)
     clip(reference)
     with modelfile.user_code(path, "optimizer.step()"):
@@ -223,4 +256,6 @@ def verify(
         grad_norm_mixed=_total_norm(mixed_grads),
         optimizer=type(optimizer).__name__,
         parameters=checks,
+        reference_nonzero=reference_nonzero,
+        reference_finite=reference_finite,
     )

@@ -168,7 +168,10 @@ def test_all_zero_gradients_get_a_clear_answer() -> None:
     assert rec.log2_scale is None and rec.scale is None
     assert rec.limited_by == "no nonzero values"
     result = gate(report, FORMATS["fp16"], 0.0)
-    assert result.passed and result.underflow_fraction == 0.0
+    # 0% underflow of 0 nonzero values proves nothing: the gate fails on evidence.
+    assert not result.passed and result.underflow_fraction == 0.0 and result.nonzero == 0
+    assert [f.kinds for f in result.failures] == [("nothing-measured",)]
+    assert result.failures[0].reason.startswith("measured nothing: ")
 
 
 def test_recommendation_is_monotone_in_headroom() -> None:

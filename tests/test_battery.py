@@ -130,6 +130,84 @@ def _first(value: object) -> Callable[[list], None]:
     return change
 
 
+def values_report(tensors: dict[str, list[float]], **meta: object) -> Callable[[Path], None]:
+    """A report whose backward records hold exactly these values (one record per module)."""
+
+    def setup(tmp: Path) -> None:
+        built = report_from({name: torch.tensor(values) for name, values in tensors.items()})
+        built.meta.update(meta)
+        built.write(tmp / "report")
+
+    return setup
+
+
+def both(*damages: Callable[[Path], None]) -> Callable[[Path], None]:
+    def damage(root: Path) -> None:
+        for one in damages:
+            one(root)
+
+    return damage
+
+
+def nest_in_meta(levels: int) -> Callable[[Path], None]:
+    """Add a key nested ``levels`` lists deep to meta.json, as text (no recursion here)."""
+
+    def damage(root: Path) -> None:
+        text = (root / "meta.json").read_text()
+        (root / "meta.json").write_text(
+            '{"deep": ' + "[" * levels + "]" * levels + ", " + text.lstrip()[1:]
+        )
+
+    return damage
+
+
+def grow_meta(size: int) -> Callable[[Path], None]:
+    def damage(root: Path) -> None:
+        os.truncate(root / "meta.json", size)  # sparse: no disk used
+
+    return damage
+
+
+def pandas_metadata(root: Path) -> None:
+    """Put a hostile ``pandas`` entry in records.parquet's schema metadata (checksum kept valid)."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(root / "records.parquet")
+    hostile = b'{"index_columns": ["no_such_column"], "columns": [{"name": "kind", "pandas_type": "categorical", "numpy_type": "int99", "metadata": null}], "pandas_version": "99"}'
+    pq.write_table(table.replace_schema_metadata({b"pandas": hostile}), root / "records.parquet")
+    meta = json.loads((root / "meta.json").read_text())
+    meta["files"]["records.parquet"]["sha256"] = hashlib.sha256(
+        (root / "records.parquet").read_bytes()
+    ).hexdigest()
+    (root / "meta.json").write_text(json.dumps(meta))
+
+
+def symlinked(name: str) -> Callable[[Path], None]:
+    """Move ``name`` out of the report and leave a symbolic link to it in its place."""
+
+    def damage(root: Path) -> None:
+        outside = root.parent / f"outside-{name}"
+        (root / name).rename(outside)
+        (root / name).symlink_to(outside)
+
+    return damage
+
+
+TRAIN = """import torch
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    optimizer.zero_grad()
+    model(torch.ones(3, 2)).sum().backward()
+    optimizer.step()
+"""
+
+SCALER = {"class": "torch.amp.GradScaler", "init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+          "growth_interval": 2000}  # fmt: skip
+
+
 def locked(tmp: Path) -> None:
     (tmp / "model.py").write_text(GOOD)
 
@@ -213,7 +291,7 @@ CASES: list[Case] = [
     # -- flags ----------------------------------------------------------------------
     Case("--steps 0", ["scan", "{tmp}/model.py", "--steps", "0"], 2, "--steps must be at least 1, got 0", model(GOOD)),
     Case("--steps not a number", ["scan", "{tmp}/model.py", "--steps", "many"], 2, "Invalid value", model(GOOD)),
-    Case("negative --headroom-bits", ["scan", "{tmp}/model.py", "--headroom-bits", "-1"], 2, "--headroom-bits must be 0 or more", model(GOOD)),
+    Case("negative --headroom-bits", ["scan", "{tmp}/model.py", "--headroom-bits", "-1"], 2, "--headroom-bits must be between 0 and 64, got -1", model(GOOD)),
     Case("--loss-scale nan", ["scan", "{tmp}/model.py", "--loss-scale", "nan"], 2, "--loss-scale must be a positive number, got nan", model(GOOD)),
     Case("--loss-scale not a power of two", ["scan", "{tmp}/model.py", "--loss-scale", "1000"], 2,
          "nearest are 512 (2^9) and 1024 (2^10)", model(GOOD)),
@@ -259,7 +337,7 @@ CASES: list[Case] = [
          "--scale 'lots' is not a number", report()),
     Case("unknown --kind", ["show", "{tmp}/report", "--kind", "weights"], 2, "--kind must be backward, grad or forward", report()),
     Case("incomplete report at the gate", ["gate", "{tmp}/report", "--max-underflow", "1"], 1,
-         "The report is incomplete", report(complete=False, stopped_by="SIGINT", steps_run=2, steps_requested=9)),
+         "the report is incomplete", report(complete=False, stopped_by="SIGINT", steps_run=2, steps_requested=9)),
     Case("unknown command", ["audit"], 2, "No such command 'audit'"),
     # -- training scripts (fpaudit run) ---------------------------------------------------
     Case("training script missing", ["run", "--out", "{tmp}/r", "--", "{tmp}/train.py"], 2, "training script <tmp>/train.py does not exist"),
@@ -296,10 +374,54 @@ CASES: list[Case] = [
          "--junit: directory <tmp>/no does not exist", report()),
     Case("report of 2 ranks missing a part", ["show", "{tmp}/report"], 2, "rank-00001/records.parquet is missing",
          ranked_report(lambda root: shutil.rmtree(root / "rank-00001"))),
-    Case("report of 0 ranks", ["show", "{tmp}/report"], 2, "ranks must be at least 1",
+    Case("report of 0 ranks", ["show", "{tmp}/report"], 2, "ranks 0 out of range 1..32768",
          ranked_report(edit_meta(lambda m: m.update(ranks=0)))),
     Case("report with a negative loss scale", ["show", "{tmp}/report"], 2,
          "loss_scale must be a positive number in fp32 range", report(edit_records("loss_scale", _first(-1.0)))),
+    # -- evidence: the gate passes only what was measured ------------------------------
+    Case("--module with a typo", ["scan", "{tmp}/model.py", "--module", "linaer", "--out", "{tmp}/r"], 2,
+         "--module 'linaer' matches no module of the model", model(GOOD)),
+    Case("--exclude-module '*'", ["scan", "{tmp}/model.py", "--exclude-module", "*", "--out", "{tmp}/r"], 2,
+         "the selection --exclude-module '*' leaves no module of the model to measure", model(GOOD)),
+    Case("--op with a typo", ["scan", "{tmp}/model.py", "--op", "aten.mmm.*", "--out", "{tmp}/r"], 2,
+         "--op 'aten.mmm.*' matches no backward op of the model (closest: aten.mm.default", model(GOOD)),
+    Case("run --module with a typo", ["run", "--module", "lineer", "--capture-every", "1", "--out", "{tmp}/r", "--", "{tmp}/train.py"],
+         2, "--module 'lineer' matches no module of the model", model(TRAIN, "train.py")),
+    Case("gate on a report of zeros", ["gate", "{tmp}/report", "--max-underflow", "0.01"], 1,
+         "measured nothing", values_report({"a": [0.0, 0.0, -0.0]})),
+    Case("gate on inf/NaN values only", ["gate", "{tmp}/report", "--max-underflow", "0.01"], 1,
+         "measured nothing", values_report({"a": [float("inf"), float("nan")]})),
+    Case("gate on some inf/NaN values", ["gate", "{tmp}/report", "--max-underflow", "0.01"], 1,
+         "2 backward value(s) in scope are inf or NaN", values_report({"a": [1.0, float("inf"), float("nan")]})),
+    Case("gate on some inf/NaN values, --allow-nonfinite", ["gate", "{tmp}/report", "--max-underflow", "0.01", "--allow-nonfinite"], 0,
+         "PASS", values_report({"a": [1.0, float("inf"), float("nan")]})),
+    Case("gate on values the device lost (live --shadow)", ["gate", "{tmp}/report", "--max-underflow", "0.01"], 1,
+         "the device lost 100% of its values at the run's loss scale (4 of 4",
+         report(both(edit_records("shadow_nonzero", _first(4)), edit_records("lost", _first(4))))),
+    Case("gate on no completed step, --allow-incomplete", ["gate", "{tmp}/report", "--max-underflow", "1", "--allow-incomplete"], 1,
+         "the report holds no completed step", report(complete=False, stopped_by="SIGINT", steps_run=0, steps_requested=9)),
+    Case("--junit inside the report", ["gate", "{tmp}/report", "--max-underflow", "1", "--junit", "{tmp}/report/j.xml"], 2,
+         "--junit <tmp>/report/j.xml is inside the report <tmp>/report", report()),
+    # -- reports are validated before they are trusted -----------------------------------
+    Case("absurd headroom_bits in meta.json", ["recommend", "{tmp}/report"], 2, "meta.json: headroom_bits 1e+30 out of range 0..64",
+         report(edit_meta(lambda m: m.update(headroom_bits=10**30)))),
+    Case("absurd steps_run in meta.json", ["gate", "{tmp}/report", "--max-underflow", "1"], 2,
+         "meta.json: steps_run -1 out of range 0..2147483647", report(edit_meta(lambda m: m.update(steps_run=-1)))),
+    Case("meta.json nested 100,000 deep", ["show", "{tmp}/report"], 2, "corrupt metadata (nested too deeply)", report(nest_in_meta(100_000))),
+    Case("meta.json nested 100 deep", ["show", "{tmp}/report"], 2, "corrupt metadata (nested deeper than 32 levels)",
+         report(nest_in_meta(100))),
+    Case("meta.json of 65 MiB", ["show", "{tmp}/report"], 2, "meta.json: larger than 64 MiB", report(grow_meta(65 << 20))),
+    Case("pandas entry in the Parquet schema metadata", ["show", "{tmp}/report"], 0, "backward values per module",
+         report(pandas_metadata)),
+    Case("symbolic link inside the report", ["show", "{tmp}/report"], 2, "records.parquet is a symbolic link",
+         report(symlinked("records.parquet"))),
+    Case("meta.json is a symbolic link", ["show", "{tmp}/report"], 2, "meta.json is a symbolic link", report(symlinked("meta.json"))),
+    Case("malformed findings", ["show", "{tmp}/report", "--steps"], 2, "meta.json: findings[0].line must be a whole number, got \"ten\"",
+         report(findings=[{"code": "x", "file": "t.py", "line": "ten", "message": "m", "severity": "error", "steps": [], "count": 1}])),
+    Case("malformed training block", ["show", "{tmp}/report", "--steps"], 2, "meta.json: training.skipped must be a whole number, got null",
+         report(training={"steps": 1})),
+    Case("malformed scaler block", ["simulate", "{tmp}/report"], 2, "meta.json: scaler.init_scale -1 out of range",
+         report(scaler={**SCALER, "init_scale": -1.0})),
     Case("plot without -o", ["plot", "{tmp}/report"], 2, "plot needs -o FILE.png or -o FILE.svg", report()),
     Case("plot into a .bmp", ["plot", "{tmp}/report", "-o", "{tmp}/r.bmp"], 2, "-o must end in .png or .svg", report()),
     Case("plot onto a directory", ["plot", "{tmp}/report", "-o", "{tmp}/d.png"], 2, "d.png is a directory",

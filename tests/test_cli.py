@@ -209,7 +209,7 @@ def test_missing_and_unreadable_model_file(cli, tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--steps", "0"], "--steps must be at least 1, got 0"),
-        (["--headroom-bits", "-1"], "--headroom-bits must be 0 or more"),
+        (["--headroom-bits", "-1"], "--headroom-bits must be between 0 and 64"),
         (["--format", "fp9"], "unknown format 'fp9'; known: fp16, bf16, fp8_e4m3fn, fp8_e5m2"),
         (
             ["--loss-scale", "1000"],
@@ -257,7 +257,10 @@ def test_cuda_requested_without_cuda(cli, tmp_path: Path) -> None:
         (["show", "{report}", "--scale", "lots"], "--scale 'lots' is not a number"),
         (["show", "{report}", "--kind", "weights"], "--kind must be backward, grad or forward"),
         (["show", "{report}", "--top", "0"], "--top must be at least 1"),
-        (["recommend", "{report}", "--headroom-bits", "-2"], "--headroom-bits must be 0 or more"),
+        (
+            ["recommend", "{report}", "--headroom-bits", "-2"],
+            "--headroom-bits must be between 0 and 64",
+        ),
         (["gate", "{report}"], "gate needs --max-underflow"),
         (["gate", "{report}", "--max-underflow", "2"], "between 0 and 1"),
         (["gate", "{report}", "--max-underflow", "nan"], "between 0 and 1"),
@@ -298,7 +301,7 @@ def test_corrupt_and_future_reports(cli, mlp_report: Path, tmp_path: Path) -> No
         ("[scan]\nmax_underflow = 0.1", "unknown key 'max_underflow' in [scan]"),
         ("[scan]\nsteps = 'ten'", "[scan] steps must be an integer"),
         ("[scan]\nsteps = 0", "--steps must be at least 1"),
-        ("headroom_bits = -3", "--headroom-bits must be 0 or more"),
+        ("headroom_bits = -3", "--headroom-bits must be between 0 and 64"),
     ],
 )
 def test_bad_config_files(cli, tmp_path: Path, text: str, message: str) -> None:

@@ -1,0 +1,33 @@
+"""How numbers and names are written in words: plain functions, no rich, no I/O.
+
+Shared by the renderings (``render``, ``ci``, ``plot``) and by the library's
+one-line verdicts (``gating``), so that a number reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+ROOT_LABEL = "(root)"
+
+
+def module_label(name: str) -> str:
+    return ROOT_LABEL if name == "" else name
+
+
+def percent(fraction: float) -> str:
+    if fraction == 0:
+        return "0%"
+    return f"{100 * fraction:.3g}%"
+
+
+def scale_text(log2_scale: int | None) -> str:
+    if log2_scale is None:
+        return "none"
+    value = math.ldexp(1.0, log2_scale)
+    plain = f"{int(value)}" if log2_scale >= 0 and log2_scale < 53 else f"{value:.4g}"
+    return f"2^{log2_scale} = {plain}"
+
+
+def count(value: int) -> str:
+    return f"{int(value):,}"
