@@ -40,6 +40,7 @@ import fnmatch
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -49,7 +50,6 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fpaudit import _signals, histogram
 from fpaudit.records import (
@@ -181,6 +181,25 @@ def _float_tensors(output: Any) -> Iterator[tuple[int, torch.Tensor]]:
 
 
 _IS_VIEW: dict[torch._ops.OpOverload, bool] = {}
+_WRITTEN: dict[torch._ops.OpOverload, tuple[tuple[int, str], ...]] = {}
+
+
+def _written(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> Iterator[torch.Tensor]:
+    """The tensors a mutable op wrote: its outputs, and arguments its schema marks as
+    written (``_foreach_*_`` ops return nothing)."""
+    yield from _tensors(output)
+    positions = _WRITTEN.get(func)
+    if positions is None:
+        positions = _WRITTEN[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    for index, name in positions:
+        value = args[index] if index < len(args) else kwargs.get(name)
+        yield from _tensors(value)
 
 
 def creates_new_values(func: torch._ops.OpOverload, args: tuple[Any, ...], output: Any) -> bool:
@@ -199,6 +218,20 @@ def creates_new_values(func: torch._ops.OpOverload, args: tuple[Any, ...], outpu
     return True
 
 
+# Dtypes whose values cannot carry a loss scale (indices, masks, counters).
+_UNSCALABLE = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+)
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage behind ``tensor`` and all its views, or None for storage-less tensors."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 class _Provenance:
     """Which backward values do not scale with the loss ("fixed" values).
 
@@ -207,32 +240,57 @@ class _Provenance:
     for one, computes ``2 * x`` from the saved input before multiplying by the
     incoming gradient; that intermediate stays put whatever the scale.
 
-    Saved forward values and parameters reach backward with
-    ``requires_grad=True``; everything backward creates (the loss seed, the
-    gradients) has ``requires_grad=False`` (unless ``create_graph``). So a
-    backward output is fixed when every tensor it was computed from requires
-    grad or is itself fixed. Fixed backward outputs are rare and remembered
-    here, by weak reference.
+    The rule follows data, not tensor objects. Saved forward values and
+    parameters reach backward with ``requires_grad=True``; everything backward
+    creates has ``requires_grad=False`` (unless ``create_graph``). A floating
+    tensor is fixed when it requires grad or its *storage* is marked fixed; an
+    op's outputs are fixed when none of its floating inputs is scaled (integer
+    and bool inputs, indices and masks, carry no scale), and their storages are
+    then marked. An op that writes in place with a scaled input (``add_``,
+    ``copy_``, ``index_put_``, through any view) unmarks the storage it wrote,
+    so a zero buffer filled through ``select``/``slice`` views with gradients
+    (``pack_padded_sequence``'s backward) is scaled, and so is everything read
+    from it. Fixed storages are rare and remembered here by weak reference
+    (Python keeps one object per storage, shared by all its views).
     """
 
     def __init__(self) -> None:
-        self._fixed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._fixed: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def _forget(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+        if self._fixed.get(key) is ref:  # not a newer storage that reused the id
+            del self._fixed[key]
+
+    def is_fixed(self, tensor: torch.Tensor) -> bool:
+        if tensor.requires_grad or tensor.dtype in _UNSCALABLE:
+            return True
+        if not self._fixed:
+            return False
+        storage = _storage(tensor)
+        ref = self._fixed.get(id(storage))
+        return ref is not None and ref() is storage
 
     def all_fixed(self, tensors: Iterator[torch.Tensor]) -> bool:
-        if not self._fixed:  # the common case: skip building a weak reference per lookup
-            return all(t.requires_grad for t in tensors)
-        return all(t.requires_grad or t in self._fixed for t in tensors)
+        if not self._fixed:  # the common case: no storage lookups
+            return all(t.requires_grad or t.dtype in _UNSCALABLE for t in tensors)
+        return all(self.is_fixed(t) for t in tensors)
 
     def mark(self, tensors: Iterator[torch.Tensor]) -> None:
         for tensor in tensors:
-            self._fixed[tensor] = True
+            storage = _storage(tensor)
+            key = id(storage)
+            if storage is not None and key not in self._fixed:
+                self._fixed[key] = weakref.ref(storage, lambda r, k=key: self._forget(k, r))
 
     def has_fixed(self) -> bool:
         return bool(self._fixed)
 
     def unmark(self, tensors: Iterator[torch.Tensor]) -> None:
         for tensor in tensors:
-            self._fixed.pop(tensor, None)
+            self._fixed.pop(id(_storage(tensor)), None)
+
+    def clear(self) -> None:
+        self._fixed.clear()
 
 
 # Modules that wrappers insert between a model's modules: FSDP1's
@@ -400,7 +458,8 @@ class _BackwardMode(TorchDispatchMode):
         if fixed:
             self._provenance.mark(_tensors(output))
         elif self._provenance.has_fixed() and func._schema.is_mutable:
-            self._provenance.unmark(_tensors(output))  # e.g. grad += scaled value
+            # e.g. buffer[i].copy_(scaled value): the whole storage now carries the scale
+            self._provenance.unmark(_written(func, args, kwargs, output))
         if not creates_new_values(func, args, output):
             return output
         op = self._op_name(func)
@@ -719,6 +778,7 @@ class Audit:
             first = keys[int(np.argmax(scores))]
             first_nonfinite = f"{first.module or '(root)'} {first.op}"
         self._forward_ops = 0
+        self._provenance.clear()
         with _signals.deferred():  # a step is recorded whole or not at all
             self._builder.add_step(
                 records,
