@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import fnmatch
+import functools
 import math
 import threading
 import time
@@ -110,7 +111,7 @@ _NOT_VALUES = frozenset({"c10d", "_c10d_functional", "fsdp", "_dtensor"})
 _ENGINE_ENTRY = "_engine_run_backward"
 
 
-def _activate_during_backward(mode: TorchDispatchMode) -> Callable[[], None] | None:
+def _activate_during_backward(mode: _BackwardMode) -> Callable[[], None] | None:
     """Make ``mode`` active only while the autograd engine runs; return the undo.
 
     ``torch.autograd.backward`` and ``torch.autograd.grad`` both enter the
@@ -125,13 +126,22 @@ def _activate_during_backward(mode: TorchDispatchMode) -> Callable[[], None] | N
 
     def run_backward(*args: Any, **kwargs: Any) -> Any:
         if getattr(depth, "n", 0):  # nested backward (reentrant checkpoint): already on
-            return original(*args, **kwargs)
+            mode.enter_nested(current_autograd_node())
+            try:
+                return original(*args, **kwargs)
+            finally:
+                mode.exit_nested()
+        # torch.autograd.backward and .grad pass (outputs, grads, retain_graph, create_graph, ...)
+        create_graph = args[3] if len(args) > 3 else kwargs.get("create_graph", False)
         depth.n = 1
+        mode.grad_mode_means_recompute = not create_graph
+        mode.optimizer_steps = 0  # a step that raised never ran its post hook
         try:
             with mode:
                 return original(*args, **kwargs)
         finally:
             depth.n = 0
+            mode.grad_mode_means_recompute = False
 
     setattr(torch.autograd, _ENGINE_ENTRY, run_backward)
 
@@ -140,6 +150,23 @@ def _activate_during_backward(mode: TorchDispatchMode) -> Callable[[], None] | N
             setattr(torch.autograd, _ENGINE_ENTRY, original)
 
     return restore
+
+
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+_ACCUMULATING = frozenset({_aten.add.Tensor, _aten.add_.Tensor})
+
+
+def _accumulates(func: torch._ops.OpOverload, args: tuple[Any, ...], node: Any) -> bool:
+    """Whether an op run by an ``AccumulateGrad`` node adds into its parameter's ``.grad``
+    (the node's own work) rather than being a post-accumulate-grad hook's."""
+    if func not in _ACCUMULATING:
+        return func in _DATA_MOVEMENT or bool(func.is_view)  # the first gradient, kept as is
+    variable = getattr(node, "variable", None)
+    grad = getattr(variable, "grad", None)
+    if grad is None:
+        return False
+    target = _storage(grad)
+    return any(isinstance(a, torch.Tensor) and _storage(a) is target for a in args)
 
 
 def current_autograd_node() -> torch.autograd.graph.Node | None:
@@ -280,7 +307,7 @@ class _Provenance:
             storage = _storage(tensor)
             key = id(storage)
             if storage is not None and key not in self._fixed:
-                self._fixed[key] = weakref.ref(storage, lambda r, k=key: self._forget(k, r))
+                self._fixed[key] = weakref.ref(storage, functools.partial(self._forget, key))
 
     def has_fixed(self) -> bool:
         return bool(self._fixed)
@@ -436,6 +463,26 @@ class _BackwardMode(TorchDispatchMode):
         self._record: Recorder = audit.record
         self._op_names: dict[torch._ops.OpOverload, str] = {}
         self._unshadowable: set[torch._ops.OpOverload] = set()
+        self.grad_mode_means_recompute = False
+        self.optimizer_steps = 0  # optimizer steps running now (optimizer in backward)
+        self._owners: list[str] = []  # of the nested (reentrant checkpoint) backward passes
+
+    def enter_nested(self, node: torch.autograd.graph.Node | None) -> None:
+        """A backward inside backward: reentrant checkpointing runs the graph it rebuilt
+        from the node it replaces. That graph's ops outside every submodule (a checkpointed
+        method's own ops) belong to the module that called ``checkpoint``."""
+        owner = self._module_of(node) if node is not None else LOSS_MODULE
+        self._owners.append(owner)
+
+    def exit_nested(self) -> None:
+        if self._owners:
+            self._owners.pop()
+
+    def _module_of(self, node: torch.autograd.graph.Node) -> str:
+        module = self._clock.module_of(node)
+        if module == LOSS_MODULE and self._owners:
+            return self._owners[-1]
+        return module
 
     def _op_name(self, func: torch._ops.OpOverload) -> str:
         op = self._op_names.get(func)
@@ -451,8 +498,16 @@ class _BackwardMode(TorchDispatchMode):
             if self._audit._forward_active:
                 self._record_forward(func, args, output)
             return output
-        if self._clock.in_forward():
-            return output  # a checkpointed module recomputing its forward
+        if self._clock.in_forward() or (self.grad_mode_means_recompute and torch.is_grad_enabled()):
+            # Forward work in backward: activation checkpointing recomputing a module, a
+            # method or a function (the engine runs backward with grad mode off unless
+            # create_graph; checkpointing turns it on to rebuild the graph).
+            return output
+        node_name = node.name()
+        if self.optimizer_steps or (
+            node_name == _ACCUMULATE_GRAD and not _accumulates(func, args, node)
+        ):
+            return output  # a hook's work (an optimizer step, an EMA): not the model's gradient
         inputs = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
         fixed = self._provenance.all_fixed(inputs)
         if fixed:
@@ -463,8 +518,7 @@ class _BackwardMode(TorchDispatchMode):
         if not creates_new_values(func, args, output):
             return output
         op = self._op_name(func)
-        module = self._clock.module_of(node)
-        node_name = node.name()
+        module = self._module_of(node)
         places = [
             (self._record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor), tensor)
             for index, tensor in _float_tensors(output)
@@ -546,6 +600,30 @@ class Selection:
         return {k: list(v) for k, v in self.__dict__.items() if v}
 
 
+@contextmanager
+def _optimizer_steps_counted(mode: _BackwardMode) -> Iterator[None]:
+    """Count running optimizer steps (any optimizer, through torch's global step hooks),
+    so that an optimizer stepping inside backward is not recorded as backward values."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    def started(*_: Any) -> None:
+        mode.optimizer_steps += 1
+
+    def finished(*_: Any) -> None:
+        mode.optimizer_steps = max(mode.optimizer_steps - 1, 0)
+
+    pre = register_optimizer_step_pre_hook(started)
+    post = register_optimizer_step_post_hook(finished)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+
+
 def _rank() -> int:
     """This process's torch.distributed rank (0 when not distributed)."""
     import torch.distributed as dist
@@ -622,6 +700,7 @@ class Audit:
         try:
             self._clock.install(self.model, stack)
             mode = self._mode = _BackwardMode(self)
+            stack.enter_context(_optimizer_steps_counted(mode))
             restore = _activate_during_backward(mode) if self.backward_only else None
             if restore is not None:
                 stack.callback(restore)

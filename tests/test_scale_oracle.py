@@ -267,7 +267,7 @@ class PackedLSTMWithLoss(PackedLSTM):
     """The packed LSTM computing its own loss (Hugging Face style), so every backward op
     belongs to a module and counts for ``recommend``."""
 
-    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         logits = super().forward(ids, lengths)
         targets = ids[:, : logits.shape[1]].reshape(-1)
         return F.cross_entropy(logits.reshape(-1, 50), targets)
