@@ -672,6 +672,11 @@ class Audit:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise TypeError(
+                "audit() cannot hook a torch.jit.ScriptModule's modules; "
+                "audit the eager module (the one passed to torch.jit.script)"
+            )
         self.model = model
         self.loss_scale = loss_scale
         self.selection = selection
