@@ -202,9 +202,16 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _float_tensors(output: Any) -> Iterator[tuple[int, torch.Tensor]]:
+    """The floating-point tensors among an op's outputs, by position. A complex tensor
+    is given as its real and imaginary parts (``view_as_real``): two values of its
+    component dtype per element, which is what a cast to a low-precision format keeps."""
     for index, tensor in enumerate(_tensors(output)):
-        if tensor.is_floating_point() and tensor.layout == torch.strided and not tensor.is_meta:
+        if tensor.layout != torch.strided or tensor.is_meta:
+            continue
+        if tensor.is_floating_point():
             yield index, tensor
+        elif tensor.is_complex():
+            yield index, torch.view_as_real(tensor.resolve_conj())
 
 
 _IS_VIEW: dict[torch._ops.OpOverload, bool] = {}
@@ -787,7 +794,11 @@ class Audit:
     def _record_parameter_gradients(self) -> None:
         for name, param in self.model.named_parameters():
             grad = param.grad
-            if grad is None or not grad.is_floating_point() or grad.layout != torch.strided:
+            if grad is None or grad.layout != torch.strided:
+                continue
+            if grad.is_complex():
+                grad = torch.view_as_real(grad.resolve_conj())
+            elif not grad.is_floating_point():
                 continue
             module, _, param_name = name.rpartition(".")
             self.record(KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad)

@@ -76,6 +76,8 @@ class CastCounter(TorchDispatchMode):
             return output
         tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
         for index, tensor in enumerate(tensors):
+            if tensor.is_complex():  # a complex half cast keeps each part in fp16
+                tensor = torch.view_as_real(tensor.detach().resolve_conj())
             if not tensor.is_floating_point() or tensor.layout != torch.strided:
                 continue
             value = tensor.detach().to(torch.float32)
@@ -184,6 +186,40 @@ def slice_fill() -> tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.T
     return SliceFillModel, lambda model: model(x).square().mean()
 
 
+class SpectralFilter(nn.Module):
+    """A learned complex filter applied in the frequency domain: complex gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.filter = nn.Parameter(torch.randn(9, dtype=torch.complex64) * 1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(self.fc(x), dim=-1)
+        return torch.fft.irfft(spectrum * self.filter, n=16, dim=-1)
+
+
+def spectral() -> tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.Tensor]]:
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    return SpectralFilter, lambda model: model(x).square().mean()
+
+
+def test_complex_gradients_are_counted_by_their_parts() -> None:
+    make, loss_fn = spectral()
+    _, report = predicted(make, loss_fn)
+    records = report.records
+    mul = records[(records["node"] == "MulBackward0") & (records["kind"] == KIND_BACKWARD)]
+    # spectrum * filter: aten.mul gives each complex factor's gradient at 32 x 9 (one
+    # record, two calls: 2 * 32 * 9 * 2 parts = 1152), then aten.sum reduces the
+    # filter's to 9 elements (9 * 2 parts = 18)
+    assert dict(zip(mul["op"], mul["elements"], strict=True)) == {
+        "aten.mul.Tensor": 2 * 32 * 9 * 2,
+        "aten.sum.dim_IntList": 9 * 2,
+    }
+    grads = records[(records["kind"] == "grad") & (records["op"] == "filter")]
+    assert grads["elements"].tolist() == [9 * 2]
+
+
 def _sample(name: str) -> Any:
     spec = importlib.util.spec_from_file_location(f"_oracle_{name}", ROOT / "sample_configs" / name)
     assert spec is not None and spec.loader is not None
@@ -231,6 +267,7 @@ def hf(kind: str) -> tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.
 ZOO: dict[str, Callable[[], Any]] = {
     "packed_lstm": packed_lstm,
     "slice_fill": slice_fill,
+    "spectral": spectral,
     "mlp": lambda: sample("mlp.py"),
     "hf_gpt2": lambda: hf("gpt2"),
     "hf_bert": lambda: hf("bert"),
