@@ -201,3 +201,24 @@ def test_gradient_accumulation_is_still_recorded() -> None:
     assert set(accumulated["op"]) == {"aten.add_.Tensor"}
     # one add_ per parameter: 2 (inp) + 2 blocks * 5 + 2 (out) = 14 tensors
     assert int(accumulated["calls"].sum()) == 14
+
+
+def test_torch_compile_aot_eager_is_captured_and_attributed_like_eager() -> None:
+    """aot_eager runs the compiled backward graph op by op through aten, so the dispatch
+    mode sees every op and module hooks (a graph break each) still stamp the clock."""
+    x = torch.randn(64, 8)
+
+    def make() -> nn.Module:
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    eager = per_module(audited(make(), net_loss(x)))
+    model = make()
+    compiled = torch.compile(model, backend="aot_eager")
+    with fpaudit.audit(model) as audit:
+        loss = compiled(x).square().mean()
+        loss.backward()
+        audit.step(loss)
+    records = audit.report.records
+    assert "CompiledFunctionBackward" in set(records["node"])  # it really was compiled
+    assert per_module(audit.report) == eager
