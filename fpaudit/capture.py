@@ -18,19 +18,49 @@ and when a module's inputs do not require grad, where backward module hooks
 module of the model (the loss, other top-level code) belong to the pseudo-module
 ``LOSS_MODULE``.
 
+Whether a backward value scales with the loss (provenance) follows data, not
+tensor objects (``_Provenance``). Decided per op: its outputs are *fixed* (they
+do not move with the loss scale) when none of its floating inputs carries
+loss-scaled values; a tensor carries none when it requires grad (a saved forward
+value, a parameter) or its *storage* is marked fixed. Integer and bool inputs
+carry no scale. An in-place write with a scaled input unmarks the storage it
+wrote, through whichever view it wrote: a ``zeros`` buffer filled through
+``select``/``slice`` and ``copy_`` (``pack_padded_sequence``'s backward) is
+scaled, and so is everything read from it. A forward tensor that does not
+require grad (a batch, a mask) counts as scaled: the conservative side.
+
+Only backward work is recorded as backward:
+
+* Recomputation is forward work. The engine runs backward with grad mode off
+  unless ``create_graph``; activation checkpointing turns it on to rebuild the
+  graph. So an op that runs in backward with grad mode on is recomputation and
+  is not recorded, whatever was checkpointed (a module, a method, a function,
+  reentrant or not, Hugging Face's ``gradient_checkpointing_enable``). A
+  reentrant checkpoint then runs a nested backward over the rebuilt graph; its
+  ops outside every submodule belong to the module that called ``checkpoint``.
+  With ``create_graph``, only a checkpointed module's recomputation is known
+  (by its forward hooks).
+* Hooks are not the model's gradient. An optimizer step (any
+  ``torch.optim.Optimizer``, counted through torch's global step hooks), as in
+  optimizer-in-backward, is not recorded, nor are the ops of a
+  post-accumulate-grad hook: under an ``AccumulateGrad`` node only its own work,
+  adding into ``.grad``, is. Other hooks' ops (a tensor hook that changes a
+  gradient) are recorded under the node they run in.
+
 Each captured tensor is handed to one recording function with
 ``(kind, module, node, op, output_index, tensor)``; statistics accumulate in
 ``histogram.Histogram`` on the tensor's device and nothing is retained.
 ``Audit.step`` brings a step's statistics to the host with one transfer.
+Complex tensors are recorded as their real and imaginary parts
+(``view_as_real``).
 
 Known limitations:
 
 * Attribution assumes forward runs on one thread (not ``nn.DataParallel``).
-* Activation checkpointing is supported when the checkpointed callable is a
-  module of the model: its recomputation in backward is recognised as forward
-  work and not recorded. A checkpointed plain function's recomputed ops are
-  recorded as backward ops of the node that triggered them.
-* Compiled models (``torch.compile``) bypass dispatch modes; audit the eager model.
+* ``torch.compile`` with ``backend="aot_eager"`` is captured and attributed like
+  the eager model; ``inductor`` runs fused kernels outside aten, so only the ops
+  it leaves to aten are seen: audit the eager model.
+* ``torch.jit.script``ed models cannot be hooked; audit the eager module.
 """
 
 from __future__ import annotations
