@@ -489,7 +489,7 @@ class _BackwardMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         # By default torch wraps __torch_dispatch__ in torch._dynamo.disable, whose
         # first call imports dynamo and sympy: +77 MB of RSS and a wrapper on every
-        # op. Audited code is never compiled (documented), so opt out.
+        # op. The mode itself never runs inside a compiled region, so opt out.
         return False
 
     def __init__(self, audit: Audit) -> None:

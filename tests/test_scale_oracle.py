@@ -320,7 +320,16 @@ def test_predicted_counts_equal_a_real_backward_at_every_scale(
 
 class PackedLSTMWithLoss(PackedLSTM):
     """The packed LSTM computing its own loss (Hugging Face style), so every backward op
-    belongs to a module and counts for ``recommend``."""
+    belongs to a module and counts for ``recommend``. Large embeddings into a small
+    ``proj`` make ``proj``'s weight gradient the largest backward value: the one the
+    zero buffer of ``pack_padded_sequence``'s backward used to hide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            self.embed.weight.mul_(100)
+            self.proj.weight.mul_(0.01)
+            self.proj.bias.zero_()
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         logits = super().forward(ids, lengths)
@@ -371,7 +380,13 @@ def test_packed_lstm_recommendation_is_the_largest_scale_a_real_backward_allows(
     assert real_amax(PackedLSTMWithLoss, loss, k) <= limit
     assert real_amax(PackedLSTMWithLoss, loss, k + 1) > limit
     # The layer before the packing gets its gradient out of the zero buffer that
-    # pack_padded_sequence's backward fills through views: its values scale.
+    # pack_padded_sequence's backward fills through views: its values scale, and its
+    # weight gradient limits the scale (taken for fixed, it left 2**16, where the real
+    # backward reaches 51490 > 4094).
+    assert (recommendation.limiting_module, recommendation.limiting_op) == (
+        "proj",
+        "aten.mm.default",
+    )
     records = report.records
     proj = records[(records["module"] == "proj") & (records["kind"] == KIND_BACKWARD)]
     assert len(proj) and proj["scales_with_loss"].all()
