@@ -183,20 +183,34 @@ def _activate_during_backward(mode: _BackwardMode) -> Callable[[], None] | None:
 
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
-_ACCUMULATING = frozenset({_aten.add.Tensor, _aten.add_.Tensor})
 
 
-def _accumulates(func: torch._ops.OpOverload, args: tuple[Any, ...], node: Any) -> bool:
-    """Whether an op run by an ``AccumulateGrad`` node adds into its parameter's ``.grad``
-    (the node's own work) rather than being a post-accumulate-grad hook's."""
-    if func not in _ACCUMULATING:
-        return func in _DATA_MOVEMENT or bool(func.is_view)  # the first gradient, kept as is
+def _accumulates(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Any,
+    node: Any,
+) -> bool:
+    """Whether an op run by an ``AccumulateGrad`` node works on its parameter's ``.grad``:
+    adds into it (the node's own work) or changes it in place (a hook averaging it),
+    rather than being a post-accumulate-grad hook's bookkeeping (an optimizer's or an
+    average's state). FSDP1's hook on its flat parameter is gradient work: the padded,
+    divided gradient it reduce-scatters is recorded."""
+    if func.is_view or func in _DATA_MOVEMENT:
+        return True  # the first gradient, kept as is: nothing new to record anyway
     variable = getattr(node, "variable", None)
+    if getattr(variable, "_is_flat_param", False):
+        return True  # FSDP1's post-backward hook: padding and dividing the flat gradient
     grad = getattr(variable, "grad", None)
     if grad is None:
         return False
     target = _storage(grad)
-    return any(isinstance(a, torch.Tensor) and _storage(a) is target for a in args)
+    if func._schema.is_mutable:
+        return any(_storage(t) is target for t in _written(func, args, kwargs, output))
+    return func is _aten.add.Tensor and any(
+        isinstance(a, torch.Tensor) and _storage(a) is target for a in args
+    )
 
 
 def current_autograd_node() -> torch.autograd.graph.Node | None:
@@ -489,7 +503,7 @@ class _BackwardMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         # By default torch wraps __torch_dispatch__ in torch._dynamo.disable, whose
         # first call imports dynamo and sympy: +77 MB of RSS and a wrapper on every
-        # op. The mode itself never runs inside a compiled region, so opt out.
+        # op. Dynamo never traces the mode (it is entered around the engine only), so opt out.
         return False
 
     def __init__(self, audit: Audit) -> None:
@@ -542,7 +556,7 @@ class _BackwardMode(TorchDispatchMode):
             return output
         node_name = node.name()
         if self.optimizer_steps or (
-            node_name == _ACCUMULATE_GRAD and not _accumulates(func, args, node)
+            node_name == _ACCUMULATE_GRAD and not _accumulates(func, args, kwargs, output, node)
         ):
             return output  # a hook's work (an optimizer step, an EMA): not the model's gradient
         inputs = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)

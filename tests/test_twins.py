@@ -222,3 +222,26 @@ def test_torch_compile_aot_eager_is_captured_and_attributed_like_eager() -> None
     records = audit.report.records
     assert "CompiledFunctionBackward" in set(records["node"])  # it really was compiled
     assert per_module(audit.report) == eager
+
+
+def test_a_hook_that_changes_the_gradient_in_place_is_recorded() -> None:
+    """Dividing ``.grad`` in place (FSDP's pre-division before its reduce-scatter, a
+    hand-written all-reduce average) makes gradient values: they are recorded."""
+    x = torch.randn(64, 8)
+    model = make_net("plain", False)
+
+    def divide_by_4(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        param.grad.div_(4)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(divide_by_4)
+    records = audited(model, net_loss(x)).records
+    divided = records[records["op"] == "aten.div_.Tensor"]
+    assert set(divided["node"]) == {"torch::autograd::AccumulateGrad"}
+    # every parameter's gradient: 14 tensors, 8*16+16 + 2*(16*32+32+32*16+16+16) + 16*4+4
+    assert int(divided["calls"].sum()) == 14
+    assert (
+        int(divided["elements"].sum())
+        == 8 * 16 + 16 + 2 * (16 * 32 + 32 + 32 * 16 + 16 + 16) + 16 * 4 + 4
+    )
