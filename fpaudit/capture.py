@@ -42,10 +42,11 @@ Only backward work is recorded as backward:
   (by its forward hooks).
 * Hooks are not the model's gradient. An optimizer step (any
   ``torch.optim.Optimizer``, counted through torch's global step hooks), as in
-  optimizer-in-backward, is not recorded, nor are the ops of a
-  post-accumulate-grad hook: under an ``AccumulateGrad`` node only its own work,
-  adding into ``.grad``, is. Other hooks' ops (a tensor hook that changes a
-  gradient) are recorded under the node they run in.
+  optimizer-in-backward, is not recorded, nor is a post-accumulate-grad hook's
+  bookkeeping: under an ``AccumulateGrad`` node only work on the gradient is
+  recorded (adding into ``.grad``, changing it in place, FSDP1's hook on its
+  flat gradient). Other hooks' ops (a tensor hook that changes a gradient) are
+  recorded under the node they run in.
 
 Each captured tensor is handed to one recording function with
 ``(kind, module, node, op, output_index, tensor)``; statistics accumulate in
