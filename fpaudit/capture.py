@@ -18,19 +18,50 @@ and when a module's inputs do not require grad, where backward module hooks
 module of the model (the loss, other top-level code) belong to the pseudo-module
 ``LOSS_MODULE``.
 
+Whether a backward value scales with the loss (provenance) follows data, not
+tensor objects (``_Provenance``). Decided per op: its outputs are *fixed* (they
+do not move with the loss scale) when none of its floating inputs carries
+loss-scaled values; a tensor carries none when it requires grad (a saved forward
+value, a parameter) or its *storage* is marked fixed. Integer and bool inputs
+carry no scale. An in-place write with a scaled input unmarks the storage it
+wrote, through whichever view it wrote: a ``zeros`` buffer filled through
+``select``/``slice`` and ``copy_`` (``pack_padded_sequence``'s backward) is
+scaled, and so is everything read from it. A forward tensor that does not
+require grad (a batch, a mask) counts as scaled: the conservative side.
+
+Only backward work is recorded as backward:
+
+* Recomputation is forward work. The engine runs backward with grad mode off
+  unless ``create_graph``; activation checkpointing turns it on to rebuild the
+  graph. So an op that runs in backward with grad mode on is recomputation and
+  is not recorded, whatever was checkpointed (a module, a method, a function,
+  reentrant or not, Hugging Face's ``gradient_checkpointing_enable``). A
+  reentrant checkpoint then runs a nested backward over the rebuilt graph; its
+  ops outside every submodule belong to the module that called ``checkpoint``.
+  With ``create_graph``, only a checkpointed module's recomputation is known
+  (by its forward hooks).
+* Hooks are not the model's gradient. An optimizer step (any
+  ``torch.optim.Optimizer``, counted through torch's global step hooks), as in
+  optimizer-in-backward, is not recorded, nor is a post-accumulate-grad hook's
+  bookkeeping: under an ``AccumulateGrad`` node only work on the gradient is
+  recorded (adding into ``.grad``, changing it in place, FSDP1's hook on its
+  flat gradient). Other hooks' ops (a tensor hook that changes a gradient) are
+  recorded under the node they run in.
+
 Each captured tensor is handed to one recording function with
 ``(kind, module, node, op, output_index, tensor)``; statistics accumulate in
 ``histogram.Histogram`` on the tensor's device and nothing is retained.
 ``Audit.step`` brings a step's statistics to the host with one transfer.
+Complex tensors are recorded as their real and imaginary parts
+(``view_as_real``).
 
 Known limitations:
 
 * Attribution assumes forward runs on one thread (not ``nn.DataParallel``).
-* Activation checkpointing is supported when the checkpointed callable is a
-  module of the model: its recomputation in backward is recognised as forward
-  work and not recorded. A checkpointed plain function's recomputed ops are
-  recorded as backward ops of the node that triggered them.
-* Compiled models (``torch.compile``) bypass dispatch modes; audit the eager model.
+* ``torch.compile`` with ``backend="aot_eager"`` is captured and attributed like
+  the eager model; ``inductor`` runs fused kernels outside aten, so only the ops
+  it leaves to aten are seen: audit the eager model.
+* ``torch.jit.script``ed models cannot be hooked; audit the eager module.
 """
 
 from __future__ import annotations
@@ -38,10 +69,12 @@ from __future__ import annotations
 import bisect
 import difflib
 import fnmatch
+import functools
 import math
 import shlex
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -51,7 +84,6 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fpaudit import _signals, histogram
 from fpaudit.errors import UsageError
@@ -114,7 +146,7 @@ _NOT_VALUES = frozenset({"c10d", "_c10d_functional", "fsdp", "_dtensor"})
 _ENGINE_ENTRY = "_engine_run_backward"
 
 
-def _activate_during_backward(mode: TorchDispatchMode) -> Callable[[], None] | None:
+def _activate_during_backward(mode: _BackwardMode) -> Callable[[], None] | None:
     """Make ``mode`` active only while the autograd engine runs; return the undo.
 
     ``torch.autograd.backward`` and ``torch.autograd.grad`` both enter the
@@ -129,13 +161,22 @@ def _activate_during_backward(mode: TorchDispatchMode) -> Callable[[], None] | N
 
     def run_backward(*args: Any, **kwargs: Any) -> Any:
         if getattr(depth, "n", 0):  # nested backward (reentrant checkpoint): already on
-            return original(*args, **kwargs)
+            mode.enter_nested(current_autograd_node())
+            try:
+                return original(*args, **kwargs)
+            finally:
+                mode.exit_nested()
+        # torch.autograd.backward and .grad pass (outputs, grads, retain_graph, create_graph, ...)
+        create_graph = args[3] if len(args) > 3 else kwargs.get("create_graph", False)
         depth.n = 1
+        mode.grad_mode_means_recompute = not create_graph
+        mode.optimizer_steps = 0  # a step that raised never ran its post hook
         try:
             with mode:
                 return original(*args, **kwargs)
         finally:
             depth.n = 0
+            mode.grad_mode_means_recompute = False
 
     setattr(torch.autograd, _ENGINE_ENTRY, run_backward)
 
@@ -144,6 +185,37 @@ def _activate_during_backward(mode: TorchDispatchMode) -> Callable[[], None] | N
             setattr(torch.autograd, _ENGINE_ENTRY, original)
 
     return restore
+
+
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+
+
+def _accumulates(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Any,
+    node: Any,
+) -> bool:
+    """Whether an op run by an ``AccumulateGrad`` node works on its parameter's ``.grad``:
+    adds into it (the node's own work) or changes it in place (a hook averaging it),
+    rather than being a post-accumulate-grad hook's bookkeeping (an optimizer's or an
+    average's state). FSDP1's hook on its flat parameter is gradient work: the padded,
+    divided gradient it reduce-scatters is recorded."""
+    if func.is_view or func in _DATA_MOVEMENT:
+        return True  # the first gradient, kept as is: nothing new to record anyway
+    variable = getattr(node, "variable", None)
+    if getattr(variable, "_is_flat_param", False):
+        return True  # FSDP1's post-backward hook: padding and dividing the flat gradient
+    grad = getattr(variable, "grad", None)
+    if grad is None:
+        return False
+    target = _storage(grad)
+    if func._schema.is_mutable:
+        return any(_storage(t) is target for t in _written(func, args, kwargs, output))
+    return func is _aten.add.Tensor and any(
+        isinstance(a, torch.Tensor) and _storage(a) is target for a in args
+    )
 
 
 def current_autograd_node() -> torch.autograd.graph.Node | None:
@@ -179,12 +251,38 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _float_tensors(output: Any) -> Iterator[tuple[int, torch.Tensor]]:
+    """The floating-point tensors among an op's outputs, by position. A complex tensor
+    is given as its real and imaginary parts (``view_as_real``): two values of its
+    component dtype per element, which is what a cast to a low-precision format keeps."""
     for index, tensor in enumerate(_tensors(output)):
-        if tensor.is_floating_point() and tensor.layout == torch.strided and not tensor.is_meta:
+        if tensor.layout != torch.strided or tensor.is_meta:
+            continue
+        if tensor.is_floating_point():
             yield index, tensor
+        elif tensor.is_complex():
+            yield index, torch.view_as_real(tensor.resolve_conj())
 
 
 _IS_VIEW: dict[torch._ops.OpOverload, bool] = {}
+_WRITTEN: dict[torch._ops.OpOverload, tuple[tuple[int, str], ...]] = {}
+
+
+def _written(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> Iterator[torch.Tensor]:
+    """The tensors a mutable op wrote: its outputs, and arguments its schema marks as
+    written (``_foreach_*_`` ops return nothing)."""
+    yield from _tensors(output)
+    positions = _WRITTEN.get(func)
+    if positions is None:
+        positions = _WRITTEN[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    for index, name in positions:
+        value = args[index] if index < len(args) else kwargs.get(name)
+        yield from _tensors(value)
 
 
 def creates_new_values(func: torch._ops.OpOverload, args: tuple[Any, ...], output: Any) -> bool:
@@ -203,6 +301,20 @@ def creates_new_values(func: torch._ops.OpOverload, args: tuple[Any, ...], outpu
     return True
 
 
+# Dtypes whose values cannot carry a loss scale (indices, masks, counters).
+_UNSCALABLE = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+)
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage behind ``tensor`` and all its views, or None for storage-less tensors."""
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 class _Provenance:
     """Which backward values do not scale with the loss ("fixed" values).
 
@@ -211,32 +323,57 @@ class _Provenance:
     for one, computes ``2 * x`` from the saved input before multiplying by the
     incoming gradient; that intermediate stays put whatever the scale.
 
-    Saved forward values and parameters reach backward with
-    ``requires_grad=True``; everything backward creates (the loss seed, the
-    gradients) has ``requires_grad=False`` (unless ``create_graph``). So a
-    backward output is fixed when every tensor it was computed from requires
-    grad or is itself fixed. Fixed backward outputs are rare and remembered
-    here, by weak reference.
+    The rule follows data, not tensor objects. Saved forward values and
+    parameters reach backward with ``requires_grad=True``; everything backward
+    creates has ``requires_grad=False`` (unless ``create_graph``). A floating
+    tensor is fixed when it requires grad or its *storage* is marked fixed; an
+    op's outputs are fixed when none of its floating inputs is scaled (integer
+    and bool inputs, indices and masks, carry no scale), and their storages are
+    then marked. An op that writes in place with a scaled input (``add_``,
+    ``copy_``, ``index_put_``, through any view) unmarks the storage it wrote,
+    so a zero buffer filled through ``select``/``slice`` views with gradients
+    (``pack_padded_sequence``'s backward) is scaled, and so is everything read
+    from it. Fixed storages are rare and remembered here by weak reference
+    (Python keeps one object per storage, shared by all its views).
     """
 
     def __init__(self) -> None:
-        self._fixed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._fixed: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def _forget(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+        if self._fixed.get(key) is ref:  # not a newer storage that reused the id
+            del self._fixed[key]
+
+    def is_fixed(self, tensor: torch.Tensor) -> bool:
+        if tensor.requires_grad or tensor.dtype in _UNSCALABLE:
+            return True
+        if not self._fixed:
+            return False
+        storage = _storage(tensor)
+        ref = self._fixed.get(id(storage))
+        return ref is not None and ref() is storage
 
     def all_fixed(self, tensors: Iterator[torch.Tensor]) -> bool:
-        if not self._fixed:  # the common case: skip building a weak reference per lookup
-            return all(t.requires_grad for t in tensors)
-        return all(t.requires_grad or t in self._fixed for t in tensors)
+        if not self._fixed:  # the common case: no storage lookups
+            return all(t.requires_grad or t.dtype in _UNSCALABLE for t in tensors)
+        return all(self.is_fixed(t) for t in tensors)
 
     def mark(self, tensors: Iterator[torch.Tensor]) -> None:
         for tensor in tensors:
-            self._fixed[tensor] = True
+            storage = _storage(tensor)
+            key = id(storage)
+            if storage is not None and key not in self._fixed:
+                self._fixed[key] = weakref.ref(storage, functools.partial(self._forget, key))
 
     def has_fixed(self) -> bool:
         return bool(self._fixed)
 
     def unmark(self, tensors: Iterator[torch.Tensor]) -> None:
         for tensor in tensors:
-            self._fixed.pop(tensor, None)
+            self._fixed.pop(id(_storage(tensor)), None)
+
+    def clear(self) -> None:
+        self._fixed.clear()
 
 
 # Modules that wrappers insert between a model's modules: FSDP1's
@@ -371,7 +508,7 @@ class _BackwardMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         # By default torch wraps __torch_dispatch__ in torch._dynamo.disable, whose
         # first call imports dynamo and sympy: +77 MB of RSS and a wrapper on every
-        # op. Audited code is never compiled (documented), so opt out.
+        # op. Dynamo never traces the mode (it is entered around the engine only), so opt out.
         return False
 
     def __init__(self, audit: Audit) -> None:
@@ -383,6 +520,26 @@ class _BackwardMode(TorchDispatchMode):
         self._op_names: dict[torch._ops.OpOverload, str] = {}
         self._unshadowable: set[torch._ops.OpOverload] = set()
         self._origins = audit.origins  # scan --origins: None unless asked for
+        self.grad_mode_means_recompute = False
+        self.optimizer_steps = 0  # optimizer steps running now (optimizer in backward)
+        self._owners: list[str] = []  # of the nested (reentrant checkpoint) backward passes
+
+    def enter_nested(self, node: torch.autograd.graph.Node | None) -> None:
+        """A backward inside backward: reentrant checkpointing runs the graph it rebuilt
+        from the node it replaces. That graph's ops outside every submodule (a checkpointed
+        method's own ops) belong to the module that called ``checkpoint``."""
+        owner = self._module_of(node) if node is not None else LOSS_MODULE
+        self._owners.append(owner)
+
+    def exit_nested(self) -> None:
+        if self._owners:
+            self._owners.pop()
+
+    def _module_of(self, node: torch.autograd.graph.Node) -> str:
+        module = self._clock.module_of(node)
+        if module == LOSS_MODULE and self._owners:
+            return self._owners[-1]
+        return module
 
     def _op_name(self, func: torch._ops.OpOverload) -> str:
         op = self._op_names.get(func)
@@ -405,19 +562,27 @@ class _BackwardMode(TorchDispatchMode):
                                   self._op_name(func), list(_float_tensors(output)),
                                   False)  # fmt: skip
             return output
-        if self._clock.in_forward():
-            return output  # a checkpointed module recomputing its forward
+        if self._clock.in_forward() or (self.grad_mode_means_recompute and torch.is_grad_enabled()):
+            # Forward work in backward: activation checkpointing recomputing a module, a
+            # method or a function (the engine runs backward with grad mode off unless
+            # create_graph; checkpointing turns it on to rebuild the graph).
+            return output
+        node_name = node.name()
+        if self.optimizer_steps or (
+            node_name == _ACCUMULATE_GRAD and not _accumulates(func, args, kwargs, output, node)
+        ):
+            return output  # a hook's work (an optimizer step, an EMA): not the model's gradient
         inputs = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
         fixed = self._provenance.all_fixed(inputs)
         if fixed:
             self._provenance.mark(_tensors(output))
         elif self._provenance.has_fixed() and func._schema.is_mutable:
-            self._provenance.unmark(_tensors(output))  # e.g. grad += scaled value
+            # e.g. buffer[i].copy_(scaled value): the whole storage now carries the scale
+            self._provenance.unmark(_written(func, args, kwargs, output))
         if not creates_new_values(func, args, output):
             return output
         op = self._op_name(func)
-        module = self._clock.module_of(node)
-        node_name = node.name()
+        module = self._module_of(node)
         places = [
             (self._record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor), tensor)
             for index, tensor in _float_tensors(output)
@@ -555,6 +720,30 @@ def _no_match(flag: str, pattern: str, names: list[str], what: str) -> str:
     return f"{flag} {pattern!r} matches no {what} of the model ({hint})"
 
 
+@contextmanager
+def _optimizer_steps_counted(mode: _BackwardMode) -> Iterator[None]:
+    """Count running optimizer steps (any optimizer, through torch's global step hooks),
+    so that an optimizer stepping inside backward is not recorded as backward values."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    def started(*_: Any) -> None:
+        mode.optimizer_steps += 1
+
+    def finished(*_: Any) -> None:
+        mode.optimizer_steps = max(mode.optimizer_steps - 1, 0)
+
+    pre = register_optimizer_step_pre_hook(started)
+    post = register_optimizer_step_post_hook(finished)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+
+
 def _rank() -> int:
     """This process's torch.distributed rank (0 when not distributed)."""
     import torch.distributed as dist
@@ -604,6 +793,11 @@ class Audit:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise TypeError(
+                "audit() cannot hook a torch.jit.ScriptModule's modules; "
+                "audit the eager module (the one passed to torch.jit.script)"
+            )
         self.model = model
         self.loss_scale = loss_scale
         self.selection = selection
@@ -634,6 +828,7 @@ class Audit:
         try:
             self._clock.install(self.model, stack)
             mode = self._mode = _BackwardMode(self)
+            stack.enter_context(_optimizer_steps_counted(mode))
             restore = _activate_during_backward(mode) if self.backward_only else None
             if restore is not None:
                 stack.callback(restore)
@@ -724,7 +919,11 @@ class Audit:
     def _record_parameter_gradients(self) -> None:
         for name, param in self.model.named_parameters():
             grad = param.grad
-            if grad is None or not grad.is_floating_point() or grad.layout != torch.strided:
+            if grad is None or grad.layout != torch.strided:
+                continue
+            if grad.is_complex():
+                grad = torch.view_as_real(grad.resolve_conj())
+            elif not grad.is_floating_point():
                 continue
             module, _, param_name = name.rpartition(".")
             self.record(KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad)
@@ -799,6 +998,7 @@ class Audit:
             first = keys[int(np.argmax(scores))]
             first_nonfinite = f"{first.module or '(root)'} {first.op}"
         self._forward_ops = 0
+        self._provenance.clear()
         with _signals.deferred():  # a step is recorded whole or not at all
             self._builder.add_step(
                 records,

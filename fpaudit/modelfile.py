@@ -18,12 +18,14 @@ naming the file (and the line, for exceptions raised by the user's code).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.machinery
 import importlib.util
 import itertools
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,11 @@ CONTRACT = {
 }
 
 _END = object()
+
+SCRIPTED = (
+    "the model is a torch.jit.ScriptModule, whose modules cannot be hooked; "
+    "audit the eager module (the one you passed to torch.jit.script)"
+)
 
 
 def where(error: BaseException, path: Path) -> str:
@@ -194,6 +201,8 @@ def load(path: str | Path) -> ModelFile:
             model = model()
         if not isinstance(model, nn.Module):
             raise ModelFileError(f"{path}: model() returned {a_type(model)}; expected an nn.Module")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ModelFileError(f"{path}: {SCRIPTED}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ModelFileError(f"{path}: the model has no parameters that require grad")
 
@@ -254,15 +263,33 @@ def check_loss(value: Any, path: Path) -> torch.Tensor:
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
-    """Move the tensors in ``batch`` (in dicts, lists, tuples, ``.to()`` objects) to ``device``."""
+    """Move the tensors in ``batch`` to ``device``: in any ``Mapping`` (``dict``,
+    ``defaultdict``, ``OrderedDict``, Hugging Face's ``BatchEncoding``), list, tuple,
+    named tuple or dataclass, and objects with a ``.to()``. Containers keep their type
+    (a mapping its default factory and key order) where they can be copied."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
-    if isinstance(batch, dict):
-        return type(batch)((k, move_to(v, device)) for k, v in batch.items())
+    if isinstance(batch, Mapping):
+        moved = {k: move_to(v, device) for k, v in batch.items()}
+        if isinstance(batch, MutableMapping):
+            try:
+                copied = copy.copy(batch)
+                copied.update(moved)
+                return copied
+            except Exception:  # a mapping that cannot be copied: a plain dict will do
+                pass
+        return moved
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(move_to(v, device) for v in batch))
     if isinstance(batch, list | tuple):
         return type(batch)(move_to(v, device) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = {
+            f.name: move_to(getattr(batch, f.name), device)
+            for f in dataclasses.fields(batch)
+            if f.init
+        }
+        return dataclasses.replace(batch, **fields)
     to = getattr(batch, "to", None)
     if callable(to):
         return to(device)
