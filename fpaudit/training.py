@@ -1005,6 +1005,7 @@ class RunOutcome:
     findings: list[Finding]
     failure: FpauditError | None = None  # the script failed; write the report, then say this
     interrupted: Interrupted | None = None
+    exit_status: int = 0  # what ``python script`` would have exited with (0, or its exit code)
 
 
 def run_script(
@@ -1030,8 +1031,10 @@ def run_script(
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
+    exit_status = 0
     try:
-        with monitor.installed():
+        # os._exit(n) from the script ends it like sys.exit(n); a forked child's is real.
+        with monitor.installed(), modelfile.exits_caught():
             runpy.run_path(str(path), run_name="__main__")
     except StopRun:
         stopped_by = "max-steps"
@@ -1040,6 +1043,7 @@ def run_script(
             detail = f"status {done.code}" if isinstance(done.code, int) else repr(done.code)
             failure = ModelFileError(f"{path} exited with {detail}")
             stopped_by = "script exit"
+            exit_status = done.code if isinstance(done.code, int) else 1
     except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
         interrupted = error if isinstance(error, Interrupted) else Interrupted()
         stopped_by = interrupted.signal_name
@@ -1048,6 +1052,7 @@ def run_script(
             f"{modelfile.where(error, path)}: the script raised {modelfile.describe(error)}"
         )
         stopped_by = "script error"
+        exit_status = 1
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
@@ -1088,4 +1093,6 @@ def run_script(
             **(meta or {}),
         }
     )
-    return RunOutcome(report, findings, failure, interrupted)
+    if interrupted is not None:
+        exit_status = interrupted.exit_code
+    return RunOutcome(report, findings, failure, interrupted, exit_status)
