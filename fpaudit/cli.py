@@ -7,6 +7,7 @@ interrupted. Errors are one line on stderr; ``--debug`` adds the traceback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import shlex
@@ -183,7 +184,9 @@ def _forked() -> bool:
     return os.getpid() != _state["pid"]
 
 
-def _write_partial(report: Report, out_path: Path, options: dict[str, Any]) -> str | None:
+def _write_partial(
+    report: Report, out_path: Path, options: dict[str, Any], *, stopping: bool = False
+) -> str | None:
     """Write a report of an interrupted or failed run, unless it would replace a report
     that completed more steps (--replace-partial allows it). None when written, else
     why the existing report was kept."""
@@ -197,7 +200,11 @@ def _write_partial(report: Report, out_path: Path, options: dict[str, Any]) -> s
             f"kept the existing report {options['out']} ({existing} completed step(s)): this "
             f"run completed {done}; pass --replace-partial to replace it anyway"
         )
-    _write(lambda: distributed.write_report(report, out_path, force=options["force"]), report)
+    try:
+        _write(lambda: distributed.write_report(report, out_path, force=options["force"]), report)
+    except typer.Exit:
+        if not stopping:  # a Ctrl-C during the write of a stopped run: already stopping
+            raise
     return None
 
 
@@ -419,8 +426,7 @@ def scan_command(
         except ScanInterrupted as stopped:  # keep the completed steps
             if _forked():
                 raise typer.Exit(stopped.exit_code) from None
-            with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: already stopping
-                kept = _write_partial(stopped.report, out_path, options)
+            kept = _write_partial(stopped.report, out_path, options, stopping=True)
             done = stopped.report.meta["steps_run"]
             if kept is None:
                 render.interrupted(shown, stopped.signal_name, done, scan_options.steps)
@@ -616,8 +622,9 @@ def run_command(
             )
         kept = None
         if outcome.interrupted is not None or outcome.failure is not None:
-            with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: already stopping
-                kept = _write_partial(report, out_path, options)
+            kept = _write_partial(
+                report, out_path, options, stopping=outcome.interrupted is not None
+            )
         else:
             _write(lambda: report.write(out_path, force=options["force"]), report)
     if kept is not None:
@@ -1148,6 +1155,29 @@ def _from_report(value: Any, report: Report, key: str, default: Any) -> Any:
     return stored if type(stored) is type(default) else default
 
 
+class _Stopped(Exception):
+    """A command was interrupted: typer would turn the KeyboardInterrupt into a bare 130."""
+
+    def __init__(self, cause: KeyboardInterrupt) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _stoppable(callback: Any) -> Any:
+    @functools.wraps(callback)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return callback(*args, **kwargs)
+        except KeyboardInterrupt as error:
+            raise _Stopped(error) from None
+
+    return command
+
+
+for _info in app.registered_commands:
+    _info.callback = _stoppable(_info.callback)
+
+
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv``; map every way a command can end to an exit code.
 
@@ -1162,6 +1192,8 @@ def run(argv: list[str] | None = None) -> int:
             result = app(args=argv, prog_name="fpaudit", standalone_mode=False)
     except typer.Exit as done:
         return done.exit_code
+    except _Stopped as stopped:
+        return _interrupted(stopped.cause)
     except FpauditError as error:
         if _state["debug"]:
             traceback.print_exc()
@@ -1177,11 +1209,7 @@ def run(argv: list[str] | None = None) -> int:
             render.error_line(f"{message}{hint}")
         return EXIT_ERROR
     except (typer.Abort, KeyboardInterrupt) as error:
-        # click turns a KeyboardInterrupt inside a command into Abort: the signal is its cause.
-        cause = error.__cause__ if isinstance(error, typer.Abort) else error
-        name = getattr(cause, "signal_name", "SIGINT")
-        render.error_line(f"interrupted by {name}")
-        return getattr(cause, "exit_code", EXIT_INTERRUPTED)
+        return _interrupted(error.__cause__ if isinstance(error, typer.Abort) else error)
     except Exception as error:
         if _state["debug"]:
             traceback.print_exc()
@@ -1191,6 +1219,13 @@ def run(argv: list[str] | None = None) -> int:
         )
         return EXIT_ERROR
     return result if isinstance(result, int) else EXIT_OK
+
+
+def _interrupted(cause: BaseException | None) -> int:
+    """SIGINT or SIGTERM ended a command (typer and click wrap the exception: ``cause``)."""
+    name = getattr(cause, "signal_name", "SIGINT")
+    render.error_line(f"interrupted by {name}")
+    return int(getattr(cause, "exit_code", EXIT_INTERRUPTED))
 
 
 def main() -> None:

@@ -71,6 +71,10 @@ def _build_directory() -> Path:
 WAIT_ENV = "FPAUDIT_KERNEL_WAIT"  # seconds to wait for another process's build [600]
 
 
+STALE_AFTER = 3600.0  # seconds: no build takes this long; such a lock is removed
+SETTLE = 10.0  # seconds to let a lock of a process outside the flock (older fpaudit) go
+
+
 @contextlib.contextmanager
 def _build_guard() -> Iterator[str | None]:
     """Hold ``fpaudit.flock`` in the build directory while torch loads or builds the kernel.
@@ -78,11 +82,13 @@ def _build_guard() -> Iterator[str | None]:
     torch's own build lock (``lock``, a file created with O_EXCL) has no owner: a build
     killed half-way leaves it behind, and every later ``load`` waits for it forever.
     Every fpaudit process loads under this flock, which the kernel releases when its
-    holder dies; so a ``lock`` found while we hold the flock is stale. It is removed
-    (the next run builds) and this run takes the pure-torch path: identical results,
-    slower. While another fpaudit process builds, this one waits up to
-    ``FPAUDIT_KERNEL_WAIT`` seconds (default 600), then takes the pure-torch path.
-    Yields None to go ahead, else why not (for :func:`failure`).
+    holder dies. So a ``lock`` that stays while we hold the flock (we let it go for
+    ``SETTLE`` seconds: an older fpaudit loads without the flock) belongs to no
+    fpaudit process: this run takes the pure-torch path (identical results, slower)
+    and says so once; a lock older than an hour is removed, so the next run builds.
+    While another fpaudit process builds, this one waits up to ``FPAUDIT_KERNEL_WAIT``
+    seconds (default 600), then takes the pure-torch path. Yields None to go ahead,
+    else why not (for :func:`failure`).
     """
     directory = _build_directory()
     directory.mkdir(parents=True, exist_ok=True)
@@ -102,18 +108,31 @@ def _build_guard() -> Iterator[str | None]:
                     )
                     return
                 time.sleep(0.2)
-        baton = directory / "lock"
-        if baton.exists():
-            with contextlib.suppress(OSError):
-                baton.unlink()
-            yield (
-                f"a build killed half-way left its lock behind ({baton}); removed it, so the "
-                "next run builds the kernel"
-            )
-            return
-        yield None
+        yield _stale_lock(directory / "lock")
     finally:
         os.close(fd)
+
+
+def _stale_lock(baton: Path) -> str | None:
+    """Why torch's build lock ``baton`` blocks the build, or None when it is gone."""
+    settle = time.monotonic() + SETTLE
+    while baton.exists() and time.monotonic() < settle:
+        time.sleep(0.2)
+    try:
+        age = time.time() - baton.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age > STALE_AFTER:
+        with contextlib.suppress(OSError):
+            baton.unlink()
+        return (
+            f"removed the build lock {baton}, left {age / 3600:.0f} h ago by a killed build; "
+            "the next run builds the kernel"
+        )
+    return (
+        f"the build lock {baton} is held by no fpaudit process (a build was killed half-way); "
+        "delete it unless another program is building there"
+    )
 
 
 def failure() -> str | None:
