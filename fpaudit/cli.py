@@ -172,6 +172,16 @@ def _new_report_path(options: dict[str, Any]) -> Path:
         if parent.exists():
             if not parent.is_dir():
                 raise UsageError(f"--out {given}: {parent} is not a directory")
+            try:
+                longest = os.pathconf(parent, "PC_NAME_MAX")
+            except (OSError, ValueError):
+                longest = 255
+            for part in out_path.relative_to(parent).parts:
+                if len(os.fsencode(part)) > longest:
+                    raise UsageError(
+                        f"--out: the name {part[:40]}... is {len(os.fsencode(part))} bytes "
+                        f"long; this filesystem allows {longest}"
+                    )
             break
     if out_path.exists() and not options["force"]:
         raise UsageError(f"{given} already exists; pass --force to overwrite it")

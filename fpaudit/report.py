@@ -213,8 +213,9 @@ class Report:
         calls :func:`fpaudit.distributed.write_report` instead: each writes its part.
         """
         with _signals.deferred():
-            target = check_target(path, force)
+            target = Path(path)
             with output_errors(target):
+                check_target(target, force)
                 staging = new_staging(target)
                 try:
                     files = self.write_tables(staging)
@@ -397,10 +398,12 @@ def output_errors(target: Path) -> Iterator[None]:
 
 
 def _reason(error: BaseException) -> str:
+    """What went wrong, in the operating system's words (pyarrow wraps them in its own)."""
     if isinstance(error, OSError) and error.strerror:
         name = error.filename if isinstance(error.filename, str) else None
         where = f" ({Path(name).name})" if name else ""
-        return f"{error.strerror}{where}"
+        known = isinstance(error.errno, int) and error.errno in errno.errorcode
+        return f"{os.strerror(error.errno) if known else error.strerror}{where}"
     lines = str(error).strip().splitlines()
     text = lines[0] if lines else type(error).__name__
     for code in (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT, errno.EIO):
