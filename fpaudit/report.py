@@ -402,8 +402,9 @@ def _reason(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         name = error.filename if isinstance(error.filename, str) else None
         where = f" ({Path(name).name})" if name else ""
-        known = isinstance(error.errno, int) and error.errno in errno.errorcode
-        return f"{os.strerror(error.errno) if known else error.strerror}{where}"
+        code = error.errno
+        text = os.strerror(code) if code is not None and code in errno.errorcode else None
+        return f"{text or error.strerror}{where}"
     lines = str(error).strip().splitlines()
     text = lines[0] if lines else type(error).__name__
     for code in (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT, errno.EIO):
