@@ -187,6 +187,7 @@ def test_a_reader_racing_force_replacements_sees_old_or_new_never_corrupt(
         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
     )  # fmt: skip
     try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 20
         writes = 0
         while reader.poll() is None and time.monotonic() < deadline:
@@ -203,9 +204,13 @@ def test_a_reader_racing_force_replacements_sees_old_or_new_never_corrupt(
 
 READER = """
 import json, sys
+from fpaudit import report
 from fpaudit.errors import ReportError
 from fpaudit.report import Report
+if len(sys.argv) > 2:  # the check before this fix: no second read
+    report._READ_ATTEMPTS = 1
 reads, errors, steps = 0, [], set()
+print("ready", flush=True)
 try:
     while True:
         try:
@@ -315,6 +320,41 @@ def test_run_on_a_script_that_forks_keeps_the_parents_report(tmp_path: Path) -> 
     assert report.complete and report.meta["steps_run"] == 4
     assert list(report.steps["step"]) == [0, 1, 2, 3]
     assert not (tmp_path / "r.lock").exists()
+
+
+def test_scan_of_a_model_file_that_forks_keeps_the_parents_report(tmp_path: Path) -> None:
+    """The child forked in loss() runs the rest of the scan loop, as fork makes it; it
+    must neither write nor unlock. The parent waits for it, then checks the lock."""
+    model, out, result = tmp_path / "model.py", tmp_path / "r", tmp_path / "result.json"
+    model.write_text(
+        "import fcntl, json, os, sys, torch\n"
+        f"OUT, RESULT = {str(out)!r}, {str(result)!r}\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "batches = [torch.randn(8, 4) for _ in range(5)]\n"
+        "calls = {'n': 0}\n"
+        "def loss(model, batch):\n"
+        "    calls['n'] += 1\n"
+        "    if calls['n'] == 2:\n"
+        "        child = os.fork()\n"
+        "        if child:\n"
+        "            _, status = os.waitpid(child, 0)\n"
+        "            fd = os.open(OUT + '.lock', os.O_RDWR)\n"
+        "            try:\n"
+        "                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "                held = False\n"
+        "            except BlockingIOError:\n"
+        "                held = True\n"
+        "            with open(RESULT, 'w') as handle:\n"
+        "                json.dump({'child': os.waitstatus_to_exitcode(status), 'held': held,\n"
+        "                           'exists': os.path.exists(OUT)}, handle)\n"
+        "    return model(batch).pow(2).mean()\n"
+    )
+    code, _, err = _fpaudit(["scan", model, "--steps", 5, "--out", out])
+    assert code == 0, err
+    assert json.loads(result.read_text()) == {"child": 0, "held": True, "exists": False}
+    report = Report.read(out)
+    assert report.complete and list(report.steps["step"]) == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.py", "r", "result.json"]
 
 
 def test_dataloader_workers_forked_by_a_model_file_never_write(tmp_path: Path) -> None:
