@@ -72,7 +72,7 @@ WAIT_ENV = "FPAUDIT_KERNEL_WAIT"  # seconds to wait for another process's build 
 
 
 STALE_AFTER = 3600.0  # seconds: no build takes this long; such a lock is removed
-SETTLE = 10.0  # seconds to let a lock of a process outside the flock (older fpaudit) go
+SETTLE = 5.0  # seconds for a lock with no compiler running to go (a load holds it briefly)
 
 
 @contextlib.contextmanager
@@ -82,13 +82,14 @@ def _build_guard() -> Iterator[str | None]:
     torch's own build lock (``lock``, a file created with O_EXCL) has no owner: a build
     killed half-way leaves it behind, and every later ``load`` waits for it forever.
     Every fpaudit process loads under this flock, which the kernel releases when its
-    holder dies. So a ``lock`` that stays while we hold the flock (we let it go for
-    ``SETTLE`` seconds: an older fpaudit loads without the flock) belongs to no
-    fpaudit process: this run takes the pure-torch path (identical results, slower)
-    and says so once; a lock older than an hour is removed, so the next run builds.
-    While another fpaudit process builds, this one waits up to ``FPAUDIT_KERNEL_WAIT``
-    seconds (default 600), then takes the pure-torch path. Yields None to go ahead,
-    else why not (for :func:`failure`).
+    holder dies. While we hold the flock, a ``lock`` is checked for an owner: a
+    compiler running in the build directory (torch runs ninja there; an older
+    fpaudit builds without the flock) is waited for; a lock that stays ``SETTLE``
+    seconds with none belongs to a killed build: this run takes the pure-torch path
+    (identical results, slower) and says so once; a lock older than an hour is
+    removed, so the next run builds. A build by another process is waited for up to
+    ``FPAUDIT_KERNEL_WAIT`` seconds (default 600), then this run takes the pure-torch
+    path. Yields None to go ahead, else why not (for :func:`failure`).
     """
     directory = _build_directory()
     directory.mkdir(parents=True, exist_ok=True)
@@ -108,15 +109,25 @@ def _build_guard() -> Iterator[str | None]:
                     )
                     return
                 time.sleep(0.2)
-        yield _stale_lock(directory / "lock")
+        yield _stale_lock(directory / "lock", deadline, wait)
     finally:
         os.close(fd)
 
 
-def _stale_lock(baton: Path) -> str | None:
+def _stale_lock(baton: Path, deadline: float, wait: float) -> str | None:
     """Why torch's build lock ``baton`` blocks the build, or None when it is gone."""
     settle = time.monotonic() + SETTLE
-    while baton.exists() and time.monotonic() < settle:
+    while baton.exists():
+        now = time.monotonic()
+        if _building_in(baton.parent):
+            if now >= deadline:
+                return (
+                    f"another process has been building it for over {wait:g} s "
+                    f"({baton.parent}); {WAIT_ENV} sets how long to wait"
+                )
+            settle = now + SETTLE
+        elif now >= settle:
+            break
         time.sleep(0.2)
     try:
         age = time.time() - baton.stat().st_mtime
@@ -133,6 +144,24 @@ def _stale_lock(baton: Path) -> str | None:
         f"the build lock {baton} is held by no fpaudit process (a build was killed half-way); "
         "delete it unless another program is building there"
     )
+
+
+def _building_in(directory: Path) -> bool:
+    """True when a process works in ``directory`` (torch runs its compiler there).
+
+    Linux only (``/proc``); elsewhere False, and a lock is judged by ``SETTLE`` alone.
+    """
+    target = str(directory.resolve())
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return False
+    for entry in entries:
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/cwd") == target:
+                    return True
+    return False
 
 
 def failure() -> str | None:

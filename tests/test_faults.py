@@ -450,12 +450,23 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_scan(
         assert "held by no fpaudit process" in notes[0] and baton.exists()
 
 
-def test_a_build_in_progress_elsewhere_is_waited_for_then_skipped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("builder", ["fpaudit", "compiler"])
+def test_a_build_in_progress_elsewhere_is_waited_for_then_skipped(
+    tmp_path: Path, builder: str
+) -> None:
+    """fpaudit: another fpaudit process holds the build flock. compiler: torch's lock
+    with a compiler working in the build directory (an older fpaudit, without the
+    flock): a live build, not a stale lock, so the lock stays."""
     extensions = tmp_path / "ext"
     directory = _build_directory(extensions)
     directory.mkdir(parents=True, exist_ok=True)
     fd = os.open(directory / "fpaudit.flock", os.O_CREAT | os.O_RDWR)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # a live build holds it
+    compiler = None
+    if builder == "fpaudit":
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a live build holds it
+    else:
+        (directory / "lock").write_text("")
+        compiler = subprocess.Popen(["sleep", "120"], cwd=directory)
     try:
         env = {"FPAUDIT_KERNEL": "auto", "TORCH_EXTENSIONS_DIR": str(extensions),
                "FPAUDIT_KERNEL_WAIT": "1"}  # fmt: skip
@@ -463,8 +474,13 @@ def test_a_build_in_progress_elsewhere_is_waited_for_then_skipped(tmp_path: Path
                                  tmp_path / "r", "--device", "cpu"], **env)  # fmt: skip
     finally:
         os.close(fd)
+        if compiler is not None:
+            compiler.kill()
+            compiler.wait()
     assert code == 0, err
-    assert "another process has been building it for over 1 s" in err
+    notes = [line for line in err.splitlines() if "kernel" in line]
+    assert len(notes) == 1 and "another process has been building it for over 1 s" in notes[0]
+    assert (directory / "lock").exists() == (builder == "compiler")
 
 
 # -- 6. every output error is one line, exit 2, the old report intact ------------------
