@@ -7,6 +7,7 @@ interrupted. Errors are one line on stderr; ``--debug`` adds the traceback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import shlex
@@ -39,7 +40,7 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # SIGINT, as shells report it
 EXIT_TERMINATED = 143  # SIGTERM
 
-_state: dict[str, Any] = {"debug": False, "argv": []}
+_state: dict[str, Any] = {"debug": False, "argv": [], "pid": os.getpid()}
 
 
 app = typer.Typer(
@@ -158,11 +159,79 @@ def _selection(options: dict[str, Any]) -> Selection:
 
 
 def _new_report_path(options: dict[str, Any]) -> Path:
-    """--out, refused before any work if a report is there and --force is not given."""
-    out_path = Path(options["out"])
+    """--out as an absolute path (model code may chdir), checked before any work: a name
+    for a new directory in an existing directory, and no report there unless --force."""
+    given = str(options["out"])
+    if not given.strip() or Path(given).name in ("", ".", ".."):
+        raise UsageError(
+            f"--out {given!r} names no new directory; give the report a name, for example "
+            "--out fpaudit-report"
+        )
+    out_path = Path(os.path.abspath(given))
+    for parent in out_path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--out {given}: {parent} is not a directory")
+            try:
+                longest = os.pathconf(parent, "PC_NAME_MAX")
+            except (OSError, ValueError):
+                longest = 255
+            for part in out_path.relative_to(parent).parts:
+                if len(os.fsencode(part)) > longest:
+                    raise UsageError(
+                        f"--out: the name {part[:40]}... is {len(os.fsencode(part))} bytes "
+                        f"long; this filesystem allows {longest}"
+                    )
+            break
     if out_path.exists() and not options["force"]:
-        raise UsageError(f"{out_path} already exists; pass --force to overwrite it")
+        raise UsageError(f"{given} already exists; pass --force to overwrite it")
     return out_path
+
+
+def _forked() -> bool:
+    """True in a child that model code forked (os.fork, a DataLoader worker that came
+    back here): it never writes the report, never unlocks, never prints a summary."""
+    return os.getpid() != _state["pid"]
+
+
+def _write_partial(
+    report: Report, out_path: Path, options: dict[str, Any], *, stopping: bool = False
+) -> str | None:
+    """Write a report of an interrupted or failed run, unless it would replace a report
+    that completed more steps (--replace-partial allows it). None when written, else
+    why the existing report was kept."""
+    from fpaudit import distributed
+    from fpaudit.report import steps_in
+
+    done = int(report.meta.get("steps_run") or 0)
+    existing = steps_in(out_path) if out_path.exists() else None
+    if existing is not None and done < existing and not options["replace_partial"]:
+        return (
+            f"kept the existing report {options['out']} ({existing} completed step(s)): this "
+            f"run completed {done}; pass --replace-partial to replace it anyway"
+        )
+    try:
+        _write(lambda: distributed.write_report(report, out_path, force=options["force"]), report)
+    except typer.Exit:
+        if not stopping:  # a Ctrl-C during the write of a stopped run: already stopping
+            raise
+    return None
+
+
+def _write(write: Any, report: Report) -> None:
+    """Run ``write``; a Ctrl-C or SIGTERM during it waits for the end (the write defers
+    them) and is then raised with the report safely written: say so before stopping."""
+    try:
+        write()
+    except KeyboardInterrupt as error:
+        if report.path is None:
+            raise
+        stopped = error if isinstance(error, Interrupted) else Interrupted()
+        render.error_line(
+            f"interrupted by {stopped.signal_name} while writing the report; it was written "
+            f"whole to {report.path}"
+        )
+        raise typer.Exit(stopped.exit_code) from None
 
 
 def _load_cpu_kernel() -> None:
@@ -172,7 +241,7 @@ def _load_cpu_kernel() -> None:
     built = kernels.cpu_kernel(on_build=render.kernel_build_notice)
     if built is None and kernels.failure():
         render.stderr().print(
-            f"note: the CPU histogram kernel could not be built ({kernels.failure()}); "
+            f"note: not using the CPU histogram kernel: {kernels.failure()}; "
             "using the pure-torch path: identical results, slower"
         )
 
@@ -307,13 +376,20 @@ def scan_command(
             "--forward); see show --origins.",
         ),
     ] = None,
+    replace_partial: Annotated[
+        bool | None,
+        typer.Option(
+            "--replace-partial/--keep-complete",
+            help="Let an interrupted run's report replace one with more completed steps.",
+        ),
+    ] = None,
 ) -> None:
     """Run a model file for some steps and record every backward op.
 
     Example: fpaudit scan sample_configs/transformer.py --steps 8 --format fp16 --out report
     """
     from fpaudit.report import output_lock
-    from fpaudit.scan import ScanInterrupted, ScanOptions, resolve_device, scan
+    from fpaudit.scan import ScanExited, ScanInterrupted, ScanOptions, resolve_device, scan
 
     options = _merge(
         "scan",
@@ -322,11 +398,12 @@ def scan_command(
              include_loss=include_loss, out=out, seed=seed, loss_scale=loss_scale, top=top,
              force=force, every=every, window=window, module=module,
              exclude_module=exclude_module, op=op, exclude_op=exclude_op, amp=amp, shadow=shadow,
-             forward=forward, origins=origins),
+             forward=forward, origins=origins,
+             replace_partial=replace_partial),
         dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
              include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False,
              every=1, window=1, module=[], exclude_module=[], op=[], exclude_op=[], amp=None,
-             shadow=False, forward=False, origins=False),
+             shadow=False, forward=False, origins=False, replace_partial=False),
     )  # fmt: skip
     formats = [get_format(name) for name in dict.fromkeys(options["format"])]
     headroom = _headroom(options["headroom_bits"])
@@ -362,17 +439,35 @@ def scan_command(
     # Under torchrun every rank runs this command; rank 0 locks, shows progress and sums up.
     lead = int(os.environ.get("RANK", "0")) == 0 if distributed.launched() else True
     lock = output_lock(out_path) if lead else contextlib.nullcontext()
-    with lock, _sigterm_raises():
+    shown = str(options["out"])
+    with lock:
         try:
             progress = render.step_progress(scan_options.steps) if lead else _no_progress()
             with progress as advance:
                 report = scan(model_file, scan_options, on_step=advance, meta=meta)
         except ScanInterrupted as stopped:  # keep the completed steps
-            distributed.write_report(stopped.report, out_path, force=options["force"])
-            render.interrupted(str(out_path), stopped.signal_name, stopped.report.meta["steps_run"],
-                               scan_options.steps)  # fmt: skip
+            if _forked():
+                raise typer.Exit(stopped.exit_code) from None
+            kept = _write_partial(stopped.report, out_path, options, stopping=True)
+            done = stopped.report.meta["steps_run"]
+            if kept is None:
+                render.interrupted(shown, stopped.signal_name, done, scan_options.steps)
+            else:
+                render.error_line(f"interrupted by {stopped.signal_name} after {done} of "
+                                  f"{scan_options.steps} step(s); {kept}")  # fmt: skip
             raise typer.Exit(stopped.exit_code) from None
-        distributed.write_report(report, out_path, force=options["force"])
+        except ScanExited as exited:  # model code called sys.exit/os._exit
+            if _forked():
+                raise typer.Exit(EXIT_ERROR) from None
+            kept = _write_partial(exited.report, out_path, options)
+            done = exited.report.meta["steps_run"]
+            raise ModelFileError(
+                f"{exited}; "
+                + (kept or f"the {done} completed step(s) are in {shown}, marked incomplete")
+            ) from None
+        if _forked():
+            raise typer.Exit(EXIT_OK)
+        _write(lambda: distributed.write_report(report, out_path, force=options["force"]), report)
     if distributed.active():
         import torch.distributed as dist
 
@@ -396,7 +491,7 @@ def scan_command(
         at_1 = analysis.module_table(report, fmt, 0, scope=scope)
         at_s = analysis.module_table(report, fmt, rec.log2_scale or 0, scope=scope)
         render.scan_summary(
-            str(out_path),
+            shown,
             report.meta["steps_run"],
             report.meta["steps"],
             at_1,
@@ -481,6 +576,13 @@ def run_command(
     ] = None,
     drift_window: DriftWindowOption = None,
     drift_binades: DriftBinadesOption = None,
+    replace_partial: Annotated[
+        bool | None,
+        typer.Option(
+            "--replace-partial/--keep-complete",
+            help="Let an interrupted run's report replace one with more completed steps.",
+        ),
+    ] = None,
     config_file: ConfigOption = None,
 ) -> None:
     """Run an unmodified training script and audit its loop: scaler, skips, clipping, drift.
@@ -496,11 +598,11 @@ def run_command(
              window=window, format=format_, headroom_bits=headroom_bits, module=module,
              exclude_module=exclude_module, op=op, exclude_op=exclude_op,
              max_backoffs=max_backoffs, max_skip_rate=max_skip_rate, drift_window=drift_window,
-             drift_binades=drift_binades),
+             drift_binades=drift_binades, replace_partial=replace_partial),
         dict(out="fpaudit-run", force=False, max_steps=None, capture_every=10, window=1,
              format=None, headroom_bits=DEFAULT_HEADROOM_BITS, module=[], exclude_module=[],
              op=[], exclude_op=[], max_backoffs=5, max_skip_rate=0.02, drift_window=None,
-             drift_binades=None),
+             drift_binades=None, replace_partial=False),
     )  # fmt: skip
     fmt_name = options["format"][0] if isinstance(options["format"], list) else options["format"]
     fmt = get_format(fmt_name) if fmt_name is not None else None
@@ -525,8 +627,11 @@ def run_command(
         "config": str(config_file) if config_file else None,
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items()},
     }
-    with output_lock(out_path), _sigterm_raises():
+    shown = str(options["out"])
+    with output_lock(out_path):
         outcome = run_script(script, list(ctx.args), run_options, meta=meta)
+        if _forked():  # the script's os.fork() child ended its script: exit as it would
+            raise typer.Exit(outcome.exit_status)
         report = outcome.report
         if fmt is None:
             fmt = get_format(report.meta.get("amp") or "fp16")
@@ -538,7 +643,20 @@ def run_command(
                 f"{script} finished without an optimizer step: nothing to audit (fpaudit run "
                 "watches torch.optim optimizers and torch.amp.GradScaler)"
             )
-        report.write(out_path, force=options["force"])
+        kept = None
+        if outcome.interrupted is not None or outcome.failure is not None:
+            kept = _write_partial(
+                report, out_path, options, stopping=outcome.interrupted is not None
+            )
+        else:
+            _write(lambda: report.write(out_path, force=options["force"]), report)
+    if kept is not None:
+        if outcome.interrupted is not None:
+            render.error_line(f"interrupted by {outcome.interrupted.signal_name} after "
+                              f"{report.meta['steps_run']} step(s); {kept}")  # fmt: skip
+            raise typer.Exit(outcome.interrupted.exit_code)
+        assert outcome.failure is not None
+        raise ModelFileError(f"{outcome.failure}; {kept}")
     from fpaudit.drift import drift
     from fpaudit.recommendation import recommend
 
@@ -548,9 +666,9 @@ def run_command(
         drift_result = drift(report, fmt, headroom, **drift_options)
     items = report.meta["findings"]
     render.report_notes(report, incomplete=False)  # the summary says if it was interrupted
-    render.run_summary(str(out_path), report, items, rec, drift_result)
+    render.run_summary(shown, report, items, rec, drift_result)
     if outcome.interrupted is not None:
-        render.interrupted(str(out_path), outcome.interrupted.signal_name,
+        render.interrupted(shown, outcome.interrupted.signal_name,
                            report.meta["steps_run"], options["max_steps"])  # fmt: skip
         raise typer.Exit(outcome.interrupted.exit_code)
     if outcome.failure is not None:
@@ -1167,20 +1285,24 @@ def verify_command(
 
     Example: fpaudit verify sample_configs/mlp.py --scale 2^16 --amp fp16 --clip-norm 1.0
     """
+    from fpaudit.modelfile import exits_caught
     from fpaudit.verify import verify
 
     if scale is None:
         raise UsageError(
             "verify needs --scale S, the loss scale of the mixed step (for example 2^16)"
         )
-    result = verify(
-        model_file,
-        log2_scale=config.parse_scale(scale),
-        amp=amp or "fp16",
-        clip_norm=clip_norm,
-        device=device or "auto",
-        seed=0 if seed is None else seed,
-    )
+    # With --json, what model code prints goes to stderr: stdout holds only the JSON.
+    model_output = contextlib.redirect_stdout(sys.stderr) if json_output else _no_progress()
+    with model_output, exits_caught():
+        result = verify(
+            model_file,
+            log2_scale=config.parse_scale(scale),
+            amp=amp or "fp16",
+            clip_norm=clip_norm,
+            device=device or "auto",
+            seed=0 if seed is None else seed,
+        )
     if json_output:
         render.print_json(result.to_dict())
     else:
@@ -1256,6 +1378,29 @@ def _from_report(value: Any, report: Report, key: str, default: Any) -> Any:
     return stored if type(stored) is type(default) else default
 
 
+class _Stopped(Exception):
+    """A command was interrupted: typer would turn the KeyboardInterrupt into a bare 130."""
+
+    def __init__(self, cause: KeyboardInterrupt) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _stoppable(callback: Any) -> Any:
+    @functools.wraps(callback)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return callback(*args, **kwargs)
+        except KeyboardInterrupt as error:
+            raise _Stopped(error) from None
+
+    return command
+
+
+for _info in app.registered_commands:
+    _info.callback = _stoppable(_info.callback)
+
+
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv``; map every way a command can end to an exit code.
 
@@ -1264,10 +1409,14 @@ def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _state["argv"] = argv
     _state["debug"] = "--debug" in argv
+    _state["pid"] = os.getpid()  # the process that owns this command's output
     try:
-        result = app(args=argv, prog_name="fpaudit", standalone_mode=False)
+        with _sigterm_raises():  # SIGTERM anywhere in a command: exit 143, as shells expect
+            result = app(args=argv, prog_name="fpaudit", standalone_mode=False)
     except typer.Exit as done:
         return done.exit_code
+    except _Stopped as stopped:
+        return _interrupted(stopped.cause)
     except FpauditError as error:
         if _state["debug"]:
             traceback.print_exc()
@@ -1283,8 +1432,7 @@ def run(argv: list[str] | None = None) -> int:
             render.error_line(f"{message}{hint}")
         return EXIT_ERROR
     except (typer.Abort, KeyboardInterrupt) as error:
-        render.error_line("interrupted")
-        return getattr(error, "exit_code", EXIT_INTERRUPTED)
+        return _interrupted(error.__cause__ if isinstance(error, typer.Abort) else error)
     except Exception as error:
         if _state["debug"]:
             traceback.print_exc()
@@ -1294,6 +1442,13 @@ def run(argv: list[str] | None = None) -> int:
         )
         return EXIT_ERROR
     return result if isinstance(result, int) else EXIT_OK
+
+
+def _interrupted(cause: BaseException | None) -> int:
+    """SIGINT or SIGTERM ended a command (typer and click wrap the exception: ``cause``)."""
+    name = getattr(cause, "signal_name", "SIGINT")
+    render.error_line(f"interrupted by {name}")
+    return int(getattr(cause, "exit_code", EXIT_INTERRUPTED))
 
 
 def main() -> None:

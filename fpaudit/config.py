@@ -85,6 +85,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "out": "str",
         "seed": "int",
         "force": "bool",
+        "replace_partial": "bool",
         "loss_scale": "scale",
         "top": "int",
         "every": "int",
@@ -101,6 +102,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
     "run": {
         "out": "str",
         "force": "bool",
+        "replace_partial": "bool",
         "max_steps": "int",
         "capture_every": "int",
         "window": "int",

@@ -71,16 +71,23 @@ def write_report(report: Report, path: str | os.PathLike[str], *, force: bool = 
     A problem on any rank (the target exists, a disk error) is raised on every rank, so
     no rank waits forever; nothing is left behind.
     """
-    from fpaudit.report import check_target, finish, new_staging, rank_prefix
+    from fpaudit import _signals
 
     if not active():
         return report.write(path, force=force)
+    with _signals.deferred():  # SIGINT/SIGTERM wait for the write, as in Report.write
+        return _write_parts(report, Path(path), force)
+
+
+def _write_parts(report: Report, target: Path, force: bool) -> Path:
+    from fpaudit.report import check_target, finish, new_staging, output_errors, rank_prefix
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    target = Path(path)
     plan: list[Any] = [None]
     if rank == 0:
         try:
-            plan = [("ok", str(new_staging(check_target(target, force))))]
+            with output_errors(target):
+                plan = [("ok", str(new_staging(check_target(target, force))))]
         except ReportError as error:
             plan = [("error", str(error))]
     dist.broadcast_object_list(plan, src=0)
@@ -89,9 +96,10 @@ def write_report(report: Report, path: str | os.PathLike[str], *, force: bool = 
         raise ReportError(value)
     staging = Path(value)
     try:
-        mine: tuple[str, Any] = ("ok", report.write_tables(staging, rank_prefix(rank)))
+        with output_errors(target):
+            mine: tuple[str, Any] = ("ok", report.write_tables(staging, rank_prefix(rank)))
     except Exception as error:  # tell the others before raising
-        mine = ("error", f"rank {rank}: {type(error).__name__}: {error}")
+        mine = ("error", f"rank {rank}: {error}")
     parts: list[Any] = [None] * world
     dist.all_gather_object(parts, (mine, report.complete))
     outcome: list[Any] = [("ok", "")]
@@ -102,8 +110,9 @@ def write_report(report: Report, path: str | os.PathLike[str], *, force: bool = 
                 raise ReportError(f"writing {target} failed: {errors[0]}")
             files = {name: e for entry, _ in parts for name, e in entry[1].items()}
             complete = all(done for _, done in parts)
-            report.write_meta(staging, files, ranks=world, complete=complete)
-            finish(staging, target)
+            with output_errors(target):
+                report.write_meta(staging, files, ranks=world, complete=complete)
+                finish(staging, target)
         except Exception as error:
             shutil.rmtree(staging, ignore_errors=True)
             outcome = [("error", str(error))]

@@ -26,6 +26,10 @@ class ModelFileError(FpauditError):
     """The model file is missing, broken, or does not follow the contract."""
 
 
+class ModelExit(ModelFileError):
+    """Model code called ``sys.exit`` or ``os._exit``: an error, never a quiet success."""
+
+
 class ReportError(FpauditError):
     """A report directory is missing, corrupt, or of an unknown schema version."""
 

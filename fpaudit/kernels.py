@@ -18,10 +18,13 @@ All paths give identical results; the tests prove it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -56,10 +59,109 @@ def is_built() -> bool:
     """True when the kernel is loaded or its cached build exists (no compile needed)."""
     if _module is not None:
         return True
+    return any(_build_directory().glob(f"{_name()}*.so"))
+
+
+def _build_directory() -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
-    directory = Path(_get_build_directory(_name(), verbose=False))
-    return any(directory.glob(f"{_name()}*.so"))
+    return Path(_get_build_directory(_name(), verbose=False))
+
+
+WAIT_ENV = "FPAUDIT_KERNEL_WAIT"  # seconds to wait for another process's build [600]
+
+
+STALE_AFTER = 3600.0  # seconds: no build takes this long; such a lock is removed
+SETTLE = 5.0  # seconds for a lock with no compiler running to go (a load holds it briefly)
+
+
+@contextlib.contextmanager
+def _build_guard() -> Iterator[str | None]:
+    """Hold ``fpaudit.flock`` in the build directory while torch loads or builds the kernel.
+
+    torch's own build lock (``lock``, a file created with O_EXCL) has no owner: a build
+    killed half-way leaves it behind, and every later ``load`` waits for it forever.
+    Every fpaudit process loads under this flock, which the kernel releases when its
+    holder dies. While we hold the flock, a ``lock`` is checked for an owner: a
+    compiler running in the build directory (torch runs ninja there; an older
+    fpaudit builds without the flock) is waited for; a lock that stays ``SETTLE``
+    seconds with none belongs to a killed build: this run takes the pure-torch path
+    (identical results, slower) and says so once; a lock older than an hour is
+    removed, so the next run builds. A build by another process is waited for up to
+    ``FPAUDIT_KERNEL_WAIT`` seconds (default 600), then this run takes the pure-torch
+    path. Yields None to go ahead, else why not (for :func:`failure`).
+    """
+    directory = _build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / "fpaudit.flock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        wait = float(os.environ.get(WAIT_ENV, "600"))
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield (
+                        f"another process has been building it for over {wait:g} s "
+                        f"({directory}); {WAIT_ENV} sets how long to wait"
+                    )
+                    return
+                time.sleep(0.2)
+        yield _stale_lock(directory / "lock", deadline, wait)
+    finally:
+        os.close(fd)
+
+
+def _stale_lock(baton: Path, deadline: float, wait: float) -> str | None:
+    """Why torch's build lock ``baton`` blocks the build, or None when it is gone."""
+    settle = time.monotonic() + SETTLE
+    while baton.exists():
+        now = time.monotonic()
+        if _building_in(baton.parent):
+            if now >= deadline:
+                return (
+                    f"another process has been building it for over {wait:g} s "
+                    f"({baton.parent}); {WAIT_ENV} sets how long to wait"
+                )
+            settle = now + SETTLE
+        elif now >= settle:
+            break
+        time.sleep(0.2)
+    try:
+        age = time.time() - baton.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age > STALE_AFTER:
+        with contextlib.suppress(OSError):
+            baton.unlink()
+        return (
+            f"removed the build lock {baton}, left {age / 3600:.0f} h ago by a killed build; "
+            "the next run builds the kernel"
+        )
+    return (
+        f"the build lock {baton} is held by no fpaudit process (a build was killed half-way); "
+        "delete it unless another program is building there"
+    )
+
+
+def _building_in(directory: Path) -> bool:
+    """True when a process works in ``directory`` (torch runs its compiler there).
+
+    Linux only (``/proc``); elsewhere False, and a lock is judged by ``SETTLE`` alone.
+    """
+    target = str(directory.resolve())
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return False
+    for entry in entries:
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/cwd") == target:
+                    return True
+    return False
 
 
 def failure() -> str | None:
@@ -80,18 +182,22 @@ def cpu_kernel(on_build: Callable[[], None] | None = None) -> ModuleType | None:
         return _module
     with _lock:
         if _module is None and _failure is None:
-            if on_build is not None and not is_built():
-                on_build()
             try:
-                from torch.utils.cpp_extension import load
+                with _build_guard() as blocked:
+                    if blocked is not None:
+                        _failure = blocked
+                    else:
+                        if on_build is not None and not is_built():
+                            on_build()
+                        from torch.utils.cpp_extension import load
 
-                _module = load(
-                    name=_name(),
-                    sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
+                        _module = load(
+                            name=_name(),
+                            sources=[str(SOURCE)],
+                            extra_cflags=["-O3", "-fopenmp"],
+                            extra_ldflags=["-fopenmp"],
+                            verbose=False,
+                        )
             except Exception as error:  # no compiler, no headers, ...
                 lines = str(error).strip().splitlines()
                 _failure = lines[-1] if lines else type(error).__name__

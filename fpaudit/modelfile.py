@@ -23,18 +23,19 @@ import dataclasses
 import importlib.machinery
 import importlib.util
 import itertools
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
-from fpaudit.errors import FpauditError, ModelFileError
+from fpaudit.errors import FpauditError, ModelExit, ModelFileError
 
 CONTRACT = {
     "model": "model = MyModel()  (an nn.Module, or a zero-argument callable returning one)",
@@ -80,13 +81,52 @@ def describe(error: BaseException) -> str:
 
 @contextmanager
 def user_code(path: Path, what: str) -> Iterator[None]:
-    """Turn any exception from the user's code into a one-line ModelFileError."""
+    """Turn any exception from the user's code into a one-line ModelFileError.
+
+    ``sys.exit(n)`` (and ``os._exit(n)`` under :func:`exits_caught`) is an error too:
+    model code cannot end an audit with a quiet success.
+    """
     try:
         yield
     except (FpauditError, KeyboardInterrupt):
         raise
+    except SystemExit as error:
+        call = "os._exit" if isinstance(error, HardExit) else "sys.exit"
+        raise ModelExit(
+            f"{where(error, path)}: {what} called {call}({error.code!r}); model code must "
+            "not end the process"
+        ) from None
     except Exception as error:
         raise ModelFileError(f"{where(error, path)}: {what} raised {describe(error)}") from error
+
+
+class HardExit(SystemExit):
+    """``os._exit`` called by user code in the audit's own process (see ``exits_caught``)."""
+
+
+@contextmanager
+def exits_caught() -> Iterator[None]:
+    """Make ``os._exit(n)`` from user code raise :class:`HardExit` in this process.
+
+    ``os._exit`` ends a process at once: no exception, no ``finally``, no atexit, so
+    nothing in-process can keep a report after it. Inside this block the audit's own
+    process gets an exception instead, which the caller reports (and keeps the
+    completed steps). A forked child (a DataLoader worker, a script's own
+    ``os.fork``) still exits for real: its pid differs from the one recorded here.
+    A C extension calling ``_exit(2)`` directly cannot be intercepted.
+    """
+    owner, real = os.getpid(), os._exit
+
+    def fake_exit(status: int) -> NoReturn:
+        if os.getpid() != owner:
+            real(status)
+        raise HardExit(status)
+
+    os._exit = fake_exit
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 @dataclass
@@ -165,8 +205,9 @@ def _import(path: Path) -> Any:
     except BaseException as error:
         sys.modules.pop(name, None)
         if isinstance(error, SystemExit):
-            raise ModelFileError(
-                f"{path}: importing the model file called sys.exit({error.code})"
+            call = "os._exit" if isinstance(error, HardExit) else "sys.exit"
+            raise ModelExit(
+                f"{path}: importing the model file called {call}({error.code})"
             ) from None
         raise ModelFileError(
             f"{where(error, path)}: importing the model file raised {describe(error)}"

@@ -26,13 +26,17 @@ never unpickles or executes anything: JSON and Parquet only.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as _dt
+import errno
+import fcntl
 import hashlib
 import json
 import math
 import os
 import platform
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +48,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fpaudit import config, layout
+from fpaudit import _signals, config, layout
 from fpaudit.errors import ReportError
 from fpaudit.origins import COLUMNS as ORIGIN_COLUMNS
 from fpaudit.origins import TABLE_NAME as ORIGINS_TABLE
@@ -216,19 +220,25 @@ class Report:
     def write(self, path: str | os.PathLike[str], *, force: bool = False) -> Path:
         """Write the report directory atomically; refuse to replace one unless ``force``.
 
-        Under ``torch.distributed`` with several ranks, every rank calls
-        :func:`fpaudit.distributed.write_report` instead: each writes its part.
+        SIGINT and SIGTERM wait until the write is over (see ``_signals.deferred``): a
+        report is never lost to a Ctrl-C, even a second one. A disk error (full,
+        read-only, file too large, a name too long) is one ``ReportError``; an old
+        report stays intact. Under ``torch.distributed`` with several ranks, every rank
+        calls :func:`fpaudit.distributed.write_report` instead: each writes its part.
         """
-        target = check_target(path, force)
-        staging = new_staging(target)
-        try:
-            files = self.write_tables(staging)
-            self.write_meta(staging, files)
-            finish(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        self.path = target
+        with _signals.deferred():
+            target = Path(path)
+            with output_errors(target):
+                check_target(target, force)
+                staging = new_staging(target)
+                try:
+                    files = self.write_tables(staging)
+                    self.write_meta(staging, files)
+                    finish(staging, target)
+                except BaseException:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    raise
+            self.path = target
         return target
 
     def write_tables(self, directory: Path, prefix: str = "") -> dict[str, dict[str, Any]]:
@@ -271,8 +281,25 @@ class Report:
     # -- reading ---------------------------------------------------------
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Report:
-        """Read and verify a report directory; any problem is a one-line ``ReportError``."""
+        """Read and verify a report directory; any problem is a one-line ``ReportError``.
+
+        A reader that races a replacement (``scan --force`` swapping a new report in)
+        may read the old metadata and a new table: the directory it started from is
+        then no longer the one at ``path``, and it reads again. It sees the old report
+        or the new one, never a false "corrupt".
+        """
         root = Path(path)
+        for attempt in range(_READ_ATTEMPTS):
+            before = _identity(root)
+            try:
+                return cls._read_once(root)
+            except ReportError:
+                if attempt + 1 == _READ_ATTEMPTS or _identity(root) == before:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @classmethod
+    def _read_once(cls, root: Path) -> Report:
         if not root.exists():
             raise ReportError(f"report {root} does not exist")
         if not root.is_dir():
@@ -298,9 +325,29 @@ class Report:
         return parts[0] if len(parts) == 1 else _merge_ranks(parts, meta, root)
 
 
+_READ_ATTEMPTS = 5
+
+
+def _identity(root: Path) -> tuple[int, int] | None:
+    """Which directory ``root`` names now (a replacement swaps in another)."""
+    try:
+        found = os.stat(root)
+    except OSError:
+        return None
+    return (found.st_dev, found.st_ino)
+
+
 def check_target(path: str | os.PathLike[str], force: bool) -> Path:
-    """``path`` as a report target: new, or an fpaudit report that ``force`` may replace."""
+    """``path`` as a report target: new, or an fpaudit report that ``force`` may replace.
+
+    A replacement that a crash cut short between its two renames (only where
+    ``renameat2`` is unavailable) left the old report as ``.<name>.old``: it is put
+    back first, so the target is never lost.
+    """
     target = Path(path)
+    if not target.name or target.name in (".", ".."):
+        raise ReportError(f"{target} is not a name for a report directory")
+    recover(target)
     if target.exists() or target.is_symlink():
         if not force:
             raise ReportError(f"{target} already exists; pass --force to overwrite it")
@@ -311,52 +358,177 @@ def check_target(path: str | os.PathLike[str], force: bool) -> Path:
     return target
 
 
+def recover(target: Path) -> bool:
+    """Put back a report that an interrupted replacement left at ``.<name>.old``."""
+    retired = _sibling(target, ".old")
+    if target.exists() or target.is_symlink() or not (retired / META_FILE).is_file():
+        return False
+    with contextlib.suppress(OSError):
+        os.rename(retired, target)
+        return True
+    return False
+
+
+def steps_in(target: Path) -> int | None:
+    """The completed steps of the report at ``target`` (from its metadata), or None."""
+    try:
+        meta = json.loads((target / META_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    done = meta.get("steps_run") if isinstance(meta, dict) else None
+    return done if isinstance(done, int) and not isinstance(done, bool) else None
+
+
+def _sibling(target: Path, suffix: str) -> Path:
+    """A hidden name beside ``target`` within any filesystem's 255-byte name limit.
+
+    ``.<name><suffix>`` when that is short; long names keep a readable head and a
+    hash of the whole, so two targets never share a sibling.
+    """
+    name = f".{target.name}{suffix}"
+    if len(os.fsencode(name)) <= 200:
+        return target.with_name(name)
+    digest = hashlib.sha256(os.fsencode(target.name)).hexdigest()[:16]
+    head = os.fsencode(target.name)[:100].decode(errors="ignore")
+    return target.with_name(f".{head}-{digest}{suffix}")
+
+
 def new_staging(target: Path) -> Path:
     """A fresh hidden directory beside ``target`` to write into."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    prefix = _sibling(target, ".").name
+    return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=target.parent))
 
 
 def finish(staging: Path, target: Path) -> None:
     """Sync ``staging`` and move it into place (an old report stays until then)."""
+    owner = _OWNERS.get(_key(target))
+    if owner is not None and owner != os.getpid():
+        raise ReportError(
+            f"{target}: this process (pid {os.getpid()}) is a fork of the audit's process "
+            f"(pid {owner}); only that process writes the report"
+        )
     for directory in [staging, *(p for p in staging.iterdir() if p.is_dir())]:
         _fsync(directory)
     _replace_dir(staging, target)
 
 
 @contextlib.contextmanager
-def output_lock(target: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold ``<target>.lock`` while a run writes ``target``: a second run refuses.
-
-    The lock holds the owner's pid and host; a lock whose process is gone (a
-    killed run) is taken over.
-    """
-    target = Path(target)
-    lock = target.with_name(target.name + ".lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    me = f"{os.getpid()} {platform.node()}"
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            owner = _read_lock(lock)
-            if owner is not None:
-                raise ReportError(
-                    f"another fpaudit run (pid {owner}) is writing {target}; wait for it or "
-                    f"choose another --out (lock: {lock})"
-                ) from None
-            lock.unlink(missing_ok=True)  # stale: its process is gone
-            continue
-        with os.fdopen(fd, "w") as handle:
-            handle.write(me + "\n")
-        break
-    else:  # pragma: no cover - lost a race twice
-        raise ReportError(f"could not lock {lock}")
+def output_errors(target: Path) -> Iterator[None]:
+    """Turn an operating-system error while writing ``target`` into one ``ReportError``."""
     try:
         yield
-    finally:
-        if _read_text(lock).strip() == me:
-            lock.unlink(missing_ok=True)
+    except ReportError:
+        raise
+    except (OSError, pa.ArrowException) as error:
+        raise ReportError(f"cannot write {target}: {_reason(error)}") from error
+
+
+def _reason(error: BaseException) -> str:
+    """What went wrong, in the operating system's words (pyarrow wraps them in its own)."""
+    if isinstance(error, OSError) and error.strerror:
+        name = error.filename if isinstance(error.filename, str) else None
+        where = f" ({Path(name).name})" if name else ""
+        code = error.errno
+        text = os.strerror(code) if code is not None and code in errno.errorcode else None
+        return f"{text or error.strerror}{where}"
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else type(error).__name__
+    for code in (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT, errno.EIO):
+        if os.strerror(code).lower() in text.lower():
+            return os.strerror(code)
+    return text
+
+
+# Which process started the audit of each locked target: a forked child neither
+# writes the report nor releases the lock.
+_OWNERS: dict[str, int] = {}
+
+
+def _key(target: Path) -> str:
+    return os.path.abspath(target)
+
+
+class OutputLock:
+    """``<target>.lock``, held with ``fcntl.flock`` on an open descriptor for the run.
+
+    The kernel releases a flock when its process dies, however it dies, so a lock
+    file left by a killed run never blocks (no pid liveness test: pids are reused,
+    in containers above all). The file holds the owner's pid and host, for the
+    message a second run prints. Only the process that took the lock releases it:
+    a forked child (``os.fork``, a DataLoader worker) shares the descriptor but
+    never unlocks.
+    """
+
+    def __init__(self, target: str | os.PathLike[str]) -> None:
+        self.target = Path(target)
+        self.path = _lock_path(self.target)
+        self.owner = os.getpid()
+        self._fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        with output_errors(self.target):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for _ in range(10):
+                fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = _read_text(self.path).split()
+                    os.close(fd)
+                    pid = (
+                        f"pid {holder[0]}" if holder and holder[0].isdigit() else "another process"
+                    )
+                    raise ReportError(
+                        f"another fpaudit run ({pid}) is writing {self.target}; wait for it to "
+                        f"finish or stop it, or choose another --out (lock: {self.path}; it is "
+                        "released when that process exits)"
+                    ) from None
+                except BaseException:
+                    os.close(fd)
+                    raise
+                # The file may have been unlinked by its last owner between our open and
+                # flock: then the lock we hold is on a file nobody else sees. Retry.
+                try:
+                    same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                os.close(fd)
+            else:  # pragma: no cover - lost the race ten times
+                raise ReportError(f"could not lock {self.path}")
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{self.owner} {platform.node()}\n".encode())
+        self._fd = fd
+        self.owner = os.getpid()
+        _OWNERS[_key(self.target)] = self.owner
+        return self
+
+    def owned(self) -> bool:
+        """True in the process that took the lock (False in a forked child)."""
+        return os.getpid() == self.owner
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is None or not self.owned():
+            return  # a forked child: the lock is its parent's
+        _OWNERS.pop(_key(self.target), None)
+        with contextlib.suppress(OSError):
+            self.path.unlink()  # before unlocking: a waiter then finds a fresh file
+        os.close(self._fd)  # releases the flock
+        self._fd = None
+
+
+def output_lock(target: str | os.PathLike[str]) -> OutputLock:
+    """Hold ``<target>.lock`` while a run writes ``target``: a second run refuses."""
+    return OutputLock(target)
+
+
+def _lock_path(target: Path) -> Path:
+    name = f"{target.name}.lock"
+    if len(os.fsencode(name)) <= 255:
+        return target.with_name(name)
+    return _sibling(target, ".lock")
 
 
 def _read_text(path: Path) -> str:
@@ -364,23 +536,6 @@ def _read_text(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
-
-
-def _read_lock(lock: Path) -> int | None:
-    """The pid of the live process on this host that holds ``lock``, else None."""
-    fields = _read_text(lock).split()
-    if len(fields) != 2 or not fields[0].isdigit():
-        return None
-    pid, host = int(fields[0]), fields[1]
-    if host != platform.node():
-        return pid  # another host: cannot tell, so respect it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        return pid
-    return pid
 
 
 def _sha256(file: Path) -> str:
@@ -400,17 +555,61 @@ def _fsync(path: Path) -> None:
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
-    """Move ``staging`` to ``target``; an old report stays intact until the new one is in place."""
+    """Move ``staging`` to ``target``; an old report stays intact until the new one is in place.
+
+    On Linux the two directories are swapped in one ``renameat2(RENAME_EXCHANGE)``:
+    ``target`` always names a whole report, the old one or the new. Elsewhere (or on
+    a filesystem without it) the old report is renamed to ``.<name>.old`` first;
+    should the process die between the two renames, the next write to ``target``
+    (``check_target``) puts it back.
+    """
     if not target.exists():
         os.rename(staging, target)
+    elif _exchange(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)  # now the old report
     else:
-        retired = Path(
-            tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent)
-        )
-        os.rename(target, retired / target.name)
+        retired = _sibling(target, ".old")
+        shutil.rmtree(retired, ignore_errors=True)
+        os.rename(target, retired)
         os.rename(staging, target)
         shutil.rmtree(retired, ignore_errors=True)
     _fsync(target.parent)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths atomically with Linux's renameat2; False where that is unsupported."""
+    if os.environ.get("FPAUDIT_NO_RENAME_EXCHANGE") == "1":  # tests take the other path
+        return False
+    function = _renameat2()
+    if function is None:
+        return False
+    result = function(
+        _AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE
+    )
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+def _renameat2() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.renameat2
+    except (OSError, AttributeError):  # glibc before 2.28, musl
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                         ctypes.c_uint]  # fmt: skip
+    function.restype = ctypes.c_int
+    return function
 
 
 def _read_meta(root: Path) -> dict[str, Any]:

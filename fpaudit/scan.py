@@ -23,7 +23,7 @@ import torch
 
 from fpaudit import distributed, modelfile
 from fpaudit.capture import Audit, Selection, StepSummary
-from fpaudit.errors import Interrupted, UsageError
+from fpaudit.errors import Interrupted, ModelExit, UsageError
 from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
 
 if TYPE_CHECKING:
@@ -97,6 +97,15 @@ class ScanInterrupted(Interrupted):
         self.report = report
 
 
+class ScanExited(ModelExit):
+    """Model code called ``sys.exit``/``os._exit`` after some steps: ``report`` holds them,
+    marked incomplete; the error stands (exit 2)."""
+
+    def __init__(self, report: Report, cause: ModelExit) -> None:
+        super().__init__(str(cause))
+        self.report = report
+
+
 @dataclass(frozen=True)
 class StepProgress:
     step: int  # 1-based count of steps done
@@ -113,8 +122,22 @@ def scan(
     on_step: Callable[[StepProgress], None] | None = None,
     meta: dict[str, Any] | None = None,
 ) -> Report:
-    """Scan ``model_path`` for ``options.steps`` steps and return the report (not written)."""
-    path = Path(model_path)
+    """Scan ``model_path`` for ``options.steps`` steps and return the report (not written).
+
+    Raises :class:`ScanInterrupted` on SIGINT/SIGTERM and :class:`ScanExited` when model
+    code calls ``sys.exit`` or ``os._exit`` after a completed step; both carry the
+    completed steps as a report marked incomplete.
+    """
+    with modelfile.exits_caught():
+        return _scan(Path(model_path), options, on_step, meta)
+
+
+def _scan(
+    path: Path,
+    options: ScanOptions,
+    on_step: Callable[[StepProgress], None] | None,
+    meta: dict[str, Any] | None,
+) -> Report:
     rank, world = 0, 1
     if distributed.launched():  # torchrun: this rank's device, the process group
         device = resolve_device(distributed.local_device(options.device))
@@ -151,6 +174,7 @@ def scan(
 
     steps_run = 0
     interrupted: Interrupted | None = None
+    exited: ModelExit | None = None
     # Under torchrun each rank takes every world-th batch: its own shard of the data.
     batches = itertools.islice(spec.batches(options.steps * world), rank, None, world)
     try:
@@ -198,6 +222,10 @@ def scan(
                 on_step(StepProgress(step + 1, options.steps, summary, stepped, loss_value))
     except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
         interrupted = error if isinstance(error, Interrupted) else Interrupted()
+    except ModelExit as error:  # sys.exit/os._exit in model code: keep what was done
+        if steps_run == 0:
+            raise
+        exited = error
 
     report = audit.report
     report.meta.update(
@@ -206,8 +234,10 @@ def scan(
             "model_file": str(path),
             "steps_requested": options.steps,
             "steps_run": steps_run,
-            "complete": interrupted is None,
-            "stopped_by": interrupted.signal_name if interrupted is not None else None,
+            "complete": interrupted is None and exited is None,
+            "stopped_by": interrupted.signal_name
+            if interrupted is not None
+            else ("an exit in model code" if exited is not None else None),
             "loss_scale": options.loss_scale,
             "seed": options.seed,
             "device": str(device),
@@ -230,4 +260,6 @@ def scan(
     report.meta.update(meta or {})
     if interrupted is not None:
         raise ScanInterrupted(report, interrupted)
+    if exited is not None:
+        raise ScanExited(report, exited)
     return report

@@ -1006,6 +1006,7 @@ class RunOutcome:
     findings: list[Finding]
     failure: FpauditError | None = None  # the script failed; write the report, then say this
     interrupted: Interrupted | None = None
+    exit_status: int = 0  # what ``python script`` would have exited with (0, or its exit code)
 
 
 def run_script(
@@ -1031,8 +1032,10 @@ def run_script(
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
+    exit_status = 0
     try:
-        with monitor.installed():
+        # os._exit(n) from the script ends it like sys.exit(n); a forked child's is real.
+        with monitor.installed(), modelfile.exits_caught():
             runpy.run_path(str(path), run_name="__main__")
     except StopRun:
         stopped_by = "max-steps"
@@ -1041,6 +1044,7 @@ def run_script(
             detail = f"status {done.code}" if isinstance(done.code, int) else repr(done.code)
             failure = ModelFileError(f"{path} exited with {detail}")
             stopped_by = "script exit"
+            exit_status = done.code if isinstance(done.code, int) else 1
     except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
         interrupted = error if isinstance(error, Interrupted) else Interrupted()
         stopped_by = interrupted.signal_name
@@ -1049,6 +1053,7 @@ def run_script(
             f"{modelfile.where(error, path)}: the script raised {modelfile.describe(error)}"
         )
         stopped_by = "script error"
+        exit_status = 1
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
@@ -1089,4 +1094,6 @@ def run_script(
             **(meta or {}),
         }
     )
-    return RunOutcome(report, findings, failure, interrupted)
+    if interrupted is not None:
+        exit_status = interrupted.exit_code
+    return RunOutcome(report, findings, failure, interrupted, exit_status)
