@@ -617,7 +617,7 @@ class TrainingMonitor:
                 "clip-before-unscale",
                 site,
                 step.index,
-                f"{name}(..., {float(limit):g}) clipped gradients still multiplied by the loss "
+                f"{name}(..., {_number(limit)}) clipped gradients still multiplied by the loss "
                 "scale S: the threshold is meant for unscaled gradients, so clipping is "
                 "off by a factor S; call scaler.unscale_(optimizer) before clipping",
             )
@@ -633,9 +633,13 @@ class TrainingMonitor:
         a one-shot iterator (a generator) is left to the clip call, and the gradients of
         every model seen instead stand for it."""
         if isinstance(parameters, torch.Tensor):
-            params: list[Any] = [parameters]
-        elif iter(parameters) is not parameters:
-            params = list(parameters)
+            return [g for g in [patches.raw_grad(parameters)] if g is not None]
+        try:
+            iterator = iter(parameters)
+        except TypeError:  # not iterable: the clip call itself will say so
+            return []
+        if iterator is not parameters:
+            params: list[Any] = list(parameters)  # a second pass over a list, tuple or set
         else:
             params = [p for root in self._roots for p in root.parameters()]
         grads = [patches.raw_grad(p) for p in params if isinstance(p, torch.Tensor)]
@@ -850,6 +854,13 @@ def _power(value: float) -> str:
     if value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5:
         return f"2^{math.frexp(value)[1] - 1}"
     return f"{value:g}"
+
+
+def _number(value: Any) -> str:
+    try:
+        return f"{float(value):g}"
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _where(site: tuple[str, int] | None) -> str:
