@@ -2,6 +2,7 @@
 #   make demo   set up, scan the bundled sample transformer, show and gate the report,
 #               then audit the sample training loop (fpaudit run)
 #   make test   set up, then run the whole test suite
+#   make test-fast  the suite without the end-to-end runs marked `slow` (for development)
 #
 # torch is installed first, from TORCH_SPEC. The default pins the release these
 # machines carry as a CPU wheel; on a CUDA machine use the build you want, e.g.
@@ -15,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fpaudit-installed
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-fast lint format bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +34,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .

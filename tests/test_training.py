@@ -18,7 +18,7 @@ import torch
 from fpaudit.report import Report
 from fpaudit.training import RunOptions, run_script, skip_statistics
 
-from .conftest import ROOT, one_error_line
+from .conftest import ROOT, default_signals, one_error_line
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 AMP = SCRIPTS / "train_amp.py"
@@ -247,7 +247,7 @@ def test_interrupting_a_run_keeps_the_steps_done(tmp_path: Path) -> None:
         [sys.executable, "-m", "fpaudit", "run", "--out", str(out), "--", str(AMP),
          "--hang-at", "3", "--marker", str(marker)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ},
+        env={**os.environ}, preexec_fn=default_signals,
     )  # fmt: skip
     deadline = time.monotonic() + 300
     while not marker.exists():
