@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 
 from fpaudit import layout
 from fpaudit.errors import ReportError
+from fpaudit.outputs import make_parent
 from fpaudit.records import (
     KIND_BACKWARD,
     KIND_GRAD,
@@ -286,7 +287,7 @@ def check_target(path: str | os.PathLike[str], force: bool) -> Path:
 
 def new_staging(target: Path) -> Path:
     """A fresh hidden directory beside ``target`` to write into."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(target, "--out")
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
 
 
@@ -306,7 +307,7 @@ def output_lock(target: str | os.PathLike[str]) -> Iterator[None]:
     """
     target = Path(target)
     lock = target.with_name(target.name + ".lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(lock, "--out")
     me = f"{os.getpid()} {platform.node()}"
     for _ in range(2):
         try:
