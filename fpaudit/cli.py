@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from fpaudit import __version__, config, render
-from fpaudit.errors import FpauditError, Interrupted, ModelFileError, UsageError
+from fpaudit.errors import FpauditError, Interrupted, ModelFileError, ReportExists, UsageError
 from fpaudit.formats import FORMATS, Format, get_format
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
@@ -1128,7 +1128,10 @@ def run(argv: list[str] | None = None) -> int:
     except FpauditError as error:
         if _state["debug"]:
             traceback.print_exc()
-        render.error_line(str(error))
+        if isinstance(error, ReportExists):  # the library says force=True
+            render.error_line(f"{error.target} already exists; pass --force to overwrite it")
+        else:
+            render.error_line(str(error))
         return error.exit_code
     except typer.TyperException as error:  # usage errors from the parser
         if _state["debug"]:

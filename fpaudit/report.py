@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fpaudit import layout
-from fpaudit.errors import ReportError
+from fpaudit.errors import ReportError, ReportExists
 from fpaudit.outputs import make_parent
 from fpaudit.records import (
     KIND_BACKWARD,
@@ -277,7 +277,7 @@ def check_target(path: str | os.PathLike[str], force: bool) -> Path:
     target = Path(path)
     if target.exists() or target.is_symlink():
         if not force:
-            raise ReportError(f"{target} already exists; pass --force to overwrite it")
+            raise ReportExists(target)
         if not target.is_dir() or not (target / META_FILE).is_file():
             raise ReportError(
                 f"{target} exists and is not an fpaudit report; refusing to replace it"
