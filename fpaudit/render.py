@@ -679,8 +679,11 @@ def simulation(result: Simulation) -> None:
     for name in ("policy", "skipped", "first skipped steps", "scale at the end", "scale range",
                  "underflow (captured steps)"):  # fmt: skip
         grid.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
-    for run, label in ((policy, f"{policy.name} (dynamic)"),
-                       (static, f"static {power(static.settings['init_scale'])}")):  # fmt: skip
+    rows = [(policy, f"{policy.name} (dynamic)"),
+            (static, f"static {power(static.settings['init_scale'])}")]  # fmt: skip
+    if policy.name == "static":  # --policy static: its row is the static one
+        rows = rows[1:]
+    for run, label in rows:
         summary = run.summary()
         grid.add_row(
             label,

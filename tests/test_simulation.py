@@ -139,6 +139,18 @@ def test_simulate_static_defaults_to_the_recommended_scale(cli, run_report: Path
     )
 
 
+def test_policy_static_replays_one_static_scale_in_one_row(cli, run_report: Path) -> None:
+    from fpaudit.recommendation import recommend
+
+    recommended = recommend(Report.read(run_report), FP16).scale
+    data = json.loads(cli("simulate", run_report, "--policy", "static", "--json").stdout)
+    assert data["policy"]["settings"]["init_scale"] == recommended
+    assert data["static"]["settings"]["init_scale"] == recommended
+    shown = cli("simulate", run_report, "--policy", "static").stdout
+    rows = [line for line in shown.splitlines() if line.startswith("│ static")]
+    assert len(rows) == 1 and "(dynamic)" not in shown
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
