@@ -385,7 +385,7 @@ def scan_command(
     problems = ~report.steps["loss_finite"]
     forward_problems = int(problems.sum())
     first_nonfinite = sorted(set(report.steps.loc[problems, "first_nonfinite"]) - {""})
-    for fmt in formats:
+    for index, fmt in enumerate(formats):
         rec = recommend(report, fmt, headroom, include_loss=options["include_loss"])
         scope = analysis.default_scope(report, options["include_loss"])
         at_1 = analysis.module_table(report, fmt, 0, scope=scope)
@@ -400,6 +400,7 @@ def scan_command(
             options["top"],
             forward_problems,
             first_nonfinite,
+            first=index == 0,
         )
         drifted = drift(report, fmt, headroom, include_loss=options["include_loss"])
         if drifted.warn or len(drifted.windows) >= 10:  # long scans: say how it moved

@@ -438,11 +438,16 @@ def scan_summary(
     top: int,
     forward_problems: int,
     first_nonfinite: list[str],
+    *,
+    first: bool = True,
 ) -> None:
+    """One format's summary of a scan; ``first``: also the lines about the whole scan
+    (said once when several formats follow)."""
     console = stdout()
     captured_text = "" if captured == steps else f", captured {captured}"
-    console.print(f"Scanned {steps} step(s){captured_text}; report written to {path}")
-    if forward_problems:
+    if first:
+        console.print(f"Scanned {steps} step(s){captured_text}; report written to {path}")
+    if forward_problems and first:
         console.print(
             f"[red]{forward_problems} step(s) had a non-finite loss[/red]: recorded as forward "
             "problems; their backward values are not counted."
