@@ -569,17 +569,28 @@ def scale_lines(steps: pd.DataFrame) -> list[str]:
     ]
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
 def drift_lines(result: Drift) -> list[str]:
     judged = [w for w in result.windows if w.log2_scale is not None]
     if len(judged) < 2:
         return []
     low = min(judged, key=lambda w: w.log2_scale or 0)
     high = max(judged, key=lambda w: w.log2_scale or 0)
+    size = _plural(result.window_steps, "step")
+    opening = f"Drift ({result.format}): per-window recommendations (windows of {size})"
+    if result.binades == 0:
+        return [f"{opening} all agree on 2^{low.log2_scale}."]
     text = (
-        f"Drift ({result.format}): per-window recommendations (windows of "
-        f"{result.window_steps} steps) span {result.binades} binade(s), "
-        f"2^{low.log2_scale} (steps {low.first_step}-{low.last_step}) to 2^{high.log2_scale} "
-        f"(steps {high.first_step}-{high.last_step})"
+        f"{opening} span {_plural(result.binades, 'binade')}, "
+        f"2^{low.log2_scale} ({_steps(low.first_step, low.last_step)}) to "
+        f"2^{high.log2_scale} ({_steps(high.first_step, high.last_step)})"
     )
     if not result.warn:
         return [text + "."]

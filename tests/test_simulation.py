@@ -222,7 +222,7 @@ def test_window_report_keeps_only_its_steps() -> None:
 def test_recommend_worst_window_and_drift_warning(cli, tmp_path: Path) -> None:
     drifting_report().write(tmp_path / "r")
     text = cli("recommend", tmp_path / "r", "--drift-window", "10").stdout
-    assert "S = 2^5 = 32" in text and "span 6 binade(s)" in text and "more than 2" in text
+    assert "S = 2^5 = 32" in text and "span 6 binades" in text and "more than 2" in text
     worst = cli("recommend", tmp_path / "r", "--worst-window", "--drift-window", "10", "--json")
     data = json.loads(worst.stdout)
     assert data["window"] == [10, 19] and data["log2_scale"] == 5

@@ -1,0 +1,41 @@
+"""Wording of rendered lines, on hand-built results (no scan needed)."""
+
+from __future__ import annotations
+
+from fpaudit.drift import Drift, Window
+from fpaudit.render import drift_lines
+
+
+def _window(first: int, last: int, log2: int) -> Window:
+    return Window(first, last, last - first + 1, 1.0, log2, "m", "aten.mm", 0.0, 0.0)
+
+
+def _drift(window_steps: int, windows: list[Window], threshold: int = 2) -> Drift:
+    scales = [w.log2_scale for w in windows if w.log2_scale is not None]
+    return Drift(
+        "fp16", 4, window_steps, windows, min(scales), max(scales) - min(scales), threshold
+    )
+
+
+def test_windows_of_one_step_that_agree() -> None:
+    drift = _drift(1, [_window(0, 0, 15), _window(1, 1, 15)])
+    assert drift_lines(drift) == [
+        "Drift (fp16): per-window recommendations (windows of 1 step) all agree on 2^15."
+    ]
+
+
+def test_one_binade_and_single_step_windows_read_in_the_singular() -> None:
+    drift = _drift(1, [_window(0, 0, 14), _window(2, 2, 15)])
+    assert drift_lines(drift) == [
+        "Drift (fp16): per-window recommendations (windows of 1 step) span 1 binade, "
+        "2^14 (step 0) to 2^15 (step 2)."
+    ]
+
+
+def test_wide_windows_and_a_warning_read_in_the_plural() -> None:
+    drift = _drift(10, [_window(0, 9, 10), _window(10, 19, 14)])
+    lines = drift_lines(drift)
+    assert lines[0] == (
+        "[yellow]Drift (fp16): per-window recommendations (windows of 10 steps) span 4 "
+        "binades, 2^10 (steps 0-9) to 2^14 (steps 10-19): more than 2.[/yellow]"
+    )
