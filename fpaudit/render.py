@@ -94,6 +94,13 @@ def module_label(name: str) -> str:
     return ROOT_LABEL if name == "" else name
 
 
+def module_in_prose(name: str) -> str:
+    """A module's name inside a sentence: a path that starts with a number (a child of a
+    top-level ``nn.Sequential``) reads "module 4", not a bare "4"."""
+    label = module_label(name)
+    return f"module {label}" if label.split(".")[0].isdigit() else label
+
+
 def percent(fraction: float) -> str:
     if fraction == 0:
         return "0%"
@@ -267,7 +274,7 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
         lines.append("  Limited by the range a loss scale can take (fp32 normal numbers).")
     else:
         lines.append(
-            f"  Limited by {module_label(rec.limiting_module or '')} ({rec.limiting_op}), "
+            f"  Limited by {module_in_prose(rec.limiting_module or '')} ({rec.limiting_op}), "
             f"largest backward value {magnitude(rec.amax)} at S = 1."
         )
     lines.append(
@@ -315,7 +322,7 @@ def gate(result: GateResult) -> None:
         console.print(f"  The report is incomplete (its run was interrupted), {allowed}.")
     for offender in result.offenders:
         console.print(
-            f"  {module_label(offender['module'])}: underflow "
+            f"  {module_in_prose(offender['module'])}: underflow "
             f"{percent(offender['underflow_fraction'])} ({count(offender['underflow'])} of "
             f"{count(offender['nonzero'])}), overflow {count(offender['overflow'])}"
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fpaudit.drift import Drift, Window
-from fpaudit.render import drift_lines
+from fpaudit.render import ROOT_LABEL, drift_lines, module_in_prose
 
 
 def _window(first: int, last: int, log2: int) -> Window:
@@ -39,3 +39,10 @@ def test_wide_windows_and_a_warning_read_in_the_plural() -> None:
         "[yellow]Drift (fp16): per-window recommendations (windows of 10 steps) span 4 "
         "binades, 2^10 (steps 0-9) to 2^14 (steps 10-19): more than 2.[/yellow]"
     )
+
+
+def test_a_numeric_module_name_reads_as_a_module_in_a_sentence() -> None:
+    assert module_in_prose("4") == "module 4"  # a child of a top-level nn.Sequential
+    assert module_in_prose("0.2") == "module 0.2"
+    assert module_in_prose("layers.4") == "layers.4"
+    assert module_in_prose("") == ROOT_LABEL
