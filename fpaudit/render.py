@@ -294,6 +294,12 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
             f"  Live report: only values the device really held in {rec.live_dtype} count "
             "(fp32 ops under autocast are left out)."
         )
+    if rec.format == "bf16":
+        lines.append(
+            "  Note: bf16 has fp32's exponent range, so it rarely needs loss scaling: "
+            f"S = 1 loses {percent(rec.underflow_fraction_at_1)} here; a large S only moves "
+            "values toward the top of a range they already fit in."
+        )
     return lines
 
 

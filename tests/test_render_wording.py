@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from fpaudit.drift import Drift, Window
-from fpaudit.render import ROOT_LABEL, drift_lines, module_in_prose
+from fpaudit.recommendation import Recommendation
+from fpaudit.render import ROOT_LABEL, drift_lines, module_in_prose, recommendation_lines
 
 
 def _window(first: int, last: int, log2: int) -> Window:
@@ -46,3 +47,17 @@ def test_a_numeric_module_name_reads_as_a_module_in_a_sentence() -> None:
     assert module_in_prose("0.2") == "module 0.2"
     assert module_in_prose("layers.4") == "layers.4"
     assert module_in_prose("") == ROOT_LABEL
+
+
+def _recommendation(fmt: str) -> Recommendation:
+    return Recommendation(
+        fmt, 4, 120, 2.0**120, 1e-30, "m", "aten.mm", "amax", 0.0, 0.0, 0.0, False
+    )
+
+
+def test_a_bf16_recommendation_says_bf16_rarely_needs_loss_scaling() -> None:
+    lines = recommendation_lines(_recommendation("bf16"))
+    assert lines[0].startswith("Recommended static loss scale for bf16: S = 2^120 ")
+    assert lines[-1].startswith("  Note: bf16 has fp32's exponent range, so it rarely needs")
+    assert "S = 1 loses 0% here" in lines[-1]
+    assert not any("rarely" in line for line in recommendation_lines(_recommendation("fp16")))
