@@ -737,19 +737,14 @@ class TrainingMonitor:
 
     def judge(self, table: dict[str, list[Any]], values: np.ndarray) -> list[Finding]:
         """Findings that need the run's values: scales, skips, schedulers."""
-        skipped = dict(zip(table["step"], table["skipped"], strict=True))
-        for site, attempt, name in self._scheduler_calls:
-            if skipped.get(attempt, False):
-                self.findings.add(
-                    "scheduler-on-skipped-step",
-                    site,
-                    attempt,
-                    f"{name}.step() ran after a skipped optimizer step: the learning rate moved "
-                    "on while the weights did not; step the scheduler only when "
-                    "scaler.get_scale() did not fall",
-                )
+        for finding in scheduler_findings(table, self._scheduler_calls):
+            self.findings.items[(finding.code, finding.file, finding.line)] = finding
         self._judge_spans(values)
-        self._judge_scale(table)
+        if self.scaler_settings is not None:
+            site = self.update_site or ("<script>", 0)
+            options = self.options
+            for finding in scale_findings(table, site, options.max_backoffs, options.max_skip_rate):
+                self.findings.items[(finding.code, finding.file, finding.line)] = finding
         return sorted(
             self.findings.items.values(),
             key=lambda f: (("error", "warning", "info").index(f.severity), f.file, f.line),
@@ -774,55 +769,81 @@ class TrainingMonitor:
                         "unequally; update the scaler once per optimizer step",
                     )
 
-    def _judge_scale(self, table: dict[str, list[Any]]) -> None:
-        """A scale that keeps falling, falls below 1, or skips too often after calibration."""
-        if self.scaler_settings is None or not table["step"]:
-            return
-        site = self.update_site or ("<script>", 0)
-        steps = np.array(table["step"])
-        before = np.array(table["loss_scale"])
-        after = np.array(table["scale_after"])
-        backoff = after < before
-        stats = skip_statistics(np.array(table["skipped"], dtype=bool))
-        # Backing off from the initial scale until gradients fit is calibration, not decay.
-        runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats["calibration_steps"])]
-        long_runs = [(start, end) for start, end in runs if end - start > self.options.max_backoffs]
-        for start, end in long_runs:
-            self.findings.add(
-                "scale-falling",
+
+# -- findings over the steps table (pure: a table in, findings out) -----------------
+def scheduler_findings(
+    table: dict[str, list[Any]], calls: list[tuple[tuple[str, int], int, str]]
+) -> list[Finding]:
+    """Scheduler steps (site, the step its optimizer last attempted, class name) that
+    followed a skipped optimizer step."""
+    found = _Findings()
+    skipped = dict(zip(table["step"], table["skipped"], strict=True))
+    for site, attempt, name in calls:
+        if skipped.get(attempt, False):
+            found.add(
+                "scheduler-on-skipped-step",
                 site,
-                int(steps[start]),
-                f"the scale backed off {end - start} times in a row (steps {steps[start]} to "
-                f"{steps[end - 1]}, {_power(before[start])} to {_power(after[end - 1])}): every "
-                "step overflows whatever the scale, which points at inf/NaN from the forward "
-                "pass or the data (try `fpaudit scan --amp --forward`), not at a too-large scale",
+                attempt,
+                f"{name}.step() ran after a skipped optimizer step: the learning rate moved "
+                "on while the weights did not; step the scheduler only when "
+                "scaler.get_scale() did not fall",
             )
-        below = np.flatnonzero(after < 1.0)
-        if len(below):
-            first = int(below[0])
-            self.findings.add(
-                "scale-below-one",
-                site,
-                int(steps[first]),
-                f"the scale fell below 1 ({_power(after[first])} after step {steps[first]}): "
-                "gradients are now held smaller than unscaled, so loss scaling only adds "
-                "underflow; something overflows at every scale",
-            )
-        if (
-            stats["skipped_after_calibration"] >= 3
-            and stats["skip_rate_after_calibration"] > self.options.max_skip_rate
-        ):
-            rate = stats["skip_rate_after_calibration"]
-            phase = " after calibration" if stats["calibration_steps"] else ""
-            self.findings.add(
-                "high-skip-rate",
-                site,
-                int(steps[stats["calibration_steps"]]),
-                f"{stats['skipped_after_calibration']} of {stats['steps_after_calibration']} "
-                f"steps{phase} were skipped ({rate:.1%}, more than "
-                f"{self.options.max_skip_rate:.1%}): each skip discards a batch; look for "
-                "steps that overflow at every scale, or a growth interval too short",
-            )
+    return list(found.items.values())
+
+
+def scale_findings(
+    table: dict[str, list[Any]], site: tuple[str, int], max_backoffs: int, max_skip_rate: float
+) -> list[Finding]:
+    """A scale that keeps falling, falls below 1, or skips too often after calibration,
+    from the steps table's ``step``, ``loss_scale``, ``scale_after`` and ``skipped``;
+    each finding is placed at ``site`` (the script's ``scaler.update()``)."""
+    found = _Findings()
+    if not table["step"]:
+        return []
+    steps = np.array(table["step"])
+    before = np.array(table["loss_scale"])
+    after = np.array(table["scale_after"])
+    backoff = after < before
+    stats = skip_statistics(np.array(table["skipped"], dtype=bool))
+    # Backing off from the initial scale until gradients fit is calibration, not decay.
+    runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats["calibration_steps"])]
+    for start, end in [(start, end) for start, end in runs if end - start > max_backoffs]:
+        found.add(
+            "scale-falling",
+            site,
+            int(steps[start]),
+            f"the scale backed off {end - start} times in a row (steps {steps[start]} to "
+            f"{steps[end - 1]}, {_power(before[start])} to {_power(after[end - 1])}): every "
+            "step overflows whatever the scale, which points at inf/NaN from the forward "
+            "pass or the data (try `fpaudit scan --amp --forward`), not at a too-large scale",
+        )
+    below = np.flatnonzero(after < 1.0)
+    if len(below):
+        first = int(below[0])
+        found.add(
+            "scale-below-one",
+            site,
+            int(steps[first]),
+            f"the scale fell below 1 ({_power(after[first])} after step {steps[first]}): "
+            "gradients are now held smaller than unscaled, so loss scaling only adds "
+            "underflow; something overflows at every scale",
+        )
+    if (
+        stats["skipped_after_calibration"] >= 3
+        and stats["skip_rate_after_calibration"] > max_skip_rate
+    ):
+        rate = stats["skip_rate_after_calibration"]
+        phase = " after calibration" if stats["calibration_steps"] else ""
+        found.add(
+            "high-skip-rate",
+            site,
+            int(steps[stats["calibration_steps"]]),
+            f"{stats['skipped_after_calibration']} of {stats['steps_after_calibration']} "
+            f"steps{phase} were skipped ({rate:.1%}, more than {max_skip_rate:.1%}): each "
+            "skip discards a batch; look for steps that overflow at every scale, or a "
+            "growth interval too short",
+        )
+    return list(found.items.values())
 
 
 def skip_statistics(skipped: np.ndarray) -> dict[str, Any]:
