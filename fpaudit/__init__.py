@@ -62,7 +62,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+    """The public names only (not ``Any``, ``import_module``, ... nor loaded submodules)."""
+    return sorted(__all__)
 
 
 __all__ = [

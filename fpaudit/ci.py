@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fpaudit.errors import UsageError
+from fpaudit.outputs import make_parent
 from fpaudit.text import module_label, percent, scale_text
 
 if TYPE_CHECKING:
@@ -260,13 +261,12 @@ def _rows(modules: pd.DataFrame) -> Iterable[dict[str, Any]]:
 def write_junit(text: str, path: Path) -> None:
     """Write ``text`` to ``path`` atomically: a temporary file beside it, then a rename.
 
-    Raises :class:`~fpaudit.errors.UsageError` (one line) when the directory is
-    missing or the file cannot be written.
+    Missing folders are created (``outputs.make_parent``); raises
+    :class:`~fpaudit.errors.UsageError` (one line) when one cannot be or the file
+    cannot be written.
     """
     path = Path(path)
-    parent = path.parent
-    if not parent.is_dir():
-        raise UsageError(f"--junit: directory {parent} does not exist")
+    parent = make_parent(path, "--junit")
     if path.is_dir():
         raise UsageError(f"--junit: {path} is a directory")
     try:

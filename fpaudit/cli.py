@@ -10,6 +10,7 @@ import contextlib
 import functools
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from fpaudit import __version__, config, render
-from fpaudit.errors import FpauditError, Interrupted, ModelFileError, UsageError
+from fpaudit.errors import FpauditError, Interrupted, ModelFileError, ReportExists, UsageError
 from fpaudit.formats import FORMATS, Format, get_format
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
@@ -111,7 +112,10 @@ DriftBinadesOption = Annotated[
     ),
 ]
 ReportArgument = Annotated[
-    Path, typer.Argument(help="A report directory written by `fpaudit scan`.", show_default=False)
+    Path,
+    typer.Argument(
+        help="A report directory written by `fpaudit scan` or `fpaudit run`.", show_default=False
+    ),
 ]
 
 
@@ -353,7 +357,10 @@ def scan_command(
     ] = None,
     amp: Annotated[
         str | None,
-        typer.Option("--amp", help="Live mode: run forward under torch.autocast in fp16 or bf16."),
+        typer.Option(
+            "--amp",
+            help="Live mode: run forward under torch.autocast in fp16 or bf16 [default: off].",
+        ),
     ] = None,
     shadow: Annotated[
         bool | None,
@@ -485,7 +492,7 @@ def scan_command(
     problems = ~report.steps["loss_finite"]
     forward_problems = int(problems.sum())
     first_nonfinite = sorted(set(report.steps.loc[problems, "first_nonfinite"]) - {""})
-    for fmt in formats:
+    for index, fmt in enumerate(formats):
         rec = recommend(report, fmt, headroom, include_loss=options["include_loss"])
         scope = analysis.default_scope(report, options["include_loss"])
         at_1 = analysis.module_table(report, fmt, 0, scope=scope)
@@ -500,6 +507,7 @@ def scan_command(
             options["top"],
             forward_problems,
             first_nonfinite,
+            first=index == 0,
         )
         drifted = drift(report, fmt, headroom, include_loss=options["include_loss"])
         if drifted.warn or len(drifted.windows) >= 10:  # long scans: say how it moved
@@ -733,7 +741,9 @@ def show_command(
     ] = None,
     top: Annotated[
         int | None,
-        typer.Option("--top", help="Only the N rows with the highest underflow fraction."),
+        typer.Option(
+            "--top", help="Only the N rows with the highest underflow fraction [default: all]."
+        ),
     ] = None,
     kind: Annotated[
         str | None,
@@ -933,24 +943,33 @@ def simulate_command(
         ),
     ] = None,
     growth_factor: Annotated[
-        float | None, typer.Option("--growth-factor", help="Scale multiplier on growth.")
+        float | None,
+        typer.Option("--growth-factor", help="Scale multiplier on growth [default: the policy's]."),
     ] = None,
     backoff_factor: Annotated[
-        float | None, typer.Option("--backoff-factor", help="Scale multiplier on overflow.")
+        float | None,
+        typer.Option(
+            "--backoff-factor", help="Scale multiplier on overflow [default: the policy's]."
+        ),
     ] = None,
     growth_interval: Annotated[
-        int | None, typer.Option("--growth-interval", help="Clean steps before a growth.")
+        int | None,
+        typer.Option(
+            "--growth-interval", help="Clean steps before a growth [default: the policy's]."
+        ),
     ] = None,
     hysteresis: Annotated[
         int | None,
-        typer.Option("--hysteresis", help="Overflows tolerated before backing off."),
+        typer.Option(
+            "--hysteresis", help="Overflows tolerated before backing off [default: the policy's]."
+        ),
     ] = None,
-    min_scale: Annotated[str | None, typer.Option("--min-scale", help="Floor of the scale.")] = (
-        None
-    ),
-    max_scale: Annotated[str | None, typer.Option("--max-scale", help="Cap of the scale.")] = (
-        None
-    ),
+    min_scale: Annotated[
+        str | None, typer.Option("--min-scale", help="Floor of the scale [default: the policy's].")
+    ] = (None),
+    max_scale: Annotated[
+        str | None, typer.Option("--max-scale", help="Cap of the scale [default: the policy's].")
+    ] = (None),
     static_scale: Annotated[
         str | None,
         typer.Option(
@@ -1115,7 +1134,9 @@ def plot_command(
     scale: Annotated[
         str | None,
         typer.Option(
-            "--scale", "-s", help="Power-of-two scale (4096, 2^12) or 'recommended' [default]."
+            "--scale",
+            "-s",
+            help="Power-of-two scale (4096, 2^12) or 'recommended' [default: recommended].",
         ),
     ] = None,
     headroom_bits: HeadroomOption = None,
@@ -1270,7 +1291,8 @@ def verify_command(
     clip_norm: Annotated[
         float | None,
         typer.Option(
-            "--clip-norm", help="Clip gradients to this total norm (applied to unscaled gradients)."
+            "--clip-norm",
+            help="Clip unscaled gradients to this total norm [default: none].",
         ),
     ] = None,
     device: Annotated[
@@ -1401,6 +1423,54 @@ for _info in app.registered_commands:
     _info.callback = _stoppable(_info.callback)
 
 
+_DEFAULT_IN_HELP = re.compile(r"\s*\[default: ([^\]]*)\]")
+_TYPE_LABELS = {"int": "INTEGER", "float": "NUMBER", "str": "TEXT", "Path": "PATH"}
+
+
+def _readable_help(command: Any) -> Any:
+    """Help that reads well: every option's ``[default: X]`` shown (escaped: rich
+    takes it for markup and drops it otherwise) after the sentence; types as INTEGER,
+    NUMBER, TEXT or PATH (repeatable ones with "...", flags none); arguments in
+    capitals. ``command`` is typer's (click) command tree."""
+    for sub in getattr(command, "commands", {}).values():
+        _readable_help(sub)
+    for param in command.params:
+        argument = param.param_type_name == "argument"
+        text = getattr(param, "help", None)
+        match = _DEFAULT_IN_HELP.search(text or "")
+        if text and match and not argument:
+            # escaped: rich reads an unescaped [default: X] as markup and drops it
+            param.help = f"{text[: match.start()]}{text[match.end() :]} \\[default: {match[1]}]"
+        if argument:
+            name = (param.name or "").upper()
+            label = _TYPE_LABELS.get(param.bare_type(), param.bare_type().upper())
+            param.metavar = name
+            param.get_usage_pieces = lambda ctx, name=name: [name]
+            param.display_type_rich = lambda ctx, label=label: label
+        elif getattr(param, "is_flag", False):
+            param.metavar = ""
+        else:
+            bare = param.bare_type()
+            many = bare.startswith("list[")
+            bare = bare[5:-1] if many else bare
+            param.metavar = _TYPE_LABELS.get(bare, bare.upper()) + ("..." if many else "")
+    original = command.get_help_option
+
+    def help_option(ctx: Any) -> Any:
+        option = original(ctx)
+        if option is not None:
+            option.metavar = ""  # a flag: no type to show
+        return option
+
+    command.get_help_option = help_option
+    return command
+
+
+def _command() -> Any:
+    """The click command tree typer builds from ``app``, with readable help."""
+    return _readable_help(typer.main.get_command(app))
+
+
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv``; map every way a command can end to an exit code.
 
@@ -1412,7 +1482,7 @@ def run(argv: list[str] | None = None) -> int:
     _state["pid"] = os.getpid()  # the process that owns this command's output
     try:
         with _sigterm_raises():  # SIGTERM anywhere in a command: exit 143, as shells expect
-            result = app(args=argv, prog_name="fpaudit", standalone_mode=False)
+            result = _command().main(args=argv, prog_name="fpaudit", standalone_mode=False)
     except typer.Exit as done:
         return done.exit_code
     except _Stopped as stopped:
@@ -1420,7 +1490,10 @@ def run(argv: list[str] | None = None) -> int:
     except FpauditError as error:
         if _state["debug"]:
             traceback.print_exc()
-        render.error_line(str(error))
+        if isinstance(error, ReportExists):  # the library says force=True
+            render.error_line(f"{error.target} already exists; pass --force to overwrite it")
+        else:
+            render.error_line(str(error))
         return error.exit_code
     except typer.TyperException as error:  # usage errors from the parser
         if _state["debug"]:

@@ -229,9 +229,12 @@ def load(file: str | Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: invalid TOML: {error}") from None
 
-    every_option = {
-        name: kind for options in COMMAND_OPTIONS.values() for name, kind in options.items()
-    }
+    # A top-level key may mean different things to different commands (`steps`: scan's
+    # count, show's flag): it must suit at least one of them.
+    every_option: dict[str, list[tuple[str, str]]] = {}
+    for command, options in COMMAND_OPTIONS.items():
+        for option, option_kind in options.items():
+            every_option.setdefault(option, []).append((command, option_kind))
     checked: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = _normalise(raw_key)
@@ -248,7 +251,7 @@ def load(file: str | Path) -> dict[str, Any]:
                 section[name] = _check_type(path, f"[{key}] ", name, kind, option_value)
             checked[key] = section
         elif key in every_option:
-            checked[key] = _check_type(path, "", key, every_option[key], value)
+            checked[key] = _top_level(path, key, every_option[key], value)
         else:
             known = ", ".join(sorted(every_option))
             tables = ", ".join(f"[{c}]" for c in COMMAND_OPTIONS)
@@ -258,13 +261,54 @@ def load(file: str | Path) -> dict[str, Any]:
     return checked
 
 
+def _top_level(file: Path, key: str, uses: list[tuple[str, str]], value: Any) -> Any:
+    """A top-level ``key``'s raw value, once it suits some command that takes it."""
+    kinds: dict[str, list[str]] = {}
+    for command, kind in uses:
+        kinds.setdefault(kind, []).append(command)
+    for kind in kinds:
+        try:
+            _check_type(file, "", key, kind, value)
+            return value
+        except ConfigError:
+            continue
+    if len(kinds) == 1:
+        return _check_type(file, "", key, uses[0][1], value)  # raises its own message
+    expected = "; or ".join(
+        f"{_EXPECTED[kind]} (for {', '.join(commands)})" for kind, commands in kinds.items()
+    )
+    raise ConfigError(f"{file}: {key} must be {expected}, got {value!r}")
+
+
+_EXPECTED = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "scale": 'a number or a string such as "2^12"',
+    "patterns": "a glob pattern or a list of them",
+    "format": "a format name or a list of them",
+    "formats": "a format name or a list of them",
+}
+
+
 def options_for(command: str, file: str | Path | None) -> dict[str, Any]:
-    """The options ``file`` sets for ``command`` (top level, then its own table)."""
+    """The options ``file`` sets for ``command`` (top level, then its own table).
+
+    A top-level key of a kind this command does not take (``steps = 2`` for ``show``,
+    whose ``--steps`` is a flag) is another command's and left out."""
     if file is None:
         return {}
     data = load(file)
     known = COMMAND_OPTIONS[command]
-    options = {k: v for k, v in data.items() if k in known and k not in COMMAND_OPTIONS}
+    path = Path(file)
+    options: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in known and key not in COMMAND_OPTIONS:
+            try:
+                options[key] = _check_type(path, "", key, known[key], value)
+            except ConfigError:
+                continue  # suits another command (load checked that one does)
     options.update(data.get(command, {}))
     if "format" in options and known["format"] == "format":
         options["format"] = options["format"][0]  # single-format commands take the first

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fpaudit.errors import ReportError
+from fpaudit.errors import ReportError, ReportExists, UsageError
 
 if TYPE_CHECKING:  # pandas and pyarrow: only once a report is written
     from fpaudit.report import Report
@@ -88,10 +88,18 @@ def _write_parts(report: Report, target: Path, force: bool) -> Path:
         try:
             with output_errors(target):
                 plan = [("ok", str(new_staging(check_target(target, force))))]
+        except ReportExists:
+            plan = [("exists", str(target))]
+        except UsageError as error:  # a parent folder that cannot be created
+            plan = [("usage", str(error))]
         except ReportError as error:
             plan = [("error", str(error))]
     dist.broadcast_object_list(plan, src=0)
     status, value = plan[0]
+    if status == "exists":
+        raise ReportExists(value)
+    if status == "usage":
+        raise UsageError(value)
     if status == "error":
         raise ReportError(value)
     staging = Path(value)

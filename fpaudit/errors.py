@@ -34,6 +34,15 @@ class ReportError(FpauditError):
     """A report directory is missing, corrupt, or of an unknown schema version."""
 
 
+class ReportExists(ReportError):
+    """The target of a report write already exists and ``force=True`` was not given
+    (the CLI says ``--force``)."""
+
+    def __init__(self, target: object) -> None:
+        super().__init__(f"{target} already exists; pass force=True to overwrite it")
+        self.target = target
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM arrived; ``exit_code`` is 130 or 143 as shells expect."""
 

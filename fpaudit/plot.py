@@ -49,6 +49,7 @@ import numpy as np
 from fpaudit import analysis, config, layout
 from fpaudit.errors import UsageError
 from fpaudit.formats import Format, as_format
+from fpaudit.outputs import make_parent
 from fpaudit.report import Report
 from fpaudit.text import count, module_label, percent
 
@@ -481,7 +482,7 @@ def plot_report(
     # SVG: keep text as text (searchable, smaller) and make the file reproducible.
     metadata = {"Date": None} if kind == "svg" else {}
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_parent(target, "-o")
         fd, temporary = tempfile.mkstemp(
             prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
         )

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fpaudit.formats import Format
-from fpaudit.text import count, module_label, percent, scale_text
+from fpaudit.text import count, module_in_prose, module_label, percent, scale_text
 
 if TYPE_CHECKING:
     from fpaudit.drift import Drift
@@ -256,7 +256,7 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
         lines.append("  Limited by the range a loss scale can take (fp32 normal numbers).")
     else:
         lines.append(
-            f"  Limited by {module_label(rec.limiting_module or '')} ({rec.limiting_op}), "
+            f"  Limited by {module_in_prose(rec.limiting_module or '')} ({rec.limiting_op}), "
             f"largest backward value {magnitude(rec.amax)} at S = 1."
         )
     lines.append(
@@ -275,6 +275,12 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
         lines.append(
             f"  Live report: only values the device really held in {rec.live_dtype} count "
             "(fp32 ops under autocast are left out)."
+        )
+    if rec.format == "bf16":
+        lines.append(
+            "  Note: bf16 has fp32's exponent range, so it rarely needs loss scaling: "
+            f"S = 1 loses {percent(rec.underflow_fraction_at_1)} here; a large S only moves "
+            "values toward the top of a range they already fit in."
         )
     return lines
 
@@ -430,11 +436,16 @@ def scan_summary(
     top: int,
     forward_problems: int,
     first_nonfinite: list[str],
+    *,
+    first: bool = True,
 ) -> None:
+    """One format's summary of a scan; ``first``: also the lines about the whole scan
+    (said once when several formats follow)."""
     console = stdout()
     captured_text = "" if captured == steps else f", captured {captured}"
-    console.print(f"Scanned {steps} step(s){captured_text}; report written to {path}")
-    if forward_problems:
+    if first:
+        console.print(f"Scanned {steps} step(s){captured_text}; report written to {path}")
+    if forward_problems and first:
         console.print(
             Text.assemble(
                 (f"{forward_problems} step(s) had a non-finite loss", "red"),
@@ -563,17 +574,28 @@ def scale_lines(steps: pd.DataFrame) -> list[str]:
     ]
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
 def drift_lines(result: Drift) -> list[str | Text]:
     judged = [w for w in result.windows if w.log2_scale is not None]
     if len(judged) < 2:
         return []
     low = min(judged, key=lambda w: w.log2_scale or 0)
     high = max(judged, key=lambda w: w.log2_scale or 0)
+    size = _plural(result.window_steps, "step")
+    opening = f"Drift ({result.format}): per-window recommendations (windows of {size})"
+    if result.binades == 0:
+        return [f"{opening} all agree on 2^{low.log2_scale}."]
     text = (
-        f"Drift ({result.format}): per-window recommendations (windows of "
-        f"{result.window_steps} steps) span {result.binades} binade(s), "
-        f"2^{low.log2_scale} (steps {low.first_step}-{low.last_step}) to 2^{high.log2_scale} "
-        f"(steps {high.first_step}-{high.last_step})"
+        f"{opening} span {_plural(result.binades, 'binade')}, "
+        f"2^{low.log2_scale} ({_steps(low.first_step, low.last_step)}) to "
+        f"2^{high.log2_scale} ({_steps(high.first_step, high.last_step)})"
     )
     if not result.warn:
         return [text + "."]
@@ -678,8 +700,11 @@ def simulation(result: Simulation) -> None:
     for name in ("policy", "skipped", "first skipped steps", "scale at the end", "scale range",
                  "underflow (captured steps)"):  # fmt: skip
         grid.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
-    for run, label in ((policy, f"{policy.name} (dynamic)"),
-                       (static, f"static {power(static.settings['init_scale'])}")):  # fmt: skip
+    rows = [(policy, f"{policy.name} (dynamic)"),
+            (static, f"static {power(static.settings['init_scale'])}")]  # fmt: skip
+    if policy.name == "static":  # --policy static: its row is the static one
+        rows = rows[1:]
+    for run, label in rows:
         summary = run.summary()
         grid.add_row(
             label,

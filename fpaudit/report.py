@@ -49,9 +49,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fpaudit import _signals, config, layout
-from fpaudit.errors import ReportError
+from fpaudit.errors import ReportError, ReportExists
 from fpaudit.origins import COLUMNS as ORIGIN_COLUMNS
 from fpaudit.origins import TABLE_NAME as ORIGINS_TABLE
+from fpaudit.outputs import make_parent
 from fpaudit.records import (
     KIND_BACKWARD,
     KIND_GRAD,
@@ -350,7 +351,7 @@ def check_target(path: str | os.PathLike[str], force: bool) -> Path:
     recover(target)
     if target.exists() or target.is_symlink():
         if not force:
-            raise ReportError(f"{target} already exists; pass --force to overwrite it")
+            raise ReportExists(target)
         if not target.is_dir() or not (target / META_FILE).is_file():
             raise ReportError(
                 f"{target} exists and is not an fpaudit report; refusing to replace it"
@@ -395,7 +396,7 @@ def _sibling(target: Path, suffix: str) -> Path:
 
 def new_staging(target: Path) -> Path:
     """A fresh hidden directory beside ``target`` to write into."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(target, "--out")
     prefix = _sibling(target, ".").name
     return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=target.parent))
 

@@ -233,6 +233,8 @@ def simulate(
     if static_scale is None:
         rec = recommend(report, fmt, headroom_bits)
         static_scale = rec.scale if rec.scale is not None else resolved.init_scale
+        if policy == "static" and "init_scale" not in given:  # one static scale, not two
+            resolved = scalers.settings(policy, init_scale=static_scale)
         notes.append(
             f"static scale: the recommended one for {fmt.name} ({headroom_bits} headroom bits)"
             if rec.scale is not None

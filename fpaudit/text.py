@@ -15,6 +15,13 @@ def module_label(name: str) -> str:
     return ROOT_LABEL if name == "" else name
 
 
+def module_in_prose(name: str) -> str:
+    """A module's name inside a sentence: a path that starts with a number (a child of a
+    top-level ``nn.Sequential``) reads "module 4", not a bare "4"."""
+    label = module_label(name)
+    return f"module {label}" if label.split(".")[0].isdigit() else label
+
+
 def percent(fraction: float) -> str:
     if fraction == 0:
         return "0%"

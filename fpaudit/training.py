@@ -29,16 +29,18 @@ names the file and line of the call, the first frame outside torch and fpaudit.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import runpy
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,7 +48,9 @@ import torch
 from torch import nn
 
 import fpaudit
+from fpaudit import _torch_patches as patches
 from fpaudit import modelfile
+from fpaudit._torch_patches import Call
 from fpaudit.capture import Audit, Selection
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, UsageError
 from fpaudit.records import LOSS_MODULE, STEP_COLUMNS, STEP_DEFAULTS, ReportBuilder
@@ -54,11 +58,12 @@ from fpaudit.records import LOSS_MODULE, STEP_COLUMNS, STEP_DEFAULTS, ReportBuil
 if TYPE_CHECKING:
     from fpaudit.report import Report
 
-_OUTSIDE = tuple(
-    os.path.dirname(module.__file__) + os.sep for module in (torch, fpaudit) if module.__file__
+# Frames that are never the script's: torch, fpaudit, and contextlib (fpaudit's
+# handlers of patched calls are context managers).
+_OUTSIDE = (
+    *(os.path.dirname(m.__file__) + os.sep for m in (torch, fpaudit) if m.__file__),
+    contextlib.__file__,
 )
-_BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the C getset descriptor of Tensor.grad
-_INF = float("inf")
 
 
 class StopRun(BaseException):
@@ -265,6 +270,7 @@ class TrainingMonitor:
         self._scheduler_calls: list[tuple[tuple[str, int], int, str]] = []
         self._updates = 0  # scaler.update() calls: the scale's version
         self._trainable: dict[int, bool] = {}
+        self._roots: list[nn.Module] = []  # the first top-level modules called
         self._depth = 0  # module call depth
         self._optimizer_depth = 0
         self._scheduler_depth = 0
@@ -283,7 +289,7 @@ class TrainingMonitor:
     def installed(self) -> Iterator[TrainingMonitor]:
         """Patch torch's training APIs for the duration of the block."""
         with ExitStack() as stack:
-            self._patch(stack)
+            patches.install(stack, self, grad_reads=self.options.watch_grad_reads)
             try:
                 yield self
             finally:
@@ -291,69 +297,21 @@ class TrainingMonitor:
                     self._capturing = False
                     self.audit.__exit__(RuntimeError, None, None)  # drop the open step
 
-    def _patch(self, stack: ExitStack) -> None:
-        scaler = torch.amp.GradScaler
-        for name, wrapper in (
-            ("scale", self._wrap_scale),
-            ("unscale_", self._wrap_unscale),
-            ("step", self._wrap_scaler_step),
-            ("update", self._wrap_update),
-        ):
-            _replace(stack, scaler, name, wrapper(getattr(scaler, name)))
-        backward = torch.autograd.backward
-        _replace(stack, torch.autograd, "backward", self._wrap_backward(backward))
-        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-            for name in ("clip_grad_norm_", "clip_grad_value_"):
-                original = getattr(module, name, None)
-                if original is not None:
-                    _replace(stack, module, name, self._wrap_clip(name, original))
-        _replace(
-            stack,
-            torch.optim.Optimizer,
-            "zero_grad",
-            self._wrap_zero_grad(torch.optim.Optimizer.zero_grad, optimizer=True),
+    def on_grad_read(self, caller: FrameType) -> None:
+        """The script (or torch, or fpaudit) read a ``.grad`` in frame ``caller``."""
+        if not self._scaled_pending or self._quiet():
+            return
+        filename = caller.f_code.co_filename
+        if filename.startswith(_OUTSIDE) or filename.startswith("<"):
+            return
+        self.findings.add(
+            "grad-read-while-scaled",
+            (filename, caller.f_lineno),
+            self._step.index,
+            ".grad read while the gradients are still multiplied by the loss scale: values "
+            "logged or checked here are S times too large; call scaler.unscale_(optimizer) "
+            "first",
         )
-        _replace(stack, nn.Module, "zero_grad", self._wrap_zero_grad(nn.Module.zero_grad))
-        for scheduler_class in _scheduler_classes():
-            _replace(stack, scheduler_class, "step", self._wrap_scheduler_step(scheduler_class))
-        from torch.optim.optimizer import (
-            register_optimizer_step_post_hook,
-            register_optimizer_step_pre_hook,
-        )
-
-        stack.enter_context(register_optimizer_step_pre_hook(self._optimizer_pre_hook))
-        stack.enter_context(register_optimizer_step_post_hook(self._optimizer_post_hook))
-        from torch.nn.modules.module import (
-            register_module_forward_hook,
-            register_module_forward_pre_hook,
-        )
-
-        stack.enter_context(register_module_forward_pre_hook(self._forward_pre_hook))
-        stack.enter_context(register_module_forward_hook(self._forward_hook, always_call=True))
-        if self.options.watch_grad_reads:
-            stack.enter_context(self._watch_grad_reads())
-
-    @contextmanager
-    def _watch_grad_reads(self) -> Iterator[None]:
-        monitor = self
-
-        def get(tensor: torch.Tensor) -> torch.Tensor | None:
-            grad = _BASE_GRAD.__get__(tensor)
-            if grad is not None and monitor._scaled_pending and not monitor._quiet():
-                monitor._grad_read()
-            return grad
-
-        def set_(tensor: torch.Tensor, value: torch.Tensor | None) -> None:
-            _BASE_GRAD.__set__(tensor, value)
-
-        def delete(tensor: torch.Tensor) -> None:
-            _BASE_GRAD.__delete__(tensor)
-
-        torch.Tensor.grad = property(get, set_, delete, _BASE_GRAD.__doc__)  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            del torch.Tensor.grad
 
     def _quiet(self) -> bool:
         return bool(self._internal or self._in_backward)
@@ -368,7 +326,9 @@ class TrainingMonitor:
             raise StopRun
 
     def _scale_slot(self, scaler: Any) -> int:
-        return self.log.add(scaler._scale)
+        scale = patches.scaler_scale(scaler)
+        assert scale is not None, "a used scaler has a scale"
+        return self.log.add(scale)
 
     def _use_scaler(self, scaler: Any) -> None:
         step = self._step
@@ -376,13 +336,7 @@ class TrainingMonitor:
             step.scaler = scaler
             step.scale_before = self._scale_slot(scaler)
         if self.scaler_settings is None:
-            self.scaler_settings = {
-                "class": f"{type(scaler).__module__}.{type(scaler).__qualname__}",
-                "init_scale": float(scaler._init_scale),
-                "growth_factor": float(scaler._growth_factor),
-                "backoff_factor": float(scaler._backoff_factor),
-                "growth_interval": int(scaler._growth_interval),
-            }
+            self.scaler_settings = patches.scaler_settings(scaler)
 
     def _end_step(self) -> None:
         step = self._step
@@ -421,31 +375,15 @@ class TrainingMonitor:
                     self._probes[id(optimizer)] = param
                     return
 
-    def _grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        grads = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = _BASE_GRAD.__get__(param)
-                if grad is not None and grad.layout == torch.strided and grad.is_floating_point():
-                    grads.append(grad)
-        return grads
-
     def _note_grad_amax(self, optimizer: torch.optim.Optimizer) -> None:
         """The largest gradient magnitude, as the optimizer sees the gradients (no sync)."""
-        self._note_amax_of(self._grads(optimizer))
+        grads = [patches.raw_grad(p) for group in optimizer.param_groups for p in group["params"]]
+        self._note_amax_of([g for g in grads if g is not None])
 
     def _note_amax_of(self, grads: list[torch.Tensor]) -> None:
-        if not grads:
+        amax = patches.amax(grads)
+        if amax is None:
             return
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for grad in grads:
-            by_device.setdefault(grad.device, []).append(grad)
-        maxima = [
-            torch.stack([n.float() for n in torch._foreach_norm(group, _INF)]).max()
-            for group in by_device.values()
-        ]
-        device = maxima[0].device
-        amax = torch.stack([m.to(device) for m in maxima]).max()
         step = self._step
         step.grad_amax = amax if step.grad_amax is None else torch.maximum(step.grad_amax, amax)
 
@@ -478,10 +416,12 @@ class TrainingMonitor:
         if step.backward_calls == 0:  # forward only so far (evaluation): try again later
             self.audit.__exit__(RuntimeError, None, None)
             return
-        scale = step.scaler._scale if step.scaler is not None else 1.0
+        scale = patches.scaler_scale(step.scaler) if step.scaler is not None else None
         self._internal += 1
         try:
-            self.audit.step(loss=step.loss, index=step.index, loss_scale=scale)
+            self.audit.step(
+                loss=step.loss, index=step.index, loss_scale=1.0 if scale is None else scale
+            )
         finally:
             self._internal -= 1
             self.audit.__exit__(None, None, None)
@@ -489,9 +429,11 @@ class TrainingMonitor:
         step.capture = False
 
     # -- hooks -----------------------------------------------------------------
-    def _forward_pre_hook(self, module: nn.Module, args: Any) -> None:
+    def forward_pre_hook(self, module: nn.Module, args: Any) -> None:
         if self._depth == 0:
             self._maybe_stop()
+            if len(self._roots) < 16 and all(module is not root for root in self._roots):
+                self._roots.append(module)  # stands in for a clip call's generator
             step = self._step
             if (
                 step.capture
@@ -502,10 +444,10 @@ class TrainingMonitor:
                 self._start_capture(module)
         self._depth += 1
 
-    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth = max(self._depth - 1, 0)
 
-    def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth += 1
         if self._optimizer_depth > 1:
             return
@@ -528,29 +470,13 @@ class TrainingMonitor:
         finally:
             self._internal -= 1
 
-    def _optimizer_post_hook(
-        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
-    ) -> None:
+    def optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth -= 1
         if self._optimizer_depth or self._in_scaler_step:
             return
         step = self._step
         if optimizer is self._primary and not step.scaler_stepped:
             self._end_step()  # no scaler.update() to wait for
-
-    def _grad_read(self) -> None:
-        caller = sys._getframe(2)
-        filename = caller.f_code.co_filename
-        if filename.startswith(_OUTSIDE) or filename.startswith("<"):
-            return
-        self.findings.add(
-            "grad-read-while-scaled",
-            (filename, caller.f_lineno),
-            self._step.index,
-            ".grad read while the gradients are still multiplied by the loss scale: values "
-            "logged or checked here are S times too large; call scaler.unscale_(optimizer) "
-            "first",
-        )
 
     def _new_span(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Gradients were zeroed (all, or ``optimizer``'s): a new effective batch starts."""
@@ -568,232 +494,198 @@ class TrainingMonitor:
         (checked when a micro-batch is scaled, before its backward)."""
         if self._span.scales or self._span.unscaled:
             for probe in self._probes.values():
-                if _BASE_GRAD.__get__(probe) is None:
+                if patches.raw_grad(probe) is None:
                     self._new_span()
                     return
 
-    # -- wrappers ----------------------------------------------------------------
-    def _wrap_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        monitor = self
+    # -- handlers of the patched calls (see _torch_patches) --------------------------
+    @contextmanager
+    def on_scale(self, call: Call) -> Iterator[None]:
+        scaler, outputs = call.arguments["self"], call.arguments["outputs"]
+        if not patches.scaler_enabled(scaler):
+            yield
+            return
+        self._maybe_stop()
+        self._probe_span()
+        site = call_site()
+        yield  # the original initialises the scaler's scale on first use
+        self._use_scaler(scaler)
+        step = self._step
+        span = self._span
+        if not span.scales or span.scales[-1][0] != self._updates:
+            span.scales.append((self._updates, self._scale_slot(scaler), site, step.index))
+        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+            loss = outputs.detach().reshape(()).float()
+            running = step.loss if step.loss_from_scale else None
+            step.loss = loss if running is None else running + loss
+            step.loss_from_scale = True
+        self._scaled_since_unscale = True
 
-        def scale(scaler: Any, outputs: Any) -> Any:
-            if not scaler._enabled:
-                return original(scaler, outputs)
-            monitor._maybe_stop()
-            monitor._probe_span()
-            site = call_site()
-            result = original(scaler, outputs)  # initialises scaler._scale on first use
-            monitor._use_scaler(scaler)
-            step = monitor._step
-            span = monitor._span
-            if not span.scales or span.scales[-1][0] != monitor._updates:
-                span.scales.append(
-                    (monitor._updates, monitor._scale_slot(scaler), site, step.index)
-                )
-            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-                loss = outputs.detach().reshape(()).float()
-                running = step.loss if step.loss_from_scale else None
-                step.loss = loss if running is None else running + loss
-                step.loss_from_scale = True
-            monitor._scaled_since_unscale = True
-            return result
+    @contextmanager
+    def on_unscale(self, call: Call) -> Iterator[None]:
+        scaler, optimizer = call.arguments["self"], call.arguments["optimizer"]
+        if not patches.scaler_enabled(scaler):
+            yield
+            return
+        site = call_site()
+        if self._capturing:
+            self._close_capture()
+        if id(optimizer) in self._span.unscaled:
+            self.findings.add(
+                "unscale-twice",
+                site,
+                self._step.index,
+                "unscale_() ran again on gradients already unscaled since they were last "
+                "zeroed: they are divided by the scale twice",
+            )
+        self._span.unscaled.add(id(optimizer))
+        self._use_scaler(scaler)
+        self._step.scaler_stepped = True
+        with self._own_calls():
+            self._note_grad_amax(optimizer)  # still scaled: divided by the scale later
+            yield
+        self._scaled_since_unscale = False
+        self._scaled_pending = False
 
-        return scale
+    @contextmanager
+    def on_scaler_step(self, call: Call) -> Iterator[None]:
+        scaler, optimizer = call.arguments["self"], call.arguments["optimizer"]
+        if not patches.scaler_enabled(scaler):
+            yield
+            return
+        self._maybe_stop()
+        self._use_scaler(scaler)
+        self._step.scaler_stepped = True
+        self._attempt(optimizer)
+        self._in_scaler_step += 1
+        try:  # unscale_ (patched too) runs inside unless the script called it
+            with self._own_calls():
+                yield
+        finally:
+            self._in_scaler_step -= 1
+        found = patches.found_inf(scaler, optimizer)
+        if found is not None:
+            current = self._step.found_inf
+            self._step.found_inf = found if current is None else current + found
+        self._scaled_since_unscale = False
+        self._scaled_pending = False
 
-    def _wrap_unscale(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        monitor = self
+    @contextmanager
+    def on_update(self, call: Call) -> Iterator[None]:
+        scaler = call.arguments["self"]
+        if not patches.scaler_enabled(scaler):
+            yield
+            return
+        if self.update_site is None:
+            self.update_site = call_site()
+        if patches.scaler_scale(scaler) is not None:
+            self._use_scaler(scaler)
+        yield
+        self._updates += 1
+        if self._step.attempted:
+            self._end_step()
 
-        def unscale_(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
-            if not scaler._enabled:
-                return original(scaler, optimizer)
-            site = call_site()
-            if monitor._capturing:
-                monitor._close_capture()
-            if id(optimizer) in monitor._span.unscaled:
-                monitor.findings.add(
-                    "unscale-twice",
-                    site,
-                    monitor._step.index,
-                    "unscale_() ran again on gradients already unscaled since they were last "
-                    "zeroed: they are divided by the scale twice",
-                )
-            monitor._span.unscaled.add(id(optimizer))
-            monitor._use_scaler(scaler)
-            monitor._step.scaler_stepped = True
-            monitor._internal += 1
-            try:
-                monitor._note_grad_amax(optimizer)  # still scaled: divided by the scale later
-                original(scaler, optimizer)
-            finally:
-                monitor._internal -= 1
-            monitor._scaled_since_unscale = False
-            monitor._scaled_pending = False
+    @contextmanager
+    def on_backward(self, call: Call) -> Iterator[None]:
+        self._maybe_stop()
+        step = self._step
+        step.backward_calls += 1
+        tensors = call.arguments["tensors"]
+        if not step.loss_from_scale and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+            loss = tensors.detach().reshape(()).float()
+            step.loss = loss if step.loss is None else step.loss + loss
+        self._in_backward += 1
+        try:
+            yield
+        finally:
+            self._in_backward -= 1
+        if self._scaled_since_unscale:
+            self._scaled_pending = True
 
-        return unscale_
+    @contextmanager
+    def on_clip(self, call: Call) -> Iterator[None]:
+        name = call.name.rsplit(".", 1)[-1]
+        parameters = call.arguments["parameters"]
+        limit = call.arguments["max_norm" if name == "clip_grad_norm_" else "clip_value"]
+        site = call_site()
+        step = self._step
+        scaled = self._scaled_pending
+        if scaled:
+            # Measure before clipping shrinks them: unscale_ will only see the result.
+            with self._own_calls():
+                self._note_amax_of(self._clipped_grads(parameters))
+            self.findings.add(
+                "clip-before-unscale",
+                site,
+                step.index,
+                f"{name}(..., {_number(limit)}) clipped gradients still multiplied by the loss "
+                "scale S: the threshold is meant for unscaled gradients, so clipping is "
+                "off by a factor S; call scaler.unscale_(optimizer) before clipping",
+            )
+        with self._own_calls():
+            yield
+        if name == "clip_grad_norm_" and isinstance(call.result, torch.Tensor):
+            step.norm = self.log.add(call.result)
+            step.norm_scaled = scaled
+            step.max_norm = float(limit)
 
-    def _wrap_scaler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        monitor = self
+    def _clipped_grads(self, parameters: Any) -> list[torch.Tensor]:
+        """The gradients a clip call will change, read without consuming ``parameters``:
+        a one-shot iterator (a generator) is left to the clip call, and the gradients of
+        every model seen instead stand for it."""
+        if isinstance(parameters, torch.Tensor):
+            return [g for g in [patches.raw_grad(parameters)] if g is not None]
+        try:
+            iterator = iter(parameters)
+        except TypeError:  # not iterable: the clip call itself will say so
+            return []
+        if iterator is not parameters:
+            params: list[Any] = list(parameters)  # a second pass over a list, tuple or set
+        else:
+            params = [p for root in self._roots for p in root.parameters()]
+        grads = [patches.raw_grad(p) for p in params if isinstance(p, torch.Tensor)]
+        return [g for g in grads if g is not None]
 
-        def step(scaler: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if not scaler._enabled:
-                return original(scaler, optimizer, *args, **kwargs)
-            monitor._maybe_stop()
-            monitor._use_scaler(scaler)
-            monitor._step.scaler_stepped = True
-            monitor._attempt(optimizer)
-            monitor._internal += 1
-            monitor._in_scaler_step += 1
-            try:  # unscale_ (wrapped above) runs inside unless the script called it
-                result = original(scaler, optimizer, *args, **kwargs)
-            finally:
-                monitor._in_scaler_step -= 1
-                monitor._internal -= 1
-            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            if found:
-                values = list(found.values())
-                total = values[0].reshape(()).float()
-                for value in values[1:]:
-                    total = total + value.to(total.device, non_blocking=True).reshape(()).float()
-                current = monitor._step.found_inf
-                monitor._step.found_inf = total if current is None else current + total
-            monitor._scaled_since_unscale = False
-            monitor._scaled_pending = False
-            return result
+    @contextmanager
+    def on_zero_grad(self, call: Call) -> Iterator[None]:
+        owner = call.arguments["self"]
+        self._new_span(owner if isinstance(owner, torch.optim.Optimizer) else None)
+        self._scaled_pending = False
+        with self._own_calls():
+            yield
 
-        return step
+    @contextmanager
+    def on_scheduler_step(self, call: Call) -> Iterator[None]:
+        scheduler = call.arguments["self"]
+        outermost = self._scheduler_depth == 0
+        if outermost and not patches.scheduler_initial_step(scheduler):
+            optimizer = getattr(scheduler, "optimizer", None)
+            last = self._last_attempt.get(id(optimizer), -1)
+            self._scheduler_calls.append((call_site(), last, type(scheduler).__name__))
+            name = type(scheduler).__name__
+            if name not in self.schedulers:
+                self.schedulers.append(name)
+        site = call_site()
+        self._scheduler_depth += 1
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                yield
+        finally:
+            self._scheduler_depth -= 1
+        for warning in caught:  # torch's own warnings, told at the script's line
+            warnings.warn_explicit(
+                warning.message, warning.category, site[0], site[1], module="__main__"
+            )
 
-    def _wrap_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        monitor = self
-
-        def update(scaler: Any, new_scale: Any = None) -> None:
-            if not scaler._enabled:
-                return original(scaler, new_scale)
-            if monitor.update_site is None:
-                monitor.update_site = call_site()
-            if scaler._scale is not None:
-                monitor._use_scaler(scaler)
-            original(scaler, new_scale)
-            monitor._updates += 1
-            if monitor._step.attempted:
-                monitor._end_step()
-
-        return update
-
-    def _wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        monitor = self
-
-        def backward(*args: Any, **kwargs: Any) -> None:
-            monitor._maybe_stop()
-            step = monitor._step
-            step.backward_calls += 1
-            tensors = args[0] if args else kwargs.get("tensors")
-            if (
-                not step.loss_from_scale
-                and isinstance(tensors, torch.Tensor)
-                and tensors.numel() == 1
-            ):
-                loss = tensors.detach().reshape(()).float()
-                step.loss = loss if step.loss is None else step.loss + loss
-            monitor._in_backward += 1
-            try:
-                original(*args, **kwargs)
-            finally:
-                monitor._in_backward -= 1
-            if monitor._scaled_since_unscale:
-                monitor._scaled_pending = True
-
-        backward.__doc__ = original.__doc__
-        return backward
-
-    def _wrap_clip(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        monitor = self
-
-        def clip(parameters: Any, limit: float, *args: Any, **kwargs: Any) -> Any:
-            site = call_site()
-            step = monitor._step
-            scaled = monitor._scaled_pending
-            if scaled:
-                # Measure before clipping shrinks them: unscale_ will only see the result.
-                if not isinstance(parameters, torch.Tensor):
-                    parameters = list(parameters)
-                params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
-                grads = [_BASE_GRAD.__get__(p) for p in params if isinstance(p, torch.Tensor)]
-                monitor._internal += 1
-                try:
-                    monitor._note_amax_of(
-                        [g for g in grads if g is not None and g.layout == torch.strided]
-                    )
-                finally:
-                    monitor._internal -= 1
-                monitor.findings.add(
-                    "clip-before-unscale",
-                    site,
-                    step.index,
-                    f"{name}(..., {limit:g}) clipped gradients still multiplied by the loss "
-                    "scale S: the threshold is meant for unscaled gradients, so clipping is "
-                    "off by a factor S; call scaler.unscale_(optimizer) before clipping",
-                )
-            monitor._internal += 1
-            try:
-                result = original(parameters, limit, *args, **kwargs)
-            finally:
-                monitor._internal -= 1
-            if name == "clip_grad_norm_" and isinstance(result, torch.Tensor):
-                step.norm = monitor.log.add(result)
-                step.norm_scaled = scaled
-                step.max_norm = float(limit)
-            return result
-
-        clip.__doc__ = original.__doc__
-        clip.__name__ = name
-        return clip
-
-    def _wrap_zero_grad(
-        self, original: Callable[..., Any], *, optimizer: bool = False
-    ) -> Callable[..., Any]:
-        monitor = self
-
-        def zero_grad(owner: Any, *args: Any, **kwargs: Any) -> None:
-            monitor._new_span(owner if optimizer else None)
-            monitor._scaled_pending = False
-            monitor._internal += 1
-            try:
-                return original(owner, *args, **kwargs)
-            finally:
-                monitor._internal -= 1
-
-        zero_grad.__doc__ = original.__doc__
-        return zero_grad
-
-    def _wrap_scheduler_step(self, cls: type) -> Callable[..., Any]:
-        original = cls.__dict__["step"]
-        monitor = self
-
-        def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-            outermost = monitor._scheduler_depth == 0
-            initial = getattr(scheduler, "_step_count", 1) == 0  # the constructor's own step
-            if outermost and not initial:
-                optimizer = getattr(scheduler, "optimizer", None)
-                last = monitor._last_attempt.get(id(optimizer), -1)
-                monitor._scheduler_calls.append((call_site(), last, type(scheduler).__name__))
-                name = type(scheduler).__name__
-                if name not in monitor.schedulers:
-                    monitor.schedulers.append(name)
-            site = call_site()
-            monitor._scheduler_depth += 1
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    return original(scheduler, *args, **kwargs)
-            finally:
-                monitor._scheduler_depth -= 1
-                for warning in caught:  # torch's own warnings, told at the script's line
-                    warnings.warn_explicit(
-                        warning.message, warning.category, site[0], site[1], module="__main__"
-                    )
-
-        step.__doc__ = original.__doc__
-        return step
+    @contextmanager
+    def _own_calls(self) -> Iterator[None]:
+        """fpaudit's (or torch's) own .grad reads inside, not the script's."""
+        self._internal += 1
+        try:
+            yield
+        finally:
+            self._internal -= 1
 
     # -- after the run ---------------------------------------------------------
     def steps_table(self) -> tuple[dict[str, list[Any]], np.ndarray]:
@@ -846,19 +738,14 @@ class TrainingMonitor:
 
     def judge(self, table: dict[str, list[Any]], values: np.ndarray) -> list[Finding]:
         """Findings that need the run's values: scales, skips, schedulers."""
-        skipped = dict(zip(table["step"], table["skipped"], strict=True))
-        for site, attempt, name in self._scheduler_calls:
-            if skipped.get(attempt, False):
-                self.findings.add(
-                    "scheduler-on-skipped-step",
-                    site,
-                    attempt,
-                    f"{name}.step() ran after a skipped optimizer step: the learning rate moved "
-                    "on while the weights did not; step the scheduler only when "
-                    "scaler.get_scale() did not fall",
-                )
+        for finding in scheduler_findings(table, self._scheduler_calls):
+            self.findings.items[(finding.code, finding.file, finding.line)] = finding
         self._judge_spans(values)
-        self._judge_scale(table)
+        if self.scaler_settings is not None:
+            site = self.update_site or ("<script>", 0)
+            options = self.options
+            for finding in scale_findings(table, site, options.max_backoffs, options.max_skip_rate):
+                self.findings.items[(finding.code, finding.file, finding.line)] = finding
         return sorted(
             self.findings.items.values(),
             key=lambda f: (("error", "warning", "info").index(f.severity), f.file, f.line),
@@ -883,55 +770,81 @@ class TrainingMonitor:
                         "unequally; update the scaler once per optimizer step",
                     )
 
-    def _judge_scale(self, table: dict[str, list[Any]]) -> None:
-        """A scale that keeps falling, falls below 1, or skips too often after calibration."""
-        if self.scaler_settings is None or not table["step"]:
-            return
-        site = self.update_site or ("<script>", 0)
-        steps = np.array(table["step"])
-        before = np.array(table["loss_scale"])
-        after = np.array(table["scale_after"])
-        backoff = after < before
-        stats = skip_statistics(np.array(table["skipped"], dtype=bool))
-        # Backing off from the initial scale until gradients fit is calibration, not decay.
-        runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats["calibration_steps"])]
-        long_runs = [(start, end) for start, end in runs if end - start > self.options.max_backoffs]
-        for start, end in long_runs:
-            self.findings.add(
-                "scale-falling",
+
+# -- findings over the steps table (pure: a table in, findings out) -----------------
+def scheduler_findings(
+    table: dict[str, list[Any]], calls: list[tuple[tuple[str, int], int, str]]
+) -> list[Finding]:
+    """Scheduler steps (site, the step its optimizer last attempted, class name) that
+    followed a skipped optimizer step."""
+    found = _Findings()
+    skipped = dict(zip(table["step"], table["skipped"], strict=True))
+    for site, attempt, name in calls:
+        if skipped.get(attempt, False):
+            found.add(
+                "scheduler-on-skipped-step",
                 site,
-                int(steps[start]),
-                f"the scale backed off {end - start} times in a row (steps {steps[start]} to "
-                f"{steps[end - 1]}, {_power(before[start])} to {_power(after[end - 1])}): every "
-                "step overflows whatever the scale, which points at inf/NaN from the forward "
-                "pass or the data (try `fpaudit scan --amp --forward`), not at a too-large scale",
+                attempt,
+                f"{name}.step() ran after a skipped optimizer step: the learning rate moved "
+                "on while the weights did not; step the scheduler only when "
+                "scaler.get_scale() did not fall",
             )
-        below = np.flatnonzero(after < 1.0)
-        if len(below):
-            first = int(below[0])
-            self.findings.add(
-                "scale-below-one",
-                site,
-                int(steps[first]),
-                f"the scale fell below 1 ({_power(after[first])} after step {steps[first]}): "
-                "gradients are now held smaller than unscaled, so loss scaling only adds "
-                "underflow; something overflows at every scale",
-            )
-        if (
-            stats["skipped_after_calibration"] >= 3
-            and stats["skip_rate_after_calibration"] > self.options.max_skip_rate
-        ):
-            rate = stats["skip_rate_after_calibration"]
-            phase = " after calibration" if stats["calibration_steps"] else ""
-            self.findings.add(
-                "high-skip-rate",
-                site,
-                int(steps[stats["calibration_steps"]]),
-                f"{stats['skipped_after_calibration']} of {stats['steps_after_calibration']} "
-                f"steps{phase} were skipped ({rate:.1%}, more than "
-                f"{self.options.max_skip_rate:.1%}): each skip discards a batch; look for "
-                "steps that overflow at every scale, or a growth interval too short",
-            )
+    return list(found.items.values())
+
+
+def scale_findings(
+    table: dict[str, list[Any]], site: tuple[str, int], max_backoffs: int, max_skip_rate: float
+) -> list[Finding]:
+    """A scale that keeps falling, falls below 1, or skips too often after calibration,
+    from the steps table's ``step``, ``loss_scale``, ``scale_after`` and ``skipped``;
+    each finding is placed at ``site`` (the script's ``scaler.update()``)."""
+    found = _Findings()
+    if not table["step"]:
+        return []
+    steps = np.array(table["step"])
+    before = np.array(table["loss_scale"])
+    after = np.array(table["scale_after"])
+    backoff = after < before
+    stats = skip_statistics(np.array(table["skipped"], dtype=bool))
+    # Backing off from the initial scale until gradients fit is calibration, not decay.
+    runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats["calibration_steps"])]
+    for start, end in [(start, end) for start, end in runs if end - start > max_backoffs]:
+        found.add(
+            "scale-falling",
+            site,
+            int(steps[start]),
+            f"the scale backed off {end - start} times in a row (steps {steps[start]} to "
+            f"{steps[end - 1]}, {_power(before[start])} to {_power(after[end - 1])}): every "
+            "step overflows whatever the scale, which points at inf/NaN from the forward "
+            "pass or the data (try `fpaudit scan --amp --forward`), not at a too-large scale",
+        )
+    below = np.flatnonzero(after < 1.0)
+    if len(below):
+        first = int(below[0])
+        found.add(
+            "scale-below-one",
+            site,
+            int(steps[first]),
+            f"the scale fell below 1 ({_power(after[first])} after step {steps[first]}): "
+            "gradients are now held smaller than unscaled, so loss scaling only adds "
+            "underflow; something overflows at every scale",
+        )
+    if (
+        stats["skipped_after_calibration"] >= 3
+        and stats["skip_rate_after_calibration"] > max_skip_rate
+    ):
+        rate = stats["skip_rate_after_calibration"]
+        phase = " after calibration" if stats["calibration_steps"] else ""
+        found.add(
+            "high-skip-rate",
+            site,
+            int(steps[stats["calibration_steps"]]),
+            f"{stats['skipped_after_calibration']} of {stats['steps_after_calibration']} "
+            f"steps{phase} were skipped ({rate:.1%}, more than {max_skip_rate:.1%}): each "
+            "skip discards a batch; look for steps that overflow at every scale, or a "
+            "growth interval too short",
+        )
+    return list(found.items.values())
 
 
 def skip_statistics(skipped: np.ndarray) -> dict[str, Any]:
@@ -965,36 +878,27 @@ def _power(value: float) -> str:
     return f"{value:g}"
 
 
+def _number(value: Any) -> str:
+    try:
+        return f"{float(value):g}"
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _where(site: tuple[str, int] | None) -> str:
     return f"{site[0]}:{site[1]}" if site is not None else "?"
 
 
-def _scheduler_classes() -> list[type]:
-    """LRScheduler and every scheduler class in torch that defines its own ``step``."""
-    from torch.optim import lr_scheduler
-
-    base = lr_scheduler.LRScheduler
-    found: list[type] = [base]
-    for value in vars(lr_scheduler).values():
-        subclass = isinstance(value, type) and issubclass(value, base) and value is not base
-        if subclass and "step" in value.__dict__:
-            found.append(value)
+def _script_line(error: BaseException, script: Path) -> str:
+    """The script's line where ``error`` surfaced (the innermost frame in ``script``)."""
+    found = "an unknown line"
+    target = str(script.resolve())
+    traceback = error.__traceback__
+    while traceback is not None:
+        if os.path.abspath(traceback.tb_frame.f_code.co_filename) == target:
+            found = f"{script}:{traceback.tb_lineno}"
+        traceback = traceback.tb_next
     return found
-
-
-def _replace(stack: ExitStack, owner: Any, name: str, value: Any) -> None:
-    """Set ``owner.name = value`` until ``stack`` closes."""
-    had = name in vars(owner)
-    previous = vars(owner).get(name)
-    setattr(owner, name, value)
-
-    def restore() -> None:
-        if had:
-            setattr(owner, name, previous)
-        else:
-            delattr(owner, name)
-
-    stack.callback(restore)
 
 
 # -- running a script -----------------------------------------------------------
@@ -1039,6 +943,12 @@ def run_script(
             runpy.run_path(str(path), run_name="__main__")
     except StopRun:
         stopped_by = "max-steps"
+    except patches.MonitorFailure as broken:
+        # fpaudit's own code failed, not the script: no report of a half-watched run
+        raise RuntimeError(
+            f"fpaudit's training monitor failed ({broken}) at {_script_line(broken, path)}; "
+            f"this is a bug in fpaudit, not in {path.name}"
+        ) from broken.error
     except SystemExit as done:
         if done.code not in (None, 0):
             detail = f"status {done.code}" if isinstance(done.code, int) else repr(done.code)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_configs"
 MODELS = Path(__file__).resolve().parent / "models"
+
+
+def default_signals() -> None:
+    """``preexec_fn`` for a child the tests will signal: SIGINT and SIGTERM back to
+    their defaults, whatever the test run inherited (a shell's background job
+    ignores SIGINT, and an ignored signal stays ignored across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @pytest.fixture(autouse=True)

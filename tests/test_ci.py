@@ -370,12 +370,17 @@ def test_write_junit_keeps_the_old_file_when_the_rename_fails(
     assert [p.name for p in tmp_path.iterdir()] == ["junit.xml"]
 
 
-def test_write_junit_missing_directory_is_a_usage_error(tmp_path: Path) -> None:
+def test_write_junit_creates_missing_folders_like_mkdir_p(tmp_path: Path) -> None:
     missing = tmp_path / "no" / "such"
+    ci.write_junit("<x/>", missing / "junit.xml")
+    assert (missing / "junit.xml").read_text() == "<x/>"
+
+
+def test_write_junit_under_a_file_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
     with pytest.raises(UsageError) as caught:
-        ci.write_junit("<x/>", missing / "junit.xml")
-    assert str(caught.value) == f"--junit: directory {missing} does not exist"
-    assert not (tmp_path / "no").exists()
+        ci.write_junit("<x/>", tmp_path / "file" / "sub" / "junit.xml")
+    assert str(caught.value).startswith(f"--junit: cannot create folder {tmp_path / 'file'}")
 
 
 def test_write_junit_to_a_directory_is_a_usage_error(tmp_path: Path) -> None:

@@ -365,3 +365,13 @@ def test_every_and_patterns_from_config(cli, tmp_path: Path) -> None:
     assert "--every must be at least 1" in one_error_line(
         cli("scan", SAMPLES / "mlp.py", "--every", "0", "--out", out)
     )
+
+
+def test_a_multi_format_scan_says_scanned_once_then_each_format(cli, tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    result = cli("scan", SAMPLES / "quadratic.py", "--steps", "2", "--out", out,
+                 "--format", "fp16", "--format", "bf16")  # fmt: skip
+    assert result.code == 0, result.stderr
+    assert result.stdout.count("Scanned 2 step(s); report written to") == 1
+    assert result.stdout.index("Scanned") < result.stdout.index("for fp16")
+    assert "for fp16" in result.stdout and "for bf16" in result.stdout

@@ -16,7 +16,7 @@ import pytest
 from fpaudit.errors import ReportError
 from fpaudit.report import Report, output_lock
 
-from .conftest import MODELS, ROOT, SAMPLES, one_error_line
+from .conftest import MODELS, ROOT, SAMPLES, default_signals, one_error_line
 
 
 def _interrupt_scan(tmp_path: Path, sig: signal.Signals, stop_at: int) -> tuple[int, str, Path]:
@@ -26,6 +26,7 @@ def _interrupt_scan(tmp_path: Path, sig: signal.Signals, stop_at: int) -> tuple[
         [sys.executable, "-m", "fpaudit", "scan", str(MODELS / "slow.py"), "--steps", "50",
          "--out", str(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        preexec_fn=default_signals,
     )  # fmt: skip
     deadline = time.monotonic() + 300
     while not marker.exists():

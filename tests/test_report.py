@@ -62,7 +62,7 @@ def test_bins_lower_and_upper_bound_their_values(tmp_path: Path, report: Report)
 
 def test_refuses_to_overwrite_without_force(tmp_path: Path, report: Report) -> None:
     target = report.write(tmp_path / "r")
-    with pytest.raises(ReportError, match="already exists; pass --force"):
+    with pytest.raises(ReportError, match="already exists; pass force=True to overwrite it"):
         report.write(target)
     report.write(target, force=True)
     assert Report.read(target).meta["steps"] == 2

@@ -139,6 +139,18 @@ def test_simulate_static_defaults_to_the_recommended_scale(cli, run_report: Path
     )
 
 
+def test_policy_static_replays_one_static_scale_in_one_row(cli, run_report: Path) -> None:
+    from fpaudit.recommendation import recommend
+
+    recommended = recommend(Report.read(run_report), FP16).scale
+    data = json.loads(cli("simulate", run_report, "--policy", "static", "--json").stdout)
+    assert data["policy"]["settings"]["init_scale"] == recommended
+    assert data["static"]["settings"]["init_scale"] == recommended
+    shown = cli("simulate", run_report, "--policy", "static").stdout
+    rows = [line for line in shown.splitlines() if line.startswith("│ static")]
+    assert len(rows) == 1 and "(dynamic)" not in shown
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
@@ -210,7 +222,7 @@ def test_window_report_keeps_only_its_steps() -> None:
 def test_recommend_worst_window_and_drift_warning(cli, tmp_path: Path) -> None:
     drifting_report().write(tmp_path / "r")
     text = cli("recommend", tmp_path / "r", "--drift-window", "10").stdout
-    assert "S = 2^5 = 32" in text and "span 6 binade(s)" in text and "more than 2" in text
+    assert "S = 2^5 = 32" in text and "span 6 binades" in text and "more than 2" in text
     worst = cli("recommend", tmp_path / "r", "--worst-window", "--drift-window", "10", "--json")
     data = json.loads(worst.stdout)
     assert data["window"] == [10, 19] and data["log2_scale"] == 5

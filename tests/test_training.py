@@ -18,7 +18,7 @@ import torch
 from fpaudit.report import Report
 from fpaudit.training import RunOptions, run_script, skip_statistics
 
-from .conftest import ROOT, one_error_line
+from .conftest import ROOT, default_signals, one_error_line
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 AMP = SCRIPTS / "train_amp.py"
@@ -247,7 +247,7 @@ def test_interrupting_a_run_keeps_the_steps_done(tmp_path: Path) -> None:
         [sys.executable, "-m", "fpaudit", "run", "--out", str(out), "--", str(AMP),
          "--hang-at", "3", "--marker", str(marker)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ},
+        env={**os.environ}, preexec_fn=default_signals,
     )  # fmt: skip
     deadline = time.monotonic() + 300
     while not marker.exists():
@@ -284,12 +284,17 @@ def test_show_steps_renders_the_table_skip_rate_and_findings(
 def test_the_deprecated_cuda_alias_is_instrumented_through_its_base_class() -> None:
     from fpaudit.training import TrainingMonitor
 
+    originals = {
+        name: vars(torch.amp.GradScaler)[name] for name in ("scale", "unscale_", "step", "update")
+    }
     monitor = TrainingMonitor()
     with monitor.installed():
         # torch.cuda.amp.GradScaler subclasses torch.amp.GradScaler without overriding these
-        for name in ("scale", "unscale_", "step", "update"):
-            assert getattr(torch.cuda.amp.GradScaler, name) is getattr(torch.amp.GradScaler, name)
-            assert getattr(torch.amp.GradScaler, name).__module__ == "fpaudit.training"
+        for name, original in originals.items():
+            patched = getattr(torch.cuda.amp.GradScaler, name)
+            assert patched is getattr(torch.amp.GradScaler, name)
+            assert patched is not original and patched.__wrapped__ is original
+    assert all(vars(torch.amp.GradScaler)[n] is o for n, o in originals.items())
 
 
 def test_a_long_scan_reports_drift(cli, tmp_path: Path) -> None:

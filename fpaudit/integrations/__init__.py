@@ -269,8 +269,9 @@ def scale_tensor(scaler: Any) -> torch.Tensor | None:
     enabled = getattr(scaler, "is_enabled", None)
     if callable(enabled) and not enabled():
         return None
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
+    from fpaudit._torch_patches import scaler_scale  # the one reader of GradScaler._scale
+
+    return scaler_scale(scaler)
 
 
 def unscaled(loss: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

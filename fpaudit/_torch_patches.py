@@ -1,0 +1,348 @@
+"""Every change ``fpaudit run`` makes to torch, and every private torch name it reads.
+
+``fpaudit run`` watches an unmodified training script (see ``training``). This
+module is the one room where that reaches into torch; ``training`` decides what
+the calls mean and never touches torch's internals itself.
+
+**Patched** while ``install`` is in force, each put back when its stack closes:
+
+* ``torch.amp.GradScaler.scale``, ``.unscale_``, ``.step``, ``.update``
+  (``torch.cuda.amp.GradScaler`` is a subclass): the loss scale in use, the
+  unscale, the inf check of each step, the end of a step;
+* ``torch.autograd.backward`` (what ``Tensor.backward`` calls): backward calls,
+  the loss when no scaler sees it;
+* ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (in ``torch.nn.utils``
+  and ``torch.nn.utils.clip_grad``): clipping of still-scaled gradients, the norm;
+* ``torch.optim.Optimizer.zero_grad`` and ``torch.nn.Module.zero_grad``: a new
+  accumulated batch starts;
+* ``step`` of ``LRScheduler`` and of every scheduler class in torch that defines
+  its own: schedulers that step on a skipped step;
+* ``torch.Tensor.grad`` (a property over the C descriptor): the script's reads of
+  still-scaled gradients.
+
+Every wrapper (``wrap``) has the original's signature (``functools.wraps``), reads
+its arguments through ``inspect.signature(original).bind`` with the defaults
+applied, calls the original with the very arguments it was given and returns its
+value unchanged. A call the original's signature does not accept goes straight to
+the original, so the script sees torch's own ``TypeError``. An exception raised by
+fpaudit's code around the call becomes ``MonitorFailure``, which the script cannot
+catch as its own (a ``BaseException``) and ``run_script`` reports as fpaudit's.
+
+**Global hooks** (public APIs, removed with the stack): optimizer step pre/post
+hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``) and module
+forward pre/post hooks (``torch.nn.modules.module.register_module_forward_*``).
+
+**Private names read** (each may move between torch releases):
+
+* ``torch._C.TensorBase.__dict__["grad"]``: the C getset descriptor behind
+  ``Tensor.grad``; the patched property and fpaudit's own reads go through it, so
+  fpaudit's reads are never taken for the script's.
+* ``GradScaler._scale``: the scale in force, a 0-dim device tensor; reading it
+  does not sync the host (``get_scale()`` would).
+* ``GradScaler._init_scale``: the configured initial scale (no public getter),
+  recorded in the report.
+* ``GradScaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]``:
+  the inf checks of a step as device tensors (``step`` returns only the optimizer's
+  value).
+* ``LRScheduler._step_count``: 0 during the scheduler's constructor, whose own
+  ``step()`` is not the script's.
+* ``torch._foreach_norm``: the largest ``|grad|`` of many tensors in one kernel
+  per device.
+
+Known limitations: a scaler subclass that overrides ``scale``/``unscale_``/``step``/
+``update`` without calling ``GradScaler``'s is not seen; nor is an optimizer or
+module class that overrides ``zero_grad`` without calling the base one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Call",
+    "MonitorFailure",
+    "Watcher",
+    "amax",
+    "found_inf",
+    "install",
+    "raw_grad",
+    "scaler_enabled",
+    "scaler_scale",
+    "scaler_settings",
+    "scheduler_initial_step",
+    "targets",
+    "wrap",
+]
+
+_BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the C getset descriptor of Tensor.grad
+_INF = float("inf")
+
+
+class MonitorFailure(BaseException):
+    """fpaudit's own code failed inside a patched call; ``__cause__`` is the error.
+
+    A BaseException, so that the script's ``except Exception`` cannot take it for
+    one of its own errors and carry on with a half-watched run."""
+
+    def __init__(self, where: str, error: BaseException) -> None:
+        super().__init__(f"{where}: {type(error).__name__}: {error}")
+        self.where = where
+        self.error = error
+
+
+@dataclass
+class Call:
+    """One call of a patched function, as its handler sees it."""
+
+    name: str  # e.g. "GradScaler.scale"
+    arguments: dict[str, Any]  # by the original's parameter names, defaults applied
+    result: Any = None  # what the original returned (set before the handler resumes)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Handler = Callable[[Call], AbstractContextManager[Any]]
+
+
+def wrap(original: Callable[..., Any], name: str, handler: Handler) -> Callable[..., Any]:
+    """``original`` with ``handler`` around each call, and nothing else changed.
+
+    ``handler(call)`` is a context manager entered before the original runs and
+    exited after it (with the original's exception, if any): it observes, it never
+    changes the arguments or the result."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # torch's own error for a wrong call
+        bound.apply_defaults()
+        call = Call(name, dict(bound.arguments))
+        context = handler(call)
+        try:
+            context.__enter__()
+        except Exception as error:
+            raise MonitorFailure(f"before {name}()", error) from error
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as error:
+            try:
+                context.__exit__(type(error), error, error.__traceback__)
+            except Exception as failure:
+                if failure is not error:
+                    raise MonitorFailure(f"after {name}() raised", failure) from failure
+            raise
+        call.result = result
+        try:
+            context.__exit__(None, None, None)
+        except Exception as error:
+            raise MonitorFailure(f"after {name}()", error) from error
+        return result
+
+    return wrapper
+
+
+def guarded(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (fpaudit's hook) with its own errors reported as fpaudit's."""
+
+    @functools.wraps(function)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            raise MonitorFailure(name, error) from error
+
+    return hook
+
+
+class Watcher(Protocol):
+    """What ``install`` reports to: the training monitor."""
+
+    def on_scale(self, call: Call) -> AbstractContextManager[Any]: ...
+    def on_unscale(self, call: Call) -> AbstractContextManager[Any]: ...
+    def on_scaler_step(self, call: Call) -> AbstractContextManager[Any]: ...
+    def on_update(self, call: Call) -> AbstractContextManager[Any]: ...
+    def on_backward(self, call: Call) -> AbstractContextManager[Any]: ...
+    def on_clip(self, call: Call) -> AbstractContextManager[Any]: ...
+    def on_zero_grad(self, call: Call) -> AbstractContextManager[Any]: ...
+    def on_scheduler_step(self, call: Call) -> AbstractContextManager[Any]: ...
+    def on_grad_read(self, caller: FrameType) -> None: ...
+    def optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None: ...
+    def optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None: ...
+    def forward_pre_hook(self, module: nn.Module, args: Any) -> None: ...
+    def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None: ...
+
+
+def targets() -> list[tuple[Any, str, str]]:
+    """Every function or method ``install`` wraps: (owner, attribute, handler name)."""
+    scaler = torch.amp.GradScaler
+    found: list[tuple[Any, str, str]] = [
+        (scaler, "scale", "on_scale"),
+        (scaler, "unscale_", "on_unscale"),
+        (scaler, "step", "on_scaler_step"),
+        (scaler, "update", "on_update"),
+        (torch.autograd, "backward", "on_backward"),
+    ]
+    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+        for name in ("clip_grad_norm_", "clip_grad_value_"):
+            if getattr(module, name, None) is not None:
+                found.append((module, name, "on_clip"))
+    found.append((torch.optim.Optimizer, "zero_grad", "on_zero_grad"))
+    found.append((nn.Module, "zero_grad", "on_zero_grad"))
+    found.extend((cls, "step", "on_scheduler_step") for cls in _scheduler_classes())
+    return found
+
+
+def install(stack: ExitStack, watcher: Watcher, *, grad_reads: bool = True) -> None:
+    """Patch torch for ``watcher`` until ``stack`` closes."""
+    for owner, attribute, handler in targets():
+        original = vars(owner)[attribute]
+        label = f"{getattr(owner, '__name__', owner)}.{attribute}"
+        _replace(stack, owner, attribute, wrap(original, label, getattr(watcher, handler)))
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    pre, post = watcher.optimizer_pre_hook, watcher.optimizer_post_hook
+    stack.enter_context(register_optimizer_step_pre_hook(guarded("optimizer step hook", pre)))
+    stack.enter_context(register_optimizer_step_post_hook(guarded("optimizer step hook", post)))
+    forward_pre = guarded("module forward hook", watcher.forward_pre_hook)
+    stack.enter_context(register_module_forward_pre_hook(forward_pre))
+    forward = guarded("module forward hook", watcher.forward_hook)
+    stack.enter_context(register_module_forward_hook(forward, always_call=True))
+    if grad_reads:
+        stack.enter_context(_watch_grad_reads(watcher))
+
+
+@contextmanager
+def _watch_grad_reads(watcher: Watcher) -> Iterator[None]:
+    """``Tensor.grad`` as a property that tells ``watcher`` of each read (with the
+    reader's frame) and otherwise behaves as the C descriptor."""
+    import sys
+
+    def get(tensor: torch.Tensor) -> torch.Tensor | None:
+        grad = _BASE_GRAD.__get__(tensor)
+        if grad is not None:
+            try:
+                watcher.on_grad_read(sys._getframe(1))
+            except Exception as error:
+                raise MonitorFailure("Tensor.grad", error) from error
+        return grad
+
+    def set_(tensor: torch.Tensor, value: torch.Tensor | None) -> None:
+        _BASE_GRAD.__set__(tensor, value)
+
+    def delete(tensor: torch.Tensor) -> None:
+        _BASE_GRAD.__delete__(tensor)
+
+    torch.Tensor.grad = property(get, set_, delete, _BASE_GRAD.__doc__)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        del torch.Tensor.grad
+
+
+# -- reads of torch's state -----------------------------------------------------
+def raw_grad(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor.grad`` without the patched property (not a read by the script)."""
+    grad: torch.Tensor | None = _BASE_GRAD.__get__(tensor)
+    return grad
+
+
+def scaler_enabled(scaler: Any) -> bool:
+    return bool(scaler.is_enabled())
+
+
+def scaler_scale(scaler: Any) -> torch.Tensor | None:
+    """The scale in force as a 0-dim device tensor (no host sync); None before first use."""
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def scaler_settings(scaler: Any) -> dict[str, Any]:
+    return {
+        "class": f"{type(scaler).__module__}.{type(scaler).__qualname__}",
+        "init_scale": float(scaler._init_scale),
+        "growth_factor": float(scaler.get_growth_factor()),
+        "backoff_factor": float(scaler.get_backoff_factor()),
+        "growth_interval": int(scaler.get_growth_interval()),
+    }
+
+
+def found_inf(scaler: Any, optimizer: Any) -> torch.Tensor | None:
+    """The number of devices whose gradients held inf/NaN at ``scaler.step(optimizer)``,
+    a 0-dim tensor (no sync); None if the step did not check."""
+    state = scaler._per_optimizer_states.get(id(optimizer), {})
+    found = state.get("found_inf_per_device")
+    if not found:
+        return None
+    values = list(found.values())
+    total: torch.Tensor = values[0].reshape(()).float()
+    for value in values[1:]:
+        total = total + value.to(total.device, non_blocking=True).reshape(()).float()
+    return total
+
+
+def scheduler_initial_step(scheduler: Any) -> bool:
+    """The scheduler's constructor is making its own first ``step()``."""
+    return getattr(scheduler, "_step_count", 1) == 0
+
+
+def amax(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The largest ``|g|`` over ``grads`` as a 0-dim tensor (no sync); None if none."""
+    grads = [g for g in grads if g.layout == torch.strided and g.is_floating_point()]
+    if not grads:
+        return None
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    maxima = [
+        torch.stack([n.float() for n in torch._foreach_norm(group, _INF)]).max()
+        for group in by_device.values()
+    ]
+    device = maxima[0].device
+    return torch.stack([m.to(device) for m in maxima]).max()
+
+
+# -- patching ---------------------------------------------------------------------
+def _scheduler_classes() -> list[type]:
+    """LRScheduler and every scheduler class in torch that defines its own ``step``."""
+    from torch.optim import lr_scheduler
+
+    base = lr_scheduler.LRScheduler
+    found: list[type] = [base]
+    for value in vars(lr_scheduler).values():
+        subclass = isinstance(value, type) and issubclass(value, base) and value is not base
+        if subclass and "step" in value.__dict__:
+            found.append(value)
+    return found
+
+
+def _replace(stack: ExitStack, owner: Any, name: str, value: Any) -> None:
+    """Set ``owner.name = value`` until ``stack`` closes."""
+    had = name in vars(owner)
+    previous = vars(owner).get(name)
+    setattr(owner, name, value)
+
+    def restore() -> None:
+        if had:
+            setattr(owner, name, previous)
+        else:
+            delattr(owner, name)
+
+    stack.callback(restore)

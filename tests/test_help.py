@@ -1,0 +1,83 @@
+"""`--help` helps: every default shown, readable types, one example, and the
+README's excerpt is what `fpaudit scan --help` prints."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import typer
+
+from fpaudit.cli import app
+
+from .conftest import ROOT
+
+COMMANDS = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+# Options with no default to show: given or not (None means "not given"), or required.
+NO_DEFAULT = {"--config", "--module", "--exclude-module", "--op", "--exclude-op", "--junit"}
+REQUIRED = {("plot", "--output"), ("gate", "--max-underflow"), ("verify", "--scale")}
+
+
+def _help(cli, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
+    monkeypatch.setenv("COLUMNS", "100")
+    result = cli(*args, "--help")
+    assert result.code == 0, result.stderr
+    return "\n".join(line.rstrip() for line in result.stdout.splitlines()).strip("\n")
+
+
+def _rows(text: str) -> dict[str, str]:
+    """Each option's row (its wrapped continuation lines joined), by long flag."""
+    rows: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        inner = line.strip("│ ").strip()
+        flag = re.match(r"(--[a-z-]+)", inner)
+        if flag:
+            current = flag.group(1)
+            rows[current] = inner
+        elif current and line.startswith("│") and inner:
+            rows[current] += " " + inner
+        elif not line.startswith("│"):
+            current = None
+    return rows
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_shows_its_default_and_a_readable_type(
+    cli, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    text = _help(cli, monkeypatch, name)
+    assert "<" not in re.sub(r"<loss>", "", text) and "{" not in text  # no <int>, {model_file}
+    assert " ." not in text and "[default]" not in text and "(default" not in text
+    assert f"Example: fpaudit {name}" in text
+    command = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
+    rows = _rows(text)
+    for param in command.params:
+        flags = [o for o in param.opts if o.startswith("--")]
+        if param.param_type_name == "argument" or not flags:
+            continue
+        row = re.sub(r"\s+", " ", rows[flags[0]])
+        if getattr(param, "is_flag", False):
+            assert re.match(r"--[a-z-]+ (-[a-z] )?(--[a-z-]+ )?[A-Z(]", row), row  # no type
+            continue
+        assert re.search(r" (INTEGER|NUMBER|TEXT|PATH)(\.\.\.)? ", row), row
+        if flags[0] in NO_DEFAULT:
+            continue
+        if (name, flags[0]) in REQUIRED:
+            assert "(required)" in row, row
+        else:
+            assert re.search(r"\[default: [^\]]+\]", row), f"{name} {flags[0]}: {row}"
+
+
+def test_report_readers_say_run_reports_work_too(cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("show", "recommend", "gate", "simulate", "plot"):
+        text = re.sub(r"[│\s]+", " ", _help(cli, monkeypatch, name))
+        assert "written by `fpaudit scan` or `fpaudit run`" in text, name
+
+
+def test_the_readme_excerpt_is_what_scan_help_prints(cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"```text\n\$ fpaudit scan --help\n(.*?)\n```", readme, re.S)
+    assert match, "README has no `$ fpaudit scan --help` excerpt"
+    assert match.group(1) == _help(cli, monkeypatch, "scan")
+    assert "[default: 10]" in match.group(1)

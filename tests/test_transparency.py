@@ -1,0 +1,151 @@
+"""`fpaudit run` is invisible to the script it audits.
+
+Each script of the zoo (tests/scripts/transparency/) runs twice with the same seed:
+plainly (as ``python SCRIPT`` runs it: ``__main__``, its folder on ``sys.path``) and
+under ``fpaudit run``. The final weights (the bytes each script writes where
+FPAUDIT_TRANSPARENCY_OUT says), the script's stdout and the exit status must be
+identical; fpaudit's own summary follows the script's output. Both runs are made in
+this process (a fresh interpreter costs ~15 s per run on a loaded 2-core machine);
+one test runs a script through a real ``python -m fpaudit run`` process as well.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, one_error_line
+
+ZOO = Path(__file__).resolve().parent / "scripts" / "transparency"
+SCRIPTS = sorted(p.name for p in ZOO.glob("[a-z]*.py"))
+
+
+def mark(script: Path, label: str) -> int:
+    """The line of ``script`` that ends with ``# mark: LABEL``."""
+    lines = script.read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.endswith(f"# mark: {label}"))
+
+
+def _plain(script: Path, weights: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """Run ``script`` as ``python script`` would, in this process."""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(script)]
+    sys.path.insert(0, str(script.parent))
+    os.environ["FPAUDIT_TRANSPARENCY_OUT"] = str(weights)
+    capsys.readouterr()
+    code = 0
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        del os.environ["FPAUDIT_TRANSPARENCY_OUT"]
+    return code, capsys.readouterr().out
+
+
+@pytest.fixture
+def twice(cli, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Run a zoo script plainly and under `fpaudit run`; both outcomes."""
+
+    def go(name: str) -> tuple[tuple[int, str, bytes], tuple[int, str, str, bytes], Path]:
+        script = ZOO / name
+        plain_weights, watched_weights = tmp_path / "plain.bin", tmp_path / "watched.bin"
+        plain_code, plain_out = _plain(script, plain_weights, capsys)
+        monkeypatch.setenv("FPAUDIT_TRANSPARENCY_OUT", str(watched_weights))
+        out = tmp_path / "report"
+        result = cli("run", "--out", out, "--", script)
+        monkeypatch.delenv("FPAUDIT_TRANSPARENCY_OUT")
+        return (
+            (plain_code, plain_out, plain_weights.read_bytes()),
+            (result.code, result.stdout, result.stderr, watched_weights.read_bytes()),
+            out,
+        )
+
+    return go
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_script_runs_the_same_with_and_without_fpaudit(twice, name: str) -> None:
+    (plain_code, plain_out, plain_weights), (code, out, err, weights), report = twice(name)
+    assert plain_code == 0
+    assert code == plain_code, err
+    assert "Traceback" not in err and "error" not in err, err
+    assert weights == plain_weights  # final weights, bit for bit
+    assert plain_out.count("\n") >= 5  # the script printed its steps
+    assert out.startswith(plain_out)  # the script's stdout, unchanged, then fpaudit's summary
+    assert out[len(plain_out) :].startswith(f"Ran {ZOO / name}: ")
+    from fpaudit.report import Report
+
+    # one printed line per optimizer step: fpaudit counted the same steps
+    printed = [line for line in plain_out.splitlines() if line.startswith("step ")]
+    assert Report.read(report).meta["steps_run"] == len(printed)
+
+
+def test_keyword_calls_are_judged_at_their_lines(twice) -> None:
+    from fpaudit.report import Report
+
+    script = ZOO / "keywords_misuse.py"
+    _, (code, _out, err, _), path = twice(script.name)
+    assert code == 0, err
+    found = {f["code"]: f for f in Report.read(path).meta["findings"]}
+    assert set(found) == {"clip-before-unscale", "grad-read-while-scaled"}, found
+    clips = [f for f in Report.read(path).meta["findings"] if f["code"] == "clip-before-unscale"]
+    assert sorted((f["file"], f["line"]) for f in clips) == [
+        (str(script), mark(script, "norm")),
+        (str(script), mark(script, "value")),
+    ]
+    read = found["grad-read-while-scaled"]
+    assert (read["file"], read["line"]) == (str(script), mark(script, "read"))
+    # 6 steps, each with the same mistakes: every one counted
+    assert all(f["count"] == 6 for f in clips) and read["count"] == 6
+
+
+def test_the_correct_keyword_loop_has_no_findings(twice) -> None:
+    from fpaudit.report import Report
+
+    _, (code, _, err, _), path = twice("keywords.py")
+    assert code == 0, err
+    assert Report.read(path).meta["findings"] == []
+
+
+def test_a_bug_in_fpaudit_is_reported_as_fpaudits(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from contextlib import contextmanager
+
+    from fpaudit.training import TrainingMonitor
+
+    @contextmanager
+    def broken(self, call):
+        raise KeyError("oops")
+        yield
+
+    monkeypatch.setattr(TrainingMonitor, "on_scale", broken)
+    monkeypatch.setenv("FPAUDIT_TRANSPARENCY_OUT", str(tmp_path / "w.bin"))
+    line = one_error_line(cli("run", "--out", tmp_path / "r", "--", ZOO / "accumulation.py"))
+    assert "internal error" in line and "fpaudit's training monitor failed" in line
+    assert "not in accumulation.py" in line and "the script raised" not in line
+
+
+@pytest.mark.slow
+def test_a_real_fpaudit_run_process_leaves_stdout_and_status_alone(tmp_path: Path) -> None:
+    script = ZOO / "gan.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FPAUDIT_TRANSPARENCY_OUT": ""}
+    plain = subprocess.run(
+        [sys.executable, script], capture_output=True, text=True, env=env, timeout=300
+    )
+    watched = subprocess.run(
+        [sys.executable, "-m", "fpaudit", "run", "--out", tmp_path / "r", "--", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert plain.returncode == watched.returncode == 0, watched.stderr
+    assert watched.stdout.startswith(plain.stdout) and plain.stdout
