@@ -1,0 +1,233 @@
+"""Exact per-block statistics of one tensor under one block-scaled recipe.
+
+:func:`block_stats` turns a tensor into one int64 vector (on the tensor's
+device, no host sync) that counts, for a :class:`~fpaudit.recipes.Recipe`:
+
+* every element in exactly one class: ``zero`` (it was 0), ``flushed``
+  (nonzero, quantized to 0), ``subnormal`` (quantized to a nonzero subnormal of
+  the element format), ``normal``, ``saturated`` (it would round beyond the
+  element format's largest value, and is clamped), ``nonfinite`` (inf or NaN
+  already) and ``poisoned`` (finite, but its block's scale is NaN: the block
+  held a NaN, or an inf under NVFP4);
+* ``blocks``, ``blocks_flushed`` (blocks with at least one flushed element) and
+  ``scales_out_of_range`` (a nonzero finite block whose ideal scale left the
+  scale format: E8M0 below ``2**-127``; NVFP4's E4M3 block scale below
+  ``2**-6`` or above 448; an fp32 multiplier that overflowed);
+* a histogram of the blocks' scale codes (E8M0 biased exponents; E4M3 bit
+  patterns for NVFP4; for fp32 scales the biased exponent of the dequantization
+  scale, ``floor``);
+* a histogram of each block's dynamic range,
+  ``floor(log2(block_amax / block_min_nonzero))`` over its finite nonzero values.
+
+Vectors add exactly, so steps, calls and ranks merge by summing.
+
+The arithmetic is the reference implementations' (see :mod:`fpaudit.recipes`),
+in the same fp32 operations, so the scaled value is bit for bit the one they
+cast; that value is then classified with exact thresholds of the element format
+(round to nearest, ties to even), which is what the cast does. A partial block
+is padded with zeros (padding never changes a block's maximum) and the padding
+is not counted.
+
+Known limitations: tensors are read as fp32 (fp64 values beyond fp32 count as
+inf); stochastic rounding is not modelled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fpaudit.recipes import E8M0_BIAS, Recipe
+
+if TYPE_CHECKING:
+    import torch
+
+CLASSES = ("zero", "flushed", "subnormal", "normal", "saturated", "nonfinite", "poisoned")
+BLOCK_COUNTS = ("blocks", "blocks_flushed", "scales_out_of_range")
+COUNT_COLUMNS = CLASSES + BLOCK_COUNTS
+N_SCALE_CODES = 256
+N_RANGES = 277  # floor(log2(fp32 max / smallest fp32 subnormal)) = 127 + 149 = 276
+SCALE_OFFSET = len(COUNT_COLUMNS)
+RANGE_OFFSET = SCALE_OFFSET + N_SCALE_CODES
+WIDTH = RANGE_OFFSET + N_RANGES
+_FP32_MAX_BITS = 0x7F7FFFFF
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as fp32, exactly, for integer exponents in [-149, 127]."""
+    import torch
+
+    exponent = exponent.to(torch.int32)
+    normal = torch.bitwise_left_shift(exponent.clamp(min=-126) + 127, 23)
+    tiny = torch.bitwise_left_shift(torch.ones_like(exponent), (exponent + 149).clamp(0, 22))
+    return torch.where(exponent >= -126, normal, tiny).view(torch.float32)
+
+
+def _fields(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The biased exponent and the fraction bits of non-negative fp32 values."""
+    import torch
+
+    bits = values.view(torch.int32)
+    return torch.bitwise_right_shift(bits, 23) & 0xFF, bits & 0x7FFFFF
+
+
+def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
+    """The tensor as fp32 blocks ``[n_blocks, block_elements]`` and the padding added."""
+    import torch
+    import torch.nn.functional as F
+
+    x = tensor.detach().to(torch.float32)
+    flat = x.reshape(1, -1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
+    if recipe.per_tensor:
+        return flat.reshape(1, -1), 0
+    if recipe.orientation == "columnwise":
+        flat = flat.t()
+    rows, cols = recipe.block
+    pad_rows = -flat.shape[0] % rows
+    pad_cols = -flat.shape[1] % cols
+    if pad_rows or pad_cols:
+        flat = F.pad(flat, (0, pad_cols, 0, pad_rows))
+    n_rows, n_cols = flat.shape
+    if rows == 1:
+        blocks = flat.reshape(-1, cols)
+    else:
+        blocks = (
+            flat.reshape(n_rows // rows, rows, n_cols // cols, cols)
+            .permute(0, 2, 1, 3)
+            .reshape(-1, rows * cols)
+        )
+    return blocks, n_rows * n_cols - tensor.numel()
+
+
+def block_scales(
+    blocks: torch.Tensor, absolute: torch.Tensor, recipe: Recipe
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block: the fp32 multiplier applied to its elements, the scale code and
+    whether the scale left its format's range (shapes ``[n_blocks]``)."""
+    import torch
+
+    amax = absolute.amax(dim=1)  # NaN if the block holds one
+    finite_nonzero = torch.isfinite(amax) & (amax > 0)
+    element = recipe.element
+    rule = recipe.scale_rule
+    if rule == "mx-floor":  # OCP: X = 2**(floor(log2(amax)) - emax), clamped
+        biased, _ = _fields(amax)
+        unbiased = biased - E8M0_BIAS - recipe.element_max_pow2
+        out_of_range = finite_nonzero & (unbiased < -E8M0_BIAS)
+        code = (unbiased.clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS).masked_fill(
+            torch.isnan(amax), 255
+        )
+        multiplier = _pow2(E8M0_BIAS - code.clamp(max=254))
+        multiplier = multiplier.masked_fill(code == 255, float("nan"))
+    elif rule == "mx-rceil":  # X = 2**ceil(log2(amax / elem_max)), exact round-up
+        descale = amax / element.max_finite
+        biased, fraction = _fields(descale)
+        ceil = biased - E8M0_BIAS + (fraction > 0).to(biased.dtype)
+        # An fp32 subnormal descale rounds up to 2**-126 above 2**-127, else to code 0.
+        subnormal = biased == 0
+        half = 1 << 22  # the fraction of 2**-127
+        tiny_exponent = torch.where(fraction > half, -E8M0_BIAS + 1, -E8M0_BIAS)
+        exponent = torch.where(subnormal, tiny_exponent, ceil.clamp(-E8M0_BIAS, E8M0_BIAS))
+        code = exponent + E8M0_BIAS
+        out_of_range = finite_nonzero & subnormal & (fraction < half)
+        code = code.masked_fill(torch.isinf(descale), 254).masked_fill(torch.isnan(descale), 255)
+        # Transformer Engine's exp2f_rcp (and torchao): code 0 multiplies by 1, inf by 2**-127.
+        multiplier = torch.where(code == 0, torch.ones_like(amax), _pow2(E8M0_BIAS - code))
+        multiplier = multiplier.masked_fill(code == 254, 2.0**-127)
+        multiplier = multiplier.masked_fill(code == 255, float("nan"))
+    elif rule == "nvfp4":
+        e4m3_max = 448.0
+        tensor_scale = amax.amax() / (e4m3_max * element.max_finite)
+        scaled = (amax / element.max_finite) / tensor_scale
+        smallest = 2.0**-6  # E4M3's smallest normal (torchao's E4M3_EPS)
+        out_of_range = finite_nonzero & ((scaled < smallest) | (scaled > e4m3_max))
+        scale_e4m3 = scaled.clamp(smallest, e4m3_max).to(torch.float8_e4m3fn)
+        code = scale_e4m3.view(torch.uint8).to(torch.int64)
+        multiplier = (1.0 / tensor_scale) / scale_e4m3.to(torch.float32)
+    else:  # fp32 multiplier elem_max / amax, as Transformer Engine computes it
+        if rule == "amax" or rule == "amax-pow2":
+            amax = amax.amax().expand(amax.shape)
+            finite_nonzero = torch.isfinite(amax) & (amax > 0)
+        multiplier = element.max_finite / amax
+        out_of_range = finite_nonzero & torch.isinf(multiplier)
+        fp32_max = torch.tensor(_FP32_MAX_BITS, dtype=torch.int32, device=amax.device)
+        multiplier = torch.where(torch.isinf(multiplier), fp32_max.view(torch.float32), multiplier)
+        multiplier = multiplier.masked_fill(amax == 0, 1.0)
+        if rule != "amax":  # power of two, rounded down: keep the exponent bits
+            multiplier = (multiplier.view(torch.int32) & ~0x7FFFFF).view(torch.float32)
+        biased, fraction = _fields(multiplier)
+        code = (2 * E8M0_BIAS - biased - (fraction > 0).to(biased.dtype)).clamp(0, 254)
+        code = code.masked_fill(torch.isnan(amax), 255)
+        multiplier = multiplier.masked_fill(torch.isnan(amax), float("nan"))
+    return multiplier, code.to(torch.int64), out_of_range
+
+
+def block_stats(tensor: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """The statistics vector (int64 ``[WIDTH]``, on the tensor's device): see the module."""
+    import torch
+
+    device = tensor.device
+    if tensor.numel() == 0:
+        return torch.zeros(WIDTH, dtype=torch.int64, device=device)
+    blocks, padding = _blocks(tensor, recipe)
+    absolute = blocks.abs()
+    multiplier, code, out_of_range = block_scales(blocks, absolute, recipe)
+    scaled = absolute * multiplier.unsqueeze(1)
+    element = recipe.element
+    finite = torch.isfinite(blocks)
+    nonzero = finite & (blocks != 0)
+    poisoned = nonzero & ~torch.isfinite(multiplier).unsqueeze(1)
+    live = nonzero & ~poisoned
+    flushed = live & (scaled <= element.round_to_zero_edge)
+    edge = element.overflow_edge
+    saturated = live & ((scaled >= edge) if element.overflow_edge_inclusive else (scaled > edge))
+    # Below the midpoint of the largest subnormal and the smallest normal (the tie
+    # rounds up to the normal: its last bit is even).
+    below_normal = scaled < element.smallest_normal - element.smallest_subnormal / 2
+    subnormal = live & ~flushed & below_normal
+    n_live = live.sum()
+    n_flushed, n_subnormal, n_saturated = flushed.sum(), subnormal.sum(), saturated.sum()
+    zeros = (finite & (blocks == 0)).sum() - padding
+    counts = torch.stack(
+        [
+            zeros,
+            n_flushed,
+            n_subnormal,
+            n_live - n_flushed - n_subnormal - n_saturated,
+            n_saturated,
+            (~finite).sum(),
+            poisoned.sum(),
+            torch.tensor(blocks.shape[0], device=device),
+            flushed.any(dim=1).sum(),
+            out_of_range.sum(),
+        ]
+    ).to(torch.int64)
+    scale_codes = torch.bincount(code, minlength=N_SCALE_CODES)
+    # Dynamic range: floor(log2(a / b)) = ea - eb - (ma < mb), a = ma * 2**ea, ma in [0.5, 1).
+    finite_abs = absolute.masked_fill(~nonzero, 0.0)
+    has_values = nonzero.any(dim=1)
+    top = finite_abs.amax(dim=1)[has_values]
+    bottom = absolute.masked_fill(~nonzero, float("inf")).amin(dim=1)[has_values]
+    top_mantissa, top_exponent = torch.frexp(top)
+    bottom_mantissa, bottom_exponent = torch.frexp(bottom)
+    ranges = top_exponent - bottom_exponent - (top_mantissa < bottom_mantissa).to(torch.int32)
+    range_counts = torch.bincount(ranges.to(torch.int64), minlength=N_RANGES)
+    return torch.cat([counts, scale_codes, range_counts])
+
+
+def empty() -> np.ndarray:
+    return np.zeros(WIDTH, dtype=np.int64)
+
+
+def summary(vector: np.ndarray) -> dict[str, int]:
+    """The named counts of a statistics vector (host side)."""
+    return {name: int(vector[i]) for i, name in enumerate(COUNT_COLUMNS)}
+
+
+def scale_codes(vector: np.ndarray) -> np.ndarray:
+    return vector[SCALE_OFFSET:RANGE_OFFSET]
+
+
+def dynamic_ranges(vector: np.ndarray) -> np.ndarray:
+    return vector[RANGE_OFFSET:]
