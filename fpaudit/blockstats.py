@@ -34,18 +34,19 @@ inf); stochastic rounding is not modelled.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fpaudit.recipes import E8M0_BIAS, Recipe
+from fpaudit.records import BLOCK_COUNT_COLUMNS, BLOCK_HISTOGRAM_COLUMNS, BLOCK_KEY_COLUMNS
 
 if TYPE_CHECKING:
     import torch
 
-CLASSES = ("zero", "flushed", "subnormal", "normal", "saturated", "nonfinite", "poisoned")
-BLOCK_COUNTS = ("blocks", "blocks_flushed", "scales_out_of_range")
-COUNT_COLUMNS = CLASSES + BLOCK_COUNTS
+COUNT_COLUMNS = BLOCK_COUNT_COLUMNS  # the report's columns, in this order
+CLASSES = COUNT_COLUMNS[:7]  # zero, flushed, subnormal, normal, saturated, nonfinite, poisoned
+BLOCK_COUNTS = COUNT_COLUMNS[7:]  # blocks, blocks_flushed, scales_out_of_range
 N_SCALE_CODES = 256
 N_RANGES = 277  # floor(log2(fp32 max / smallest fp32 subnormal)) = 127 + 149 = 276
 SCALE_OFFSET = len(COUNT_COLUMNS)
@@ -231,3 +232,66 @@ def scale_codes(vector: np.ndarray) -> np.ndarray:
 
 def dynamic_ranges(vector: np.ndarray) -> np.ndarray:
     return vector[RANGE_OFFSET:]
+
+
+class BlockRecorder:
+    """Per record key, the summed statistics vectors of every requested recipe.
+
+    ``add`` queues device work only; ``close_step`` makes one transfer per device
+    and keeps the step's rows on the host. Counts add exactly, so a record key
+    called many times in a step, and steps and ranks later, merge by summing.
+    """
+
+    def __init__(self, recipes: tuple[Recipe, ...]) -> None:
+        self.recipes = recipes
+        self._open: dict[Any, torch.Tensor] = {}
+        self._rows: dict[str, list[Any]] = {
+            name: [] for name in (*BLOCK_KEY_COLUMNS, *COUNT_COLUMNS, *BLOCK_HISTOGRAM_COLUMNS)
+        }
+
+    def add(self, key: Any, tensor: torch.Tensor) -> None:
+        import torch
+
+        vectors = torch.stack([block_stats(tensor, recipe) for recipe in self.recipes])
+        total = self._open.get(key)
+        if total is None:
+            self._open[key] = vectors
+        else:
+            total += vectors
+
+    def close_step(self, step: int, rank: int, keep: bool = True) -> None:
+        """Move the open step's statistics to host rows (dropped unless ``keep``)."""
+        open_rows, self._open = self._open, {}
+        if not keep:
+            return
+        import torch
+
+        by_device: dict[Any, list[Any]] = {}
+        for key, vectors in open_rows.items():
+            by_device.setdefault(vectors.device, []).append(key)
+        for keys in by_device.values():  # one transfer per device
+            host = torch.stack([open_rows[key] for key in keys]).cpu().numpy()
+            for key, vectors in zip(keys, host, strict=True):
+                self._add_rows(step, rank, key, vectors)
+
+    def _add_rows(self, step: int, rank: int, key: Any, host: np.ndarray) -> None:
+        for recipe, vector in zip(self.recipes, host, strict=True):
+            row = {
+                "rank": rank,
+                "step": step,
+                "kind": key.kind,
+                "module": key.module,
+                "node": key.node,
+                "op": key.op,
+                "output": key.output,
+                "dtype": key.dtype,
+                "recipe": recipe.name,
+                **summary(vector),
+                "scale_codes": scale_codes(vector),
+                "dynamic_range": dynamic_ranges(vector),
+            }
+            for name, values in self._rows.items():
+                values.append(row[name])
+
+    def columns(self) -> dict[str, list[Any]]:
+        return {name: list(values) for name, values in self._rows.items()}

@@ -40,7 +40,7 @@ import fnmatch
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,6 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fpaudit import _signals, histogram
+from fpaudit.blockstats import BlockRecorder
+from fpaudit.recipes import Recipe, as_recipe
 from fpaudit.records import (
     KIND_BACKWARD,
     KIND_FORWARD,
@@ -532,6 +534,7 @@ class Audit:
         selection: Selection = Selection(),
         window: int = 1,
         shadow: bool = False,
+        recipes: Sequence[Recipe | str] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
@@ -556,6 +559,8 @@ class Audit:
         self._stack: ExitStack | None = None
         self._step_started = time.perf_counter()
         self._lock = threading.Lock()
+        chosen = tuple(dict.fromkeys(as_recipe(r) for r in recipes))
+        self._blocks = BlockRecorder(chosen) if chosen else None  # opt-in: --recipe
 
     # -- context manager -------------------------------------------------
     def __enter__(self) -> Audit:
@@ -639,6 +644,8 @@ class Audit:
                 place = self._rows[key] = (table, table.new_row())
                 self._row_keys[tensor.device].append(key)
         place[0].add(place[1], tensor)
+        if self._blocks is not None:
+            self._blocks.add(key, tensor)
         return place
 
     def _record_parameter_gradients(self) -> None:
@@ -728,6 +735,9 @@ class Audit:
                 index=index,
                 first_nonfinite=first_nonfinite,
             )
+            if self._blocks is not None:  # dropped with the records when the loss is not finite
+                finite = loss_value is None or math.isfinite(loss_value)
+                self._blocks.close_step(self._builder.last_index, self._builder.rank, finite)
         self._clock.forget()
         self._step_started = time.perf_counter()
         return StepSummary(
@@ -761,7 +771,13 @@ class Audit:
         """The report; ``steps`` replaces its steps table (see ``ReportBuilder.build``)."""
         from fpaudit.report import run_metadata  # pandas and pyarrow: only once a report is built
 
-        return self._builder.build(run_metadata(self.model), steps)
+        report = self._builder.build(run_metadata(self.model), steps)
+        if self._blocks is not None:
+            from fpaudit.report import BLOCKS_SCHEMA, frame
+
+            report.blocks = frame(self._blocks.columns(), BLOCKS_SCHEMA)
+            report.meta["recipes"] = [r.name for r in self._blocks.recipes]
+        return report
 
 
 def audit(
@@ -771,12 +787,22 @@ def audit(
     selection: Selection = Selection(),
     window: int = 1,
     shadow: bool = False,
+    recipes: Sequence[Recipe | str] = (),
 ) -> Audit:
     """Audit the backward pass of ``model``: see :class:`Audit`.
 
     ``selection`` limits what is recorded; ``window`` merges the records of that
     many consecutive captured steps (exactly) to keep long runs' reports small;
     ``shadow`` re-runs every low-precision backward op in fp32 to count the
-    values it lost (see :class:`_BackwardMode`).
+    values it lost (see :class:`_BackwardMode`); ``recipes`` (names or
+    :class:`~fpaudit.recipes.Recipe`) adds exact block-scaled statistics of every
+    recorded tensor under each (see :mod:`fpaudit.blockstats`).
     """
-    return Audit(model, loss_scale=loss_scale, selection=selection, window=window, shadow=shadow)
+    return Audit(
+        model,
+        loss_scale=loss_scale,
+        selection=selection,
+        window=window,
+        shadow=shadow,
+        recipes=recipes,
+    )

@@ -23,6 +23,7 @@ import typer
 from fpaudit import __version__, config, render
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, UsageError
 from fpaudit.formats import FORMATS, Format, get_format
+from fpaudit.recipes import RECIPES
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
 if TYPE_CHECKING:
@@ -72,6 +73,13 @@ def _main(
 ConfigOption = Annotated[
     Path | None,
     typer.Option("--config", help="TOML file with the same options (see sample_configs/)."),
+]
+RecipeOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--recipe",
+        help="Block-scaled recipe, e.g. mxfp8-e4m3, mxfp4, nvfp4 (repeatable; fpaudit recipes).",
+    ),
 ]
 JsonOption = Annotated[
     bool | None, typer.Option("--json/--no-json", help="Print JSON instead of a table.")
@@ -209,6 +217,17 @@ def formats_command(json_output: JsonOption = None) -> None:
     Example: fpaudit formats --json
     """
     render.formats(FORMATS.values(), bool(json_output))
+    if not json_output:  # `fpaudit recipes --json` lists them as JSON
+        render.recipes(RECIPES.values(), False)
+
+
+@app.command("recipes")
+def recipes_command(json_output: JsonOption = None) -> None:
+    """List the block-scaled recipes (--recipe): element format, block, scale rule.
+
+    Example: fpaudit recipes --json
+    """
+    render.recipes(RECIPES.values(), bool(json_output))
 
 
 @app.command("scan")
@@ -297,6 +316,7 @@ def scan_command(
             "--forward/--no-forward", help="Also record forward op outputs (a phase of their own)."
         ),
     ] = None,
+    recipe: RecipeOption = None,
 ) -> None:
     """Run a model file for some steps and record every backward op.
 
@@ -312,11 +332,11 @@ def scan_command(
              include_loss=include_loss, out=out, seed=seed, loss_scale=loss_scale, top=top,
              force=force, every=every, window=window, module=module,
              exclude_module=exclude_module, op=op, exclude_op=exclude_op, amp=amp, shadow=shadow,
-             forward=forward),
+             forward=forward, recipe=recipe),
         dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
              include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False,
              every=1, window=1, module=[], exclude_module=[], op=[], exclude_op=[], amp=None,
-             shadow=False, forward=False),
+             shadow=False, forward=False, recipe=[]),
     )  # fmt: skip
     formats = [get_format(name) for name in dict.fromkeys(options["format"])]
     headroom = _headroom(options["headroom_bits"])
@@ -334,6 +354,7 @@ def scan_command(
         shadow=options["shadow"],
         forward=options["forward"],
         selection=_selection(options),
+        recipes=tuple(dict.fromkeys(options["recipe"])),
     )
     out_path = _new_report_path(options)
     if resolve_device(scan_options.device).type == "cpu":
@@ -398,6 +419,18 @@ def scan_command(
         if drifted.warn or len(drifted.windows) >= 10:  # long scans: say how it moved
             for line in render.drift_lines(drifted):
                 render.stdout().print(line)
+    _block_summaries(report, options["top"])
+
+
+def _block_summaries(report: Report, top: int) -> None:
+    """After a scan with --recipe: each recipe's worst modules by flush fraction."""
+    from fpaudit.blockplan import block_table
+
+    for name in report.recipes:
+        table = block_table(report, name).sort_values(
+            "flush_fraction", ascending=False, kind="stable"
+        )
+        render.block_table(table, name, "module", top)
 
 
 @app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -597,6 +630,13 @@ def show_command(
         int | None,
         typer.Option("--limit", help="With --steps: rows shown, first and last [default: 40]."),
     ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe",
+            help="Block statistics of this recipe instead (scanned with --recipe), per --by.",
+        ),
+    ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
@@ -611,9 +651,9 @@ def show_command(
     options = _merge(
         "show", config_file,
         dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output,
-             steps=steps, limit=limit),
+             steps=steps, limit=limit, recipe=recipe),
         dict(format=None, scale="1", top=None, kind=KIND_BACKWARD, by="module", json=False,
-             steps=False, limit=40),
+             steps=False, limit=40, recipe=None),
     )  # fmt: skip
     if options["limit"] < 2:
         raise UsageError(f"--limit must be at least 2, got {options['limit']}")
@@ -640,6 +680,9 @@ def show_command(
         raise UsageError(f"--by must be module or op, got {options['by']!r}")
     if options["top"] is not None and options["top"] < 1:
         raise UsageError(f"--top must be at least 1, got {options['top']}")
+    if options["recipe"] is not None:
+        _show_blocks(report_path, options)
+        return
     log2_scale = _scale(options["scale"])
     report = Report.read(report_path)
     render.report_notes(report)
@@ -672,6 +715,26 @@ def show_command(
             top=options["top"],
             scale_source=scale_source,
         )
+
+
+def _show_blocks(report_path: Path, options: dict[str, Any]) -> None:
+    """show --recipe: block statistics per module, or per module, kind and op (all kinds)."""
+    from fpaudit.blockplan import block_table
+    from fpaudit.recipes import get_recipe
+    from fpaudit.report import Report
+
+    recipe = get_recipe(options["recipe"])
+    report = Report.read(report_path)
+    render.report_notes(report)
+    by = ("module",) if options["by"] == "module" else ("module", "kind", "op")
+    table = block_table(report, recipe, by)
+    if options["top"] is not None:
+        table = table.sort_values("flush_fraction", ascending=False, kind="stable")
+        table = table.head(options["top"])
+    if options["json"]:
+        render.print_json(render.block_rows(table))
+    else:
+        render.block_table(table, recipe.name, options["by"])
 
 
 @app.command("recommend")
@@ -926,6 +989,20 @@ def gate_command(
             "--junit", help="Also write the verdict as JUnit XML: one test case per module."
         ),
     ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe", help="Judge this block-scaled recipe's statistics with --max-flush."
+        ),
+    ] = None,
+    max_flush: Annotated[
+        float | None,
+        typer.Option("--max-flush", help="With --recipe: largest flushed fraction, 0..1."),
+    ] = None,
+    max_saturate: Annotated[
+        float | None,
+        typer.Option("--max-saturate", help="With --recipe: largest saturated fraction [1]."),
+    ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
@@ -940,10 +1017,14 @@ def gate_command(
         "gate", config_file,
         dict(max_underflow=max_underflow, format=format_, scale=scale, per_module=per_module,
              headroom_bits=headroom_bits, include_loss=include_loss, json=json_output,
-             allow_incomplete=allow_incomplete, junit=junit),
+             allow_incomplete=allow_incomplete, junit=junit, recipe=recipe, max_flush=max_flush,
+             max_saturate=max_saturate),
         dict(max_underflow=None, format=None, scale=None, per_module=False, headroom_bits=None,
-             include_loss=None, json=False, allow_incomplete=False, junit=None),
+             include_loss=None, json=False, allow_incomplete=False, junit=None, recipe=None,
+             max_flush=None, max_saturate=None),
     )  # fmt: skip
+    if options["recipe"] is not None or options["max_flush"] is not None:
+        _gate_blocks(report_path, options)
     limit = options["max_underflow"]
     if limit is None:
         raise UsageError(
@@ -980,6 +1061,70 @@ def gate_command(
         for line in ci.github_annotations(result, report_path=str(report_path)):
             stream.write(line + "\n")
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+
+
+def _gate_blocks(report_path: Path, options: dict[str, Any]) -> None:
+    """gate --recipe R --max-flush F: judge block statistics (per module), exit 0 or 1."""
+    from fpaudit.blockplan import block_gate
+    from fpaudit.report import Report
+
+    if options["recipe"] is None or options["max_flush"] is None:
+        raise UsageError("a block gate needs both --recipe R and --max-flush FRACTION")
+    report = Report.read(report_path)
+    render.report_notes(report)
+    saturate = 1.0 if options["max_saturate"] is None else options["max_saturate"]
+    result = block_gate(report, options["recipe"], options["max_flush"], saturate)
+    if options["json"]:
+        render.print_json(result.to_dict())
+    else:
+        render.block_gate(result)
+    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+
+
+@app.command("plan")
+def plan_command(
+    report_path: ReportArgument,
+    recipe: RecipeOption = None,
+    max_flush: Annotated[
+        float | None,
+        typer.Option("--max-flush", help="Largest acceptable flushed fraction per module, 0..1."),
+    ] = None,
+    max_saturate: Annotated[
+        float | None,
+        typer.Option("--max-saturate", help="Largest saturated fraction per module [default: 0]."),
+    ] = None,
+    names: Annotated[
+        bool | None,
+        typer.Option(
+            "--names/--table", help="Print only the modules that must stay in bf16, one a line."
+        ),
+    ] = None,
+    json_output: JsonOption = None,
+    config_file: ConfigOption = None,
+) -> None:
+    """Per module, the cheapest block-scaled recipe that passes, and which must stay in bf16.
+
+    Example: fpaudit plan report --recipe mxfp4 --recipe mxfp8-e4m3 --max-flush 0.01
+    """
+    from fpaudit.blockplan import plan
+    from fpaudit.report import Report
+
+    options = _merge(
+        "plan", config_file,
+        dict(recipe=recipe, max_flush=max_flush, max_saturate=max_saturate, names=names,
+             json=json_output),
+        dict(recipe=[], max_flush=None, max_saturate=0.0, names=False, json=False),
+    )  # fmt: skip
+    if options["max_flush"] is None:
+        raise UsageError("plan needs --max-flush FRACTION (for example 0.01)")
+    report = Report.read(report_path)
+    render.report_notes(report)
+    wanted = options["recipe"] or report.recipes
+    if not wanted:
+        raise UsageError(f"{report_path} has no block statistics; scan with --recipe R")
+    result = plan(report, list(wanted), options["max_flush"], options["max_saturate"])
+    output = "json" if options["json"] else "names" if options["names"] else "table"
+    render.plan(result, output)
 
 
 @app.command("verify")

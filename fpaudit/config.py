@@ -3,8 +3,8 @@
 A config file sets the same options as the flags, with ``_`` or ``-`` in
 names. Top-level keys apply to every command that has that option; a table
 named after a command (``[scan]``, ``[run]``, ``[show]``, ``[recommend]``,
-``[simulate]``, ``[plot]``, ``[gate]``) applies to that command only and wins over the top
-level. Unknown keys and tables are errors.
+``[simulate]``, ``[plot]``, ``[gate]``, ``[plan]``) applies to that command only
+and wins over the top level. Unknown keys and tables are errors.
 Precedence: command line > config file > built-in default.
 """
 
@@ -91,6 +91,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "amp": "str",
         "shadow": "bool",
         "forward": "bool",
+        "recipe": "recipes",
         "module": "patterns",
         "exclude_module": "patterns",
         "op": "patterns",
@@ -122,6 +123,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "by": "str",
         "steps": "bool",
         "limit": "int",
+        "recipe": "str",
     },
     "recommend": {
         "format": "format",
@@ -162,6 +164,16 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "json": "bool",
         "allow_incomplete": "bool",
         "junit": "str",
+        "recipe": "str",
+        "max_flush": "float",
+        "max_saturate": "float",
+    },
+    "plan": {
+        "recipe": "recipes",
+        "max_flush": "float",
+        "max_saturate": "float",
+        "names": "bool",
+        "json": "bool",
     },
 }
 
@@ -191,6 +203,11 @@ def _check_type(file: Path, where: str, key: str, kind: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise fail('a number or a string such as "2^12"')
         value = str(value)
+    elif kind == "recipes":
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise fail("a recipe name or a list of them")
     elif kind == "patterns":
         if isinstance(value, str):
             value = [value]

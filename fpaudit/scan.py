@@ -24,6 +24,7 @@ import torch
 from fpaudit import distributed, modelfile
 from fpaudit.capture import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, UsageError
+from fpaudit.recipes import get_recipe
 from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
 
 if TYPE_CHECKING:
@@ -42,8 +43,11 @@ class ScanOptions:
     amp: str | None = None  # live mode: "fp16" or "bf16", forward under torch.autocast
     shadow: bool = False  # re-run low-precision backward ops in fp32 to count lost values
     forward: bool = False  # also record forward op outputs
+    recipes: tuple[str, ...] = ()  # block-scaled recipes to audit (--recipe), see fpaudit.recipes
 
     def __post_init__(self) -> None:
+        for name in self.recipes:
+            get_recipe(name)  # an unknown name is a one-line UsageError
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.every < 1:
@@ -138,6 +142,7 @@ def scan(
         selection=options.selection,
         window=options.window,
         shadow=options.shadow,
+        recipes=options.recipes,
     )
     amp_dtype = AMP_DTYPES[options.amp] if options.amp is not None else None
 
