@@ -104,6 +104,14 @@ def step_variants(
             plain()
 
     variants: dict[str, Callable[[], None]] = {"plain": plain, "fpaudit": audited}
+    # Block-scaled statistics (--recipe): one MX recipe, and every registered recipe.
+    one_recipe = fpaudit.audit(model, recipes=["mxfp8-e4m3"])
+    variants["fpaudit --recipe mxfp8-e4m3"] = lambda: audited(one_recipe)
+    if knobs:
+        from fpaudit.recipes import RECIPES
+
+        all_recipes = fpaudit.audit(model, recipes=list(RECIPES))
+        variants[f"fpaudit --recipe (all {len(RECIPES)})"] = lambda: audited(all_recipes)
     if knobs:
         variants["fpaudit --every 4"] = every_4
         variants["fpaudit --module 'blocks.0*'"] = lambda: audited(one_block)

@@ -103,12 +103,13 @@ def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
 
 def block_scales(
     blocks: torch.Tensor, absolute: torch.Tensor, recipe: Recipe
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per block: the fp32 multiplier applied to its elements, the scale code and
-    whether the scale left its format's range (shapes ``[n_blocks]``)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block: the fp32 multiplier applied to its elements, the scale code,
+    whether the scale left its format's range, and the block's maximum |x| (NaN if
+    it holds a NaN), all of shape ``[n_blocks]``."""
     import torch
 
-    amax = absolute.amax(dim=1)  # NaN if the block holds one
+    amax = block_amax = absolute.amax(dim=1)  # NaN if the block holds one
     finite_nonzero = torch.isfinite(amax) & (amax > 0)
     element = recipe.element
     rule = recipe.scale_rule
@@ -161,11 +162,16 @@ def block_scales(
         code = (2 * E8M0_BIAS - biased - (fraction > 0).to(biased.dtype)).clamp(0, 254)
         code = code.masked_fill(torch.isnan(amax), 255)
         multiplier = multiplier.masked_fill(torch.isnan(amax), float("nan"))
-    return multiplier, code.to(torch.int64), out_of_range
+    return multiplier, code.to(torch.int64), out_of_range, block_amax
 
 
-def block_stats(tensor: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """The statistics vector (int64 ``[WIDTH]``, on the tensor's device): see the module."""
+def block_stats(tensor: torch.Tensor, recipe: Recipe, *, general: bool = False) -> torch.Tensor:
+    """The statistics vector (int64 ``[WIDTH]``, on the tensor's device): see the module.
+
+    On the CPU, blocks whose maximum and scale are all finite (the usual case) take
+    a path of a few passes (threshold counts); any inf, NaN or degenerate scale,
+    any other device, or ``general`` takes the general path, which needs no host
+    sync. Both give the same counts."""
     import torch
 
     device = tensor.device
@@ -173,7 +179,92 @@ def block_stats(tensor: torch.Tensor, recipe: Recipe) -> torch.Tensor:
         return torch.zeros(WIDTH, dtype=torch.int64, device=device)
     blocks, padding = _blocks(tensor, recipe)
     absolute = blocks.abs()
-    multiplier, code, out_of_range = block_scales(blocks, absolute, recipe)
+    multiplier, code, out_of_range, amax = block_scales(blocks, absolute, recipe)
+    fast = not general and device.type == "cpu"
+    if fast:  # a CPU "sync" only reads memory; finite block maxima: finite elements
+        fast = bool(torch.isfinite(multiplier).all()) and bool(torch.isfinite(amax).all())
+    if fast:
+        counts, ranges = _finite_stats(absolute, amax, multiplier, recipe, padding)
+    else:
+        counts, ranges = _general_stats(blocks, absolute, multiplier, recipe, padding)
+    blocks_row = torch.stack([torch.tensor(blocks.shape[0], device=device), out_of_range.sum()])
+    scale_codes = torch.bincount(code, minlength=N_SCALE_CODES)
+    range_counts = torch.bincount(ranges.to(torch.int64), minlength=N_RANGES)
+    return torch.cat(
+        [counts[:7], blocks_row[:1], counts[7:], blocks_row[1:], scale_codes, range_counts]
+    ).to(torch.int64)
+
+
+def _finite_stats(
+    absolute: torch.Tensor,
+    amax: torch.Tensor,
+    multiplier: torch.Tensor,
+    recipe: Recipe,
+    padding: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts (zero..poisoned, blocks_flushed) and block dynamic ranges, all finite.
+
+    Threshold counts, one comparison and one sum each: ``flushed`` is
+    ``scaled <= edge`` less the zeros (counted from x: a tiny nonzero x can make an
+    fp32 product of 0, which is flushed, not zero)."""
+    import torch
+
+    def per_block(mask: torch.Tensor) -> torch.Tensor:  # no int64 copy of the mask
+        return mask.view(torch.uint8).sum(dim=1, dtype=torch.int32).to(torch.int64)
+
+    element = recipe.element
+    scaled = absolute * multiplier.unsqueeze(1)
+    zero_per_block = per_block(absolute == 0)
+    flushed_per_block = per_block(scaled <= element.round_to_zero_edge) - zero_per_block
+    zero, flushed = zero_per_block.sum(), flushed_per_block.sum()
+    below_normal = element.smallest_normal - element.smallest_subnormal / 2
+    subnormal = torch.count_nonzero(scaled < below_normal) - zero - flushed
+    edge = element.overflow_edge
+    saturated = torch.count_nonzero(
+        (scaled >= edge) if element.overflow_edge_inclusive else (scaled > edge)
+    )
+    normal = scaled.numel() - zero - flushed - subnormal - saturated
+    nothing = torch.zeros((), dtype=zero.dtype, device=zero.device)
+    counts = torch.stack(
+        [
+            zero - padding,
+            flushed,
+            subnormal,
+            normal,
+            saturated,
+            nothing,
+            nothing,
+            (flushed_per_block > 0).sum(),
+        ]
+    )
+    # Smallest nonzero per block from the bits: (bits - 1) & 0x7FFFFFFF sends 0 to the top.
+    bits = absolute.view(torch.int32) - 1
+    bits &= 0x7FFFFFFF
+    has_values = zero_per_block < absolute.shape[1]
+    bottom = (bits.amin(dim=1) + 1).view(torch.float32)[has_values]
+    top = amax[has_values]
+    return counts, _log2_ratio(top, bottom)
+
+
+def _log2_ratio(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
+    """floor(log2(top / bottom)) exactly: ea - eb - (ma < mb), a = ma * 2**ea, ma in [0.5, 1)."""
+    import torch
+
+    top_mantissa, top_exponent = torch.frexp(top)
+    bottom_mantissa, bottom_exponent = torch.frexp(bottom)
+    return top_exponent - bottom_exponent - (top_mantissa < bottom_mantissa).to(torch.int32)
+
+
+def _general_stats(
+    blocks: torch.Tensor,
+    absolute: torch.Tensor,
+    multiplier: torch.Tensor,
+    recipe: Recipe,
+    padding: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`_finite_stats`, for any values and scales (inf, NaN, NaN scales)."""
+    import torch
+
     scaled = absolute * multiplier.unsqueeze(1)
     element = recipe.element
     finite = torch.isfinite(blocks)
@@ -189,32 +280,22 @@ def block_stats(tensor: torch.Tensor, recipe: Recipe) -> torch.Tensor:
     subnormal = live & ~flushed & below_normal
     n_live = live.sum()
     n_flushed, n_subnormal, n_saturated = flushed.sum(), subnormal.sum(), saturated.sum()
-    zeros = (finite & (blocks == 0)).sum() - padding
     counts = torch.stack(
         [
-            zeros,
+            (finite & (blocks == 0)).sum() - padding,
             n_flushed,
             n_subnormal,
             n_live - n_flushed - n_subnormal - n_saturated,
             n_saturated,
             (~finite).sum(),
             poisoned.sum(),
-            torch.tensor(blocks.shape[0], device=device),
             flushed.any(dim=1).sum(),
-            out_of_range.sum(),
         ]
-    ).to(torch.int64)
-    scale_codes = torch.bincount(code, minlength=N_SCALE_CODES)
-    # Dynamic range: floor(log2(a / b)) = ea - eb - (ma < mb), a = ma * 2**ea, ma in [0.5, 1).
-    finite_abs = absolute.masked_fill(~nonzero, 0.0)
+    )
     has_values = nonzero.any(dim=1)
-    top = finite_abs.amax(dim=1)[has_values]
+    top = absolute.masked_fill(~nonzero, 0.0).amax(dim=1)[has_values]
     bottom = absolute.masked_fill(~nonzero, float("inf")).amin(dim=1)[has_values]
-    top_mantissa, top_exponent = torch.frexp(top)
-    bottom_mantissa, bottom_exponent = torch.frexp(bottom)
-    ranges = top_exponent - bottom_exponent - (top_mantissa < bottom_mantissa).to(torch.int32)
-    range_counts = torch.bincount(ranges.to(torch.int64), minlength=N_RANGES)
-    return torch.cat([counts, scale_codes, range_counts])
+    return counts, _log2_ratio(top, bottom)
 
 
 def empty() -> np.ndarray:
