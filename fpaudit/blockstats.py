@@ -189,7 +189,8 @@ def block_stats(tensor: torch.Tensor, recipe: Recipe, *, general: bool = False) 
         counts, ranges = _general_stats(blocks, absolute, multiplier, recipe, padding)
     blocks_row = torch.stack([torch.tensor(blocks.shape[0], device=device), out_of_range.sum()])
     scale_codes = torch.bincount(code, minlength=N_SCALE_CODES)
-    range_counts = torch.bincount(ranges.to(torch.int64), minlength=N_RANGES)
+    # blocks without a finite nonzero value went to bin N_RANGES: dropped
+    range_counts = torch.bincount(ranges.to(torch.int64), minlength=N_RANGES + 1)[:N_RANGES]
     return torch.cat(
         [counts[:7], blocks_row[:1], counts[7:], blocks_row[1:], scale_codes, range_counts]
     ).to(torch.int64)
@@ -204,19 +205,17 @@ def _finite_stats(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Counts (zero..poisoned, blocks_flushed) and block dynamic ranges, all finite.
 
-    Threshold counts, one comparison and one sum each: ``flushed`` is
+    Threshold counts, one comparison and one count each: ``flushed`` is
     ``scaled <= edge`` less the zeros (counted from x: a tiny nonzero x can make an
-    fp32 product of 0, which is flushed, not zero)."""
+    fp32 product of 0, which is flushed, not zero). A block flushes something iff
+    its smallest nonzero value, scaled, is at or below the edge (the fp32 product
+    is monotonic), so blocks need no per-element counts."""
     import torch
-
-    def per_block(mask: torch.Tensor) -> torch.Tensor:  # no int64 copy of the mask
-        return mask.view(torch.uint8).sum(dim=1, dtype=torch.int32).to(torch.int64)
 
     element = recipe.element
     scaled = absolute * multiplier.unsqueeze(1)
-    zero_per_block = per_block(absolute == 0)
-    flushed_per_block = per_block(scaled <= element.round_to_zero_edge) - zero_per_block
-    zero, flushed = zero_per_block.sum(), flushed_per_block.sum()
+    zero = torch.count_nonzero(absolute == 0)
+    flushed = torch.count_nonzero(scaled <= element.round_to_zero_edge) - zero
     below_normal = element.smallest_normal - element.smallest_subnormal / 2
     subnormal = torch.count_nonzero(scaled < below_normal) - zero - flushed
     edge = element.overflow_edge
@@ -224,26 +223,21 @@ def _finite_stats(
         (scaled >= edge) if element.overflow_edge_inclusive else (scaled > edge)
     )
     normal = scaled.numel() - zero - flushed - subnormal - saturated
-    nothing = torch.zeros((), dtype=zero.dtype, device=zero.device)
-    counts = torch.stack(
-        [
-            zero - padding,
-            flushed,
-            subnormal,
-            normal,
-            saturated,
-            nothing,
-            nothing,
-            (flushed_per_block > 0).sum(),
-        ]
-    )
     # Smallest nonzero per block from the bits: (bits - 1) & 0x7FFFFFFF sends 0 to the top.
     bits = absolute.view(torch.int32) - 1
     bits &= 0x7FFFFFFF
-    has_values = zero_per_block < absolute.shape[1]
-    bottom = (bits.amin(dim=1) + 1).view(torch.float32)[has_values]
-    top = amax[has_values]
-    return counts, _log2_ratio(top, bottom)
+    bottom_bits = bits.amin(dim=1) + 1
+    has_values = bottom_bits != 0x7FFFFFFF + 1  # wraps: an all-zero block
+    bottom = bottom_bits.view(torch.float32)
+    blocks_flushed = torch.count_nonzero(
+        has_values & (bottom * multiplier <= element.round_to_zero_edge)
+    )
+    nothing = torch.zeros((), dtype=zero.dtype, device=zero.device)
+    counts = torch.stack(
+        [zero - padding, flushed, subnormal, normal, saturated, nothing, nothing, blocks_flushed]
+    )
+    ranges = _log2_ratio(amax, bottom.masked_fill(~has_values, 1.0))
+    return counts, ranges.masked_fill(~has_values, N_RANGES)
 
 
 def _log2_ratio(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
@@ -293,9 +287,10 @@ def _general_stats(
         ]
     )
     has_values = nonzero.any(dim=1)
-    top = absolute.masked_fill(~nonzero, 0.0).amax(dim=1)[has_values]
-    bottom = absolute.masked_fill(~nonzero, float("inf")).amin(dim=1)[has_values]
-    return counts, _log2_ratio(top, bottom)
+    top = absolute.masked_fill(~nonzero, 0.0).amax(dim=1).masked_fill(~has_values, 1.0)
+    bottom = absolute.masked_fill(~nonzero, float("inf")).amin(dim=1)
+    ranges = _log2_ratio(top, bottom.masked_fill(~has_values, 1.0))
+    return counts, ranges.masked_fill(~has_values, N_RANGES)
 
 
 def empty() -> np.ndarray:

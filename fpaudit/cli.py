@@ -924,9 +924,13 @@ def plot_command(
         ),
     ] = None,
     headroom_bits: HeadroomOption = None,
+    recipe: RecipeOption = None,
     config_file: ConfigOption = None,
 ) -> None:
     """Draw a report: value histogram against the format's bands, modules x binades, scale.
+
+    With --recipe (a scan with --recipe): the scale codes of every block and the
+    flushed fraction per module and recipe instead.
 
     Example: fpaudit plot report -o report.png --format fp16 --scale recommended
     """
@@ -935,12 +939,21 @@ def plot_command(
 
     options = _merge(
         "plot", config_file,
-        dict(output=output, format=format_, scale=scale, headroom_bits=headroom_bits),
-        dict(output=None, format=None, scale="recommended", headroom_bits=None),
+        dict(output=output, format=format_, scale=scale, headroom_bits=headroom_bits,
+             recipe=recipe),
+        dict(output=None, format=None, scale="recommended", headroom_bits=None, recipe=[]),
     )  # fmt: skip
     if options["output"] is None:
         raise UsageError("plot needs -o FILE.png or -o FILE.svg")
     image_format(Path(options["output"]))  # a bad suffix fails before the report is read
+    if options["recipe"]:
+        from fpaudit.plot import plot_blocks
+
+        report = Report.read(report_path)
+        render.report_notes(report)
+        written = plot_blocks(report, Path(options["output"]), options["recipe"])
+        render.stdout().print(f"Wrote {written}")
+        return
     log2_scale = _scale(options["scale"])
     report = Report.read(report_path)
     render.report_notes(report)

@@ -139,6 +139,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "format": "format",
         "scale": "scale",
         "headroom_bits": "int",
+        "recipe": "recipes",
     },
     "simulate": {
         "policy": "str",

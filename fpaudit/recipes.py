@@ -88,8 +88,8 @@ class Recipe:
         if self.scale_rule.startswith("mx-"):
             return "e8m0"
         if self.scale_rule == "nvfp4":
-            return "e4m3 x fp32"
-        return "fp32 (power of two)" if "pow2" in self.scale_rule else "fp32"
+            return "e4m3+fp32"
+        return "fp32" if self.scale_rule == "amax" else "fp32 pow2"
 
     @property
     def element_max_pow2(self) -> int:

@@ -734,14 +734,15 @@ def recipes(items: Iterable[Recipe], as_json: bool) -> None:
         "the block scale",
         title_justify="left",
     )
-    for header in ("recipe", "element", "block", "scale", "to 0 at ≤", "normal min", "max"):
+    for header in ("recipe", "element", "block", "rule", "scale", "to 0 ≤", "normal", "max"):
         table.add_column(header, no_wrap=True, justify="left" if header == "recipe" else "right")
     for row in rows:
         table.add_row(
             row["recipe"],
-            row["element"],
+            row["element"].split("_", 1)[-1],
             row["block"],
-            f"{row['scale_rule']} ({row['scale_format']})",
+            row["scale_rule"],
+            row["scale_format"],
             _power(row["element_flush_at"]),
             _power(row["element_smallest_normal"]),
             f"{row['element_max']:g}",

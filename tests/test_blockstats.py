@@ -208,3 +208,17 @@ def test_columnwise_is_rowwise_of_the_transpose() -> None:
     assert not math.isclose(
         float(col[1]), float(blockstats.block_stats(x, get_recipe("mxfp8-e4m3"))[1])
     )
+
+
+@pytest.mark.parametrize("name", [*RECIPES, "mxfp8-e4m3:col", "fp8-block-128x128:col"])
+def test_finite_path_equals_general_path(name: str) -> None:
+    # The CPU path for finite blocks counts thresholds; the general path classifies
+    # every element. Wide magnitudes (fp32 products that underflow to 0), all-zero
+    # blocks and rows, and a partial block.
+    wide = torch.exp2(torch.randn(130, 300) * 30) * torch.randn(130, 300).sign()
+    wide[::3] = 0
+    wide[:, 5:40] = 0
+    recipe = get_recipe(name)
+    for x in (wide, torch.randn(257, 129), torch.zeros(3, 64)):
+        fast = blockstats.block_stats(x, recipe)
+        assert torch.equal(fast, blockstats.block_stats(x, recipe, general=True))
