@@ -185,3 +185,42 @@ def test_the_library_records_what_a_twin_computes() -> None:
             row = grads[(grads["module"] == module) & (grads["op"] == op)]
             row = row[row["recipe"] == recipe].iloc[0]
             assert {k: int(row[k]) for k in expected} == expected
+
+
+def test_plot_draws_the_block_statistics(cli, pair_reports: dict[str, Path]) -> None:
+    pytest.importorskip("matplotlib")
+    target = pair_reports["interleaved"].parent / "blocks.png"
+    result = cli(
+        "plot", pair_reports["interleaved"], "--recipe", "mxfp8-e4m3",
+        "--recipe", "fp8-tensor-e4m3", "-o", target,
+    )  # fmt: skip
+    assert result.code == 0, result.stderr
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_on_a_hand_built_table(pair_reports: dict[str, Path]) -> None:
+    # Two modules, three recipes (cost order mxfp4 < mxfp8-e4m3 < fp8-block-1x128):
+    #   a: mxfp4 flushes 5 of 100 (5%), mxfp8 1 of 100 (1%)       -> mxfp8-e4m3 at 2%
+    #   b: mxfp4 0 flushed but 3 of 100 saturated, mxfp8 flushes 50%, fp8-block 50%
+    #      -> no recipe passes: bf16, limited by "saturate 3.00% (mxfp4)"
+    report = Report.read(pair_reports["sorted"])
+    rows = []
+    for module, recipe, flushed, saturated in [
+        ("a", "mxfp4", 5, 0), ("a", "mxfp8-e4m3", 1, 0), ("a", "fp8-block-1x128", 0, 0),
+        ("b", "mxfp4", 0, 3), ("b", "mxfp8-e4m3", 50, 0), ("b", "fp8-block-1x128", 50, 0),
+    ]:  # fmt: skip
+        row = {name: 0 for name in blockstats.COUNT_COLUMNS}
+        row.update(flushed=flushed, saturated=saturated, normal=100 - flushed - saturated)
+        row.update(module=module, recipe=recipe, kind="backward", step=0, rank=0)
+        rows.append(row)
+    import pandas as pd
+
+    report.blocks = pd.DataFrame(rows)
+    report.meta = {**report.meta, "recipes": ["mxfp4", "mxfp8-e4m3", "fp8-block-1x128"]}
+    result = blockplan.plan(report, ["fp8-block-1x128", "mxfp8-e4m3", "mxfp4"], 0.02, 0.0)
+    assert result.recipes == ["mxfp4", "mxfp8-e4m3", "fp8-block-1x128"]
+    by_module = {m.module: m for m in result.modules}
+    assert (by_module["a"].recipe, by_module["a"].flush_fraction) == ("mxfp8-e4m3", 0.01)
+    assert by_module["a"].limiting == "flush 5.00% (mxfp4)"
+    assert (by_module["b"].recipe, by_module["b"].limiting) == ("bf16", "saturate 3.00% (mxfp4)")
+    assert result.keep == ["b"]
