@@ -23,9 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fpaudit.analysis import Scope, module_table, range_loss
+    from fpaudit.blockplan import block_gate, block_table, plan
+    from fpaudit.blockstats import block_stats
     from fpaudit.capture import Audit, Selection, audit
     from fpaudit.formats import FORMATS, Fate, Format, get_format
     from fpaudit.gating import GateResult, gate
+    from fpaudit.recipes import RECIPES, Recipe, get_recipe
     from fpaudit.recommendation import Recommendation, recommend
     from fpaudit.records import LOSS_MODULE
     from fpaudit.report import Report
@@ -38,6 +41,13 @@ _WHERE = {
     "Scope": "analysis",
     "module_table": "analysis",
     "range_loss": "analysis",
+    "block_gate": "blockplan",
+    "block_table": "blockplan",
+    "plan": "blockplan",
+    "block_stats": "blockstats",
+    "RECIPES": "recipes",
+    "Recipe": "recipes",
+    "get_recipe": "recipes",
     "Audit": "capture",
     "Selection": "capture",
     "audit": "capture",
@@ -67,6 +77,13 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "FORMATS",
+    "RECIPES",
+    "Recipe",
+    "block_gate",
+    "block_stats",
+    "block_table",
+    "get_recipe",
+    "plan",
     "LOSS_MODULE",
     "Audit",
     "Fate",
