@@ -639,11 +639,12 @@ def _check_meta_types(meta: dict[str, Any], meta_file: Path) -> None:
         "scaler": (dict, type(None)),
         "headroom_bits": (int,),
         "include_loss": (bool,),
+        "recipes": (list,),
     }
     for key, types in expected.items():
         if key in meta and not isinstance(meta[key], types):
             raise ReportError(f"{meta_file}: {key} has the wrong type")
-        listed = key in ("modules", "formats") and key in meta
+        listed = key in ("modules", "formats", "recipes") and key in meta
         if listed and not all(isinstance(item, str) for item in meta[key]):
             raise ReportError(f"{meta_file}: {key} must be a list of strings")
 

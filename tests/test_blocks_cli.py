@@ -224,3 +224,16 @@ def test_plan_on_a_hand_built_table(pair_reports: dict[str, Path]) -> None:
     assert by_module["a"].limiting == "flush 5.00% (mxfp4)"
     assert (by_module["b"].recipe, by_module["b"].limiting) == ("bf16", "saturate 3.00% (mxfp4)")
     assert result.keep == ["b"]
+
+
+def test_damaged_block_tables_are_one_line(cli, pair_reports: dict[str, Path]) -> None:
+    report = pair_reports["sorted"]
+    meta_file = report / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "recipes": "mxfp8-e4m3"}))
+    assert "recipes has the wrong type" in one_error_line(cli("show", report))
+    meta_file.write_text(json.dumps(meta))
+    (report / "blocks.parquet").unlink()
+    assert "blocks.parquet is missing" in one_error_line(
+        cli("show", report, "--recipe", "mxfp8-e4m3")
+    )
