@@ -75,7 +75,12 @@ def build(model_name: str, quick: bool) -> tuple[torch.nn.Module, torch.Tensor, 
 
 # -- step overhead ----------------------------------------------------------
 def step_variants(
-    model: torch.nn.Module, ids: torch.Tensor, loss_fn: Callable[..., Any], tmp: Path, knobs: bool
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    loss_fn: Callable[..., Any],
+    tmp: Path,
+    knobs: bool,
+    all_recipes: bool = False,
 ) -> tuple[dict[str, Callable[[], None]], fpaudit.Audit]:
     """The step functions to time, and the audit capturing every backward op."""
     import fpaudit
@@ -104,6 +109,14 @@ def step_variants(
             plain()
 
     variants: dict[str, Callable[[], None]] = {"plain": plain, "fpaudit": audited}
+    # Block-scaled statistics (--recipe): one MX recipe, and every registered recipe.
+    one_recipe = fpaudit.audit(model, recipes=["mxfp8-e4m3"])
+    variants["fpaudit --recipe mxfp8-e4m3"] = lambda: audited(one_recipe)
+    if knobs and all_recipes:  # every recipe: about 50x a plain step, not in --quick
+        from fpaudit.recipes import RECIPES
+
+        all_recipes = fpaudit.audit(model, recipes=list(RECIPES))
+        variants[f"fpaudit --recipe (all {len(RECIPES)})"] = lambda: audited(all_recipes)
     if knobs:
         variants["fpaudit --every 4"] = every_4
         variants["fpaudit --module 'blocks.0*'"] = lambda: audited(one_block)
@@ -145,7 +158,7 @@ def measure_steps(
     model_name: str, reps: int, warmup: int, quick: bool, tmp: Path, knobs: bool
 ) -> dict[str, Any]:
     model, ids, loss_fn = build(model_name, quick)
-    variants, audit = step_variants(model, ids, loss_fn, tmp, knobs)
+    variants, audit = step_variants(model, ids, loss_fn, tmp, knobs, all_recipes=not quick)
     for _ in range(warmup):
         for step in variants.values():
             step()

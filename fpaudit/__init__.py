@@ -23,9 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fpaudit.analysis import Scope, module_table, range_loss
+    from fpaudit.blockplan import block_gate, block_table, plan
+    from fpaudit.blockstats import block_stats
     from fpaudit.capture import Audit, Selection, audit
     from fpaudit.formats import FORMATS, Fate, Format, get_format
     from fpaudit.gating import GateResult, gate
+    from fpaudit.recipes import RECIPES, Recipe, get_recipe
     from fpaudit.recommendation import Recommendation, recommend
     from fpaudit.records import LOSS_MODULE
     from fpaudit.report import Report
@@ -38,6 +41,13 @@ _WHERE = {
     "Scope": "analysis",
     "module_table": "analysis",
     "range_loss": "analysis",
+    "block_gate": "blockplan",
+    "block_table": "blockplan",
+    "plan": "blockplan",
+    "block_stats": "blockstats",
+    "RECIPES": "recipes",
+    "Recipe": "recipes",
+    "get_recipe": "recipes",
     "Audit": "capture",
     "Selection": "capture",
     "audit": "capture",
@@ -69,19 +79,26 @@ def __dir__() -> list[str]:
 __all__ = [
     "FORMATS",
     "LOSS_MODULE",
+    "RECIPES",
     "Audit",
     "Fate",
     "Format",
     "GateResult",
+    "Recipe",
     "Recommendation",
     "Report",
     "Scope",
     "Selection",
     "__version__",
     "audit",
+    "block_gate",
+    "block_stats",
+    "block_table",
     "gate",
     "get_format",
+    "get_recipe",
     "module_table",
+    "plan",
     "range_loss",
     "recommend",
 ]

@@ -75,7 +75,7 @@ import shlex
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -86,8 +86,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpaudit import _signals, histogram
+from fpaudit.blockstats import BlockRecorder
 from fpaudit.errors import UsageError
 from fpaudit.origin_capture import OriginTracker
+from fpaudit.recipes import Recipe, as_recipe
 from fpaudit.records import (
     KIND_BACKWARD,
     KIND_FORWARD,
@@ -790,6 +792,7 @@ class Audit:
         window: int = 1,
         shadow: bool = False,
         origins: bool = False,
+        recipes: Sequence[Recipe | str] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
@@ -821,6 +824,8 @@ class Audit:
         self._stack: ExitStack | None = None
         self._step_started = time.perf_counter()
         self._lock = threading.Lock()
+        chosen = tuple(dict.fromkeys(as_recipe(r) for r in recipes))
+        self._blocks = BlockRecorder(chosen) if chosen else None  # opt-in: --recipe
 
     # -- context manager -------------------------------------------------
     def __enter__(self) -> Audit:
@@ -914,6 +919,8 @@ class Audit:
                 place = self._rows[key] = (table, table.new_row())
                 self._row_keys[tensor.device].append(key)
         place[0].add(place[1], tensor)
+        if self._blocks is not None:
+            self._blocks.add(key, tensor)
         return place
 
     def _record_parameter_gradients(self) -> None:
@@ -1008,6 +1015,9 @@ class Audit:
                 index=index,
                 first_nonfinite=first_nonfinite,
             )
+            if self._blocks is not None:  # dropped with the records when the loss is not finite
+                finite = loss_value is None or math.isfinite(loss_value)
+                self._blocks.close_step(self._builder.last_index, self._builder.rank, finite)
         if self.origins is not None:
             self.origins.collect(self._builder.last_index, scale_value)
         self._clock.forget()
@@ -1051,6 +1061,11 @@ class Audit:
             from fpaudit.origins import table_from_columns
 
             report.origins = table_from_columns(self.origins.columns())
+        if self._blocks is not None:
+            from fpaudit.report import BLOCKS_SCHEMA, frame
+
+            report.blocks = frame(self._blocks.columns(), BLOCKS_SCHEMA)
+            report.meta["recipes"] = [r.name for r in self._blocks.recipes]
         return report
 
 
@@ -1062,6 +1077,7 @@ def audit(
     window: int = 1,
     shadow: bool = False,
     origins: bool = False,
+    recipes: Sequence[Recipe | str] = (),
 ) -> Audit:
     """Audit the backward pass of ``model``: see :class:`Audit`.
 
@@ -1069,7 +1085,9 @@ def audit(
     many consecutive captured steps (exactly) to keep long runs' reports small;
     ``shadow`` re-runs every low-precision backward op in fp32 to count the
     values it lost (see :class:`_BackwardMode`); ``origins`` notes, per op call in
-    ``forward_pass`` and backward, whether it made inf/NaN (``fpaudit.origin_capture``).
+    ``forward_pass`` and backward, whether it made inf/NaN (``fpaudit.origin_capture``);
+    ``recipes`` (names or :class:`~fpaudit.recipes.Recipe`) adds exact block-scaled
+    statistics of every recorded tensor under each (see :mod:`fpaudit.blockstats`).
     """
     return Audit(
         model,
@@ -1078,4 +1096,5 @@ def audit(
         window=window,
         shadow=shadow,
         origins=origins,
+        recipes=recipes,
     )

@@ -25,6 +25,7 @@ import typer
 from fpaudit import __version__, config, render
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, ReportExists, UsageError
 from fpaudit.formats import FORMATS, Format, get_format
+from fpaudit.recipes import RECIPES
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
 if TYPE_CHECKING:
@@ -74,6 +75,13 @@ def _main(
 ConfigOption = Annotated[
     Path | None,
     typer.Option("--config", help="TOML file with the same options (see sample_configs/)."),
+]
+RecipeOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--recipe",
+        help="Block-scaled recipe, e.g. mxfp8-e4m3, mxfp4, nvfp4 (repeatable; fpaudit recipes).",
+    ),
 ]
 JsonOption = Annotated[
     bool | None, typer.Option("--json/--no-json", help="Print JSON instead of a table.")
@@ -284,6 +292,17 @@ def formats_command(json_output: JsonOption = None) -> None:
     Example: fpaudit formats --json
     """
     render.formats(FORMATS.values(), bool(json_output))
+    if not json_output:  # `fpaudit recipes --json` lists them as JSON
+        render.recipes(RECIPES.values(), False)
+
+
+@app.command("recipes")
+def recipes_command(json_output: JsonOption = None) -> None:
+    """List the block-scaled recipes (--recipe): element format, block, scale rule.
+
+    Example: fpaudit recipes --json
+    """
+    render.recipes(RECIPES.values(), bool(json_output))
 
 
 @app.command("scan")
@@ -390,6 +409,7 @@ def scan_command(
             help="Let an interrupted run's report replace one with more completed steps.",
         ),
     ] = None,
+    recipe: RecipeOption = None,
 ) -> None:
     """Run a model file for some steps and record every backward op.
 
@@ -406,11 +426,11 @@ def scan_command(
              force=force, every=every, window=window, module=module,
              exclude_module=exclude_module, op=op, exclude_op=exclude_op, amp=amp, shadow=shadow,
              forward=forward, origins=origins,
-             replace_partial=replace_partial),
+             replace_partial=replace_partial, recipe=recipe),
         dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
              include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False,
              every=1, window=1, module=[], exclude_module=[], op=[], exclude_op=[], amp=None,
-             shadow=False, forward=False, origins=False, replace_partial=False),
+             shadow=False, forward=False, origins=False, replace_partial=False, recipe=[]),
     )  # fmt: skip
     formats = [get_format(name) for name in dict.fromkeys(options["format"])]
     headroom = _headroom(options["headroom_bits"])
@@ -429,6 +449,7 @@ def scan_command(
         forward=options["forward"],
         origins=options["origins"],
         selection=_selection(options),
+        recipes=tuple(dict.fromkeys(options["recipe"])),
     )
     out_path = _new_report_path(options)
     if resolve_device(scan_options.device).type == "cpu":
@@ -513,6 +534,18 @@ def scan_command(
         if drifted.warn or len(drifted.windows) >= 10:  # long scans: say how it moved
             for line in render.drift_lines(drifted):
                 render.stdout().print(line)
+    _block_summaries(report, options["top"])
+
+
+def _block_summaries(report: Report, top: int) -> None:
+    """After a scan with --recipe: each recipe's worst modules by flush fraction."""
+    from fpaudit.blockplan import block_table
+
+    for name in report.recipes:
+        table = block_table(report, name).sort_values(
+            "flush_fraction", ascending=False, kind="stable"
+        )
+        render.block_table(table, name, "module", top)
 
 
 @app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -777,6 +810,13 @@ def show_command(
             help="The ops that made inf/NaN (scan --origins), and those predicted at --scale.",
         ),
     ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe",
+            help="Block statistics of this recipe instead (scanned with --recipe), per --by.",
+        ),
+    ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
@@ -791,9 +831,9 @@ def show_command(
     options = _merge(
         "show", config_file,
         dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output,
-             steps=steps, limit=limit, origins=origins),
+             steps=steps, limit=limit, origins=origins, recipe=recipe),
         dict(format=None, scale="1", top=None, kind=KIND_BACKWARD, by="module", json=False,
-             steps=False, limit=40, origins=False),
+             steps=False, limit=40, origins=False, recipe=None),
     )  # fmt: skip
     if options["origins"]:
         _show_origins(report_path, options)
@@ -823,6 +863,9 @@ def show_command(
         raise UsageError(f"--by must be module or op, got {options['by']!r}")
     if options["top"] is not None and options["top"] < 1:
         raise UsageError(f"--top must be at least 1, got {options['top']}")
+    if options["recipe"] is not None:
+        _show_blocks(report_path, options)
+        return
     log2_scale = _scale(options["scale"])
     report = Report.read(report_path)
     render.report_notes(report)
@@ -855,6 +898,26 @@ def show_command(
             top=options["top"],
             scale_source=scale_source,
         )
+
+
+def _show_blocks(report_path: Path, options: dict[str, Any]) -> None:
+    """show --recipe: block statistics per module, or per module, kind and op (all kinds)."""
+    from fpaudit.blockplan import block_table
+    from fpaudit.recipes import get_recipe
+    from fpaudit.report import Report
+
+    recipe = get_recipe(options["recipe"])
+    report = Report.read(report_path)
+    render.report_notes(report)
+    by = ("module",) if options["by"] == "module" else ("module", "kind", "op")
+    table = block_table(report, recipe, by)
+    if options["top"] is not None:
+        table = table.sort_values("flush_fraction", ascending=False, kind="stable")
+        table = table.head(options["top"])
+    if options["json"]:
+        render.print_json(render.block_rows(table))
+    else:
+        render.block_table(table, recipe.name, options["by"])
 
 
 @app.command("recommend")
@@ -1140,9 +1203,13 @@ def plot_command(
         ),
     ] = None,
     headroom_bits: HeadroomOption = None,
+    recipe: RecipeOption = None,
     config_file: ConfigOption = None,
 ) -> None:
     """Draw a report: value histogram against the format's bands, modules x binades, scale.
+
+    With --recipe (a scan with --recipe): the scale codes of every block and the
+    flushed fraction per module and recipe instead.
 
     Example: fpaudit plot report -o report.png --format fp16 --scale recommended
     """
@@ -1151,12 +1218,21 @@ def plot_command(
 
     options = _merge(
         "plot", config_file,
-        dict(output=output, format=format_, scale=scale, headroom_bits=headroom_bits),
-        dict(output=None, format=None, scale="recommended", headroom_bits=None),
+        dict(output=output, format=format_, scale=scale, headroom_bits=headroom_bits,
+             recipe=recipe),
+        dict(output=None, format=None, scale="recommended", headroom_bits=None, recipe=[]),
     )  # fmt: skip
     if options["output"] is None:
         raise UsageError("plot needs -o FILE.png or -o FILE.svg")
     image_format(Path(options["output"]))  # a bad suffix fails before the report is read
+    if options["recipe"]:
+        from fpaudit.plot import plot_blocks
+
+        report = Report.read(report_path)
+        render.report_notes(report)
+        written = plot_blocks(report, Path(options["output"]), options["recipe"])
+        render.stdout().print(f"Wrote {written}")
+        return
     log2_scale = _scale(options["scale"])
     report = Report.read(report_path)
     render.report_notes(report)
@@ -1212,6 +1288,20 @@ def gate_command(
             "--junit", help="Also write the verdict as JUnit XML: one test case per module."
         ),
     ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe", help="Judge this block-scaled recipe's statistics with --max-flush."
+        ),
+    ] = None,
+    max_flush: Annotated[
+        float | None,
+        typer.Option("--max-flush", help="With --recipe: largest flushed fraction, 0..1."),
+    ] = None,
+    max_saturate: Annotated[
+        float | None,
+        typer.Option("--max-saturate", help="With --recipe: largest saturated fraction [1]."),
+    ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
 ) -> None:
@@ -1227,11 +1317,14 @@ def gate_command(
         "gate", config_file,
         dict(max_underflow=max_underflow, format=format_, scale=scale, per_module=per_module,
              headroom_bits=headroom_bits, include_loss=include_loss, json=json_output,
-             allow_incomplete=allow_incomplete, allow_nonfinite=allow_nonfinite, junit=junit),
+             allow_incomplete=allow_incomplete, allow_nonfinite=allow_nonfinite, junit=junit,
+             recipe=recipe, max_flush=max_flush, max_saturate=max_saturate),
         dict(max_underflow=None, format=None, scale=None, per_module=False, headroom_bits=None,
              include_loss=None, json=False, allow_incomplete=False, allow_nonfinite=False,
-             junit=None),
+             junit=None, recipe=None, max_flush=None, max_saturate=None),
     )  # fmt: skip
+    if options["recipe"] is not None or options["max_flush"] is not None:
+        _gate_blocks(report_path, options)
     limit = options["max_underflow"]
     if limit is None:
         raise UsageError(
@@ -1271,6 +1364,70 @@ def gate_command(
         for line in ci.github_annotations(result, report_path=str(report_path)):
             stream.write(line + "\n")
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+
+
+def _gate_blocks(report_path: Path, options: dict[str, Any]) -> None:
+    """gate --recipe R --max-flush F: judge block statistics (per module), exit 0 or 1."""
+    from fpaudit.blockplan import block_gate
+    from fpaudit.report import Report
+
+    if options["recipe"] is None or options["max_flush"] is None:
+        raise UsageError("a block gate needs both --recipe R and --max-flush FRACTION")
+    report = Report.read(report_path)
+    render.report_notes(report)
+    saturate = 1.0 if options["max_saturate"] is None else options["max_saturate"]
+    result = block_gate(report, options["recipe"], options["max_flush"], saturate)
+    if options["json"]:
+        render.print_json(result.to_dict())
+    else:
+        render.block_gate(result)
+    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+
+
+@app.command("plan")
+def plan_command(
+    report_path: ReportArgument,
+    recipe: RecipeOption = None,
+    max_flush: Annotated[
+        float | None,
+        typer.Option("--max-flush", help="Largest acceptable flushed fraction per module, 0..1."),
+    ] = None,
+    max_saturate: Annotated[
+        float | None,
+        typer.Option("--max-saturate", help="Largest saturated fraction per module [default: 0]."),
+    ] = None,
+    names: Annotated[
+        bool | None,
+        typer.Option(
+            "--names/--table", help="Print only the modules that must stay in bf16, one a line."
+        ),
+    ] = None,
+    json_output: JsonOption = None,
+    config_file: ConfigOption = None,
+) -> None:
+    """Per module, the cheapest block-scaled recipe that passes, and which must stay in bf16.
+
+    Example: fpaudit plan report --recipe mxfp4 --recipe mxfp8-e4m3 --max-flush 0.01
+    """
+    from fpaudit.blockplan import plan
+    from fpaudit.report import Report
+
+    options = _merge(
+        "plan", config_file,
+        dict(recipe=recipe, max_flush=max_flush, max_saturate=max_saturate, names=names,
+             json=json_output),
+        dict(recipe=[], max_flush=None, max_saturate=0.0, names=False, json=False),
+    )  # fmt: skip
+    if options["max_flush"] is None:
+        raise UsageError("plan needs --max-flush FRACTION (for example 0.01)")
+    report = Report.read(report_path)
+    render.report_notes(report)
+    wanted = options["recipe"] or report.recipes
+    if not wanted:
+        raise UsageError(f"{report_path} has no block statistics; scan with --recipe R")
+    result = plan(report, list(wanted), options["max_flush"], options["max_saturate"])
+    output = "json" if options["json"] else "names" if options["names"] else "table"
+    render.plan(result, output)
 
 
 @app.command("verify")

@@ -3,8 +3,8 @@
 A config file sets the same options as the flags, with ``_`` or ``-`` in
 names. Top-level keys apply to every command that has that option; a table
 named after a command (``[scan]``, ``[run]``, ``[show]``, ``[recommend]``,
-``[simulate]``, ``[plot]``, ``[gate]``) applies to that command only and wins over the top
-level. Unknown keys and tables are errors.
+``[simulate]``, ``[plot]``, ``[gate]``, ``[plan]``) applies to that command only
+and wins over the top level. Unknown keys and tables are errors.
 Precedence: command line > config file > built-in default.
 """
 
@@ -94,6 +94,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "shadow": "bool",
         "forward": "bool",
         "origins": "bool",
+        "recipe": "recipes",
         "module": "patterns",
         "exclude_module": "patterns",
         "op": "patterns",
@@ -127,6 +128,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "steps": "bool",
         "limit": "int",
         "origins": "bool",
+        "recipe": "str",
     },
     "recommend": {
         "format": "format",
@@ -142,6 +144,7 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "format": "format",
         "scale": "scale",
         "headroom_bits": "int",
+        "recipe": "recipes",
     },
     "simulate": {
         "policy": "str",
@@ -173,6 +176,16 @@ COMMAND_OPTIONS: dict[str, dict[str, str]] = {
         "allow_incomplete": "bool",
         "allow_nonfinite": "bool",
         "junit": "str",
+        "recipe": "str",
+        "max_flush": "float",
+        "max_saturate": "float",
+    },
+    "plan": {
+        "recipe": "recipes",
+        "max_flush": "float",
+        "max_saturate": "float",
+        "names": "bool",
+        "json": "bool",
     },
 }
 
@@ -202,6 +215,11 @@ def _check_type(file: Path, where: str, key: str, kind: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise fail('a number or a string such as "2^12"')
         value = str(value)
+    elif kind == "recipes":
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise fail("a recipe name or a list of them")
     elif kind == "patterns":
         if isinstance(value, str):
             value = [value]

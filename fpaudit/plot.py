@@ -477,6 +477,11 @@ def plot_report(
     if target.is_dir():
         raise UsageError(f"-o {target} is a directory; give a file name ending in .{kind}")
     figure = build_figure(report, fmt, log2_scale, headroom_bits=headroom_bits)
+    return _save(figure, target, kind)
+
+
+def _save(figure: Figure, target: Path, kind: str) -> Path:
+    """Write ``figure`` to ``target`` atomically (beside it, then renamed)."""
     from matplotlib import rc_context
 
     # SVG: keep text as text (searchable, smaller) and make the file reproducible.
@@ -504,3 +509,65 @@ def plot_report(
             raise UsageError(f"cannot write {target}: {error.strerror or error}") from None
         raise
     return target
+
+
+# -- block-scaled recipes (--recipe) ------------------------------------------------------------
+
+
+def build_block_figure(report: Report, recipes: Sequence[str]) -> Figure:
+    """Block statistics of ``recipes`` (scanned with ``--recipe``), two panels:
+
+    1. **Scale codes**: per recipe, how many blocks got each scale code (log scale):
+       E8M0 codes as ``log2`` of the scale (``code - 127``); for ``nvfp4`` the E4M3 bit
+       pattern; for fp32 scales the biased exponent less 127. Codes piled at the
+       lowest value are blocks whose scale was clamped (or all-zero blocks).
+    2. **Flush heatmap**: modules (network order) x recipes, colour the fraction of
+       nonzero values flushed to zero, with the percentage written in each cell.
+    """
+    _require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from fpaudit.blockplan import flush_matrix, scale_code_histogram
+
+    names = list(dict.fromkeys(recipes))
+    matrix = flush_matrix(report, list(names))
+    heat_height = min(12.0, max(2.5, round((1.0 + 0.22 * len(matrix)) * 4) / 4))
+    heights = [3.5, heat_height]
+    figure = Figure(figsize=(WIDTH_INCHES, sum(heights) + 0.5), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    codes_ax, heat_ax = figure.subplots(2, 1, height_ratios=heights)
+    for name in names:
+        counts = scale_code_histogram(report, name)
+        used = np.nonzero(counts)[0]
+        if not len(used):
+            continue
+        codes = np.arange(used[0], used[-1] + 1)
+        offset = 0 if name.startswith("nvfp4") else 127
+        codes_ax.step(codes - offset, counts[codes], where="mid", label=name)
+    codes_ax.set_yscale("log")
+    codes_ax.set_xlabel("scale code (E8M0: log2 of the block scale; nvfp4: E4M3 bits)")
+    codes_ax.set_ylabel("blocks")
+    codes_ax.legend(fontsize=8)
+    codes_ax.set_title("Scale codes of every block, all steps", fontsize=10, loc="left")
+    values = matrix.to_numpy(dtype=np.float64)
+    image = heat_ax.imshow(values, aspect="auto", cmap="Reds", vmin=0.0)
+    heat_ax.set_xticks(range(len(names)), names, fontsize=8)
+    heat_ax.set_yticks(range(len(matrix)), [module_label(m) for m in matrix.index], fontsize=7)
+    for row in range(values.shape[0]):
+        for column in range(values.shape[1]):
+            heat_ax.text(column, row, percent(values[row, column]), ha="center", va="center",
+                         fontsize=6)  # fmt: skip
+    figure.colorbar(image, ax=heat_ax, label="flushed fraction of nonzero values")
+    heat_ax.set_title("Flushed (nonzero -> 0) per module and recipe", fontsize=10, loc="left")
+    figure.suptitle(f"fpaudit: block-scaled recipes — {_source(report)}", fontsize=11)
+    return figure
+
+
+def plot_blocks(report: Report, path: str | os.PathLike[str], recipes: Sequence[str]) -> Path:
+    """Draw :func:`build_block_figure` into ``path`` (``.png`` or ``.svg``), atomically."""
+    target = Path(path)
+    kind = image_format(target)
+    if target.is_dir():
+        raise UsageError(f"-o {target} is a directory; give a file name ending in .{kind}")
+    return _save(build_block_figure(report, recipes), target, kind)

@@ -83,6 +83,32 @@ STEP_DEFAULTS: dict[str, Any] = {
 }
 """Values of the step columns that a report of schema version 1 lacks, and that a
 step without records (``fpaudit run`` between captures) starts from."""
+# Block-scaled statistics (--recipe): one row per (step, record key, recipe); the
+# counts are fpaudit.blockstats.COUNT_COLUMNS, the histograms lists of counts.
+BLOCK_KEY_COLUMNS = {
+    "rank": "int16",
+    "step": "int32",
+    "kind": "string",
+    "module": "string",
+    "node": "string",
+    "op": "string",
+    "output": "int16",
+    "dtype": "string",
+    "recipe": "string",
+}
+BLOCK_COUNT_COLUMNS = (
+    "zero",
+    "flushed",
+    "subnormal",
+    "normal",
+    "saturated",
+    "nonfinite",
+    "poisoned",
+    "blocks",
+    "blocks_flushed",
+    "scales_out_of_range",
+)
+BLOCK_HISTOGRAM_COLUMNS = ("scale_codes", "dynamic_range")
 # In memory, bins keep what analysis needs; lower and upper are derived from
 # (binade, cls) when a report is written, for users of the plain Parquet files.
 BIN_COLUMNS = ("record_id", "binade", "cls", "count")

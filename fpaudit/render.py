@@ -16,9 +16,11 @@ from rich.table import Table
 from rich.text import Text
 
 from fpaudit.formats import Format
+from fpaudit.recipes import Recipe
 from fpaudit.text import count, module_in_prose, module_label, percent, scale_text
 
 if TYPE_CHECKING:
+    from fpaudit.blockplan import BlockGateResult, Plan
     from fpaudit.drift import Drift
     from fpaudit.gating import GateResult
     from fpaudit.recommendation import Recommendation
@@ -889,7 +891,7 @@ def fp16_plan(plan: Fp16Plan) -> None:
         f"{plan.headroom_bits} bit(s), underflow limit {percent(plan.max_underflow)}):"
     )
     if plan.log2_scale is None:
-        console.print("[red]No scale keeps the underflow within the limit.[/red]")
+        console.print(Text("No scale keeps the underflow within the limit.", style="red"))
     if plan.keep_out:
         console.print("Keep out of fp16 (autocast disabled, fp32 inputs):")
         for r in plan.ranges:
@@ -924,7 +926,167 @@ def fp16_plan(plan: Fp16Plan) -> None:
             problem = "its gradients held inf or NaN" if result.skipped else (
                 f"{len(result.stalled)} parameter(s) did not update"
             )  # fmt: skip
-            console.print(f"[red]FAIL: the verifying fp16 step did not pass: {problem}.[/red]")
+            console.print(
+                Text(f"FAIL: the verifying fp16 step did not pass: {problem}.", style="red")
+            )
     if plan.log2_scale is not None:
         console.print("Paste:")
         console.print(plan.snippet(), markup=False, highlight=False)
+
+
+# -- block-scaled recipes (--recipe) -----------------------------------------
+def recipes(items: Iterable[Recipe], as_json: bool) -> None:
+    rows: list[dict[str, Any]] = [
+        {
+            "recipe": r.name,
+            "element": r.element.name,
+            "block": "tensor" if r.per_tensor else f"{r.block[0]}x{r.block[1]}",
+            "orientation": r.orientation,
+            "scale_rule": r.scale_rule,
+            "scale_format": r.scale_format,
+            "element_flush_at": r.element.round_to_zero_edge,
+            "element_smallest_normal": r.element.smallest_normal,
+            "element_max": r.element.max_finite,
+            "cost": r.cost,
+            "description": r.description,
+        }
+        for r in items
+    ]
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(
+        title="Block-scaled recipes (--recipe), cheapest first; element thresholds after "
+        "the block scale",
+        title_justify="left",
+    )
+    for header in ("recipe", "element", "block", "rule", "scale", "to 0 ≤", "normal", "max"):
+        table.add_column(header, no_wrap=True, justify="left" if header == "recipe" else "right")
+    for row in rows:
+        table.add_row(
+            row["recipe"],
+            row["element"].split("_", 1)[-1],
+            row["block"],
+            row["scale_rule"],
+            row["scale_format"],
+            _power(row["element_flush_at"]),
+            _power(row["element_smallest_normal"]),
+            f"{row['element_max']:g}",
+        )
+    console = stdout()
+    console.print(table)
+    console.print(
+        "mx-floor: OCP E8M0 2^(floor(log2 amax) - emax), the block max may saturate; mx-rceil: "
+        "2^ceil(log2(amax/max)); nvfp4: E4M3 per 16 under an fp32 per-tensor scale; pow2-floor: "
+        "(max/amax) rounded down to a power of two. Add :col for columnwise blocks."
+    )
+
+
+BLOCK_JSON_KEYS = (
+    "nonzero",
+    "flushed",
+    "subnormal",
+    "saturated",
+    "poisoned",
+    "blocks",
+    "blocks_flushed",
+    "scales_out_of_range",
+    "flush_fraction",
+    "saturate_fraction",
+    "subnormal_fraction",
+)
+
+
+def block_rows(table: pd.DataFrame) -> list[dict[str, Any]]:
+    keys = [c for c in ("module", "kind", "node", "op") if c in table.columns]
+    return json_records(table[[*keys, *BLOCK_JSON_KEYS]])
+
+
+def block_table(table: pd.DataFrame, recipe: str, by: str, top: int | None = None) -> None:
+    grid = Table(
+        title=f"{recipe}: flushed (nonzero -> 0), subnormal and saturated values per {by}, "
+        "all steps",
+        title_justify="left",
+    )
+    keys = ["module"] + (["kind", "op"] if by == "op" else [])
+    for key in keys:
+        grid.add_column(key, no_wrap=True)
+    for header in (
+        "nonzero",
+        "flushed",
+        "subnormal",
+        "saturated",
+        "blocks",
+        "w/ flush",
+        "scale out",
+    ):
+        grid.add_column(header, justify="right", no_wrap=True)
+    rows = table if top is None else table.head(top)
+    for row in rows.itertuples():
+        cells = [module_label(str(row.module))]
+        if by == "op":
+            cells += [str(row.kind), str(row.op)]
+        cells += [
+            count(row.nonzero),
+            percent(float(row.flush_fraction)),
+            percent(float(row.subnormal_fraction)),
+            percent(float(row.saturate_fraction)),
+            count(row.blocks),
+            count(row.blocks_flushed),
+            count(row.scales_out_of_range),
+        ]
+        grid.add_row(*cells)
+    stdout().print(grid)
+
+
+def block_gate(result: BlockGateResult) -> None:
+    console = stdout()
+    verdict = "PASS" if result.passed else "FAIL"
+    if not result.measured:
+        console.print(
+            f"FAIL: {result.recipe}: no nonzero value was measured, so nothing was judged."
+        )
+        return
+    console.print(
+        f"{verdict}: {result.recipe}: flushed {percent(result.flush_fraction)} of "
+        f"{count(result.nonzero)} nonzero values (limit {percent(result.max_flush)}), "
+        f"saturated {percent(result.saturate_fraction)} (limit {percent(result.max_saturate)})."
+    )
+    for offender in result.offenders:
+        console.print(
+            f"  {module_label(offender['module'])}: flushed "
+            f"{percent(offender['flush_fraction'])} ({count(offender['flushed'])} of "
+            f"{count(offender['nonzero'])}), saturated {percent(offender['saturate_fraction'])}"
+        )
+
+
+def plan(result: Plan, output: str) -> None:
+    if output == "json":
+        print_json(result.to_dict())
+        return
+    if output == "names":
+        for name in result.keep:
+            sys.stdout.write(f"{module_label(name)}\n")
+        return
+    grid = Table(
+        title=f"Cheapest passing recipe per module (flush ≤ {percent(result.max_flush)}, "
+        f"saturate ≤ {percent(result.max_saturate)}; tried {', '.join(result.recipes)})",
+        title_justify="left",
+    )
+    for header in ("module", "recipe", "flushed", "saturated", "limited by"):
+        grid.add_column(header, no_wrap=header != "limited by")
+    for m in result.modules:
+        grid.add_row(
+            module_label(m.module),
+            m.recipe,
+            percent(m.flush_fraction),
+            percent(m.saturate_fraction),
+            m.limiting or "-",
+        )
+    console = stdout()
+    console.print(grid)
+    keep = result.keep
+    console.print(
+        f"{len(keep)} of {len(result.modules)} modules must stay in bf16"
+        + (f": {', '.join(module_label(k) for k in keep)}" if keep else ".")
+    )

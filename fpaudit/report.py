@@ -1,7 +1,8 @@
 """The report: a directory of Parquet tables plus ``meta.json``. Nothing else writes files.
 
-Schema version 2 (documented in the README, "Report format"; version 1 reports,
-whose steps table lacks the training-loop columns, are read too):
+Schema version 3 (documented in the README, "Report format"; version 1 reports,
+whose steps table lacks the training-loop columns, and version 2 reports, which
+have no block statistics, are read too):
 
 ``records.parquet``
     One row per (step, kind, module, node, op, output, dtype): the statistics
@@ -14,6 +15,10 @@ whose steps table lacks the training-loop columns, are read too):
 ``steps.parquet``
     One row per step: loss, loss scale in force and after the update, skipped,
     clipping, backward calls, whether it was captured, wall time.
+``blocks.parquet`` (only with ``--recipe``; version 3)
+    One row per (step, record key, recipe): block-scaled statistics of the
+    record's tensors (see ``fpaudit.blockstats``): class and block counts, and
+    the scale-code and dynamic-range histograms as lists.
 ``meta.json``
     Versions, device, command, config, module order, and per file its row
     count and SHA-256, checked on every read.
@@ -54,6 +59,9 @@ from fpaudit.origins import COLUMNS as ORIGIN_COLUMNS
 from fpaudit.origins import TABLE_NAME as ORIGINS_TABLE
 from fpaudit.outputs import make_parent
 from fpaudit.records import (
+    BLOCK_COUNT_COLUMNS,
+    BLOCK_HISTOGRAM_COLUMNS,
+    BLOCK_KEY_COLUMNS,
     KIND_BACKWARD,
     KIND_GRAD,
     LOSS_MODULE,
@@ -80,8 +88,8 @@ __all__ = [
     "run_metadata",
 ]
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 META_FILE = "meta.json"
 # A reader trusts nothing it has not checked: meta.json is read only up to this size
 # (a model of 100,000 modules needs a few MB) and this nesting depth (fpaudit writes 3).
@@ -117,6 +125,12 @@ TABLES = {"records": RECORDS_SCHEMA, "bins": BINS_SCHEMA, "steps": STEPS_SCHEMA}
 # files (older reports have none): scan --origins's op calls (fpaudit.origins).
 ORIGINS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in ORIGIN_COLUMNS.items()])
 OPTIONAL_TABLES = {ORIGINS_TABLE: ORIGINS_SCHEMA}
+BLOCKS_SCHEMA = pa.schema(
+    [(name, _ARROW_TYPES[t]) for name, t in BLOCK_KEY_COLUMNS.items()]
+    + [(name, pa.int64()) for name in BLOCK_COUNT_COLUMNS]
+    + [(name, pa.list_(pa.int64())) for name in BLOCK_HISTOGRAM_COLUMNS]
+)
+"""Optional table (version 3): block-scaled statistics, written when recipes were audited."""
 DERIVED_BIN_COLUMNS = ("lower", "upper")
 
 
@@ -207,15 +221,27 @@ class Report:
         records = records.assign(record_id=np.arange(len(records), dtype=np.int32))
         steps = self.steps[self.steps["rank"] == rank]
         meta = {**self.meta, "ranks": 1, "rank": rank}
+        blocks = None
+        if self.blocks is not None:
+            blocks = self.blocks[self.blocks["rank"] == rank].reset_index(drop=True)
         return Report(
             meta,
             records.reset_index(drop=True),
             bins.reset_index(drop=True),
             steps.reset_index(drop=True),
+            blocks=blocks,
         )
 
     # Condensed histograms computed by fpaudit.analysis; valid while the tables are unchanged.
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    blocks: pd.DataFrame | None = field(default=None, compare=False)
+    """Block-scaled statistics (``--recipe``), or None when no recipe was audited."""
+
+    @property
+    def recipes(self) -> list[str]:
+        """The recipes whose block statistics this report holds (meta ``recipes``)."""
+        recipes = self.meta.get("recipes")
+        return list(recipes) if isinstance(recipes, list) else []
 
     # -- writing ---------------------------------------------------------
     def write(self, path: str | os.PathLike[str], *, force: bool = False) -> Path:
@@ -264,6 +290,16 @@ class Report:
                 continue
             table = pa.Table.from_pandas(frame[schema.names], schema=schema, preserve_index=False)
             relative = f"{prefix}{name}.parquet"
+            file = directory / relative
+            pq.write_table(table, file, compression="zstd")
+            files[relative] = {"rows": table.num_rows, "sha256": _sha256(file)}
+            _fsync(file)
+        if self.blocks is not None:
+            table = pa.Table.from_pandas(
+                self.blocks[BLOCKS_SCHEMA.names], schema=BLOCKS_SCHEMA, preserve_index=False
+            )
+            table = table.replace_schema_metadata({"fpaudit.schema_version": str(SCHEMA_VERSION)})
+            relative = f"{prefix}blocks.parquet"
             file = directory / relative
             pq.write_table(table, file, compression="zstd")
             files[relative] = {"rows": table.num_rows, "sha256": _sha256(file)}
@@ -321,6 +357,8 @@ class Report:
             for name, schema in OPTIONAL_TABLES.items():
                 if f"{prefix}{name}.parquet" in meta["files"]:
                     setattr(part, name, _read_table(root, name, schema, meta, prefix))
+            if f"{prefix}blocks.parquet" in meta["files"]:
+                part.blocks = _read_blocks(root, meta, prefix)
             _check_consistency(part, root / prefix if prefix else root)
             parts.append(part)
         return parts[0] if len(parts) == 1 else _merge_ranks(parts, meta, root)
@@ -695,7 +733,27 @@ def _merge_ranks(parts: list[Report], meta: dict[str, Any], root: Path) -> Repor
     }
     for name in ("records", "bins"):
         merged[name]["record_id"] = merged[name]["record_id"].astype(np.int32)
-    return Report(meta, merged["records"], merged["bins"], merged["steps"], path=root)
+    report = Report(meta, merged["records"], merged["bins"], merged["steps"], path=root)
+    blocks = [p.blocks for p in parts if p.blocks is not None]
+    if blocks:
+        report.blocks = pd.concat(blocks, ignore_index=True)
+    return report
+
+
+def _read_blocks(root: Path, meta: dict[str, Any], prefix: str) -> pd.DataFrame:
+    """The block statistics table, checked: counts not negative, histograms full width."""
+    from fpaudit import blockstats
+
+    blocks = _read_table(root, "blocks", BLOCKS_SCHEMA, meta, prefix)
+    file = root / f"{prefix}blocks.parquet"
+    counts = blocks[list(BLOCK_COUNT_COLUMNS)].to_numpy()
+    if len(counts) and counts.min() < 0:
+        raise ReportError(f"{file}: negative counts")
+    widths = {"scale_codes": blockstats.N_SCALE_CODES, "dynamic_range": blockstats.N_RANGES}
+    for column, width in widths.items():
+        if not all(len(v) == width for v in blocks[column]):
+            raise ReportError(f"{file}: {column} must hold {width} counts per row")
+    return blocks
 
 
 def _read_table(
@@ -845,11 +903,12 @@ def _check_meta_types(meta: dict[str, Any], meta_file: Path) -> None:
         "scaler": (dict, type(None)),
         "headroom_bits": (int,),
         "include_loss": (bool,),
+        "recipes": (list,),
     }
     for key, types in expected.items():
         if key in meta and not isinstance(meta[key], types):
             raise ReportError(f"{meta_file}: {key} has the wrong type")
-        listed = key in ("modules", "formats") and key in meta
+        listed = key in ("modules", "formats", "recipes") and key in meta
         if listed and not all(isinstance(item, str) for item in meta[key]):
             raise ReportError(f"{meta_file}: {key} must be a list of strings")
 

@@ -24,6 +24,7 @@ import torch
 from fpaudit import distributed, modelfile
 from fpaudit.capture import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, ModelExit, UsageError
+from fpaudit.recipes import get_recipe
 from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
 
 if TYPE_CHECKING:
@@ -43,8 +44,11 @@ class ScanOptions:
     shadow: bool = False  # re-run low-precision backward ops in fp32 to count lost values
     forward: bool = False  # also record forward op outputs
     origins: bool = False  # per op call, did it make inf/NaN (implies forward)
+    recipes: tuple[str, ...] = ()  # block-scaled recipes to audit (--recipe), see fpaudit.recipes
 
     def __post_init__(self) -> None:
+        for name in self.recipes:
+            get_recipe(name)  # an unknown name is a one-line UsageError
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.every < 1:
@@ -163,6 +167,7 @@ def _scan(
         window=options.window,
         shadow=options.shadow,
         origins=options.origins,
+        recipes=options.recipes,
     )
     options.selection.check_modules(audit.module_names)  # a typo fails before any step
     amp_dtype = AMP_DTYPES[options.amp] if options.amp is not None else None

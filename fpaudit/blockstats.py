@@ -1,0 +1,373 @@
+"""Exact per-block statistics of one tensor under one block-scaled recipe.
+
+:func:`block_stats` turns a tensor into one int64 vector (on the tensor's
+device, no host sync) that counts, for a :class:`~fpaudit.recipes.Recipe`:
+
+* every element in exactly one class: ``zero`` (it was 0), ``flushed``
+  (nonzero, quantized to 0), ``subnormal`` (quantized to a nonzero subnormal of
+  the element format), ``normal``, ``saturated`` (it would round beyond the
+  element format's largest value, and is clamped), ``nonfinite`` (inf or NaN
+  already) and ``poisoned`` (finite, but its block's scale is NaN: the block
+  held a NaN, or an inf under NVFP4);
+* ``blocks``, ``blocks_flushed`` (blocks with at least one flushed element) and
+  ``scales_out_of_range`` (a nonzero finite block whose ideal scale left the
+  scale format: E8M0 below ``2**-127``; NVFP4's E4M3 block scale below
+  ``2**-6`` or above 448; an fp32 multiplier that overflowed);
+* a histogram of the blocks' scale codes (E8M0 biased exponents; E4M3 bit
+  patterns for NVFP4; for fp32 scales the biased exponent of the dequantization
+  scale, ``floor``);
+* a histogram of each block's dynamic range,
+  ``floor(log2(block_amax / block_min_nonzero))`` over its finite nonzero values.
+
+Vectors add exactly, so steps, calls and ranks merge by summing.
+
+The arithmetic is the reference implementations' (see :mod:`fpaudit.recipes`),
+in the same fp32 operations, so the scaled value is bit for bit the one they
+cast; that value is then classified with exact thresholds of the element format
+(round to nearest, ties to even), which is what the cast does. A partial block
+is padded with zeros (padding never changes a block's maximum) and the padding
+is not counted.
+
+Known limitations: tensors are read as fp32 (fp64 values beyond fp32 count as
+inf); stochastic rounding is not modelled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fpaudit.recipes import E8M0_BIAS, Recipe
+from fpaudit.records import BLOCK_COUNT_COLUMNS, BLOCK_HISTOGRAM_COLUMNS, BLOCK_KEY_COLUMNS
+
+if TYPE_CHECKING:
+    import torch
+
+COUNT_COLUMNS = BLOCK_COUNT_COLUMNS  # the report's columns, in this order
+CLASSES = COUNT_COLUMNS[:7]  # zero, flushed, subnormal, normal, saturated, nonfinite, poisoned
+BLOCK_COUNTS = COUNT_COLUMNS[7:]  # blocks, blocks_flushed, scales_out_of_range
+N_SCALE_CODES = 256
+N_RANGES = 277  # floor(log2(fp32 max / smallest fp32 subnormal)) = 127 + 149 = 276
+SCALE_OFFSET = len(COUNT_COLUMNS)
+RANGE_OFFSET = SCALE_OFFSET + N_SCALE_CODES
+WIDTH = RANGE_OFFSET + N_RANGES
+_FP32_MAX_BITS = 0x7F7FFFFF
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as fp32, exactly, for integer exponents in [-149, 127]."""
+    import torch
+
+    exponent = exponent.to(torch.int32)
+    normal = torch.bitwise_left_shift(exponent.clamp(min=-126) + 127, 23)
+    tiny = torch.bitwise_left_shift(torch.ones_like(exponent), (exponent + 149).clamp(0, 22))
+    return torch.where(exponent >= -126, normal, tiny).view(torch.float32)
+
+
+def _fields(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The biased exponent and the fraction bits of non-negative fp32 values."""
+    import torch
+
+    bits = values.view(torch.int32)
+    return torch.bitwise_right_shift(bits, 23) & 0xFF, bits & 0x7FFFFF
+
+
+def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
+    """The tensor as fp32 blocks ``[n_blocks, block_elements]`` and the padding added."""
+    import torch
+    import torch.nn.functional as F
+
+    x = tensor.detach().to(torch.float32)
+    flat = x.reshape(1, -1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
+    if recipe.per_tensor:
+        return flat.reshape(1, -1), 0
+    if recipe.orientation == "columnwise":
+        flat = flat.t()
+    rows, cols = recipe.block
+    pad_rows = -flat.shape[0] % rows
+    pad_cols = -flat.shape[1] % cols
+    if pad_rows or pad_cols:
+        flat = F.pad(flat, (0, pad_cols, 0, pad_rows))
+    n_rows, n_cols = flat.shape
+    if rows == 1:
+        blocks = flat.reshape(-1, cols)
+    else:
+        blocks = (
+            flat.reshape(n_rows // rows, rows, n_cols // cols, cols)
+            .permute(0, 2, 1, 3)
+            .reshape(-1, rows * cols)
+        )
+    return blocks, n_rows * n_cols - tensor.numel()
+
+
+def block_scales(
+    blocks: torch.Tensor, absolute: torch.Tensor, recipe: Recipe
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block: the fp32 multiplier applied to its elements, the scale code,
+    whether the scale left its format's range, and the block's maximum |x| (NaN if
+    it holds a NaN), all of shape ``[n_blocks]``."""
+    import torch
+
+    amax = block_amax = absolute.amax(dim=1)  # NaN if the block holds one
+    finite_nonzero = torch.isfinite(amax) & (amax > 0)
+    element = recipe.element
+    rule = recipe.scale_rule
+    if rule == "mx-floor":  # OCP: X = 2**(floor(log2(amax)) - emax), clamped
+        biased, _ = _fields(amax)
+        unbiased = biased - E8M0_BIAS - recipe.element_max_pow2
+        out_of_range = finite_nonzero & (unbiased < -E8M0_BIAS)
+        code = (unbiased.clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS).masked_fill(
+            torch.isnan(amax), 255
+        )
+        multiplier = _pow2(E8M0_BIAS - code.clamp(max=254))
+        multiplier = multiplier.masked_fill(code == 255, float("nan"))
+    elif rule == "mx-rceil":  # X = 2**ceil(log2(amax / elem_max)), exact round-up
+        descale = amax / element.max_finite
+        biased, fraction = _fields(descale)
+        ceil = biased - E8M0_BIAS + (fraction > 0).to(biased.dtype)
+        # An fp32 subnormal descale rounds up to 2**-126 above 2**-127, else to code 0.
+        subnormal = biased == 0
+        half = 1 << 22  # the fraction of 2**-127
+        tiny_exponent = torch.where(fraction > half, -E8M0_BIAS + 1, -E8M0_BIAS)
+        exponent = torch.where(subnormal, tiny_exponent, ceil.clamp(-E8M0_BIAS, E8M0_BIAS))
+        code = exponent + E8M0_BIAS
+        out_of_range = finite_nonzero & subnormal & (fraction < half)
+        code = code.masked_fill(torch.isinf(descale), 254).masked_fill(torch.isnan(descale), 255)
+        # Transformer Engine's exp2f_rcp (and torchao): code 0 multiplies by 1, inf by 2**-127.
+        multiplier = torch.where(code == 0, torch.ones_like(amax), _pow2(E8M0_BIAS - code))
+        multiplier = multiplier.masked_fill(code == 254, 2.0**-127)
+        multiplier = multiplier.masked_fill(code == 255, float("nan"))
+    elif rule == "nvfp4":
+        e4m3_max = 448.0
+        tensor_scale = amax.amax() / (e4m3_max * element.max_finite)
+        scaled = (amax / element.max_finite) / tensor_scale
+        smallest = 2.0**-6  # E4M3's smallest normal (torchao's E4M3_EPS)
+        out_of_range = finite_nonzero & ((scaled < smallest) | (scaled > e4m3_max))
+        scale_e4m3 = scaled.clamp(smallest, e4m3_max).to(torch.float8_e4m3fn)
+        code = scale_e4m3.view(torch.uint8).to(torch.int64)
+        multiplier = (1.0 / tensor_scale) / scale_e4m3.to(torch.float32)
+    else:  # fp32 multiplier elem_max / amax, as Transformer Engine computes it
+        if rule == "amax" or rule == "amax-pow2":
+            amax = amax.amax().expand(amax.shape)
+            finite_nonzero = torch.isfinite(amax) & (amax > 0)
+        multiplier = element.max_finite / amax
+        out_of_range = finite_nonzero & torch.isinf(multiplier)
+        fp32_max = torch.tensor(_FP32_MAX_BITS, dtype=torch.int32, device=amax.device)
+        multiplier = torch.where(torch.isinf(multiplier), fp32_max.view(torch.float32), multiplier)
+        multiplier = multiplier.masked_fill(amax == 0, 1.0)
+        if rule != "amax":  # power of two, rounded down: keep the exponent bits
+            multiplier = (multiplier.view(torch.int32) & ~0x7FFFFF).view(torch.float32)
+        biased, fraction = _fields(multiplier)
+        code = (2 * E8M0_BIAS - biased - (fraction > 0).to(biased.dtype)).clamp(0, 254)
+        code = code.masked_fill(torch.isnan(amax), 255)
+        multiplier = multiplier.masked_fill(torch.isnan(amax), float("nan"))
+    return multiplier, code.to(torch.int64), out_of_range, block_amax
+
+
+def block_stats(tensor: torch.Tensor, recipe: Recipe, *, general: bool = False) -> torch.Tensor:
+    """The statistics vector (int64 ``[WIDTH]``, on the tensor's device): see the module.
+
+    On the CPU, blocks whose maximum and scale are all finite (the usual case) take
+    a path of a few passes (threshold counts); any inf, NaN or degenerate scale,
+    any other device, or ``general`` takes the general path, which needs no host
+    sync. Both give the same counts."""
+    import torch
+
+    device = tensor.device
+    if tensor.numel() == 0:
+        return torch.zeros(WIDTH, dtype=torch.int64, device=device)
+    blocks, padding = _blocks(tensor, recipe)
+    absolute = blocks.abs()
+    multiplier, code, out_of_range, amax = block_scales(blocks, absolute, recipe)
+    fast = not general and device.type == "cpu"
+    if fast:  # a CPU "sync" only reads memory; finite block maxima: finite elements
+        fast = bool(torch.isfinite(multiplier).all()) and bool(torch.isfinite(amax).all())
+    if fast:
+        counts, ranges = _finite_stats(absolute, amax, multiplier, recipe, padding)
+    else:
+        counts, ranges = _general_stats(blocks, absolute, multiplier, recipe, padding)
+    blocks_row = torch.stack([torch.tensor(blocks.shape[0], device=device), out_of_range.sum()])
+    scale_codes = torch.bincount(code, minlength=N_SCALE_CODES)
+    # blocks without a finite nonzero value went to bin N_RANGES: dropped
+    range_counts = torch.bincount(ranges.to(torch.int64), minlength=N_RANGES + 1)[:N_RANGES]
+    return torch.cat(
+        [counts[:7], blocks_row[:1], counts[7:], blocks_row[1:], scale_codes, range_counts]
+    ).to(torch.int64)
+
+
+def _finite_stats(
+    absolute: torch.Tensor,
+    amax: torch.Tensor,
+    multiplier: torch.Tensor,
+    recipe: Recipe,
+    padding: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts (zero..poisoned, blocks_flushed) and block dynamic ranges, all finite.
+
+    Threshold counts, one comparison and one count each: ``flushed`` is
+    ``scaled <= edge`` less the zeros (counted from x: a tiny nonzero x can make an
+    fp32 product of 0, which is flushed, not zero). A block flushes something iff
+    its smallest nonzero value, scaled, is at or below the edge (the fp32 product
+    is monotonic), so blocks need no per-element counts."""
+    import torch
+
+    element = recipe.element
+    scaled = absolute * multiplier.unsqueeze(1)
+    zero = torch.count_nonzero(absolute == 0)
+    flushed = torch.count_nonzero(scaled <= element.round_to_zero_edge) - zero
+    below_normal = element.smallest_normal - element.smallest_subnormal / 2
+    subnormal = torch.count_nonzero(scaled < below_normal) - zero - flushed
+    edge = element.overflow_edge
+    saturated = torch.count_nonzero(
+        (scaled >= edge) if element.overflow_edge_inclusive else (scaled > edge)
+    )
+    normal = scaled.numel() - zero - flushed - subnormal - saturated
+    # Smallest nonzero per block from the bits: (bits - 1) & 0x7FFFFFFF sends 0 to the top.
+    bits = absolute.view(torch.int32) - 1
+    bits &= 0x7FFFFFFF
+    bottom_bits = bits.amin(dim=1) + 1
+    has_values = bottom_bits != 0x7FFFFFFF + 1  # wraps: an all-zero block
+    bottom = bottom_bits.view(torch.float32)
+    blocks_flushed = torch.count_nonzero(
+        has_values & (bottom * multiplier <= element.round_to_zero_edge)
+    )
+    nothing = torch.zeros((), dtype=zero.dtype, device=zero.device)
+    counts = torch.stack(
+        [zero - padding, flushed, subnormal, normal, saturated, nothing, nothing, blocks_flushed]
+    )
+    ranges = _log2_ratio(amax, bottom.masked_fill(~has_values, 1.0))
+    return counts, ranges.masked_fill(~has_values, N_RANGES)
+
+
+def _log2_ratio(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
+    """floor(log2(top / bottom)) exactly: ea - eb - (ma < mb), a = ma * 2**ea, ma in [0.5, 1)."""
+    import torch
+
+    top_mantissa, top_exponent = torch.frexp(top)
+    bottom_mantissa, bottom_exponent = torch.frexp(bottom)
+    return top_exponent - bottom_exponent - (top_mantissa < bottom_mantissa).to(torch.int32)
+
+
+def _general_stats(
+    blocks: torch.Tensor,
+    absolute: torch.Tensor,
+    multiplier: torch.Tensor,
+    recipe: Recipe,
+    padding: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`_finite_stats`, for any values and scales (inf, NaN, NaN scales)."""
+    import torch
+
+    scaled = absolute * multiplier.unsqueeze(1)
+    element = recipe.element
+    finite = torch.isfinite(blocks)
+    nonzero = finite & (blocks != 0)
+    poisoned = nonzero & ~torch.isfinite(multiplier).unsqueeze(1)
+    live = nonzero & ~poisoned
+    flushed = live & (scaled <= element.round_to_zero_edge)
+    edge = element.overflow_edge
+    saturated = live & ((scaled >= edge) if element.overflow_edge_inclusive else (scaled > edge))
+    # Below the midpoint of the largest subnormal and the smallest normal (the tie
+    # rounds up to the normal: its last bit is even).
+    below_normal = scaled < element.smallest_normal - element.smallest_subnormal / 2
+    subnormal = live & ~flushed & below_normal
+    n_live = live.sum()
+    n_flushed, n_subnormal, n_saturated = flushed.sum(), subnormal.sum(), saturated.sum()
+    counts = torch.stack(
+        [
+            (finite & (blocks == 0)).sum() - padding,
+            n_flushed,
+            n_subnormal,
+            n_live - n_flushed - n_subnormal - n_saturated,
+            n_saturated,
+            (~finite).sum(),
+            poisoned.sum(),
+            flushed.any(dim=1).sum(),
+        ]
+    )
+    has_values = nonzero.any(dim=1)
+    top = absolute.masked_fill(~nonzero, 0.0).amax(dim=1).masked_fill(~has_values, 1.0)
+    bottom = absolute.masked_fill(~nonzero, float("inf")).amin(dim=1)
+    ranges = _log2_ratio(top, bottom.masked_fill(~has_values, 1.0))
+    return counts, ranges.masked_fill(~has_values, N_RANGES)
+
+
+def empty() -> np.ndarray:
+    return np.zeros(WIDTH, dtype=np.int64)
+
+
+def summary(vector: np.ndarray) -> dict[str, int]:
+    """The named counts of a statistics vector (host side)."""
+    return {name: int(vector[i]) for i, name in enumerate(COUNT_COLUMNS)}
+
+
+def scale_codes(vector: np.ndarray) -> np.ndarray:
+    return vector[SCALE_OFFSET:RANGE_OFFSET]
+
+
+def dynamic_ranges(vector: np.ndarray) -> np.ndarray:
+    return vector[RANGE_OFFSET:]
+
+
+class BlockRecorder:
+    """Per record key, the summed statistics vectors of every requested recipe.
+
+    ``add`` queues device work only; ``close_step`` makes one transfer per device
+    and keeps the step's rows on the host. Counts add exactly, so a record key
+    called many times in a step, and steps and ranks later, merge by summing.
+    """
+
+    def __init__(self, recipes: tuple[Recipe, ...]) -> None:
+        self.recipes = recipes
+        self._open: dict[Any, torch.Tensor] = {}
+        self._rows: dict[str, list[Any]] = {
+            name: [] for name in (*BLOCK_KEY_COLUMNS, *COUNT_COLUMNS, *BLOCK_HISTOGRAM_COLUMNS)
+        }
+
+    def add(self, key: Any, tensor: torch.Tensor) -> None:
+        import torch
+
+        vectors = torch.stack([block_stats(tensor, recipe) for recipe in self.recipes])
+        total = self._open.get(key)
+        if total is None:
+            self._open[key] = vectors
+        else:
+            total += vectors
+
+    def close_step(self, step: int, rank: int, keep: bool = True) -> None:
+        """Move the open step's statistics to host rows (dropped unless ``keep``)."""
+        open_rows, self._open = self._open, {}
+        if not keep:
+            return
+        import torch
+
+        by_device: dict[Any, list[Any]] = {}
+        for key, vectors in open_rows.items():
+            by_device.setdefault(vectors.device, []).append(key)
+        for keys in by_device.values():  # one transfer per device
+            host = torch.stack([open_rows[key] for key in keys]).cpu().numpy()
+            for key, vectors in zip(keys, host, strict=True):
+                self._add_rows(step, rank, key, vectors)
+
+    def _add_rows(self, step: int, rank: int, key: Any, host: np.ndarray) -> None:
+        for recipe, vector in zip(self.recipes, host, strict=True):
+            row = {
+                "rank": rank,
+                "step": step,
+                "kind": key.kind,
+                "module": key.module,
+                "node": key.node,
+                "op": key.op,
+                "output": key.output,
+                "dtype": key.dtype,
+                "recipe": recipe.name,
+                **summary(vector),
+                "scale_codes": scale_codes(vector),
+                "dynamic_range": dynamic_ranges(vector),
+            }
+            for name, values in self._rows.items():
+                values.append(row[name])
+
+    def columns(self) -> dict[str, list[Any]]:
+        return {name: list(values) for name, values in self._rows.items()}

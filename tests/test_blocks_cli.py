@@ -1,0 +1,239 @@
+"""Block-scaled statistics end to end: capture, report, scan/show/gate/plan --recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fpaudit
+from fpaudit import blockplan, blockstats
+from fpaudit.recipes import get_recipe
+from fpaudit.report import SCHEMA_VERSION, Report
+from tests.conftest import MODELS, one_error_line
+
+PAIR = MODELS / "block_pair.py"
+
+
+@pytest.fixture
+def pair_reports(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """Scans of the interleaved and the sorted pair, 2 steps each."""
+    out = {}
+    for layout in ("interleaved", "sorted"):
+        monkeypatch.setenv("FPAUDIT_PAIR", layout)
+        target = tmp_path / layout
+        result = cli(
+            "scan", PAIR, "--steps", 2, "--recipe", "mxfp8-e4m3",
+            "--recipe", "fp8-tensor-e4m3", "--out", target,
+        )  # fmt: skip
+        assert result.code == 0, result.stderr
+        out[layout] = target
+    return out
+
+
+def _grad_row(report: Report, recipe: str) -> dict[str, object]:
+    table = blockplan.block_table(report, recipe, ("module", "kind", "op"))
+    rows = table[(table["kind"] == "grad") & (table["op"] == "w")]
+    assert len(rows) == 1
+    return rows.iloc[0].to_dict()
+
+
+def test_scan_reports_the_interleaved_and_sorted_pair(pair_reports: dict[str, Path]) -> None:
+    # The gradient of w is the pair (see tests/models/block_pair.py); 2 steps of 64.
+    # MXFP8-E4M3: interleaved, each block holds 1.0, X = 2**-8, 2**-20 -> 2**-12 <= 2**-10:
+    # 32 flushed per step -> 64 of 128 = 50%. Sorted: the tiny block has its own scale: 0%.
+    # Per-tensor E4M3: 2**-20 * 448 = 1.75 * 2**-12 <= 2**-10: 50% in both layouts.
+    interleaved = Report.read(pair_reports["interleaved"])
+    ordered = Report.read(pair_reports["sorted"])
+    assert interleaved.meta["schema_version"] == SCHEMA_VERSION == 3
+    assert interleaved.recipes == ["mxfp8-e4m3", "fp8-tensor-e4m3"]
+    row = _grad_row(interleaved, "mxfp8-e4m3")
+    assert (row["flushed"], row["nonzero"], row["flush_fraction"]) == (64, 128, 0.5)
+    assert (row["blocks"], row["blocks_flushed"]) == (4, 4)  # 2 blocks per step
+    assert _grad_row(ordered, "mxfp8-e4m3")["flush_fraction"] == 0.0
+    assert _grad_row(interleaved, "fp8-tensor-e4m3")["flush_fraction"] == 0.5
+    assert _grad_row(ordered, "fp8-tensor-e4m3")["flush_fraction"] == 0.5
+    # one row per step, key and recipe: counts merge over steps by summing
+    blocks = interleaved.blocks
+    assert blocks is not None
+    per_step = blocks[(blocks["kind"] == "grad") & (blocks["recipe"] == "mxfp8-e4m3")]
+    assert list(per_step["step"]) == [0, 1] and list(per_step["flushed"]) == [32, 32]
+
+
+def test_show_gate_and_plan_on_the_pair(cli, pair_reports: dict[str, Path]) -> None:
+    interleaved, ordered = pair_reports["interleaved"], pair_reports["sorted"]
+    shown = cli("show", interleaved, "--recipe", "mxfp8-e4m3", "--by", "op", "--json")
+    assert shown.code == 0, shown.stderr
+    rows = json.loads(shown.stdout)
+    grad = [r for r in rows if r["kind"] == "grad" and r["op"] == "w"]
+    assert grad[0]["flush_fraction"] == 0.5
+    table = cli("show", interleaved, "--recipe", "mxfp8-e4m3")
+    assert table.code == 0 and "50%" in table.stdout
+    # the gate: the root module flushes 50% (its backward outputs hold the pair too)
+    failed = cli("gate", interleaved, "--recipe", "mxfp8-e4m3", "--max-flush", "0.1")
+    assert failed.code == 1 and "FAIL" in failed.stdout and "(root)" in failed.stdout
+    passed = cli("gate", ordered, "--recipe", "mxfp8-e4m3", "--max-flush", "0.1")
+    assert passed.code == 0 and "PASS" in passed.stdout
+    per_tensor = cli("gate", ordered, "--recipe", "fp8-tensor-e4m3", "--max-flush", "0.1")
+    assert per_tensor.code == 1
+    # the plan: sorted, MXFP8 passes the root module; interleaved, nothing does
+    plan = cli(
+        "plan", ordered, "--recipe", "fp8-tensor-e4m3", "--recipe", "mxfp8-e4m3",
+        "--max-flush", "0.1", "--json",
+    )  # fmt: skip
+    assert plan.code == 0, plan.stderr
+    planned = json.loads(plan.stdout)
+    assert planned["recipes"] == ["mxfp8-e4m3", "fp8-tensor-e4m3"]  # cost order
+    assert [(m["module"], m["recipe"]) for m in planned["modules"]] == [("", "mxfp8-e4m3")]
+    kept = cli("plan", interleaved, "--max-flush", "0.1", "--names")  # the report's recipes
+    assert kept.code == 0 and kept.stdout == "(root)\n"
+    text = cli("plan", interleaved, "--max-flush", "0.1")
+    # the root module's records: the pair (grad and MulBackward0 output) and the ones of
+    # SumBackward0's expand, none flushed: the limiting statistic is MXFP8's flush
+    table = blockplan.block_table(Report.read(interleaved), "mxfp8-e4m3")
+    root = table[table["module"] == ""].iloc[0]
+    limit = f"flush {100 * root['flush_fraction']:.2f}% (mxfp8-e4m3)"
+    assert limit in text.stdout and "1 of 1 modules must stay in bf16" in text.stdout
+
+
+def test_bad_block_inputs_are_one_line(cli, pair_reports: dict[str, Path], tmp_path: Path) -> None:
+    report = pair_reports["sorted"]
+    assert "unknown recipe 'mxfp9'" in one_error_line(
+        cli("scan", PAIR, "--recipe", "mxfp9", "--out", tmp_path / "x")
+    )
+    assert "no block statistics for recipe 'nvfp4'" in one_error_line(
+        cli("gate", report, "--recipe", "nvfp4", "--max-flush", "0.1")
+    )
+    assert "needs both --recipe" in one_error_line(cli("gate", report, "--max-flush", "0.1"))
+    assert "--max-flush must be a fraction" in one_error_line(
+        cli("gate", report, "--recipe", "mxfp8-e4m3", "--max-flush", "2")
+    )
+    assert "plan needs --max-flush" in one_error_line(cli("plan", report))
+
+
+def test_a_gate_that_measured_nothing_fails(pair_reports: dict[str, Path]) -> None:
+    report = Report.read(pair_reports["sorted"])
+    assert report.blocks is not None
+    nothing = report.blocks.copy()
+    for column in ("flushed", "subnormal", "normal", "saturated", "poisoned"):
+        nothing[column] = 0
+    report.blocks = nothing
+    result = blockplan.block_gate(report, "mxfp8-e4m3", max_flush=1.0)
+    assert not result.passed and not result.measured
+
+
+def test_blocks_survive_a_round_trip_and_old_reports_still_read(
+    pair_reports: dict[str, Path], tmp_path: Path
+) -> None:
+    report = Report.read(pair_reports["interleaved"])
+    again = Report.read(report.write(tmp_path / "copy"))
+    assert again.blocks is not None and report.blocks is not None
+    assert again.blocks.drop(columns=["scale_codes", "dynamic_range"]).equals(
+        report.blocks.drop(columns=["scale_codes", "dynamic_range"])
+    )
+    assert all(
+        (a == b).all()
+        for a, b in zip(again.blocks["scale_codes"], report.blocks["scale_codes"], strict=True)
+    )
+    # a version 2 report (no block statistics) reads, with no recipes
+    plain = Report(report.meta, report.records, report.bins, report.steps)
+    written = plain.write(tmp_path / "v2")
+    meta = json.loads((written / "meta.json").read_text())
+    meta["schema_version"] = 2
+    meta.pop("recipes", None)
+    (written / "meta.json").write_text(json.dumps(meta))
+    old = Report.read(written)
+    assert old.blocks is None and old.recipes == []
+
+
+def test_recipes_from_a_config_file(cli, tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[scan]\nrecipe = ["mxfp4", "nvfp4"]\nsteps = 1\n')
+    result = cli("scan", PAIR, "--config", config, "--out", tmp_path / "r")
+    assert result.code == 0, result.stderr
+    assert Report.read(tmp_path / "r").recipes == ["mxfp4", "nvfp4"]
+
+
+def test_the_library_records_what_a_twin_computes() -> None:
+    # A real backward seeded with 2**-10 (scaled gradients), audited with recipes; the
+    # oracle is a twin model without hooks, whose parameter gradients go through
+    # block_stats directly.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 70), nn.Tanh(), nn.Linear(70, 3))
+    twin = nn.Sequential(nn.Linear(40, 70), nn.Tanh(), nn.Linear(70, 3))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(16, 40) * 1e-3
+    recipes = ["mxfp4", "fp8-block-128x128:col"]
+    with fpaudit.audit(model, recipes=recipes) as audit:
+        loss = model(x).sum()
+        loss.backward(torch.tensor(2.0**-10))
+        audit.step(loss=loss)
+    twin(x).sum().backward(torch.tensor(2.0**-10))
+    report = audit.report
+    assert report.blocks is not None
+    grads = report.blocks[report.blocks["kind"] == "grad"]
+    for name, param in twin.named_parameters():
+        module, _, op = name.rpartition(".")
+        for recipe in recipes:
+            assert param.grad is not None
+            expected = blockstats.summary(
+                blockstats.block_stats(param.grad, get_recipe(recipe)).numpy()
+            )
+            row = grads[(grads["module"] == module) & (grads["op"] == op)]
+            row = row[row["recipe"] == recipe].iloc[0]
+            assert {k: int(row[k]) for k in expected} == expected
+
+
+def test_plot_draws_the_block_statistics(cli, pair_reports: dict[str, Path]) -> None:
+    pytest.importorskip("matplotlib")
+    target = pair_reports["interleaved"].parent / "blocks.png"
+    result = cli(
+        "plot", pair_reports["interleaved"], "--recipe", "mxfp8-e4m3",
+        "--recipe", "fp8-tensor-e4m3", "-o", target,
+    )  # fmt: skip
+    assert result.code == 0, result.stderr
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_on_a_hand_built_table(pair_reports: dict[str, Path]) -> None:
+    # Two modules, three recipes (cost order mxfp4 < mxfp8-e4m3 < fp8-block-1x128):
+    #   a: mxfp4 flushes 5 of 100 (5%), mxfp8 1 of 100 (1%)       -> mxfp8-e4m3 at 2%
+    #   b: mxfp4 0 flushed but 3 of 100 saturated, mxfp8 flushes 50%, fp8-block 50%
+    #      -> no recipe passes: bf16, limited by "saturate 3.00% (mxfp4)"
+    report = Report.read(pair_reports["sorted"])
+    rows = []
+    for module, recipe, flushed, saturated in [
+        ("a", "mxfp4", 5, 0), ("a", "mxfp8-e4m3", 1, 0), ("a", "fp8-block-1x128", 0, 0),
+        ("b", "mxfp4", 0, 3), ("b", "mxfp8-e4m3", 50, 0), ("b", "fp8-block-1x128", 50, 0),
+    ]:  # fmt: skip
+        row = {name: 0 for name in blockstats.COUNT_COLUMNS}
+        row.update(flushed=flushed, saturated=saturated, normal=100 - flushed - saturated)
+        row.update(module=module, recipe=recipe, kind="backward", step=0, rank=0)
+        rows.append(row)
+    import pandas as pd
+
+    report.blocks = pd.DataFrame(rows)
+    report.meta = {**report.meta, "recipes": ["mxfp4", "mxfp8-e4m3", "fp8-block-1x128"]}
+    result = blockplan.plan(report, ["fp8-block-1x128", "mxfp8-e4m3", "mxfp4"], 0.02, 0.0)
+    assert result.recipes == ["mxfp4", "mxfp8-e4m3", "fp8-block-1x128"]
+    by_module = {m.module: m for m in result.modules}
+    assert (by_module["a"].recipe, by_module["a"].flush_fraction) == ("mxfp8-e4m3", 0.01)
+    assert by_module["a"].limiting == "flush 5.00% (mxfp4)"
+    assert (by_module["b"].recipe, by_module["b"].limiting) == ("bf16", "saturate 3.00% (mxfp4)")
+    assert result.keep == ["b"]
+
+
+def test_damaged_block_tables_are_one_line(cli, pair_reports: dict[str, Path]) -> None:
+    report = pair_reports["sorted"]
+    meta_file = report / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "recipes": "mxfp8-e4m3"}))
+    assert "recipes has the wrong type" in one_error_line(cli("show", report))
+    meta_file.write_text(json.dumps(meta))
+    (report / "blocks.parquet").unlink()
+    assert "blocks.parquet is missing" in one_error_line(
+        cli("show", report, "--recipe", "mxfp8-e4m3")
+    )

@@ -1,0 +1,224 @@
+"""Block-scaled statistics: hand-derived numbers, and torch casts as the oracle.
+
+The torchao oracle is in test_blockstats_torchao.py. An oracle derives each
+element's class from quantized values and scales only: zero
+(x == 0), flushed (x != 0, q == 0), subnormal (0 < |q| < smallest normal),
+saturated (|q| is the element maximum and |x| / scale, in float64, lies past the
+rounding edge), poisoned (x finite, q NaN), normal (the rest). fpaudit's counts
+must equal these exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fpaudit import blockstats
+from fpaudit.recipes import E2M1, E4M3, E5M2, RECIPES, get_recipe
+
+
+def classes_from_quantized(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, recipe_name: str
+) -> dict[str, int]:
+    """Per-class counts from quantized element values ``q`` (element units) and each
+    element's dequantization scale (float64)."""
+    element = get_recipe(recipe_name).element
+    x64 = x.double()
+    finite = torch.isfinite(x64)
+    nonzero = finite & (x64 != 0)
+    poisoned = nonzero & torch.isnan(q)
+    live = nonzero & ~poisoned
+    flushed = live & (q == 0)
+    subnormal = live & (q != 0) & (q.abs() < element.smallest_normal)
+    past = (x64.abs() / scale) >= element.overflow_edge
+    if not element.overflow_edge_inclusive:
+        past &= (x64.abs() / scale) != element.overflow_edge
+    saturated = live & (q.abs() == element.max_finite) & past
+    normal = live & ~flushed & ~subnormal & ~saturated
+    return {
+        "zero": int((finite & (x64 == 0)).sum()),
+        "flushed": int(flushed.sum()),
+        "subnormal": int(subnormal.sum()),
+        "normal": int(normal.sum()),
+        "saturated": int(saturated.sum()),
+        "nonfinite": int((~finite).sum()),
+        "poisoned": int(poisoned.sum()),
+    }
+
+
+def fpaudit_counts(x: torch.Tensor, name: str) -> tuple[dict[str, int], np.ndarray]:
+    vector = blockstats.block_stats(x, get_recipe(name)).numpy()
+    counts = blockstats.summary(vector)
+    classes = {k: counts[k] for k in blockstats.CLASSES}
+    return classes, blockstats.scale_codes(vector)
+
+
+def edge_values(rows: int = 64) -> torch.Tensor:
+    """Blocks of 32 built to hit every edge: maxima at every binade, ties around the
+    element formats' rounding edges, fp32 subnormals, signed zeros."""
+    generator = torch.Generator().manual_seed(1)
+    out = torch.empty(rows, 8, 32)
+    for row in range(rows):
+        for block in range(8):
+            # block maximum at a binade from -140 to 127 (fp32 subnormals included)
+            top = -140 + (row * 8 + block) % 268
+            magnitude = torch.exp2(top - torch.rand(32, generator=generator) * 40)
+            values = magnitude * torch.where(torch.rand(32, generator=generator) < 0.5, -1, 1)
+            values[0] = 2.0**top * (1 + (block % 8) / 8)  # mantissas of the maximum
+            # ties of every element format at the floor scale of this maximum
+            # (E4M3 at X = 2**(top - 8), E5M2 at 2**(top - 15), E2M1 at 2**(top - 2))
+            shift = top - (8, 15, 2)[block % 3]
+            for i, tie in enumerate((2.0**-10, 2.0**-6 - 2.0**-10, 464.0, 0.25, 0.75, 7.0, 6.5)):
+                values[1 + i] = min(math.ldexp(tie, shift), 3e38)
+            values[9] = 0.0
+            values[10] = -0.0
+            values[11] = 2.0**-149 * (row + 1)
+            out[row, block] = values
+    return out.reshape(rows, 256)
+
+
+def test_floor_code_zero_follows_ocp() -> None:
+    # A block whose maximum is 2**-119 (E4M3): floor scale 2**(-119 - 8) = 2**-127,
+    # code 0. OCP: elements are x / 2**-127, so 2**-119 -> 2**8 = 256 (normal) and
+    # 2**-128 -> 2**-1 (normal); 2**-137 -> 2**-10, the tie below E4M3's smallest
+    # subnormal 2**-9: flushed. torchao divides by 2**-126 instead (its Triton
+    # workaround), which would also flush 2**-136; this is fpaudit's documented rule.
+    x = torch.zeros(32)
+    x[0], x[1], x[2], x[3] = 2.0**-119, 2.0**-128, 2.0**-137, 2.0**-136
+    counts = blockstats.summary(blockstats.block_stats(x, get_recipe("mxfp8-e4m3")).numpy())
+    # 2**-136 / 2**-127 = 2**-9: the smallest subnormal
+    assert (counts["normal"], counts["flushed"], counts["subnormal"], counts["zero"]) == (
+        2,
+        1,
+        1,
+        28,
+    )
+    assert counts["scales_out_of_range"] == 0  # 2**-127 is representable
+
+
+def test_interleaved_and_sorted_pair() -> None:
+    """Half 1.0 and half 2**-20, 64 values.
+
+    MXFP8-E4M3 (floor): a block holding 1.0 gets X = 2**(0 - 8) = 2**-8, so
+    2**-20 / 2**-8 = 2**-12 <= 2**-10 (half E4M3's smallest subnormal 2**-9): flushed.
+    Interleaved: both blocks hold 1.0 -> 32 of 64 flushed = 50%. Sorted: the 2**-20
+    block gets X = 2**(-20 - 8), its values become 2**8: 0 flushed.
+    Per-tensor E4M3: multiplier 448 / 1.0 = 448; 2**-20 * 448 = 1.75 * 2**-12 <= 2**-10:
+    flushed either way -> 50% and 50%.
+    """
+    interleaved = torch.ones(64)
+    interleaved[1::2] = 2.0**-20
+    ordered = interleaved.sort().values
+
+    def flushed(x: torch.Tensor, name: str) -> int:
+        return blockstats.summary(blockstats.block_stats(x, get_recipe(name)).numpy())["flushed"]
+
+    assert flushed(interleaved, "mxfp8-e4m3") == 32
+    assert flushed(ordered, "mxfp8-e4m3") == 0
+    assert flushed(interleaved, "fp8-tensor-e4m3") == 32
+    assert flushed(ordered, "fp8-tensor-e4m3") == 32
+
+
+def cast_classes(x: torch.Tensor, multiplier: torch.Tensor, name: str) -> dict[str, int]:
+    """The oracle for fp32-scaled FP8 recipes (torchao has no eager reference for
+    DeepSeek-style 1x128 / 128x128 tiles or per-tensor current scaling): the scaled
+    fp32 value cast with torch, saturating like Transformer Engine."""
+    element = get_recipe(name).element
+    scaled = x * multiplier
+    q = scaled.clamp(-element.max_finite, element.max_finite).to(element.dtype).double()
+    return classes_from_quantized(x, q, 1 / multiplier.double(), name)
+
+
+@pytest.mark.parametrize("name", ["fp8-block-1x128", "fp8-block-128x128"])
+@pytest.mark.parametrize("source", ["normal", "lognormal", "edges"])
+def test_fp8_block_counts_equal_torch_cast(name: str, source: str) -> None:
+    if source == "normal":
+        x = torch.randn(256, 384)
+    elif source == "lognormal":
+        x = torch.exp2(torch.randn(256, 384) * 10) * torch.randn(256, 384).sign()
+    else:
+        x = edge_values(256)[:, :256].reshape(256, 256)
+    rows, cols = get_recipe(name).block
+    tiles = x.reshape(x.shape[0] // rows, rows, x.shape[1] // cols, cols)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
+    multiplier = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    multiplier = torch.where(torch.isinf(multiplier), torch.finfo(torch.float32).max, multiplier)
+    exponent = torch.frexp(multiplier)[1] - 1  # power of two, rounded down
+    multiplier = torch.ldexp(torch.ones_like(multiplier), exponent).expand_as(tiles)
+    expected = cast_classes(tiles, multiplier, name)
+    got, _ = fpaudit_counts(x, name)
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", ["fp8-tensor-e4m3", "fp8-tensor-e5m2", "fp8-tensor-e4m3-pow2"])
+def test_fp8_tensor_counts_equal_torch_cast(name: str) -> None:
+    x = torch.exp2(torch.randn(64, 100) * 8) * torch.randn(64, 100).sign()
+    element = get_recipe(name).element
+    multiplier = torch.tensor(element.max_finite) / x.abs().amax()
+    if name.endswith("pow2"):
+        multiplier = torch.tensor(2.0 ** (torch.frexp(multiplier)[1].item() - 1))
+    got, codes = fpaudit_counts(x, name)
+    assert got == cast_classes(x, multiplier, name)
+    assert codes.sum() == 1  # one scale per tensor
+
+
+def test_e2m1_thresholds_by_hand() -> None:
+    # E2M1 values: 0, 0.5, 1, 1.5, 2, 3, 4, 6. Rounding edges: <= 0.25 -> 0 (tie to
+    # even 0); 0.75 ties to 1.0 (even), not 0.5; >= 7 past 6 (6 = 1.1b * 2**2 is odd).
+    assert (E2M1.round_to_zero_edge, E2M1.smallest_normal, E2M1.max_finite) == (0.25, 1.0, 6.0)
+    assert (E2M1.overflow_edge, E2M1.overflow_edge_inclusive) == (7.0, True)
+    assert (E4M3.overflow_edge, E4M3.overflow_edge_inclusive) == (464.0, False)
+    assert (E5M2.overflow_edge, E5M2.overflow_edge_inclusive) == (61440.0, True)
+
+
+def test_dynamic_range_and_block_counts() -> None:
+    # block 0: max 3.0, smallest nonzero 2**-5 -> log2(3 / 2**-5) = 6.58 -> 6
+    # block 1: all zero -> no range; block 2: 1.0 and 1.0 -> 0; inf is ignored.
+    x = torch.zeros(96)
+    x[0], x[1] = 3.0, 2.0**-5
+    x[64], x[65], x[66] = 1.0, 1.0, float("inf")
+    vector = blockstats.block_stats(x, get_recipe("mxfp8-e4m3")).numpy()
+    ranges = blockstats.dynamic_ranges(vector)
+    assert ranges[6] == 1 and ranges[0] == 1 and ranges.sum() == 2
+    assert blockstats.summary(vector)["blocks"] == 3
+
+
+def test_stats_merge_by_summing() -> None:
+    a, b = torch.randn(4, 64), torch.randn(4, 64) * 1e-6
+    recipe = get_recipe("mxfp4")
+    both = blockstats.block_stats(torch.cat([a, b]), recipe)
+    assert torch.equal(both, blockstats.block_stats(a, recipe) + blockstats.block_stats(b, recipe))
+
+
+def test_every_recipe_accounts_for_every_element() -> None:
+    x = torch.randn(3, 5, 200) * torch.exp2(torch.randint(-60, 60, (3, 5, 1)).float())
+    for name in [*RECIPES, "mxfp8-e4m3:col", "fp8-block-128x128:col"]:
+        counts = blockstats.summary(blockstats.block_stats(x, get_recipe(name)).numpy())
+        assert sum(counts[c] for c in blockstats.CLASSES) == x.numel(), name
+
+
+def test_columnwise_is_rowwise_of_the_transpose() -> None:
+    x = torch.randn(64, 96) * torch.exp2(torch.randint(-30, 30, (64, 1)).float())
+    col = blockstats.block_stats(x, get_recipe("mxfp8-e4m3:col"))
+    row = blockstats.block_stats(x.t().contiguous(), get_recipe("mxfp8-e4m3"))
+    assert torch.equal(col, row)
+    assert not math.isclose(
+        float(col[1]), float(blockstats.block_stats(x, get_recipe("mxfp8-e4m3"))[1])
+    )
+
+
+@pytest.mark.parametrize("name", [*RECIPES, "mxfp8-e4m3:col", "fp8-block-128x128:col"])
+def test_finite_path_equals_general_path(name: str) -> None:
+    # The CPU path for finite blocks counts thresholds; the general path classifies
+    # every element. Wide magnitudes (fp32 products that underflow to 0), all-zero
+    # blocks and rows, and a partial block.
+    wide = torch.exp2(torch.randn(130, 300) * 30) * torch.randn(130, 300).sign()
+    wide[::3] = 0
+    wide[:, 5:40] = 0
+    recipe = get_recipe(name)
+    for x in (wide, torch.randn(257, 129), torch.zeros(3, 64)):
+        fast = blockstats.block_stats(x, recipe)
+        assert torch.equal(fast, blockstats.block_stats(x, recipe, general=True))
