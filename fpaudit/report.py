@@ -121,16 +121,16 @@ BINS_SCHEMA = pa.schema(
 )
 STEPS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in STEP_COLUMNS.items()])
 TABLES = {"records": RECORDS_SCHEMA, "bins": BINS_SCHEMA, "steps": STEPS_SCHEMA}
-# Optional tables, written only when present and read only when listed in meta.json's
-# files (older reports have none): scan --origins's op calls (fpaudit.origins).
 ORIGINS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in ORIGIN_COLUMNS.items()])
-OPTIONAL_TABLES = {ORIGINS_TABLE: ORIGINS_SCHEMA}
 BLOCKS_SCHEMA = pa.schema(
     [(name, _ARROW_TYPES[t]) for name, t in BLOCK_KEY_COLUMNS.items()]
     + [(name, pa.int64()) for name in BLOCK_COUNT_COLUMNS]
     + [(name, pa.list_(pa.int64())) for name in BLOCK_HISTOGRAM_COLUMNS]
 )
-"""Optional table (version 3): block-scaled statistics, written when recipes were audited."""
+# Optional tables, written only when present and read only when listed in meta.json's
+# files (older reports have none): scan --origins's op calls (fpaudit.origins) and,
+# from version 3, block-scaled statistics when recipes were audited (fpaudit.blockstats).
+OPTIONAL_TABLES = {ORIGINS_TABLE: ORIGINS_SCHEMA, "blocks": BLOCKS_SCHEMA}
 DERIVED_BIN_COLUMNS = ("lower", "upper")
 
 
@@ -269,37 +269,20 @@ class Report:
         return target
 
     def write_tables(self, directory: Path, prefix: str = "") -> dict[str, dict[str, Any]]:
-        """Write the three tables under ``directory / prefix``; their checksummed entries."""
+        """Write the three tables, and the optional ones present, under ``directory /
+        prefix``; their checksummed entries."""
         (directory / prefix).mkdir(parents=True, exist_ok=True)
         files: dict[str, dict[str, Any]] = {}
-        for name, schema in TABLES.items():
-            frame: pd.DataFrame = getattr(self, name)
+        for name, schema in {**TABLES, **OPTIONAL_TABLES}.items():
+            frame: pd.DataFrame | None = getattr(self, name)
+            if frame is None:
+                continue  # an optional table this run did not make
             if name == "bins":
                 lower, upper = layout.value_bounds(frame["binade"], frame["cls"])
                 frame = frame.assign(lower=lower, upper=upper)
             table = pa.Table.from_pandas(frame[schema.names], schema=schema, preserve_index=False)
             table = table.replace_schema_metadata({"fpaudit.schema_version": str(SCHEMA_VERSION)})
             relative = f"{prefix}{name}.parquet"
-            file = directory / relative
-            pq.write_table(table, file, compression="zstd")
-            files[relative] = {"rows": table.num_rows, "sha256": _sha256(file)}
-            _fsync(file)
-        for name, schema in OPTIONAL_TABLES.items():
-            frame = getattr(self, name)
-            if frame is None:
-                continue
-            table = pa.Table.from_pandas(frame[schema.names], schema=schema, preserve_index=False)
-            relative = f"{prefix}{name}.parquet"
-            file = directory / relative
-            pq.write_table(table, file, compression="zstd")
-            files[relative] = {"rows": table.num_rows, "sha256": _sha256(file)}
-            _fsync(file)
-        if self.blocks is not None:
-            table = pa.Table.from_pandas(
-                self.blocks[BLOCKS_SCHEMA.names], schema=BLOCKS_SCHEMA, preserve_index=False
-            )
-            table = table.replace_schema_metadata({"fpaudit.schema_version": str(SCHEMA_VERSION)})
-            relative = f"{prefix}blocks.parquet"
             file = directory / relative
             pq.write_table(table, file, compression="zstd")
             files[relative] = {"rows": table.num_rows, "sha256": _sha256(file)}
@@ -356,9 +339,10 @@ class Report:
             part = cls(meta, tables["records"], tables["bins"], tables["steps"], path=root)
             for name, schema in OPTIONAL_TABLES.items():
                 if f"{prefix}{name}.parquet" in meta["files"]:
-                    setattr(part, name, _read_table(root, name, schema, meta, prefix))
-            if f"{prefix}blocks.parquet" in meta["files"]:
-                part.blocks = _read_blocks(root, meta, prefix)
+                    table = _read_table(root, name, schema, meta, prefix)
+                    if name == "blocks":
+                        _check_blocks(table, root / f"{prefix}{name}.parquet")
+                    setattr(part, name, table)
             _check_consistency(part, root / prefix if prefix else root)
             parts.append(part)
         return parts[0] if len(parts) == 1 else _merge_ranks(parts, meta, root)
@@ -740,12 +724,10 @@ def _merge_ranks(parts: list[Report], meta: dict[str, Any], root: Path) -> Repor
     return report
 
 
-def _read_blocks(root: Path, meta: dict[str, Any], prefix: str) -> pd.DataFrame:
-    """The block statistics table, checked: counts not negative, histograms full width."""
+def _check_blocks(blocks: pd.DataFrame, file: Path) -> None:
+    """The block statistics table as read: counts not negative, histograms full width."""
     from fpaudit import blockstats
 
-    blocks = _read_table(root, "blocks", BLOCKS_SCHEMA, meta, prefix)
-    file = root / f"{prefix}blocks.parquet"
     counts = blocks[list(BLOCK_COUNT_COLUMNS)].to_numpy()
     if len(counts) and counts.min() < 0:
         raise ReportError(f"{file}: negative counts")
@@ -753,7 +735,6 @@ def _read_blocks(root: Path, meta: dict[str, Any], prefix: str) -> pd.DataFrame:
     for column, width in widths.items():
         if not all(len(v) == width for v in blocks[column]):
             raise ReportError(f"{file}: {column} must hold {width} counts per row")
-    return blocks
 
 
 def _read_table(
