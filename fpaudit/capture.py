@@ -722,28 +722,44 @@ def _no_match(flag: str, pattern: str, names: list[str], what: str) -> str:
     return f"{flag} {pattern!r} matches no {what} of the model ({hint})"
 
 
+# The modes of open audits, told of every optimizer step (see _optimizer_steps_counted).
+_COUNTING_MODES: list[_BackwardMode] = []
+_step_hooks: list[Any] = []
+
+
+def _optimizer_step_started(*_: Any) -> None:
+    for mode in _COUNTING_MODES:
+        mode.optimizer_steps += 1
+
+
+def _optimizer_step_finished(*_: Any) -> None:
+    for mode in _COUNTING_MODES:
+        mode.optimizer_steps = max(mode.optimizer_steps - 1, 0)
+
+
 @contextmanager
 def _optimizer_steps_counted(mode: _BackwardMode) -> Iterator[None]:
     """Count running optimizer steps (any optimizer, through torch's global step hooks),
-    so that an optimizer stepping inside backward is not recorded as backward values."""
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
+    so that an optimizer stepping inside backward is not recorded as backward values.
 
-    def started(*_: Any) -> None:
-        mode.optimizer_steps += 1
+    The two global hooks are registered once per process and stay (doing nothing while
+    no audit is open): an audit may open or close inside another optimizer step hook
+    (``fpaudit run`` closes its step there), and registering or removing a hook while
+    torch iterates over them raises "OrderedDict mutated during iteration".
+    """
+    if not _step_hooks:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
-    def finished(*_: Any) -> None:
-        mode.optimizer_steps = max(mode.optimizer_steps - 1, 0)
-
-    pre = register_optimizer_step_pre_hook(started)
-    post = register_optimizer_step_post_hook(finished)
+        _step_hooks.append(register_optimizer_step_pre_hook(_optimizer_step_started))
+        _step_hooks.append(register_optimizer_step_post_hook(_optimizer_step_finished))
+    _COUNTING_MODES.append(mode)
     try:
         yield
     finally:
-        pre.remove()
-        post.remove()
+        _COUNTING_MODES.remove(mode)
 
 
 def _rank() -> int:

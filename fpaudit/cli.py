@@ -183,7 +183,11 @@ def _new_report_path(options: dict[str, Any]) -> Path:
     for parent in out_path.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise UsageError(f"--out {given}: {parent} is not a directory")
+                # the wording of fpaudit.outputs.make_parent: one rule for output folders
+                raise UsageError(
+                    f"--out: cannot create folder {out_path.parent}: a file is in the way "
+                    f"({parent})"
+                )
             try:
                 longest = os.pathconf(parent, "PC_NAME_MAX")
             except (OSError, ValueError):
@@ -814,7 +818,8 @@ def show_command(
         str | None,
         typer.Option(
             "--recipe",
-            help="Block statistics of this recipe instead (scanned with --recipe), per --by.",
+            help="Block statistics of this recipe instead (from a scan with that recipe), "
+            "per module or op.",
         ),
     ] = None,
     json_output: JsonOption = None,
@@ -1043,14 +1048,19 @@ def simulate_command(
     headroom_bits: HeadroomOption = None,
     amax_history_len: Annotated[
         int | None,
-        typer.Option("--amax-history-len", help="FP8 delayed scaling: amax history length H."),
+        typer.Option(
+            "--amax-history-len", help="FP8 delayed scaling: amax history length H [default: 1024]."
+        ),
     ] = None,
     margin: Annotated[
-        int | None, typer.Option("--margin", help="FP8 delayed scaling: margin in binades.")
+        int | None,
+        typer.Option("--margin", help="FP8 delayed scaling: margin in binades [default: 0]."),
     ] = None,
     amax_compute_algo: Annotated[
         str | None,
-        typer.Option("--amax-compute-algo", help="FP8 delayed scaling: max or most_recent."),
+        typer.Option(
+            "--amax-compute-algo", help="FP8 delayed scaling: max or most_recent [default: max]."
+        ),
     ] = None,
     sweep: Annotated[
         bool | None,
@@ -1060,7 +1070,9 @@ def simulate_command(
     ] = None,
     max_overflow_steps: Annotated[
         int | None,
-        typer.Option("--max-overflow-steps", help="--sweep's gate: overflow steps allowed."),
+        typer.Option(
+            "--max-overflow-steps", help="--sweep's gate: overflow steps allowed [default: 0]."
+        ),
     ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
@@ -1296,11 +1308,16 @@ def gate_command(
     ] = None,
     max_flush: Annotated[
         float | None,
-        typer.Option("--max-flush", help="With --recipe: largest flushed fraction, 0..1."),
+        typer.Option(
+            "--max-flush",
+            help="With --recipe: largest flushed fraction, 0..1 (required with --recipe).",
+        ),
     ] = None,
     max_saturate: Annotated[
         float | None,
-        typer.Option("--max-saturate", help="With --recipe: largest saturated fraction [1]."),
+        typer.Option(
+            "--max-saturate", help="With --recipe: largest saturated fraction [default: 1]."
+        ),
     ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
@@ -1390,7 +1407,9 @@ def plan_command(
     recipe: RecipeOption = None,
     max_flush: Annotated[
         float | None,
-        typer.Option("--max-flush", help="Largest acceptable flushed fraction per module, 0..1."),
+        typer.Option(
+            "--max-flush", help="Largest acceptable flushed fraction per module, 0..1 (required)."
+        ),
     ] = None,
     max_saturate: Annotated[
         float | None,
@@ -1500,7 +1519,7 @@ def fp16_plan_command(
     ] = None,
     headroom_bits: Annotated[
         int | None,
-        typer.Option("--headroom-bits", help="Keep amax * S <= 65504 / 2^H [default: 1]."),
+        typer.Option("--headroom-bits", help="Keep amax * S at most 65504 / 2^H [default: 1]."),
     ] = None,
     max_underflow: Annotated[
         float | None,

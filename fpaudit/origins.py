@@ -29,12 +29,14 @@ attention masks) are not predicted origins.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from fpaudit.formats import FP32, Format
+
+if TYPE_CHECKING:  # pandas only where a table is built or read, not in capture
+    import pandas as pd
 
 COLUMNS: dict[str, str] = {
     "step": "int32",
@@ -58,6 +60,8 @@ TABLE_NAME = "origins"
 
 
 def empty_table() -> pd.DataFrame:
+    import pandas as pd
+
     return pd.DataFrame({name: pd.Series(dtype=_PANDAS[t]) for name, t in COLUMNS.items()})
 
 
@@ -72,6 +76,8 @@ _PANDAS = {
 
 
 def table_from_columns(columns: dict[str, list[Any]]) -> pd.DataFrame:
+    import pandas as pd
+
     frame = pd.DataFrame({name: columns.get(name, []) for name in COLUMNS})
     return frame.astype({name: _PANDAS[t] for name, t in COLUMNS.items()})
 
@@ -104,6 +110,8 @@ def _with_input(frame: pd.DataFrame) -> pd.DataFrame:
 
 def live(table: pd.DataFrame) -> Origins:
     """The op calls that made inf/NaN from finite inputs, and how many carried them on."""
+    import pandas as pd
+
     bad = table[table["nonfinite"] > 0]
     blamed = _with_input(bad[~bad["inputs_nonfinite"]])
     carried = bad[bad["inputs_nonfinite"]]

@@ -14,8 +14,18 @@ from .conftest import ROOT
 
 COMMANDS = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
 # Options with no default to show: given or not (None means "not given"), or required.
-NO_DEFAULT = {"--config", "--module", "--exclude-module", "--op", "--exclude-op", "--junit"}
+NO_DEFAULT = {
+    "--config",
+    "--module",
+    "--exclude-module",
+    "--op",
+    "--exclude-op",
+    "--junit",
+    "--recipe",
+}
 REQUIRED = {("plot", "--output"), ("gate", "--max-underflow"), ("verify", "--scale")}
+# Required only in one mode of a command (gate --recipe), or checked by the command itself.
+REQUIRED_WHEN = {("gate", "--max-flush"), ("plan", "--max-flush")}
 
 
 def _help(cli, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
@@ -65,6 +75,8 @@ def test_every_option_shows_its_default_and_a_readable_type(
             continue
         if (name, flags[0]) in REQUIRED:
             assert "(required)" in row, row
+        elif (name, flags[0]) in REQUIRED_WHEN:
+            assert re.search(r"\(required( with --[a-z-]+)?\)", row), row
         else:
             assert re.search(r"\[default: [^\]]+\]", row), f"{name} {flags[0]}: {row}"
 

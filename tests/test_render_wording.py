@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.text import Text
+
 from fpaudit.drift import Drift, Window
 from fpaudit.recommendation import Recommendation
 from fpaudit.render import drift_lines, recommendation_lines
@@ -37,9 +39,11 @@ def test_one_binade_and_single_step_windows_read_in_the_singular() -> None:
 def test_wide_windows_and_a_warning_read_in_the_plural() -> None:
     drift = _drift(10, [_window(0, 9, 10), _window(10, 19, 14)])
     lines = drift_lines(drift)
-    assert lines[0] == (
-        "[yellow]Drift (fp16): per-window recommendations (windows of 10 steps) span 4 "
-        "binades, 2^10 (steps 0-9) to 2^14 (steps 10-19): more than 2.[/yellow]"
+    warning = lines[0]
+    assert isinstance(warning, Text) and warning.style == "yellow"
+    assert warning.plain == (
+        "Drift (fp16): per-window recommendations (windows of 10 steps) span 4 "
+        "binades, 2^10 (steps 0-9) to 2^14 (steps 10-19): more than 2."
     )
 
 
