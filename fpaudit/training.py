@@ -944,6 +944,10 @@ def run_script(
     except StopRun:
         stopped_by = "max-steps"
     except patches.MonitorFailure as broken:
+        if isinstance(broken.error, FpauditError):
+            # the user's input, found once the model was seen (a --module glob that
+            # matches no module): their error, one line, not a bug
+            raise broken.error from None
         # fpaudit's own code failed, not the script: no report of a half-watched run
         raise RuntimeError(
             f"fpaudit's training monitor failed ({broken}) at {_script_line(broken, path)}; "

@@ -113,6 +113,17 @@ def test_a_module_glob_typo_stops_the_scan_before_a_step(tmp_path: Path) -> None
     assert not (tmp_path / "r").exists()
 
 
+def test_a_module_glob_typo_stops_run_as_a_usage_error(tmp_path: Path) -> None:
+    """Found inside the script's first forward (a hook): still the user's error, exit 2,
+    not fpaudit's internal error."""
+    script = write(tmp_path / "train.py", NO_BACKWARD)
+    done = fpaudit("run", "--module", "linaer", "--out", tmp_path / "r", "--", script)
+    assert done.returncode == 2, done.stderr
+    line = error_line(done)
+    assert line.startswith("fpaudit: error: --module 'linaer' matches no module of the model")
+    assert "internal error" not in done.stderr and "Traceback" not in done.stderr
+
+
 def test_excluding_every_module_is_an_error(tmp_path: Path) -> None:
     done = fpaudit("scan", MODELS / "tiny_grads.py", "--steps", "1", "--exclude-module", "*",
                    "--out", tmp_path / "r")  # fmt: skip
