@@ -43,6 +43,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,6 +317,9 @@ class Report:
             except ReportError:
                 if attempt + 1 == _READ_ATTEMPTS or _identity(root) == before:
                     raise
+            # replaced while we read: wait a little longer each time, so that replacements
+            # in quick succession still leave a quiet moment to read a whole report in
+            time.sleep(min(0.002 * (attempt + 1), 0.05))
         raise AssertionError("unreachable")  # pragma: no cover
 
     @classmethod
@@ -348,7 +352,7 @@ class Report:
         return parts[0] if len(parts) == 1 else _merge_ranks(parts, meta, root)
 
 
-_READ_ATTEMPTS = 5
+_READ_ATTEMPTS = 100  # reads while the directory keeps being replaced (at most ~4 s of waits)
 
 
 def _identity(root: Path) -> tuple[int, int] | None:

@@ -185,6 +185,7 @@ def test_a_reader_racing_force_replacements_sees_old_or_new_never_corrupt(
     reader = subprocess.Popen(
         [sys.executable, "-c", READER, str(out)], stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+        preexec_fn=_default_signals,  # its Ctrl-C must land under a shell that ignores it
     )  # fmt: skip
     try:
         assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
