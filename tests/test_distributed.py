@@ -116,9 +116,14 @@ def test_the_library_api_under_ddp(tmp_path: Path) -> None:
 def test_a_second_run_onto_the_report_fails_on_every_rank(scanned: Path) -> None:
     done = torchrun("-m", "fpaudit", "scan", SAMPLES / "mlp.py", "--steps", "1", "--out", scanned)
     assert done.returncode != 0
-    # one line from each rank; the traceback after them is torchrun's own ChildFailedError
+    # At most one line from each rank; the traceback after them is torchrun's own
+    # ChildFailedError. The first rank to refuse exits 2 and torchrun then SIGTERMs the other:
+    # that rank either refused too or says it was interrupted (which one is a race we do not
+    # control), never a traceback and never a report.
     ours = [line for line in done.stderr.splitlines() if line.startswith("fpaudit: error:")]
-    assert len(ours) == 2 and all("already exists; pass --force" in line for line in ours)
+    refused = [line for line in ours if "already exists; pass --force" in line]
+    stopped = [line for line in ours if line.endswith("interrupted by SIGTERM")]
+    assert 1 <= len(refused) <= 2 and len(refused) + len(stopped) == len(ours) <= 2, ours
     # no traceback through fpaudit's code (its package folder, whatever the clone is called)
     package = str(Path(fpaudit.__file__).resolve().parent) + os.sep
     assert package not in done.stderr.split("ChildFailedError")[0]
