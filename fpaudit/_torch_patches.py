@@ -236,7 +236,7 @@ def _watch_grad_reads(watcher: Watcher) -> Iterator[None]:
     import sys
 
     def get(tensor: torch.Tensor) -> torch.Tensor | None:
-        grad = _BASE_GRAD.__get__(tensor)
+        grad: torch.Tensor | None = _BASE_GRAD.__get__(tensor)
         if grad is not None:
             try:
                 watcher.on_grad_read(sys._getframe(1))

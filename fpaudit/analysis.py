@@ -81,7 +81,8 @@ def bin_fates(
 ) -> np.ndarray:
     """Fate of every bin after shifting its binade by ``shift`` (vectorised)."""
     t = np.clip(np.asarray(binade, dtype=np.int64) + shift, _T_MIN, _T_MAX) - _T_MIN
-    return fate_table(fmt)[t, np.asarray(cls, dtype=np.int64)]
+    fates: np.ndarray = fate_table(fmt)[t, np.asarray(cls, dtype=np.int64)]
+    return fates
 
 
 def _fate_masks(fmt: Format, binades: np.ndarray, shift: int) -> dict[Fate, np.ndarray]:
@@ -139,7 +140,8 @@ class Scope:
             mask &= (records["module"] != LOSS_MODULE).to_numpy()
         if self.dtypes:
             mask &= records["dtype"].isin(self.dtypes).to_numpy()
-        return mask
+        selected: np.ndarray = mask
+        return selected
 
     def select(self, records: pd.DataFrame) -> pd.DataFrame:
         return records[self.mask(records)]
@@ -242,7 +244,7 @@ def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("modul
     Results are cached on the report, so several scales and formats cost one pass.
     """
     key = (scope, tuple(by))
-    cached = report._cache.get(key)
+    cached: Condensed | None = report._cache.get(key)
     if cached is not None:
         return cached
     records = report.records

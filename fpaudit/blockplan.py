@@ -72,7 +72,8 @@ def scale_code_histogram(report: Report, recipe: Recipe | str) -> np.ndarray:
     blocks = _blocks(report, as_recipe(recipe))
     if not len(blocks):
         return np.zeros(256, dtype=np.int64)
-    return np.sum(np.stack(blocks["scale_codes"].to_numpy()), axis=0).astype(np.int64)
+    counts: np.ndarray = np.sum(np.stack(blocks["scale_codes"].to_numpy()), axis=0)
+    return counts.astype(np.int64)
 
 
 def flush_matrix(report: Report, recipes: list[Recipe | str]) -> pd.DataFrame:

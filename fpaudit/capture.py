@@ -503,7 +503,7 @@ Place = tuple[histogram.HistogramTable, int]
 Recorder = Callable[[str, str, str, str, int, bool, torch.Tensor], "Place | None"]
 
 
-class _BackwardMode(TorchDispatchMode):
+class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves the mode untyped
     """Sees every aten op; hands backward (and, in a forward pass, forward) outputs on."""
 
     @classmethod
@@ -514,7 +514,7 @@ class _BackwardMode(TorchDispatchMode):
         return False
 
     def __init__(self, audit: Audit) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._audit = audit
         self._clock = audit._clock
         self._provenance = audit._provenance

@@ -207,7 +207,7 @@ def _new_report_path(options: dict[str, Any]) -> Path:
 def _forked() -> bool:
     """True in a child that model code forked (os.fork, a DataLoader worker that came
     back here): it never writes the report, never unlocks, never prints a summary."""
-    return os.getpid() != _state["pid"]
+    return os.getpid() != int(_state["pid"])
 
 
 def _write_partial(

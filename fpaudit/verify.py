@@ -103,7 +103,7 @@ class Verification:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: inf and NaN (a skipped step's norms, an error against zero) are None."""
-        data = _finite_or_none(asdict(self))
+        data: dict[str, Any] = _finite_or_none(asdict(self))
         data.update(passed=self.passed, stalled=self.stalled, reasons=self.reasons)
         return data
 
@@ -188,7 +188,7 @@ def verify(
     with modelfile.user_code(path, "loss(model, batch)"):
         loss = modelfile.check_loss(spec.loss(reference, batch), path)
     with modelfile.user_code(path, "backward"):
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward untyped
     fp32_grads = _gradients(reference)
     reference_finite = bool(torch.isfinite(loss.detach()).all()) and all(
         bool(torch.isfinite(g).all()) for g in fp32_grads.values()
