@@ -243,10 +243,10 @@ def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("modul
 
     Results are cached on the report, so several scales and formats cost one pass.
     """
-    key = (scope, tuple(by))
-    cached: Condensed | None = report._cache.get(key)
-    if cached is not None:
-        return cached
+    return report.cached(("condense", scope, tuple(by)), lambda: _condense(report, scope, by))
+
+
+def _condense(report: Report, scope: Scope, by: Sequence[str]) -> Condensed:
     records = report.records
     in_scope = scope.mask(records)
     selected = records[in_scope]
@@ -327,7 +327,6 @@ def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("modul
             result.scaled[permutation],
             result.fixed[permutation],
         )
-    report._cache[key] = result
     return result
 
 

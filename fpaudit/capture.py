@@ -89,6 +89,7 @@ from fpaudit import _signals, histogram
 from fpaudit.blockstats import BlockRecorder
 from fpaudit.errors import UsageError
 from fpaudit.origin_capture import OriginTracker
+from fpaudit.origin_capture import tensors_in as _tensors
 from fpaudit.recipes import Recipe, as_recipe
 from fpaudit.records import (
     KIND_BACKWARD,
@@ -234,22 +235,6 @@ def autograd_sequence_number() -> int:
     Wraps the private ``torch._C._autograd._get_sequence_nr``.
     """
     return int(torch._C._autograd._get_sequence_nr())
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in an aten op's arguments or outputs: a tensor, or sequences and dicts
-    of tensors and scalars (aten nests at most a list of tensors in an argument tuple).
-    Cheaper than pytree on the hot path."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, list | tuple):
-        for item in value:
-            if isinstance(item, torch.Tensor):
-                yield item
-            elif isinstance(item, list | tuple):
-                yield from (t for t in item if isinstance(t, torch.Tensor))
-    elif isinstance(value, dict):
-        yield from _tensors(tuple(value.values()))
 
 
 def _float_tensors(output: Any) -> Iterator[tuple[int, torch.Tensor]]:
@@ -1066,13 +1051,14 @@ class Audit:
         return self._builder.step_rows()
 
     def build_report(self, steps: dict[str, Any] | None = None) -> Report:
-        """The report; ``steps`` replaces its steps table (see ``ReportBuilder.build``)."""
-        from fpaudit.report import run_metadata  # pandas and pyarrow: only once a report is built
+        """The report; ``steps`` replaces its steps table (see ``Report.from_builder``)."""
+        # pandas and pyarrow: only once a report is built
+        from fpaudit.report import Report, run_metadata
 
         meta = run_metadata(self.model)
         # fp64 values beyond fp32's range, binned as zero or inf (see fpaudit.histogram)
         meta["out_of_range"] = sum(int(t.out_of_range) for t in self._tables.values())
-        report = self._builder.build(meta, steps)
+        report = Report.from_builder(self._builder, meta, steps)
         if self.origins is not None:
             from fpaudit.origins import table_from_columns
 

@@ -19,7 +19,7 @@ and says so.
 
 The plan is then *verified by running it* (``fpaudit.verify``): one fp32 step
 against one fp16-autocast step at S with those modules' forward run with autocast
-disabled on fp32 inputs (:func:`keep_out_of_autocast`), reporting whether the
+disabled on fp32 inputs (:func:`fpaudit.verify.keep_out_of_autocast`), reporting whether the
 step is finite, the fraction of gradient elements lost, and whether every
 parameter that changes in fp32 changes. The fp32 scan cannot tell which values
 autocast holds in fp16, so the criterion can name modules whose large values
@@ -45,17 +45,13 @@ cast back to fp16 downstream) are left to the verification.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
-from torch import nn
 
 from fpaudit import analysis
 from fpaudit.errors import UsageError
@@ -68,34 +64,6 @@ DEFAULT_HEADROOM_BITS = 1
 DEFAULT_MAX_UNDERFLOW = 0.001
 MAX_GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default
 _LOG2_RANGE = range(-24, 64)
-
-
-def keep_out_of_autocast(model: nn.Module, names: Iterable[str], device_type: str) -> None:
-    """Run the forward of each named submodule with autocast disabled, on fp32 inputs.
-
-    Its outputs are fp32; ops after it under autocast cast them as they need. The
-    backward of what ran in fp32 runs in fp32 too.
-    """
-
-    def to_fp32(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.float()
-        return value
-
-    for name in names:
-        module = model.get_submodule(name)
-        original: Callable[..., Any] = module.forward
-
-        @functools.wraps(original)
-        def fp32_forward(
-            *args: Any, _original: Callable[..., Any] = original, **kwargs: Any
-        ) -> Any:
-            with torch.autocast(device_type=device_type, enabled=False):
-                return _original(
-                    *[to_fp32(a) for a in args], **{k: to_fp32(v) for k, v in kwargs.items()}
-                )
-
-        module.forward = fp32_forward
 
 
 @dataclass(frozen=True)
@@ -357,4 +325,4 @@ def fp16_plan(
     return plan
 
 
-__all__ = ["Plan", "fp16_plan", "keep_out_of_autocast", "module_ranges", "plan_from_report"]
+__all__ = ["Plan", "fp16_plan", "module_ranges", "plan_from_report"]

@@ -25,6 +25,7 @@ the op's accelerator (0-dim CPU constants) are not read.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -35,10 +36,25 @@ from fpaudit.origins import COLUMNS
 _WIDTH = 5  # nonfinite, amax, inputs_nonfinite, input_amax_scaled, input_amax_fixed
 
 
-def _float_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    from fpaudit.capture import _tensors
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an aten op's arguments or outputs: a tensor, or sequences and dicts
+    of tensors and scalars (aten nests at most a list of tensors in an argument tuple).
+    Cheaper than pytree on the hot path."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, list | tuple):
+                yield from (t for t in item if isinstance(t, torch.Tensor))
+    elif isinstance(value, dict):
+        yield from tensors_in(tuple(value.values()))
 
-    found = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
+
+def _float_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+
+    found = tensors_in((args, tuple(kwargs.values()))) if kwargs else tensors_in(args)
     return [
         t
         for t in found

@@ -16,7 +16,6 @@ from fpaudit import layout
 
 if TYPE_CHECKING:
     from fpaudit.histogram import HostHistogram
-    from fpaudit.report import Report
 
 # The columns of the records and steps tables (report.py turns them into the
 # versioned Parquet schema; the order is the order in the files).
@@ -169,7 +168,7 @@ class StepRecords:
 
 
 class ReportBuilder:
-    """Collects closed steps and turns them into a :class:`Report`.
+    """Collects closed steps, for ``Report.from_builder`` to turn into a report.
 
     With ``window=W`` the records of W consecutive captured steps are merged
     (counts add, amax is the max; only records captured under the same loss
@@ -336,51 +335,37 @@ class ReportBuilder:
         """The steps table so far, column by column (copies)."""
         return {name: list(values) for name, values in self._steps.items()}
 
-    def build(self, meta: dict[str, Any], steps: dict[str, Any] | None = None) -> Report:
-        """The report so far; a window still filling is included as it stands.
+    def columns(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[Any]]]:
+        """The records, bins and steps tables so far, column by column (numpy arrays;
+        bins as ``record_id``, ``offset`` into the finite bins and ``count``); a window
+        still filling is included as it stands. ``Report.from_builder`` makes the
+        report of them: this module stays free of pandas and pyarrow."""
+        if not self._pending:
+            return self._columns()
+        pending_next = self._next_record
+        records_before = {k: len(v) for k, v in self._records.items()}
+        bins_before = {k: len(v) for k, v in self._bins.items()}
+        self._emit(*self._pending_block())
+        try:
+            return self._columns()
+        finally:  # leave the window open: later steps still merge into it
+            self._next_record = pending_next
+            for name, length in records_before.items():
+                del self._records[name][length:]
+            for name, length in bins_before.items():
+                del self._bins[name][length:]
 
-        ``steps`` replaces the steps table (every column of ``STEP_COLUMNS``), for
-        callers that know more steps than were captured (``fpaudit run``)."""
-        if self._pending:
-            pending_next = self._next_record
-            records_before = {k: len(v) for k, v in self._records.items()}
-            bins_before = {k: len(v) for k, v in self._bins.items()}
-            self._emit(*self._pending_block())
-            try:
-                return self._build(meta, steps)
-            finally:  # leave the window open: later steps still merge into it
-                self._next_record = pending_next
-                for name, length in records_before.items():
-                    del self._records[name][length:]
-                for name, length in bins_before.items():
-                    del self._bins[name][length:]
-        return self._build(meta, steps)
-
-    def _build(self, meta: dict[str, Any], steps: dict[str, Any] | None = None) -> Report:
-        from fpaudit.report import BINS_SCHEMA, RECORDS_SCHEMA, STEPS_SCHEMA, Report, frame
-
-        offsets_to_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
-        binade, cls = layout.bin_binade_and_class(offsets_to_bins)
-
+    def _columns(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[Any]]]:
         def joined(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
             return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
-        offsets = joined(self._bins["offset"], np.int64)
         bins = {
             "record_id": joined(self._bins["record_id"], np.int32),
-            "binade": binade[offsets].astype(np.int16),
-            "cls": cls[offsets].astype(np.int8),
+            "offset": joined(self._bins["offset"], np.int64),
             "count": joined(self._bins["count"], np.int64),
         }
         records = {
             name: joined(self._records[name], object if dtype == "string" else dtype)
             for name, dtype in RECORD_COLUMNS.items()
         }
-        # Through Arrow, so in-memory frames have exactly the dtypes a read gives.
-        meta = {**meta, "steps": self.steps, "window": self.window, "modules": list(self.modules)}
-        return Report(
-            meta,
-            frame(records, RECORDS_SCHEMA),
-            frame(bins, BINS_SCHEMA, BIN_COLUMNS),
-            frame(self._steps if steps is None else steps, STEPS_SCHEMA),
-        )
+        return records, bins, self.step_rows()

@@ -44,10 +44,10 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -60,32 +60,22 @@ from fpaudit.origins import COLUMNS as ORIGIN_COLUMNS
 from fpaudit.origins import TABLE_NAME as ORIGINS_TABLE
 from fpaudit.outputs import make_parent
 from fpaudit.records import (
+    BIN_COLUMNS,
     BLOCK_COUNT_COLUMNS,
     BLOCK_HISTOGRAM_COLUMNS,
     BLOCK_KEY_COLUMNS,
-    KIND_BACKWARD,
-    KIND_GRAD,
-    LOSS_MODULE,
     RECORD_COLUMNS,
     STEP_COLUMNS,
     STEP_DEFAULTS,
-    RecordKey,
     ReportBuilder,
-    StepRecords,
 )
 
 __all__ = [
     "BINS_SCHEMA",
-    "KIND_BACKWARD",
-    "KIND_GRAD",
-    "LOSS_MODULE",
     "RECORDS_SCHEMA",
     "SCHEMA_VERSION",
     "STEPS_SCHEMA",
-    "RecordKey",
     "Report",
-    "ReportBuilder",
-    "StepRecords",
     "run_metadata",
 ]
 
@@ -133,6 +123,7 @@ BLOCKS_SCHEMA = pa.schema(
 # from version 3, block-scaled statistics when recipes were audited (fpaudit.blockstats).
 OPTIONAL_TABLES = {ORIGINS_TABLE: ORIGINS_SCHEMA, "blocks": BLOCKS_SCHEMA}
 DERIVED_BIN_COLUMNS = ("lower", "upper")
+T = TypeVar("T")
 
 
 def histogram_layout() -> dict[str, Any]:
@@ -233,10 +224,46 @@ class Report:
             blocks=blocks,
         )
 
-    # Condensed histograms computed by fpaudit.analysis; valid while the tables are unchanged.
+    # Values derived from the tables (fpaudit.analysis's condensed histograms), by key;
+    # valid while the tables are unchanged. Filled only through ``cached``.
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     blocks: pd.DataFrame | None = field(default=None, compare=False)
     """Block-scaled statistics (``--recipe``), or None when no recipe was audited."""
+
+    def cached(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, computed once per ``key`` for this report (a derived value
+        such as a condensed histogram: several scales and formats cost one pass)."""
+        if key not in self._cache:
+            self._cache[key] = compute()
+        result: T = self._cache[key]
+        return result
+
+    @classmethod
+    def from_builder(
+        cls, builder: ReportBuilder, meta: dict[str, Any], steps: dict[str, Any] | None = None
+    ) -> Report:
+        """The report ``builder`` has collected so far (see ``ReportBuilder.columns``);
+        ``steps`` replaces its steps table (``fpaudit run`` knows more steps than it
+        captured)."""
+        records, bins, own_steps = builder.columns()
+        offsets_to_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
+        binade, cls_of = layout.bin_binade_and_class(offsets_to_bins)
+        offsets = bins.pop("offset")
+        bins["binade"] = binade[offsets].astype(np.int16)
+        bins["cls"] = cls_of[offsets].astype(np.int8)
+        # Through Arrow, so in-memory frames have exactly the dtypes a read gives.
+        meta = {
+            **meta,
+            "steps": builder.steps,
+            "window": builder.window,
+            "modules": list(builder.modules),
+        }
+        return cls(
+            meta,
+            frame(records, RECORDS_SCHEMA),
+            frame(bins, BINS_SCHEMA, BIN_COLUMNS),
+            frame(own_steps if steps is None else steps, STEPS_SCHEMA),
+        )
 
     @property
     def recipes(self) -> list[str]:

@@ -977,9 +977,9 @@ def run_script(
     if monitor.audit is not None:
         report = monitor.audit.build_report(table)
     else:
-        from fpaudit.report import run_metadata
+        from fpaudit.report import Report, run_metadata
 
-        report = ReportBuilder(modules=[LOSS_MODULE]).build(run_metadata(), table)
+        report = Report.from_builder(ReportBuilder(modules=[LOSS_MODULE]), run_metadata(), table)
     from fpaudit.analysis import held_dtype
 
     amp_dtype = held_dtype(report)

@@ -20,8 +20,9 @@ reached a parameter).
 from __future__ import annotations
 
 import copy
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,34 @@ def _total_norm(grads: dict[str, torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads.values()])))
 
 
+def keep_out_of_autocast(model: nn.Module, names: Iterable[str], device_type: str) -> None:
+    """Run the forward of each named submodule with autocast disabled, on fp32 inputs.
+
+    Its outputs are fp32; ops after it under autocast cast them as they need. The
+    backward of what ran in fp32 runs in fp32 too.
+    """
+
+    def to_fp32(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.float()
+        return value
+
+    for name in names:
+        module = model.get_submodule(name)
+        original: Callable[..., Any] = module.forward
+
+        @functools.wraps(original)
+        def fp32_forward(
+            *args: Any, _original: Callable[..., Any] = original, **kwargs: Any
+        ) -> Any:
+            with torch.autocast(device_type=device_type, enabled=False):
+                return _original(
+                    *[to_fp32(a) for a in args], **{k: to_fp32(v) for k, v in kwargs.items()}
+                )
+
+        module.forward = fp32_forward
+
+
 def verify(
     model_path: str | Path,
     *,
@@ -203,8 +232,6 @@ def verify(
     # mixed-precision step: backward on S * loss, unscale, skip if non-finite, clip, step
     mixed = copy.deepcopy(start).train()
     if keep_fp32:
-        from fpaudit.fp16plan import keep_out_of_autocast
-
         keep_out_of_autocast(mixed, keep_fp32, target.type)
     optimizer = make_optimizer(mixed)
     optimizer.zero_grad(set_to_none=True)

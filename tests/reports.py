@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from fpaudit import histogram
-from fpaudit.report import KIND_BACKWARD, RecordKey, Report, ReportBuilder, StepRecords
+from fpaudit.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
+from fpaudit.report import Report
 
 
 def report_from(
@@ -33,4 +34,20 @@ def report_from(
         builder.add_step(
             StepRecords.from_histograms(records), loss=1.0, loss_scale=loss_scale, seconds=0.0
         )
-    return builder.build({})
+    return Report.from_builder(builder, {})
+
+
+def report_of_steps(values: list[torch.Tensor], *, loss_scale: float = 1.0) -> Report:
+    """One backward record (module 'a') per step, holding ``values[step]``."""
+    builder = ReportBuilder(modules=["a"])
+    for tensor in values:
+        hist = histogram.Histogram(tensor.device)
+        hist.add(tensor)
+        key = RecordKey(KIND_BACKWARD, "a", "MulBackward0", "aten.mul.Tensor", 0, "float32", True)
+        builder.add_step(
+            StepRecords.from_histograms({key: hist.host()}),
+            loss=1.0,
+            loss_scale=loss_scale,
+            seconds=0.0,
+        )
+    return Report.from_builder(builder, {})

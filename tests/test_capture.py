@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import fpaudit
 from fpaudit.capture import autograd_sequence_number, creates_new_values, current_autograd_node
-from fpaudit.report import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE
+from fpaudit.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE
 
 from .models import zoo
 

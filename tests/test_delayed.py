@@ -9,30 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from fpaudit import delayed, histogram
+from fpaudit import delayed
 from fpaudit.formats import Fate, fate, get_format
-from fpaudit.report import KIND_BACKWARD, RecordKey, Report, ReportBuilder, StepRecords
+from fpaudit.report import Report
 
 from .conftest import one_error_line
+from .reports import report_of_steps
 
 E5M2 = get_format("fp8_e5m2")  # max 57344 = 1.75 * 2**15, smallest normal 2**-14
 E4M3 = get_format("fp8_e4m3fn")
-
-
-def report_of_steps(values: list[torch.Tensor], *, loss_scale: float = 1.0) -> Report:
-    """One backward record (module 'a') per step, holding ``values[step]``."""
-    builder = ReportBuilder(modules=["a"])
-    for tensor in values:
-        hist = histogram.Histogram(tensor.device)
-        hist.add(tensor)
-        key = RecordKey(KIND_BACKWARD, "a", "MulBackward0", "aten.mul.Tensor", 0, "float32", True)
-        builder.add_step(
-            StepRecords.from_histograms({key: hist.host()}),
-            loss=1.0,
-            loss_scale=loss_scale,
-            seconds=0.0,
-        )
-    return builder.build({})
 
 
 SPIKE_AT = 4

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fpaudit import fp16plan, histogram
-from fpaudit.report import KIND_BACKWARD, RecordKey, Report, ReportBuilder, StepRecords
+from fpaudit import fp16plan, histogram, verify
+from fpaudit.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
+from fpaudit.report import Report
 
 from .conftest import MODELS, one_error_line
 
@@ -36,7 +37,7 @@ def hand_report(steps: int = 6) -> Report:
             records[key] = hist.host()
         builder.add_step(StepRecords.from_histograms(records), loss=1.0, loss_scale=1.0,
                          seconds=0.0)  # fmt: skip
-    return builder.build({"modules": ["a", "b"]})
+    return Report.from_builder(builder, {"modules": ["a", "b"]})
 
 
 def test_plan_keeps_out_exactly_the_failing_modules_at_the_largest_same_set_scale() -> None:
@@ -71,7 +72,7 @@ def test_overflow_rate_counts_steps_whose_kept_values_overflow_at_2s() -> None:
 
 def test_keep_out_of_autocast_runs_the_module_in_fp32() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    fp16plan.keep_out_of_autocast(model, ["1"], "cpu")
+    verify.keep_out_of_autocast(model, ["1"], "cpu")
     with torch.autocast("cpu", dtype=torch.float16):
         hidden = model[0](torch.ones(2, 4))
         out = model(torch.ones(2, 4))

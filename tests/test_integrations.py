@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from fpaudit.errors import ModelFileError, UsageError
-from fpaudit.report import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE, Report
+from fpaudit.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE
+from fpaudit.report import Report
 
 from .conftest import SAMPLES
 

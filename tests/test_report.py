@@ -224,7 +224,7 @@ def test_window_keeps_loss_scales_apart_and_reports_an_open_window() -> None:
             loss_scale=scale,
             seconds=0.0,
         )
-    records = builder.build({}).records
+    records = Report.from_builder(builder, {}).records
     # Window 1 (steps 0-2): scale 1 (2 steps) and scale 2 (1 step); window 2 still open: step 3.
     assert list(zip(records["step"], records["steps"], records["loss_scale"], strict=True)) == [
         (0, 2, 1.0), (0, 1, 2.0), (3, 1, 2.0)
@@ -236,7 +236,11 @@ def test_window_keeps_loss_scales_apart_and_reports_an_open_window() -> None:
         loss_scale=2.0,
         seconds=0.0,
     )
-    assert list(builder.build({}).records["steps"]) == [2, 1, 1]  # the NaN step adds nothing
+    assert list(Report.from_builder(builder, {}).records["steps"]) == [
+        2,
+        1,
+        1,
+    ]  # the NaN step adds nothing
 
 
 def test_a_version_1_report_reads_with_the_new_step_columns_at_their_defaults(

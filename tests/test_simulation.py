@@ -10,34 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from fpaudit import histogram, scalers
+from fpaudit import scalers
 from fpaudit.analysis import totals
 from fpaudit.drift import drift, window_report
 from fpaudit.formats import get_format
 from fpaudit.recommendation import recommend
-from fpaudit.report import KIND_BACKWARD, RecordKey, Report, ReportBuilder, StepRecords
+from fpaudit.report import Report
 from fpaudit.simulation import SOURCE_AMAX, SOURCE_OBSERVED, simulate, thresholds
 
 from .conftest import one_error_line
+from .reports import report_of_steps
 from .test_training import AMP
 
 FP16 = get_format("fp16")
-
-
-def report_of_steps(values: list[torch.Tensor], *, loss_scale: float = 1.0) -> Report:
-    """One backward record (module 'a') per step, holding ``values[step]``."""
-    builder = ReportBuilder(modules=["a"])
-    for tensor in values:
-        hist = histogram.Histogram(tensor.device)
-        hist.add(tensor)
-        key = RecordKey(KIND_BACKWARD, "a", "MulBackward0", "aten.mul.Tensor", 0, "float32", True)
-        builder.add_step(
-            StepRecords.from_histograms({key: hist.host()}),
-            loss=1.0,
-            loss_scale=loss_scale,
-            seconds=0.0,
-        )
-    return builder.build({})
 
 
 def test_threshold_from_amax_matches_a_torch_cast() -> None:

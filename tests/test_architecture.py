@@ -1,0 +1,120 @@
+"""The shape of the house: imports run one way, and the library never loads the CLI's stack.
+
+Imports are read with ``ast``, at module level and inside functions alike: a function-
+level import is still a dependency (it only defers a heavy load, such as pandas until a
+report is built), and a cycle through one means two modules that each know the other.
+Imports under ``if TYPE_CHECKING:`` never run and are left out: annotations may name a
+class of a module that depends on this one.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "fpaudit"
+# Only these two may import typer or rich (STYLE.md: "Only cli and render import typer or rich").
+PRESENTATION = {"fpaudit.cli", "fpaudit.render", "fpaudit.__main__"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imported(name: str) -> set[str]:
+    """The fpaudit modules ``name`` imports when it runs (not under TYPE_CHECKING)."""
+    tree = ast.parse(MODULES[name].read_text())
+    found: set[str] = set()
+    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        stack.extend(ast.iter_child_nodes(node))
+    return {m for m in found if m in MODULES and m != name}
+
+
+def test_the_import_graph_reads_itself() -> None:
+    # a known edge each way of writing an import, so the parser is not vacuous
+    assert "fpaudit.records" in imported("fpaudit.report")  # from fpaudit.records import (...)
+    assert "fpaudit.analysis" in imported("fpaudit.gating")  # from fpaudit import analysis
+    assert "fpaudit.report" in imported("fpaudit.capture")  # inside build_report
+    assert "fpaudit.report" not in imported("fpaudit.render")  # only under TYPE_CHECKING
+
+
+def test_no_import_cycle_among_fpaudit_modules() -> None:
+    graph = {name: imported(name) for name in MODULES if name != "fpaudit"}
+    # The package's __init__ re-exports the public API lazily; every module imports
+    # it implicitly, so it is not an edge of the graph.
+    for edges in graph.values():
+        edges.discard("fpaudit")
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        path.append(name)
+        for child in sorted(graph[name]):
+            if state.get(child) == 1:
+                cycles.append([*path[path.index(child) :], child])
+            elif child not in state:
+                visit(child)
+        path.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+LIBRARY = sorted(set(MODULES) - PRESENTATION)
+# The framework an integration plugs into is the user's, with its own imports
+# (Lightning loads rich for its progress bars): it is imported first, and the module
+# must load nothing of typer or rich beyond what the framework already had.
+FRAMEWORK = {"fpaudit.integrations.lightning": "lightning.pytorch"}
+
+
+@pytest.mark.parametrize("module", LIBRARY)
+def test_library_module_loads_without_typer_or_rich(module: str) -> None:
+    framework = FRAMEWORK.get(module)
+    if framework is not None:
+        pytest.importorskip(framework)
+    code = (
+        "import sys; "
+        + (f"import {framework}; " if framework else "")
+        + "before = set(sys.modules); "
+        + f"import {module}; "
+        + "new = set(sys.modules) - before; "
+        + "loaded = [m for m in new if m.split('.')[0] in ('rich', 'typer')]; "
+        + "assert not loaded, loaded"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr.strip().splitlines()[-1:]
