@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fpaudit.errors import UsageError
-from fpaudit.outputs import make_parent
+from fpaudit.outputs import write_atomically
 from fpaudit.text import module_label, percent, scale_text
 
 if TYPE_CHECKING:
@@ -259,39 +257,13 @@ def _rows(modules: pd.DataFrame) -> Iterable[dict[str, Any]]:
 
 
 def write_junit(text: str, path: Path) -> None:
-    """Write ``text`` to ``path`` atomically: a temporary file beside it, then a rename.
+    """Write ``text`` (UTF-8, LF) to ``path`` atomically (``outputs.write_atomically``).
 
-    Missing folders are created (``outputs.make_parent``); raises
-    :class:`~fpaudit.errors.UsageError` (one line) when one cannot be or the file
-    cannot be written.
+    Missing folders are created; raises :class:`~fpaudit.errors.UsageError` (one
+    line) when one cannot be or the file cannot be written.
     """
-    path = Path(path)
-    parent = make_parent(path, "--junit")
-    if path.is_dir():
-        raise UsageError(f"--junit: {path} is a directory")
-    try:
-        descriptor, temporary = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as error:
-        raise UsageError(f"--junit: cannot write in {parent} ({error.strerror})") from None
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8", newline="\n") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes it 0600
-        os.replace(temporary, path)
-    except OSError as error:
-        Path(temporary).unlink(missing_ok=True)
-        raise UsageError(f"--junit: cannot write {path} ({error.strerror})") from None
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    data = text.encode("utf-8")
+    write_atomically(path, lambda handle: handle.write(data), option="--junit")
 
 
 def escape_data(text: str) -> str:

@@ -38,18 +38,17 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
 from fpaudit import analysis, config, layout
 from fpaudit.errors import UsageError
 from fpaudit.formats import Format, as_format
-from fpaudit.outputs import make_parent
+from fpaudit.outputs import write_atomically
 from fpaudit.report import Report
 from fpaudit.text import count, module_label, percent
 
@@ -481,34 +480,17 @@ def plot_report(
 
 
 def _save(figure: Figure, target: Path, kind: str) -> Path:
-    """Write ``figure`` to ``target`` atomically (beside it, then renamed)."""
+    """Write ``figure`` to ``target`` atomically (``outputs.write_atomically``)."""
     from matplotlib import rc_context
 
     # SVG: keep text as text (searchable, smaller) and make the file reproducible.
     metadata = {"Date": None} if kind == "svg" else {}
-    try:
-        make_parent(target, "-o")
-        fd, temporary = tempfile.mkstemp(
-            prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
-        )
-    except OSError as error:
-        raise UsageError(f"cannot write {target}: {error.strerror or error}") from None
-    try:
-        with (
-            os.fdopen(fd, "wb") as handle,
-            rc_context({"svg.fonttype": "none", "svg.hashsalt": "fpaudit", **_PLAIN_TEXT}),
-        ):
+
+    def draw(handle: BinaryIO) -> None:
+        with rc_context({"svg.fonttype": "none", "svg.hashsalt": "fpaudit", **_PLAIN_TEXT}):
             figure.savefig(handle, format=kind, dpi=DPI, metadata=metadata)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-    except BaseException as error:
-        Path(temporary).unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise UsageError(f"cannot write {target}: {error.strerror or error}") from None
-        raise
-    return target
+
+    return write_atomically(target, draw, option="-o")
 
 
 # -- block-scaled recipes (--recipe) ------------------------------------------------------------

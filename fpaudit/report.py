@@ -58,7 +58,7 @@ from fpaudit import _signals, config, layout
 from fpaudit.errors import ReportError, ReportExists
 from fpaudit.origins import COLUMNS as ORIGIN_COLUMNS
 from fpaudit.origins import TABLE_NAME as ORIGINS_TABLE
-from fpaudit.outputs import make_parent
+from fpaudit.outputs import STAGING_SUFFIX, hidden_sibling, make_parent, staging_prefix
 from fpaudit.records import (
     BIN_COLUMNS,
     BLOCK_COUNT_COLUMNS,
@@ -414,7 +414,7 @@ def check_target(path: str | os.PathLike[str], force: bool) -> Path:
 
 def recover(target: Path) -> bool:
     """Put back a report that an interrupted replacement left at ``.<name>.old``."""
-    retired = _sibling(target, ".old")
+    retired = hidden_sibling(target, ".old")
     if target.exists() or target.is_symlink() or not (retired / META_FILE).is_file():
         return False
     with contextlib.suppress(OSError):
@@ -433,25 +433,12 @@ def steps_in(target: Path) -> int | None:
     return done if isinstance(done, int) and not isinstance(done, bool) else None
 
 
-def _sibling(target: Path, suffix: str) -> Path:
-    """A hidden name beside ``target`` within any filesystem's 255-byte name limit.
-
-    ``.<name><suffix>`` when that is short; long names keep a readable head and a
-    hash of the whole, so two targets never share a sibling.
-    """
-    name = f".{target.name}{suffix}"
-    if len(os.fsencode(name)) <= 200:
-        return target.with_name(name)
-    digest = hashlib.sha256(os.fsencode(target.name)).hexdigest()[:16]
-    head = os.fsencode(target.name)[:100].decode(errors="ignore")
-    return target.with_name(f".{head}-{digest}{suffix}")
-
-
 def new_staging(target: Path) -> Path:
     """A fresh hidden directory beside ``target`` to write into."""
     make_parent(target, "--out")
-    prefix = _sibling(target, ".").name
-    return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=target.parent))
+    return Path(
+        tempfile.mkdtemp(prefix=staging_prefix(target), suffix=STAGING_SUFFIX, dir=target.parent)
+    )
 
 
 def finish(staging: Path, target: Path) -> None:
@@ -582,7 +569,7 @@ def _lock_path(target: Path) -> Path:
     name = f"{target.name}.lock"
     if len(os.fsencode(name)) <= 255:
         return target.with_name(name)
-    return _sibling(target, ".lock")
+    return hidden_sibling(target, ".lock")
 
 
 def _read_text(path: Path) -> str:
@@ -622,7 +609,7 @@ def _replace_dir(staging: Path, target: Path) -> None:
     elif _exchange(staging, target):
         shutil.rmtree(staging, ignore_errors=True)  # now the old report
     else:
-        retired = _sibling(target, ".old")
+        retired = hidden_sibling(target, ".old")
         shutil.rmtree(retired, ignore_errors=True)
         os.rename(target, retired)
         os.rename(staging, target)

@@ -65,3 +65,51 @@ def test_a_parent_that_cannot_be_created_is_one_line(
         args += ["--", str(ZOO / "keywords.py")]
     line = one_error_line(cli(*args))
     assert f"{flag}: cannot create folder {blocker / 'sub'}" in line, line
+
+
+# -- the one atomic writer (reports stage a directory the same way) ---------------------------
+def test_write_atomically_replaces_and_leaves_only_the_target(tmp_path: Path) -> None:
+    from fpaudit.outputs import write_atomically
+
+    target = tmp_path / "a" / "b.txt"  # the folder is created, like mkdir -p
+    write_atomically(target, lambda handle: handle.write(b"old"), option="-o")
+    write_atomically(target, lambda handle: handle.write(b"new"), option="-o")
+    assert target.read_bytes() == b"new"
+    assert [p.name for p in target.parent.iterdir()] == ["b.txt"]
+
+
+@pytest.mark.parametrize(
+    "interruption", [KeyboardInterrupt, OSError(28, "No space left on device")]
+)
+def test_an_interrupted_write_keeps_the_old_file_and_no_staging(
+    tmp_path: Path, interruption: BaseException | type[BaseException]
+) -> None:
+    from fpaudit.errors import UsageError
+    from fpaudit.outputs import write_atomically
+
+    target = tmp_path / "junit.xml"
+    target.write_bytes(b"old")
+
+    def half(handle: object) -> None:
+        handle.write(b"half")  # type: ignore[attr-defined]  # a BinaryIO
+        raise interruption
+
+    expected = KeyboardInterrupt if interruption is KeyboardInterrupt else UsageError
+    with pytest.raises(expected) as caught:
+        write_atomically(target, half, option="--junit")
+    if expected is UsageError:
+        assert str(caught.value) == f"--junit: cannot write {target} (No space left on device)"
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["junit.xml"]
+
+
+@pytest.mark.parametrize("length", [200, 255])
+def test_staging_names_fit_a_long_target_name(tmp_path: Path, length: int) -> None:
+    from fpaudit.outputs import STAGING_SUFFIX, hidden_sibling, staging_prefix, write_atomically
+
+    target = tmp_path / ("n" * length)
+    # mkstemp adds 8 random characters between prefix and suffix
+    assert len(staging_prefix(target)) + 8 + len(STAGING_SUFFIX) <= 255
+    assert hidden_sibling(target, ".old") != hidden_sibling(tmp_path / ("n" * (length - 1)), ".old")
+    write_atomically(target, lambda handle: handle.write(b"x"), option="-o")
+    assert target.read_bytes() == b"x"
