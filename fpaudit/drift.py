@@ -3,12 +3,14 @@
 Gradients change over training, so a static scale calibrated at step 500 can
 be wrong at step 50,000. The run is cut into windows of consecutive steps;
 each window gets the recommendation its own captured steps would give (the
-same rule as :func:`fpaudit.recommendation.recommend`: the largest power of
-two keeping the window's unscaled amax ``headroom_bits`` below the format's
-maximum), the module that limited it, and its underflow at its own scale and
-at the whole run's scale. The whole run's scale is the smallest of the
-windows' (its amax is the largest), so drift shows up as windows that could
-have used a larger scale and, at the run's scale, lose more to underflow.
+rule of :func:`fpaudit.recommendation.recommend`, applied by
+:func:`~fpaudit.recommendation.log2_scale_for` to the window's unscaled amax:
+the largest power of two keeping it ``headroom_bits`` below the format's
+maximum, within fp32's scale range), the module that limited it, and its
+underflow at its own scale and at the whole run's scale. The whole run's scale
+is the smallest of the windows' (its amax is the largest), so drift shows up as
+windows that could have used a larger scale and, at the run's scale, lose more
+to underflow.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 
 from fpaudit import analysis, config
 from fpaudit.formats import Format
-from fpaudit.recommendation import LOG2_SCALE_MAX, LOG2_SCALE_MIN, largest_log2_scale
+from fpaudit.recommendation import log2_scale_for
 from fpaudit.report import Report
 
 DEFAULT_WINDOWS = 10  # windows per run when --drift-window is not given
@@ -93,12 +95,11 @@ def drift(
     last = int(steps.max()) if len(steps) else -1
     if window_steps is None:
         window_steps = max(1, math.ceil((last - first + 1) / DEFAULT_WINDOWS))
-    limit = math.ldexp(fmt.max_finite, -headroom_bits)
 
     scaling = records[records["scales_with_loss"]]
     unscaled = scaling["amax"] / scaling["loss_scale"]
     run_amax = float(unscaled.max()) if len(unscaled) and unscaled.max() > 0 else 0.0
-    run_k = _clamp(largest_log2_scale(run_amax, limit)) if run_amax > 0 else None
+    run_k, _ = log2_scale_for(run_amax, fmt, headroom_bits)
 
     # One pass over the bins grouped by window (not by step: a long run has thousands of
     # steps, and a cube of bins per step is hundreds of MB to allocate and sum again).
@@ -122,7 +123,7 @@ def drift(
         captured = np.unique(steps_in_scope[(steps_in_scope >= lo) & (steps_in_scope <= hi)])
         in_window = unscaled[window_of_record == w]
         amax = float(in_window.max()) if len(in_window) else 0.0
-        k = _clamp(largest_log2_scale(amax, limit)) if amax > 0 else None
+        k, _ = log2_scale_for(amax, fmt, headroom_bits)
         limiter = scaling.loc[in_window.idxmax()] if amax > 0 else None
         part = analysis.Condensed(
             condensed.groups.iloc[rows].reset_index(drop=True),
@@ -157,10 +158,6 @@ def drift(
 
 
 _WINDOW = "_drift_window"
-
-
-def _clamp(k: int) -> int:
-    return min(max(k, LOG2_SCALE_MIN), LOG2_SCALE_MAX)
 
 
 def window_report(report: Report, first_step: int, last_step: int) -> Report:

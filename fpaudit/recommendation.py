@@ -36,6 +36,18 @@ def largest_log2_scale(amax: float, limit: float) -> int:
     return k
 
 
+def log2_scale_for(amax: float, fmt: Format, headroom_bits: int) -> tuple[int | None, str]:
+    """The rule, on one number: the recommended ``k`` for the largest unscaled value
+    ``amax``, and what limited it ("amax", "scale range" or "no nonzero values", with
+    ``k`` None). ``recommend`` applies it to a report, ``drift`` to each window."""
+    if not amax > 0:
+        return None, "no nonzero values"
+    k = largest_log2_scale(amax, math.ldexp(fmt.max_finite, -headroom_bits))
+    if not LOG2_SCALE_MIN <= k <= LOG2_SCALE_MAX:
+        return min(max(k, LOG2_SCALE_MIN), LOG2_SCALE_MAX), "scale range"
+    return k, "amax"
+
+
 @dataclass(frozen=True)
 class Recommendation:
     format: str
@@ -95,12 +107,8 @@ def recommend(
 
     limiter = records.loc[unscaled.idxmax()]
     amax = float(unscaled.max())
-    limit = math.ldexp(fmt.max_finite, -headroom_bits)
-    k = largest_log2_scale(amax, limit)
-    limited_by = "amax"
-    if not LOG2_SCALE_MIN <= k <= LOG2_SCALE_MAX:
-        k = min(max(k, LOG2_SCALE_MIN), LOG2_SCALE_MAX)
-        limited_by = "scale range"
+    k, limited_by = log2_scale_for(amax, fmt, headroom_bits)
+    assert k is not None  # amax > 0
     overall = analysis.totals(report, fmt, k, scope=scope)
     one_fewer = min(k + 1, LOG2_SCALE_MAX) if limited_by == "amax" else k
     overall_one_fewer = analysis.totals(report, fmt, one_fewer, scope=scope)

@@ -185,6 +185,7 @@ def test_each_window_is_what_recommend_says_of_that_window_alone() -> None:
     assert [(w.first_step, w.last_step) for w in result.windows] == [(0, 2), (3, 5), (6, 8), (9, 9)]
     run_scale = result.run_log2_scale
     assert run_scale is not None
+    assert run_scale == recommend(report, FP16, 4).log2_scale  # the whole run: one rule
     for w in result.windows:
         alone = window_report(report, w.first_step, w.last_step)
         expected = recommend(alone, FP16, 4)
@@ -194,6 +195,16 @@ def test_each_window_is_what_recommend_says_of_that_window_alone() -> None:
         at_run = totals(alone, FP16, run_scale)
         assert w.underflow_at_run_scale == at_run["underflow"] / at_run["nonzero"]
     assert len({w.log2_scale for w in result.windows}) == 4
+
+
+def test_the_scale_rule_on_one_number() -> None:
+    from fpaudit.recommendation import log2_scale_for
+
+    # fp16: limit 65504 / 2^4 = 4094; amax 1 -> 2^11 (2048 <= 4094 < 4096)
+    assert log2_scale_for(1.0, FP16, 4) == (11, "amax")
+    assert log2_scale_for(0.0, FP16, 4) == (None, "no nonzero values")
+    # amax 2^-200: 2^211 would fit, but scales stop at fp32's 2^127
+    assert log2_scale_for(2.0**-200, FP16, 4) == (127, "scale range")
 
 
 def test_window_report_keeps_only_its_steps() -> None:
