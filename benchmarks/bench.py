@@ -294,8 +294,10 @@ def measure_read(rows: int, runs: int, tmp: Path) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
     from big_report import build as build_big
 
+    from fpaudit.report import Report
+
     out = tmp / "big-report"
-    report = build_big(rows).build({"formats": ["fp16"], "headroom_bits": 4})
+    report = Report.from_builder(build_big(rows), {"formats": ["fp16"], "headroom_bits": 4})
     report.write(out, force=True)
     gate = [*FPAUDIT, "gate", str(out), "--max-underflow", "0.01"]
     recommend = [*FPAUDIT, "recommend", str(out)]

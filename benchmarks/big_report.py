@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from fpaudit import histogram
-from fpaudit.report import KIND_BACKWARD, KIND_GRAD, RecordKey, ReportBuilder, StepRecords
+from fpaudit.records import KIND_BACKWARD, KIND_GRAD, RecordKey, ReportBuilder, StepRecords
+from fpaudit.report import Report
 
 RECORDS_PER_STEP = 64
 BINS_PER_RECORD = 80
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--rows", type=int, default=10_000_000)
     args = parser.parse_args(argv)
-    report = build(args.rows).build({"formats": ["fp16"], "headroom_bits": 4})
+    report = Report.from_builder(build(args.rows), {"formats": ["fp16"], "headroom_bits": 4})
     report.write(args.out, force=True)
     print(f"{len(report.bins):,} histogram rows, {len(report.records):,} records -> {args.out}")
     return 0

@@ -162,8 +162,8 @@ def held_dtype(report: Report) -> str | None:
 
 def live_dtypes(report: Report) -> tuple[str, ...]:
     """In a live (--amp) report, the low-precision dtype the recommendation is about."""
-    dtype = report.meta.get("amp_dtype")
-    return (dtype,) if isinstance(dtype, str) else ()
+    dtype = report.info.amp_dtype
+    return (dtype,) if dtype is not None else ()
 
 
 def default_scope(report: Report, include_loss: bool = False) -> Scope:
@@ -319,7 +319,7 @@ def _condense(report: Report, scope: Scope, by: Sequence[str]) -> Condensed:
         fixed.astype(np.int64).reshape(n_groups, layout.N_BINADES, layout.N_CLASSES),
     )
     if "module" in by:
-        order = {name: i for i, name in enumerate(report.meta.get("modules", []))}
+        order = {name: i for i, name in enumerate(report.info.modules)}
         rank = result.groups["module"].map(lambda m: order.get(m, len(order))).to_numpy()
         permutation = np.argsort(rank, kind="stable")
         result = Condensed(

@@ -60,7 +60,7 @@ def block_table(
         table["saturate_fraction"] = np.where(nonzero > 0, table["saturated"] / nonzero, 0.0)
         table["subnormal_fraction"] = np.where(nonzero > 0, table["subnormal"] / nonzero, 0.0)
     if "module" in by:
-        order = {name: i for i, name in enumerate(report.meta.get("modules", []))}
+        order = {name: i for i, name in enumerate(report.info.modules)}
         table["_order"] = table["module"].map(lambda m: order.get(m, len(order)))
         table = table.sort_values(["_order", "flush_fraction"], ascending=[True, False])
         table = table.drop(columns="_order")

@@ -217,8 +217,8 @@ def _range_reason(
 
 
 def _steps_run(report: Report) -> int:
-    done = report.meta.get("steps_run")
-    if isinstance(done, int) and not isinstance(done, bool):
+    done = report.info.steps_run
+    if done is not None:
         return done
     return int(report.steps["step"].nunique()) if len(report.steps) else 0
 
@@ -230,7 +230,7 @@ def _nonfinite(report: Report, scope: analysis.Scope) -> tuple[int, int]:
     a scan skips the optimizer on inf/NaN because the run is broken."""
     steps = report.steps
     excused = steps["skipped"].to_numpy(dtype=bool)
-    if not isinstance(report.meta.get("scaler"), dict):
+    if report.info.scaler is None:
         excused = np.zeros(len(steps), dtype=bool)
     skipped = set(steps.loc[excused, "step"].astype(int))
     records = scope.select(report.records)
@@ -286,12 +286,11 @@ def _evidence(
 def _nothing_reason(report: Report, overall: dict[str, Any]) -> str:
     """Why the scope holds no nonzero finite value, as far as the report tells."""
     hints = []
-    selection = report.meta.get("selection")
-    if isinstance(selection, dict) and selection:
+    selection = report.info.selection
+    if selection:
         globs = "; ".join(
             f"--{key.replace('_', '-').removesuffix('s')} {' '.join(map(str, value))}"
             for key, value in selection.items()
-            if isinstance(value, list)
         )
         hints.append(f"the scan's selection was {globs}")
     if report.records.empty:
@@ -300,7 +299,7 @@ def _nothing_reason(report: Report, overall: dict[str, Any]) -> str:
         elements, zeros = int(overall["elements"]), int(overall["zeros"])
         special = int(overall["nonfinite"])
         hints.append(f"{elements:,} value(s) in scope: {zeros:,} zero, {special:,} inf or NaN")
-    out_of_range = int(report.meta.get("out_of_range", 0) or 0)
+    out_of_range = report.info.out_of_range
     if out_of_range:
         hints.append(f"{out_of_range:,} value(s) lay outside fp32's range and were not binned")
     return (

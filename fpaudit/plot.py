@@ -381,9 +381,11 @@ def _steps_panel(ax: Axes, report: Report, panel: _Panel) -> None:
 
 
 def _source(report: Report) -> str:
-    source = report.meta.get("model_file") or report.meta.get("script") or ""
-    steps = report.meta.get("steps_run", report.meta.get("steps", len(report.steps)))
-    captured = report.meta.get("steps", steps)
+    info = report.info
+    source = info.source
+    captured_or_all = info.steps if info.steps is not None else len(report.steps)
+    steps = info.steps_run if info.steps_run is not None else captured_or_all
+    captured = info.steps if info.steps is not None else steps
     parts = [str(Path(str(source)).name)] if source else []
     parts.append(f"{steps} step(s)" + (f", {captured} captured" if captured != steps else ""))
     dtype = analysis.live_dtypes(report)

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -404,8 +404,8 @@ def report_notes(report: Report, *, incomplete: bool = True) -> None:
     reason = report.incompleteness() if incomplete else None
     if reason is not None:
         sys.stderr.write(f"fpaudit: note: this report is incomplete: {reason}\n")
-    out_of_range = report.meta.get("out_of_range")
-    if isinstance(out_of_range, int) and out_of_range > 0:
+    out_of_range = report.info.out_of_range
+    if out_of_range > 0:
         sys.stderr.write(
             f"fpaudit: note: {count(out_of_range)} recorded fp64 value(s) lay outside fp32's "
             "range (nonzero below 2^-149, or finite above fp32's max): they are binned as zero "
@@ -540,7 +540,7 @@ def findings(items: Sequence[dict[str, Any]], console: Console | None = None) ->
         )
 
 
-def skip_lines(stats: dict[str, Any], scaler: dict[str, Any] | None) -> list[str]:
+def skip_lines(stats: Mapping[str, Any], scaler: Mapping[str, Any] | None) -> list[str]:
     """Skipped steps, with calibration told apart (expected on a fresh dynamic scaler)."""
     total, skipped = stats["steps"], stats["skipped"]
     if not scaler:
@@ -616,14 +616,15 @@ def run_summary(
     drift_result: Drift | None,
 ) -> None:
     console = stdout()
-    meta = report.meta
+    info = report.info
     steps = report.steps
     captured = int(steps["captured"].sum()) if len(steps) else 0
     console.print(
-        f"Ran {meta['script']}: {meta['steps_run']} optimizer step(s), {captured} captured; "
+        f"Ran {info.script}: {info.steps_run} optimizer step(s), {captured} captured; "
         f"report written to {path}"
     )
-    for line in skip_lines(meta["training"], meta.get("scaler")):
+    assert info.training is not None  # fpaudit run records it
+    for line in skip_lines(info.training, info.scaler):
         console.print(line)
     for line in scale_lines(steps):
         console.print(line)
@@ -640,9 +641,9 @@ def steps_view(report: Any, limit: int, items: Sequence[dict[str, Any]]) -> None
     """``show --steps``: skip rate, scale sparkline, findings, and the steps table."""
     console = stdout()
     steps = report.steps
-    meta = report.meta
-    if "training" in meta and isinstance(meta["training"], dict):
-        for line in skip_lines(meta["training"], meta.get("scaler")):
+    info = report.info
+    if info.training is not None:
+        for line in skip_lines(info.training, info.scaler):
             console.print(line)
     else:
         skipped = int(steps["skipped"].sum())
@@ -838,21 +839,14 @@ def origins_view(
             f"{len(found)} op call(s) made inf/NaN from finite inputs (origins); "
             f"{carried} more only carried them (propagation, not blamed)."
         )
-        grid = Table(title="origins, in execution order", title_justify="left")
-        for name in ("step", "phase", "module", "op", "inf/NaN", "of", "largest finite input"):
-            grid.add_column(name, justify="left" if name in ("phase", "module", "op") else "right",
-                            no_wrap=True)  # fmt: skip
-        for row in found.head(top).itertuples():
-            grid.add_row(
-                str(row.step),
-                str(row.phase),
-                module_label(str(row.module)),
-                str(row.op),
-                f"{row.nonfinite:,}",
-                f"{row.elements:,}",
-                f"{row.largest_finite_input:.4g}",
+        console.print(
+            _op_calls_table(
+                found.head(top),
+                {"inf/NaN": "{:,}", "of": "{:,}", "largest finite input": "{:.4g}"},
+                ("nonfinite", "elements", "largest_finite_input"),
+                title="origins, in execution order",
             )
-        console.print(grid)
+        )
         if len(found) > top:
             console.print(f"… {len(found) - top} more (--top N, or --json)")
     first = predicted[predicted["first"]]
@@ -867,20 +861,33 @@ def origins_view(
         f"Predicted at S = {scale_text(log2_scale)}: {len(predicted)} op call(s) reach {edge} "
         f"({fmt.name}) from inputs below it; the first of each step:"
     )
-    grid = Table(title_justify="left")
-    for name in ("step", "phase", "module", "op", "value at S", "largest input at S"):
+    console.print(
+        _op_calls_table(
+            first.head(top),
+            {"value at S": "{:.4g}", "largest input at S": "{:.4g}"},
+            ("value_at_scale", "largest_input_at_scale"),
+        )
+    )
+
+
+def _op_calls_table(
+    rows: pd.DataFrame, shown: dict[str, str], columns: Sequence[str], title: str | None = None
+) -> Table:
+    """Op calls, one a row: step, phase, module, op, then ``columns`` of ``rows`` under
+    the headers of ``shown`` (header -> format), right-aligned."""
+    grid = Table(title=title, title_justify="left")
+    for name in ("step", "phase", "module", "op", *shown):
         grid.add_column(name, justify="left" if name in ("phase", "module", "op") else "right",
                         no_wrap=True)  # fmt: skip
-    for row in first.head(top).itertuples():
+    for row in rows.to_dict(orient="records"):
+        numbers = [
+            pattern.format(row[c]) for pattern, c in zip(shown.values(), columns, strict=True)
+        ]
         grid.add_row(
-            str(row.step),
-            str(row.phase),
-            module_label(str(row.module)),
-            str(row.op),
-            f"{row.value_at_scale:.4g}",
-            f"{row.largest_input_at_scale:.4g}",
-        )
-    console.print(grid)
+            str(row["step"]), str(row["phase"]), module_label(str(row["module"])), str(row["op"]),
+            *numbers,
+        )  # fmt: skip
+    return grid
 
 
 def fp16_plan(plan: Fp16Plan) -> None:

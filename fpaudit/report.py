@@ -1,4 +1,5 @@
-"""The report: a directory of Parquet tables plus ``meta.json``. Nothing else writes files.
+"""The report: a directory of Parquet tables plus ``meta.json``, written only here
+(other outputs, JUnit files and images, go through ``fpaudit.outputs.write_atomically``).
 
 Schema version 3 (documented in the README, "Report format"; version 1 reports,
 whose steps table lacks the training-loop columns, and version 2 reports, which
@@ -69,6 +70,7 @@ from fpaudit.records import (
     STEP_DEFAULTS,
     ReportBuilder,
 )
+from fpaudit.runinfo import RunInfo
 
 __all__ = [
     "BINS_SCHEMA",
@@ -172,9 +174,15 @@ class Report:
     origins: pd.DataFrame | None = field(default=None, compare=False)  # scan --origins
 
     @property
+    def info(self) -> RunInfo:
+        """The run this report describes, typed (read from ``meta`` each time, so an
+        update of ``meta`` shows at once)."""
+        return RunInfo.from_meta(self.meta)
+
+    @property
     def complete(self) -> bool:
         """False when the run was interrupted (the report then holds the completed steps)."""
-        return self.meta.get("complete", True) is not False
+        return self.info.complete
 
     def inexact_scales(self) -> list[float]:
         """The loss scales of captured values that are not powers of two (a training
@@ -186,14 +194,13 @@ class Report:
 
     def incompleteness(self) -> str | None:
         """Why the report is incomplete, in words, or None."""
-        if self.complete:
+        info = self.info
+        if info.complete:
             return None
-        by = self.meta.get("stopped_by") or "an interruption"
-        done, asked = self.meta.get("steps_run"), self.meta.get("steps_requested")
+        by = info.stopped_by or "an interruption"
+        done, asked = info.steps_run, info.steps_requested
         steps = (
-            f" after {done} of {asked} step(s)"
-            if isinstance(done, int) and isinstance(asked, int)
-            else ""
+            f" after {done} of {asked} step(s)" if done is not None and asked is not None else ""
         )
         return f"the run was stopped by {by}{steps}"
 
@@ -203,7 +210,8 @@ class Report:
         return sorted({int(r) for r in self.steps["rank"]} | {int(r) for r in self.records["rank"]})
 
     def for_rank(self, rank: int) -> Report:
-        """What one rank recorded, as a report of its own (record ids renumbered)."""
+        """What one rank recorded, as a report of its own (record ids renumbered; the
+        optional tables keep that rank's rows)."""
         keep = (self.records["rank"] == rank).to_numpy()
         new_id = np.full(len(keep), -1, dtype=np.int64)
         new_id[keep] = np.arange(int(keep.sum()))
@@ -213,22 +221,40 @@ class Report:
         records = records.assign(record_id=np.arange(len(records), dtype=np.int32))
         steps = self.steps[self.steps["rank"] == rank]
         meta = {**self.meta, "ranks": 1, "rank": rank}
-        blocks = None
-        if self.blocks is not None:
-            blocks = self.blocks[self.blocks["rank"] == rank].reset_index(drop=True)
-        return Report(
+        part = Report(
             meta,
             records.reset_index(drop=True),
             bins.reset_index(drop=True),
             steps.reset_index(drop=True),
-            blocks=blocks,
         )
+        for name in OPTIONAL_TABLES:
+            table: pd.DataFrame | None = getattr(self, name)
+            if table is not None:
+                mine = self._rank_of_rows(name, table) == rank
+                setattr(part, name, table[mine].reset_index(drop=True))
+        return part
+
+    def _rank_of_rows(self, name: str, table: pd.DataFrame) -> np.ndarray:
+        """The rank that recorded each row of optional table ``name``: its ``rank`` column
+        where it has one, else what the merge of ranks noted, else this report's one rank
+        (-1 where a report of several ranks does not know)."""
+        if "rank" in table.columns:
+            column: np.ndarray = table["rank"].to_numpy(dtype=np.int64)
+            return column
+        noted = self._table_ranks.get(name)
+        if noted is not None:
+            return noted
+        ranks = self.ranks
+        return np.full(len(table), ranks[0] if len(ranks) == 1 else -1, dtype=np.int64)
 
     # Values derived from the tables (fpaudit.analysis's condensed histograms), by key;
     # valid while the tables are unchanged. Filled only through ``cached``.
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     blocks: pd.DataFrame | None = field(default=None, compare=False)
     """Block-scaled statistics (``--recipe``), or None when no recipe was audited."""
+    # Per optional table without a rank column (origins), the rank of each row, noted
+    # when the ranks' parts of a report are merged (``for_rank`` splits them again).
+    _table_ranks: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def cached(self, key: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, computed once per ``key`` for this report (a derived value
@@ -268,8 +294,7 @@ class Report:
     @property
     def recipes(self) -> list[str]:
         """The recipes whose block statistics this report holds (meta ``recipes``)."""
-        recipes = self.meta.get("recipes")
-        return list(recipes) if isinstance(recipes, list) else []
+        return list(self.info.recipes)
 
     # -- writing ---------------------------------------------------------
     def write(self, path: str | os.PathLike[str], *, force: bool = False) -> Path:
@@ -736,9 +761,14 @@ def _merge_ranks(parts: list[Report], meta: dict[str, Any], root: Path) -> Repor
     for name in ("records", "bins"):
         merged[name]["record_id"] = merged[name]["record_id"].astype(np.int32)
     report = Report(meta, merged["records"], merged["bins"], merged["steps"], path=root)
-    blocks = [p.blocks for p in parts if p.blocks is not None]
-    if blocks:
-        report.blocks = pd.concat(blocks, ignore_index=True)
+    for name in OPTIONAL_TABLES:  # part i holds rank i's tables (rank_prefix(i))
+        present = [(rank, t) for rank, p in enumerate(parts) if (t := getattr(p, name)) is not None]
+        if not present:
+            continue
+        setattr(report, name, pd.concat([t for _, t in present], ignore_index=True))
+        if "rank" not in present[0][1].columns:
+            ranks = [np.full(len(t), rank, dtype=np.int64) for rank, t in present]
+            report._table_ranks[name] = np.concatenate(ranks)
     return report
 
 

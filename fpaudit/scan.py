@@ -26,6 +26,7 @@ from fpaudit.capture import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, ModelExit, UsageError
 from fpaudit.recipes import get_recipe
 from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
+from fpaudit.runinfo import RunInfo
 
 if TYPE_CHECKING:
     from fpaudit.report import Report
@@ -233,26 +234,28 @@ def _scan(
         exited = error
 
     report = audit.report
+    held = str(AMP_DTYPES[options.amp]).removeprefix("torch.") if options.amp else None
+    run = RunInfo(
+        command="scan",
+        model_file=str(path),
+        steps_requested=options.steps,
+        steps_run=steps_run,
+        complete=interrupted is None and exited is None,
+        stopped_by=interrupted.signal_name
+        if interrupted is not None
+        else ("an exit in model code" if exited is not None else None),
+        selection=options.selection.describe(),
+        amp=options.amp,
+        amp_dtype=held,
+    )
     report.meta.update(
         {
-            "command": "scan",
-            "model_file": str(path),
-            "steps_requested": options.steps,
-            "steps_run": steps_run,
-            "complete": interrupted is None and exited is None,
-            "stopped_by": interrupted.signal_name
-            if interrupted is not None
-            else ("an exit in model code" if exited is not None else None),
+            **run.to_meta(),
             "loss_scale": options.loss_scale,
             "seed": options.seed,
             "device": str(device),
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
             "every": options.every,
-            "selection": options.selection.describe(),
-            "amp": options.amp,
-            "amp_dtype": str(AMP_DTYPES[options.amp]).removeprefix("torch.")
-            if options.amp
-            else None,
             "shadow": options.shadow,
             "forward": options.forward or options.origins,
             "origins": options.origins,

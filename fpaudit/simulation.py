@@ -51,7 +51,8 @@ class Thresholds:
 
 def observed(report: Report) -> bool:
     """Do the report's skips tell real overflow in low precision? (run, or a live scan)"""
-    return report.meta.get("command") == "run" or bool(report.meta.get("amp_dtype"))
+    info = report.info
+    return info.command == "run" or bool(info.amp_dtype)
 
 
 def thresholds(report: Report, fmt: Format, scope: analysis.Scope) -> Thresholds:
@@ -204,8 +205,8 @@ def _underflow(
 
 def default_settings(report: Report, policy: str) -> dict[str, Any]:
     """The real scaler's settings where the report recorded them (torch policy only)."""
-    recorded = report.meta.get("scaler")
-    if policy != "torch" or not isinstance(recorded, dict):
+    recorded = report.info.scaler
+    if policy != "torch" or recorded is None:
         return {}
     keys = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
     return {k: recorded[k] for k in keys if isinstance(recorded.get(k), int | float)}

@@ -54,6 +54,7 @@ from fpaudit._torch_patches import Call
 from fpaudit.capture import Audit, Selection
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, UsageError
 from fpaudit.records import LOSS_MODULE, STEP_COLUMNS, STEP_DEFAULTS, ReportBuilder
+from fpaudit.runinfo import RunInfo
 
 if TYPE_CHECKING:
     from fpaudit.report import Report
@@ -983,17 +984,22 @@ def run_script(
     from fpaudit.analysis import held_dtype
 
     amp_dtype = held_dtype(report)
+    run = RunInfo(
+        command="run",
+        script=str(path),
+        steps_requested=options.max_steps,
+        steps_run=len(monitor.steps),
+        complete=failure is None and interrupted is None,
+        stopped_by=stopped_by,
+        selection=options.selection.describe(),
+        amp={"float16": "fp16", "bfloat16": "bf16"}.get(amp_dtype or ""),
+        amp_dtype=amp_dtype,
+    )
     report.meta.update(
         {
-            "command": "run",
-            "script": str(path),
+            **run.to_meta(),
             "script_args": list(args),
-            "steps_requested": options.max_steps,
-            "steps_run": len(monitor.steps),
-            "complete": failure is None and interrupted is None,
-            "stopped_by": stopped_by,
             "capture_every": options.capture_every,
-            "selection": options.selection.describe(),
             "scaler": monitor.scaler_settings,
             "optimizers": monitor.optimizers,
             "schedulers": monitor.schedulers,
@@ -1001,8 +1007,6 @@ def run_script(
             "audited_model": type(monitor.audited_model).__name__
             if monitor.audited_model is not None
             else None,
-            "amp": {"float16": "fp16", "bfloat16": "bf16"}.get(amp_dtype or ""),
-            "amp_dtype": amp_dtype,
             "findings": [f.to_dict() for f in findings],
             "training": skip_statistics(np.array(table["skipped"], dtype=bool)),
             **(meta or {}),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -281,3 +282,58 @@ def test_bins_are_summed_per_record_exactly_in_or_out_of_order(records: int, ord
     ]
     assert _sum_by_record(refs, counts, records).tolist() == expected
     assert _sum_by_record(refs[:0], counts[:0], records).tolist() == [0] * records
+
+
+def _origin_rows(module: str, steps: list[int]) -> dict[str, list[Any]]:
+    n = len(steps)
+    return {
+        "step": steps, "sequence": list(range(1, n + 1)), "phase": ["backward"] * n,
+        "module": [module] * n, "node": ["MulBackward0"] * n, "op": ["aten.mul.Tensor"] * n,
+        "output": [0] * n, "dtype": ["float32"] * n, "scales_with_loss": [True] * n,
+        "loss_scale": [1.0] * n, "elements": [4] * n, "nonfinite": [1] * n, "amax": [2.0] * n,
+        "inputs_nonfinite": [False] * n, "input_amax_scaled": [1.0] * n,
+        "input_amax_fixed": [0.0] * n,
+    }  # fmt: skip
+
+
+def _block_rows(rank: int, module: str) -> dict[str, list[Any]]:
+    from fpaudit import blockstats
+    from fpaudit.records import BLOCK_COUNT_COLUMNS
+
+    return {
+        "rank": [rank], "step": [0], "kind": ["backward"], "module": [module],
+        "node": ["MulBackward0"], "op": ["aten.mul.Tensor"], "output": [0],
+        "dtype": ["float32"], "recipe": ["mxfp8_e4m3"],
+        **{name: [rank + 1] for name in BLOCK_COUNT_COLUMNS},
+        "scale_codes": [[0] * blockstats.N_SCALE_CODES],
+        "dynamic_range": [[0] * blockstats.N_RANGES],
+    }  # fmt: skip
+
+
+def test_for_rank_keeps_that_ranks_rows_of_every_optional_table(tmp_path: Path) -> None:
+    from fpaudit.origins import table_from_columns
+    from fpaudit.report import BLOCKS_SCHEMA, OPTIONAL_TABLES, _merge_ranks, frame
+
+    # Two ranks' parts as a reader finds them: rank 0 has 2 origin rows, rank 1 has 1.
+    parts = []
+    for rank, module, origin_steps in ((0, "a", [0, 1]), (1, "b", [1])):
+        part = report_from({module: torch.tensor([1.0, 2.0**-30])})
+        part.records["rank"] = np.int16(rank)
+        part.steps["rank"] = np.int16(rank)
+        part.origins = table_from_columns(_origin_rows(module, origin_steps))
+        part.blocks = frame(_block_rows(rank, module), BLOCKS_SCHEMA)
+        parts.append(part)
+    merged = _merge_ranks(parts, {**parts[0].meta, "ranks": 2}, tmp_path)
+    assert set(OPTIONAL_TABLES) == {"origins", "blocks"}  # both are checked below
+    assert merged.origins is not None and len(merged.origins) == 3
+    for rank, module, origin_steps in ((0, "a", [0, 1]), (1, "b", [1])):
+        alone = merged.for_rank(rank)
+        assert alone.origins is not None and alone.blocks is not None
+        assert list(alone.origins["module"]) == [module] * len(origin_steps)
+        assert list(alone.origins["step"]) == origin_steps
+        assert list(alone.blocks["module"]) == [module]
+        assert list(alone.blocks["zero"]) == [rank + 1]
+        assert list(alone.records["module"]) == [module]
+    # a one-rank report keeps its whole optional tables
+    single = parts[0].for_rank(0)
+    assert single.origins is not None and len(single.origins) == 2

@@ -35,6 +35,7 @@ from torch import nn
 from fpaudit.capture import Audit, Selection, StepSummary
 from fpaudit.errors import UsageError
 from fpaudit.formats import get_format
+from fpaudit.runinfo import RunInfo
 
 if TYPE_CHECKING:
     from fpaudit.report import Report
@@ -211,18 +212,21 @@ class AuditSession:
         formats = self.formats or (_AMP_NAMES.get(amp_dtype or "", "fp16"),)
         model = self.model
         first = next(model.parameters(), None) if model is not None else None
+        run = RunInfo(
+            command=self.command,
+            steps_requested=self.steps,
+            steps_run=max(steps_run, 0),
+            complete=stopped_by is None,
+            stopped_by=stopped_by,
+            selection=self.selection.describe(),
+            amp=_AMP_NAMES.get(amp_dtype or ""),
+            amp_dtype=amp_dtype,
+        )
         report.meta.update(
             {
-                "command": self.command,
+                **run.to_meta(),
                 "formats": list(formats),
-                "steps_requested": self.steps,
-                "steps_run": max(steps_run, 0),
-                "complete": stopped_by is None,
-                "stopped_by": stopped_by,
                 "every": self.every,
-                "selection": self.selection.describe(),
-                "amp": _AMP_NAMES.get(amp_dtype or ""),
-                "amp_dtype": amp_dtype,
                 "capture_dtype": str(first.dtype).removeprefix("torch.")
                 if first is not None
                 else None,
@@ -232,7 +236,7 @@ class AuditSession:
         )
         self.report = report
         self.path = self._write(report, stopped_by)
-        if not report.meta["steps"]:
+        if not report.info.steps:
             warnings.warn(
                 f"fpaudit: no optimizer step was audited; {self.out} holds an empty report",
                 stacklevel=2,

@@ -1,0 +1,115 @@
+"""What a report says about its run: one frozen dataclass, one schema.
+
+A report's ``meta.json`` is a JSON object (its format is unchanged, so reports of
+every readable schema version still read). :class:`RunInfo` is the typed view of
+the fields that several modules write or read: commands that write a report
+(``scan``, ``run``, the training integrations) build one and merge
+:meth:`RunInfo.to_meta` into the metadata; readers use ``Report.info``
+(:meth:`RunInfo.from_meta`), never string keys. Fields a report lacks (an older
+report, or one built by the ``Audit`` API without a command) read as their
+defaults. Plain Python: no pandas, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RunInfo"]
+
+# Written by every command that writes a report, None included (readers have always
+# found them there); the other fields are written only when set.
+_ALWAYS = (
+    "command",
+    "steps_requested",
+    "steps_run",
+    "complete",
+    "stopped_by",
+    "selection",
+    "amp",
+    "amp_dtype",
+)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    command: str | None = None  # "scan", "run", or an integration's name
+    steps_requested: int | None = None  # None: run until the script ends
+    steps_run: int | None = None  # completed steps (None: no command recorded any)
+    complete: bool = True  # False: the run was interrupted
+    stopped_by: str | None = None  # what interrupted it, in words
+    selection: Mapping[str, Sequence[str]] = field(default_factory=dict)  # option -> globs
+    amp: str | None = None  # "fp16" or "bf16" when autocast ran
+    amp_dtype: str | None = None  # the dtype autocast held values in ("float16", ...)
+    model_file: str | None = None  # scan: the model file
+    script: str | None = None  # run: the training script
+    # Recorded with the tables (Report.from_builder, capture); read here, not written.
+    steps: int | None = None  # captured steps
+    modules: tuple[str, ...] = ()  # module names in network order
+    out_of_range: int = 0  # fp64 values outside fp32's range (binned as zero or inf)
+    recipes: tuple[str, ...] = ()  # block-scaled recipes audited (--recipe)
+    # run: the loss scaler's settings and skip statistics (fpaudit.training)
+    scaler: Mapping[str, Any] | None = None
+    training: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> RunInfo:
+        """The typed view of ``meta`` (checked on read by ``fpaudit.report``); a field
+        of the wrong type reads as its default."""
+
+        def of(name: str, *types: type) -> Any:
+            value = meta.get(name)
+            ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+            return value if ok else None
+
+        def strings(name: str) -> tuple[str, ...]:
+            value = meta.get(name)
+            return tuple(str(v) for v in value) if isinstance(value, list | tuple) else ()
+
+        selection = meta.get("selection")
+        complete = meta.get("complete", True)
+        return cls(
+            command=of("command", str),
+            steps_requested=of("steps_requested", int),
+            steps_run=of("steps_run", int),
+            complete=complete is not False,
+            stopped_by=of("stopped_by", str),
+            selection={
+                str(k): tuple(str(p) for p in v)
+                for k, v in (selection.items() if isinstance(selection, dict) else ())
+                if isinstance(v, list | tuple)
+            },
+            amp=of("amp", str),
+            amp_dtype=of("amp_dtype", str),
+            model_file=of("model_file", str),
+            script=of("script", str),
+            steps=of("steps", int),
+            modules=strings("modules"),
+            out_of_range=of("out_of_range", int) or 0,
+            recipes=strings("recipes"),
+            scaler=of("scaler", dict),
+            training=of("training", dict),
+        )
+
+    def to_meta(self) -> dict[str, Any]:
+        """The metadata entries of this run (JSON types), to merge into ``Report.meta``."""
+        meta: dict[str, Any] = {}
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if item.name in ("steps", "modules", "out_of_range", "recipes"):
+                continue  # written with the tables
+            if item.name not in _ALWAYS and value is None:
+                continue
+            if item.name == "selection":
+                value = {k: list(v) for k, v in value.items()}
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            meta[item.name] = value
+        return meta
+
+    @property
+    def source(self) -> str:
+        """The model file or training script the run audited ("" when neither)."""
+        return self.model_file or self.script or ""

@@ -1,0 +1,71 @@
+"""RunInfo: the run metadata's one schema, written by commands and read by everyone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fpaudit.report import Report
+from fpaudit.runinfo import RunInfo
+
+from .conftest import SAMPLES
+from .reports import report_from
+
+
+def test_written_fields_read_back_the_same() -> None:
+    info = RunInfo(
+        command="scan",
+        model_file="m.py",
+        steps_requested=4,
+        steps_run=3,
+        complete=False,
+        stopped_by="SIGINT",
+        selection={"modules": ["a.*"]},
+        amp="fp16",
+        amp_dtype="float16",
+    )
+    meta = info.to_meta()
+    # the always-written fields, None included; the optional ones only when set
+    assert meta == {
+        "command": "scan",
+        "model_file": "m.py",
+        "steps_requested": 4,
+        "steps_run": 3,
+        "complete": False,
+        "stopped_by": "SIGINT",
+        "selection": {"modules": ["a.*"]},
+        "amp": "fp16",
+        "amp_dtype": "float16",
+    }
+    assert RunInfo.from_meta(meta) == RunInfo(
+        **{**info.__dict__, "selection": {"modules": ("a.*",)}}
+    )
+
+
+def test_a_report_without_a_command_reads_the_defaults() -> None:
+    import torch
+
+    report = report_from({"a": torch.tensor([1.0, 2.0**-30])})  # Audit-API-like: no command
+    info = report.info
+    assert info.command is None and info.steps_run is None and info.complete
+    assert info.steps == 1 and info.modules == ("a",) and info.selection == {}
+    assert info.source == "" and info.scaler is None and info.training is None
+
+
+def test_info_follows_the_metadata_and_wrong_types_read_as_defaults() -> None:
+    import torch
+
+    report = report_from({"a": torch.tensor([1.0])})
+    report.meta.update({"steps_run": True, "amp_dtype": 3, "script": "train.py"})
+    info = report.info
+    assert info.steps_run is None and info.amp_dtype is None  # a bool is no step count
+    assert info.source == "train.py"
+
+
+def test_a_scanned_report_on_disk_reads_through_info(cli, tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    result = cli("scan", SAMPLES / "quadratic.py", "--steps", "2", "--out", out)
+    assert result.code == 0, result.stderr
+    info = Report.read(out).info
+    assert info.command == "scan" and info.steps_run == 2 and info.steps_requested == 2
+    assert info.complete and info.stopped_by is None
+    assert info.model_file == str(SAMPLES / "quadratic.py") and info.amp is None
