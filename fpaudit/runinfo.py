@@ -17,7 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RunInfo"]
+__all__ = ["AMP_NAMES", "RunInfo"]
+
+AMP_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
+"""The name of the format autocast held values in, by dtype (``--amp fp16`` / ``bf16``)."""
 
 # Written by every command that writes a report, None included (readers have always
 # found them there); the other fields are written only when set.
@@ -28,9 +31,8 @@ _ALWAYS = (
     "complete",
     "stopped_by",
     "selection",
-    "amp",
     "amp_dtype",
-)
+)  # and "amp", derived from amp_dtype
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,6 @@ class RunInfo:
     complete: bool = True  # False: the run was interrupted
     stopped_by: str | None = None  # what interrupted it, in words
     selection: Mapping[str, Sequence[str]] = field(default_factory=dict)  # option -> globs
-    amp: str | None = None  # "fp16" or "bf16" when autocast ran
     amp_dtype: str | None = None  # the dtype autocast held values in ("float16", ...)
     model_file: str | None = None  # scan: the model file
     script: str | None = None  # run: the training script
@@ -81,7 +82,6 @@ class RunInfo:
                 for k, v in (selection.items() if isinstance(selection, dict) else ())
                 if isinstance(v, list | tuple)
             },
-            amp=of("amp", str),
             amp_dtype=of("amp_dtype", str),
             model_file=of("model_file", str),
             script=of("script", str),
@@ -107,7 +107,13 @@ class RunInfo:
             elif isinstance(value, Mapping):
                 value = dict(value)
             meta[item.name] = value
+        meta["amp"] = self.amp
         return meta
+
+    @property
+    def amp(self) -> str | None:
+        """ "fp16" or "bf16" when autocast ran (from ``amp_dtype``), else None."""
+        return AMP_NAMES.get(self.amp_dtype or "")
 
     @property
     def source(self) -> str:

@@ -245,7 +245,6 @@ def _scan(
         if interrupted is not None
         else ("an exit in model code" if exited is not None else None),
         selection=options.selection.describe(),
-        amp=options.amp,
         amp_dtype=held,
     )
     report.meta.update(

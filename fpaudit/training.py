@@ -992,7 +992,6 @@ def run_script(
         complete=failure is None and interrupted is None,
         stopped_by=stopped_by,
         selection=options.selection.describe(),
-        amp={"float16": "fp16", "bfloat16": "bf16"}.get(amp_dtype or ""),
         amp_dtype=amp_dtype,
     )
     report.meta.update(

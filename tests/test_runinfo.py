@@ -20,7 +20,6 @@ def test_written_fields_read_back_the_same() -> None:
         complete=False,
         stopped_by="SIGINT",
         selection={"modules": ["a.*"]},
-        amp="fp16",
         amp_dtype="float16",
     )
     meta = info.to_meta()

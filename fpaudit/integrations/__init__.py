@@ -35,14 +35,12 @@ from torch import nn
 from fpaudit.capture import Audit, Selection, StepSummary
 from fpaudit.errors import UsageError
 from fpaudit.formats import get_format
-from fpaudit.runinfo import RunInfo
+from fpaudit.runinfo import AMP_NAMES, RunInfo
 
 if TYPE_CHECKING:
     from fpaudit.report import Report
 
 __all__ = ["AuditSession", "Patches", "scale_tensor", "unscaled"]
-
-_AMP_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 class AuditSession:
@@ -209,7 +207,7 @@ class AuditSession:
         from fpaudit.analysis import held_dtype
 
         amp_dtype = held_dtype(report)
-        formats = self.formats or (_AMP_NAMES.get(amp_dtype or "", "fp16"),)
+        formats = self.formats or (AMP_NAMES.get(amp_dtype or "", "fp16"),)
         model = self.model
         first = next(model.parameters(), None) if model is not None else None
         run = RunInfo(
@@ -219,7 +217,6 @@ class AuditSession:
             complete=stopped_by is None,
             stopped_by=stopped_by,
             selection=self.selection.describe(),
-            amp=_AMP_NAMES.get(amp_dtype or ""),
             amp_dtype=amp_dtype,
         )
         report.meta.update(
