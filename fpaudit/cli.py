@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from fpaudit import __version__, config, render
+from fpaudit import __version__, config, limits, render
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, ReportExists, UsageError
 from fpaudit.formats import FORMATS, Format, get_format
+from fpaudit.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.recipes import RECIPES
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 
 # The analysis and report modules are imported inside the commands: pandas and
 # pyarrow are not needed while `scan` trains, and torch not to read a report.
-DEFAULT_HEADROOM_BITS = config.DEFAULT_HEADROOM_BITS
 
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1
@@ -263,9 +263,9 @@ def _load_cpu_kernel() -> None:
 
 
 def _headroom(value: int) -> int:
-    if not 0 <= value <= config.MAX_HEADROOM_BITS:
+    if not 0 <= value <= limits.MAX_HEADROOM_BITS:
         raise UsageError(
-            f"--headroom-bits must be between 0 and {config.MAX_HEADROOM_BITS}, got {value}"
+            f"--headroom-bits must be between 0 and {limits.MAX_HEADROOM_BITS}, got {value}"
         )
     return value
 

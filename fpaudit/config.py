@@ -17,13 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from fpaudit.errors import ConfigError, UsageError
+from fpaudit.limits import LOG2_SCALE_MAX, LOG2_SCALE_MIN
 
-DEFAULT_HEADROOM_BITS = 4  # binades kept free below a format's max, as PopART's 1/16 bin edge
-MAX_HEADROOM_BITS = 64  # more than any format's range (fp32 spans 277 binades, fp16 40)
-
-# A loss scale is an fp32 number: keep it a normal one.
-LOG2_SCALE_MIN = -126
-LOG2_SCALE_MAX = 127
 _POWER = re.compile(r"^\s*2\s*(\^|\*\*)\s*([+-]?\d+)\s*$")
 
 

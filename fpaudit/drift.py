@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from fpaudit import analysis, config
+from fpaudit import analysis, limits
 from fpaudit.formats import Format
-from fpaudit.recommendation import LOG2_SCALE_MAX, LOG2_SCALE_MIN, largest_log2_scale
+from fpaudit.limits import LOG2_SCALE_MAX, LOG2_SCALE_MIN
+from fpaudit.recommendation import largest_log2_scale
 from fpaudit.report import Report
 
 DEFAULT_WINDOWS = 10  # windows per run when --drift-window is not given
@@ -76,7 +77,7 @@ class Drift:
 def drift(
     report: Report,
     fmt: Format,
-    headroom_bits: int = config.DEFAULT_HEADROOM_BITS,
+    headroom_bits: int = limits.DEFAULT_HEADROOM_BITS,
     *,
     window_steps: int | None = None,
     threshold_binades: int = DEFAULT_DRIFT_BINADES,
