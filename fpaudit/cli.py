@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from fpaudit import __version__, config, limits, render
-from fpaudit.errors import FpauditError, Interrupted, ModelFileError, ReportExists, UsageError
+from fpaudit.errors import (
+    FpauditError,
+    Interrupted,
+    ModelFileError,
+    OptionError,
+    ReportExists,
+    UsageError,
+)
 from fpaudit.formats import FORMATS, Format, get_format
 from fpaudit.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.recipes import RECIPES
@@ -1668,6 +1675,8 @@ def run(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         if isinstance(error, ReportExists):  # the library says force=True
             render.error_line(f"{error.target} already exists; pass --force to overwrite it")
+        elif isinstance(error, OptionError):  # the library names its parameter
+            render.error_line(error.as_flag())
         else:
             render.error_line(str(error))
         return error.exit_code

@@ -23,7 +23,7 @@ import torch
 
 from fpaudit import distributed, modelfile
 from fpaudit.capture import Audit, Selection, StepSummary
-from fpaudit.errors import Interrupted, ModelExit, UsageError
+from fpaudit.errors import Interrupted, ModelExit, OptionError, UsageError
 from fpaudit.recipes import get_recipe
 from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
 
@@ -50,19 +50,19 @@ class ScanOptions:
         for name in self.recipes:
             get_recipe(name)  # an unknown name is a one-line UsageError
         if self.steps < 1:
-            raise UsageError(f"--steps must be at least 1, got {self.steps}")
+            raise OptionError("steps", f"must be at least 1, got {self.steps}")
         if self.every < 1:
-            raise UsageError(f"--every must be at least 1, got {self.every}")
+            raise OptionError("every", f"must be at least 1, got {self.every}")
         if self.window < 1:
-            raise UsageError(f"--window must be at least 1, got {self.window}")
+            raise OptionError("window", f"must be at least 1, got {self.window}")
         if self.amp is not None and self.amp not in AMP_DTYPES:
-            raise UsageError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got {self.amp!r}")
+            raise OptionError("amp", f"must be one of {', '.join(AMP_DTYPES)}, got {self.amp!r}")
         if self.shadow and self.amp is None:
             raise UsageError("--shadow compares low-precision ops with fp32: it needs --amp")
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
-            raise UsageError(f"--loss-scale must be a positive number, got {self.loss_scale}")
+            raise OptionError("loss_scale", f"must be a positive number, got {self.loss_scale}")
         if math.frexp(self.loss_scale)[0] != 0.5:
-            raise UsageError(f"--loss-scale must be a power of two, got {self.loss_scale:g}")
+            raise OptionError("loss_scale", f"must be a power of two, got {self.loss_scale:g}")
 
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -52,7 +52,7 @@ from fpaudit import _torch_patches as patches
 from fpaudit import modelfile
 from fpaudit._torch_patches import Call
 from fpaudit.capture import Audit, Selection
-from fpaudit.errors import FpauditError, Interrupted, ModelFileError, UsageError
+from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionError
 from fpaudit.records import LOSS_MODULE, STEP_COLUMNS, STEP_DEFAULTS, ReportBuilder
 
 if TYPE_CHECKING:
@@ -83,15 +83,17 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
-            raise UsageError(f"--max-steps must be at least 1, got {self.max_steps}")
+            raise OptionError("max_steps", f"must be at least 1, got {self.max_steps}")
         if self.capture_every < 0:
-            raise UsageError(f"--capture-every must be 0 (never) or more, got {self.capture_every}")
+            raise OptionError(
+                "capture_every", f"must be 0 (never) or more, got {self.capture_every}"
+            )
         if self.window < 1:
-            raise UsageError(f"--window must be at least 1, got {self.window}")
+            raise OptionError("window", f"must be at least 1, got {self.window}")
         if self.max_backoffs < 1:
-            raise UsageError(f"--max-backoffs must be at least 1, got {self.max_backoffs}")
+            raise OptionError("max_backoffs", f"must be at least 1, got {self.max_backoffs}")
         if not 0.0 <= self.max_skip_rate <= 1.0:
-            raise UsageError(f"--max-skip-rate must be between 0 and 1, got {self.max_skip_rate}")
+            raise OptionError("max_skip_rate", f"must be between 0 and 1, got {self.max_skip_rate}")
 
 
 # -- findings ---------------------------------------------------------------

@@ -226,3 +226,21 @@ def test_a_table_value_is_not_a_top_level_key(tmp_path: Path) -> None:
     path = _toml(tmp_path, "scan = 3\n")
     with pytest.raises(ConfigError, match=r"unknown key 'scan'"):
         config.load(path)
+
+
+# -- library errors name parameters; the CLI names flags ---------------------
+
+
+def test_library_option_errors_name_the_parameter_and_the_cli_the_flag() -> None:
+    from fpaudit.errors import OptionError
+    from fpaudit.scan import ScanOptions
+    from fpaudit.training import RunOptions
+
+    with pytest.raises(OptionError) as caught:
+        ScanOptions(steps=0)
+    assert str(caught.value) == "steps must be at least 1, got 0"
+    assert caught.value.as_flag() == "--steps must be at least 1, got 0"
+    with pytest.raises(OptionError) as caught:
+        RunOptions(max_skip_rate=2.0)
+    assert str(caught.value) == "max_skip_rate must be between 0 and 1, got 2.0"
+    assert caught.value.as_flag() == "--max-skip-rate must be between 0 and 1, got 2.0"
