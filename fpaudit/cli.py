@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from fpaudit import __version__, config, limits, render
+from fpaudit import options as specs  # commands name their merged options `options`
 from fpaudit.errors import (
     FpauditError,
     Interrupted,
@@ -103,7 +104,7 @@ HeadroomOption = Annotated[
     int | None,
     typer.Option(
         "--headroom-bits",
-        help=f"Binades kept free below the format's max [default: {DEFAULT_HEADROOM_BITS}].",
+        help=specs.help_text("scan", "headroom_bits"),
     ),
 ]
 IncludeLossOption = Annotated[
@@ -323,10 +324,10 @@ def scan_command(
         typer.Argument(help="Python file defining model, batches and loss.", show_default=False),
     ],
     steps: Annotated[
-        int | None, typer.Option("--steps", "-n", help="Training steps to run [default: 10].")
+        int | None, typer.Option("--steps", "-n", help=specs.help_text("scan", "steps"))
     ] = None,
     device: Annotated[
-        str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")
+        str | None, typer.Option("--device", help=specs.help_text("scan", "device"))
     ] = None,
     format_: Annotated[
         list[str] | None,
@@ -341,7 +342,7 @@ def scan_command(
     ] = None,
     config_file: ConfigOption = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")
+        int | None, typer.Option("--seed", help=specs.help_text("scan", "seed"))
     ] = None,
     loss_scale: Annotated[
         str | None,
@@ -357,15 +358,11 @@ def scan_command(
     ] = None,
     every: Annotated[
         int | None,
-        typer.Option(
-            "--every", help="Capture every K-th step only; the others run unaudited [default: 1]."
-        ),
+        typer.Option("--every", help=specs.help_text("scan", "every")),
     ] = None,
     window: Annotated[
         int | None,
-        typer.Option(
-            "--window", help="Merge the records of W consecutive captured steps [default: 1]."
-        ),
+        typer.Option("--window", help=specs.help_text("scan", "window")),
     ] = None,
     module: Annotated[
         list[str] | None,
@@ -438,10 +435,10 @@ def scan_command(
              exclude_module=exclude_module, op=op, exclude_op=exclude_op, amp=amp, shadow=shadow,
              forward=forward, origins=origins,
              replace_partial=replace_partial, recipe=recipe),
-        dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
-             include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False,
-             every=1, window=1, module=[], exclude_module=[], op=[], exclude_op=[], amp=None,
-             shadow=False, forward=False, origins=False, replace_partial=False, recipe=[]),
+        dict(format=["fp16"], include_loss=False, out="fpaudit-report", loss_scale="1", top=8,
+             force=False, module=[], exclude_module=[], op=[], exclude_op=[], amp=None,
+             shadow=False, forward=False, origins=False, replace_partial=False, recipe=[],
+             **specs.defaults("scan")),
     )  # fmt: skip
     formats = [get_format(name) for name in dict.fromkeys(options["format"])]
     headroom = _headroom(options["headroom_bits"])
@@ -577,22 +574,18 @@ def run_command(
     ] = None,
     max_steps: Annotated[
         int | None,
-        typer.Option(
-            "--max-steps", help="Stop the script after N optimizer steps [default: none]."
-        ),
+        typer.Option("--max-steps", help=specs.help_text("run", "max_steps")),
     ] = None,
     capture_every: Annotated[
         int | None,
         typer.Option(
             "--capture-every",
-            help="Record every backward op on every K-th step; 0: never [default: 10].",
+            help=specs.help_text("run", "capture_every"),
         ),
     ] = None,
     window: Annotated[
         int | None,
-        typer.Option(
-            "--window", help="Merge the records of W consecutive captured steps [default: 1]."
-        ),
+        typer.Option("--window", help=specs.help_text("scan", "window")),
     ] = None,
     format_: FormatOption = None,
     headroom_bits: HeadroomOption = None,
@@ -616,14 +609,14 @@ def run_command(
         int | None,
         typer.Option(
             "--max-backoffs",
-            help="More consecutive scale back-offs than this is a finding [default: 5].",
+            help=specs.help_text("run", "max_backoffs"),
         ),
     ] = None,
     max_skip_rate: Annotated[
         float | None,
         typer.Option(
             "--max-skip-rate",
-            help="A higher skip rate after calibration is a finding, 0..1 [default: 0.02].",
+            help=specs.help_text("run", "max_skip_rate"),
         ),
     ] = None,
     drift_window: DriftWindowOption = None,
@@ -651,10 +644,9 @@ def run_command(
              exclude_module=exclude_module, op=op, exclude_op=exclude_op,
              max_backoffs=max_backoffs, max_skip_rate=max_skip_rate, drift_window=drift_window,
              drift_binades=drift_binades, replace_partial=replace_partial),
-        dict(out="fpaudit-run", force=False, max_steps=None, capture_every=10, window=1,
-             format=None, headroom_bits=DEFAULT_HEADROOM_BITS, module=[], exclude_module=[],
-             op=[], exclude_op=[], max_backoffs=5, max_skip_rate=0.02, drift_window=None,
-             drift_binades=None, replace_partial=False),
+        dict(out="fpaudit-run", force=False, format=None, module=[], exclude_module=[],
+             op=[], exclude_op=[], drift_window=None, drift_binades=None,
+             replace_partial=False, **specs.defaults("run")),
     )  # fmt: skip
     fmt_name = options["format"][0] if isinstance(options["format"], list) else options["format"]
     fmt = get_format(fmt_name) if fmt_name is not None else None
@@ -1479,10 +1471,10 @@ def verify_command(
         ),
     ] = None,
     device: Annotated[
-        str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")
+        str | None, typer.Option("--device", help=specs.help_text("scan", "device"))
     ] = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")
+        int | None, typer.Option("--seed", help=specs.help_text("scan", "seed"))
     ] = None,
     json_output: JsonOption = None,
 ) -> None:
@@ -1505,8 +1497,8 @@ def verify_command(
             log2_scale=config.parse_scale(scale),
             amp=amp or "fp16",
             clip_norm=clip_norm,
-            device=device or "auto",
-            seed=0 if seed is None else seed,
+            device=device or specs.default_str("verify", "device"),
+            seed=specs.default_int("verify", "seed") if seed is None else seed,
         )
     if json_output:
         render.print_json(result.to_dict())
@@ -1535,10 +1527,10 @@ def fp16_plan_command(
         ),
     ] = None,
     device: Annotated[
-        str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")
+        str | None, typer.Option("--device", help=specs.help_text("scan", "device"))
     ] = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")
+        int | None, typer.Option("--seed", help=specs.help_text("scan", "seed"))
     ] = None,
     json_output: JsonOption = None,
 ) -> None:
@@ -1555,8 +1547,8 @@ def fp16_plan_command(
         steps=fp16plan.DEFAULT_STEPS if steps is None else steps,
         headroom_bits=fp16plan.DEFAULT_HEADROOM_BITS if headroom_bits is None else headroom_bits,
         max_underflow=fp16plan.DEFAULT_MAX_UNDERFLOW if max_underflow is None else max_underflow,
-        device=device or "auto",
-        seed=0 if seed is None else seed,
+        device=device or specs.default_str("verify", "device"),
+        seed=specs.default_int("verify", "seed") if seed is None else seed,
     )
     if json_output:
         render.print_json(plan.to_dict())

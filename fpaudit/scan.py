@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fpaudit import distributed, modelfile
+from fpaudit import distributed, modelfile, options
 from fpaudit.capture import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, ModelExit, OptionError, UsageError
 from fpaudit.recipes import get_recipe
@@ -33,12 +33,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ScanOptions:
-    steps: int = 10
-    device: str = "auto"
+    # defaults: the one declaration of each option, fpaudit.options
+    steps: int = options.default_int("scan", "steps")
+    device: str = options.default_str("scan", "device")
     loss_scale: float = 1.0
-    seed: int | None = 0
-    every: int = 1  # capture every K-th step (0, K, 2K, ...); the others run unaudited
-    window: int = 1  # merge the records of this many consecutive captured steps
+    seed: int | None = options.default_int("scan", "seed")
+    every: int = options.default_int("scan", "every")  # capture steps 0, K, 2K, ...
+    window: int = options.default_int("scan", "window")  # merge W consecutive captured steps
     selection: Selection = field(default_factory=Selection)
     amp: str | None = None  # live mode: "fp16" or "bf16", forward under torch.autocast
     shadow: bool = False  # re-run low-precision backward ops in fp32 to count lost values

@@ -49,7 +49,7 @@ from torch import nn
 
 import fpaudit
 from fpaudit import _torch_patches as patches
-from fpaudit import modelfile
+from fpaudit import modelfile, options
 from fpaudit._torch_patches import Call
 from fpaudit.capture import Audit, Selection
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionError
@@ -73,12 +73,13 @@ class StopRun(BaseException):
 
 @dataclass(frozen=True)
 class RunOptions:
+    # defaults: the one declaration of each option, fpaudit.options
     max_steps: int | None = None  # stop after this many optimizer steps
-    capture_every: int = 10  # capture backward ops every K-th step; 0: never
-    window: int = 1  # merge the records of W consecutive captured steps
+    capture_every: int = options.default_int("run", "capture_every")  # 0: never
+    window: int = options.default_int("run", "window")  # merge W consecutive captured steps
     selection: Selection = field(default_factory=Selection)
-    max_backoffs: int = 5  # more consecutive scale back-offs than this is a finding
-    max_skip_rate: float = 0.02  # a higher skip rate after calibration is a finding
+    max_backoffs: int = options.default_int("run", "max_backoffs")  # more is a finding
+    max_skip_rate: float = options.default_float("run", "max_skip_rate")  # more is a finding
     watch_grad_reads: bool = True  # find .grad reads while the gradients are scaled
 
     def __post_init__(self) -> None:
