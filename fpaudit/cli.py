@@ -127,6 +127,29 @@ DriftBinadesOption = Annotated[
         help="Warn when per-window recommendations span more binades than this [default: 2].",
     ),
 ]
+# The output and selection groups scan and run share, from their one declaration.
+ForceOption = Annotated[
+    bool | None, typer.Option("--force/--no-force", help=specs.help_text("scan", "force"))
+]
+ReplacePartialOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--replace-partial/--keep-complete", help=specs.help_text("scan", "replace_partial")
+    ),
+]
+WindowOption = Annotated[
+    int | None, typer.Option("--window", help=specs.help_text("scan", "window"))
+]
+ModuleOption = Annotated[
+    list[str] | None, typer.Option("--module", help=specs.help_text("scan", "module"))
+]
+ExcludeModuleOption = Annotated[
+    list[str] | None,
+    typer.Option("--exclude-module", help=specs.help_text("scan", "exclude_module")),
+]
+ExcludeOpOption = Annotated[
+    list[str] | None, typer.Option("--exclude-op", help=specs.help_text("scan", "exclude_op"))
+]
 ReportArgument = Annotated[
     Path,
     typer.Argument(
@@ -353,35 +376,21 @@ def scan_command(
     top: Annotated[
         int | None, typer.Option("--top", help="Modules in the summary table [default: 8].")
     ] = None,
-    force: Annotated[
-        bool | None, typer.Option("--force/--no-force", help="Overwrite an existing report.")
-    ] = None,
+    force: ForceOption = None,
     every: Annotated[
         int | None,
         typer.Option("--every", help=specs.help_text("scan", "every")),
     ] = None,
-    window: Annotated[
-        int | None,
-        typer.Option("--window", help=specs.help_text("scan", "window")),
-    ] = None,
-    module: Annotated[
-        list[str] | None,
-        typer.Option("--module", help="Capture only modules matching this glob (repeatable)."),
-    ] = None,
-    exclude_module: Annotated[
-        list[str] | None,
-        typer.Option("--exclude-module", help="Skip modules matching this glob (repeatable)."),
-    ] = None,
+    window: WindowOption = None,
+    module: ModuleOption = None,
+    exclude_module: ExcludeModuleOption = None,
     op: Annotated[
         list[str] | None,
         typer.Option(
             "--op", help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)."
         ),
     ] = None,
-    exclude_op: Annotated[
-        list[str] | None,
-        typer.Option("--exclude-op", help="Skip aten ops matching this glob (repeatable)."),
-    ] = None,
+    exclude_op: ExcludeOpOption = None,
     amp: Annotated[
         str | None,
         typer.Option(
@@ -410,13 +419,7 @@ def scan_command(
             "--forward); see show --origins.",
         ),
     ] = None,
-    replace_partial: Annotated[
-        bool | None,
-        typer.Option(
-            "--replace-partial/--keep-complete",
-            help="Let an interrupted run's report replace one with more completed steps.",
-        ),
-    ] = None,
+    replace_partial: ReplacePartialOption = None,
     recipe: RecipeOption = None,
 ) -> None:
     """Run a model file for some steps and record every backward op.
@@ -569,9 +572,7 @@ def run_command(
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Report directory [default: fpaudit-run].")
     ] = None,
-    force: Annotated[
-        bool | None, typer.Option("--force/--no-force", help="Overwrite an existing report.")
-    ] = None,
+    force: ForceOption = None,
     max_steps: Annotated[
         int | None,
         typer.Option("--max-steps", help=specs.help_text("run", "max_steps")),
@@ -583,28 +584,16 @@ def run_command(
             help=specs.help_text("run", "capture_every"),
         ),
     ] = None,
-    window: Annotated[
-        int | None,
-        typer.Option("--window", help=specs.help_text("scan", "window")),
-    ] = None,
+    window: WindowOption = None,
     format_: FormatOption = None,
     headroom_bits: HeadroomOption = None,
-    module: Annotated[
-        list[str] | None,
-        typer.Option("--module", help="Capture only modules matching this glob (repeatable)."),
-    ] = None,
-    exclude_module: Annotated[
-        list[str] | None,
-        typer.Option("--exclude-module", help="Skip modules matching this glob (repeatable)."),
-    ] = None,
+    module: ModuleOption = None,
+    exclude_module: ExcludeModuleOption = None,
     op: Annotated[
         list[str] | None,
         typer.Option("--op", help="Capture only aten ops matching this glob (repeatable)."),
     ] = None,
-    exclude_op: Annotated[
-        list[str] | None,
-        typer.Option("--exclude-op", help="Skip aten ops matching this glob (repeatable)."),
-    ] = None,
+    exclude_op: ExcludeOpOption = None,
     max_backoffs: Annotated[
         int | None,
         typer.Option(
@@ -621,13 +610,7 @@ def run_command(
     ] = None,
     drift_window: DriftWindowOption = None,
     drift_binades: DriftBinadesOption = None,
-    replace_partial: Annotated[
-        bool | None,
-        typer.Option(
-            "--replace-partial/--keep-complete",
-            help="Let an interrupted run's report replace one with more completed steps.",
-        ),
-    ] = None,
+    replace_partial: ReplacePartialOption = None,
     config_file: ConfigOption = None,
 ) -> None:
     """Run an unmodified training script and audit its loop: scaler, skips, clipping, drift.

@@ -45,6 +45,8 @@ class Spec:
 
     def help_text(self) -> str:
         """The help with its default shown, as rich would otherwise drop it."""
+        if not self.has_default:
+            return f"{self.help}."
         return f"{self.help} [default: {_shown(self.default)}]."
 
 
@@ -59,8 +61,13 @@ _LIVE = ("scan", "verify", "fp16-plan")  # commands that run a model file
 SPECS: tuple[Spec, ...] = (
     # -- scan and run share the output and selection groups ------------------
     Spec("out", "str", _OUTPUT),
-    Spec("force", "bool", _OUTPUT),
-    Spec("replace_partial", "bool", _OUTPUT),
+    Spec("force", "bool", _OUTPUT, help="Overwrite an existing report"),
+    Spec(
+        "replace_partial",
+        "bool",
+        _OUTPUT,
+        help="Let an interrupted run's report replace one with more completed steps",
+    ),
     Spec(
         "window",
         "int",
@@ -68,10 +75,14 @@ SPECS: tuple[Spec, ...] = (
         default=1,
         help="Merge the records of W consecutive captured steps",
     ),
-    Spec("module", "patterns", _OUTPUT),
-    Spec("exclude_module", "patterns", _OUTPUT),
+    Spec(
+        "module", "patterns", _OUTPUT, help="Capture only modules matching this glob (repeatable)"
+    ),
+    Spec(
+        "exclude_module", "patterns", _OUTPUT, help="Skip modules matching this glob (repeatable)"
+    ),
     Spec("op", "patterns", _OUTPUT),
-    Spec("exclude_op", "patterns", _OUTPUT),
+    Spec("exclude_op", "patterns", _OUTPUT, help="Skip aten ops matching this glob (repeatable)"),
     # -- scan ------------------------------------------------------------------
     Spec("steps", "int", ("scan",), default=10, help="Training steps to run"),
     Spec("device", "str", _LIVE, default="auto", help="auto, cpu, cuda or cuda:N"),
