@@ -361,7 +361,7 @@ def scan_command(
     headroom_bits: HeadroomOption = None,
     include_loss: IncludeLossOption = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Report directory [default: fpaudit-report].")
+        Path | None, typer.Option("--out", "-o", help=specs.help_text("scan", "out"))
     ] = None,
     config_file: ConfigOption = None,
     seed: Annotated[
@@ -373,9 +373,7 @@ def scan_command(
             "--loss-scale", help="Run backward with this power-of-two loss scale [default: 1]."
         ),
     ] = None,
-    top: Annotated[
-        int | None, typer.Option("--top", help="Modules in the summary table [default: 8].")
-    ] = None,
+    top: Annotated[int | None, typer.Option("--top", help=specs.help_text("scan", "top"))] = None,
     force: ForceOption = None,
     every: Annotated[
         int | None,
@@ -438,8 +436,8 @@ def scan_command(
              exclude_module=exclude_module, op=op, exclude_op=exclude_op, amp=amp, shadow=shadow,
              forward=forward, origins=origins,
              replace_partial=replace_partial, recipe=recipe),
-        dict(format=["fp16"], include_loss=False, out="fpaudit-report", loss_scale="1", top=8,
-             force=False, module=[], exclude_module=[], op=[], exclude_op=[], amp=None,
+        dict(format=["fp16"], include_loss=False, loss_scale="1", force=False, module=[],
+             exclude_module=[], op=[], exclude_op=[], amp=None,
              shadow=False, forward=False, origins=False, replace_partial=False, recipe=[],
              **specs.defaults("scan")),
     )  # fmt: skip
@@ -570,7 +568,7 @@ def run_command(
         ),
     ],
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Report directory [default: fpaudit-run].")
+        Path | None, typer.Option("--out", "-o", help=specs.help_text("run", "out"))
     ] = None,
     force: ForceOption = None,
     max_steps: Annotated[
@@ -627,7 +625,7 @@ def run_command(
              exclude_module=exclude_module, op=op, exclude_op=exclude_op,
              max_backoffs=max_backoffs, max_skip_rate=max_skip_rate, drift_window=drift_window,
              drift_binades=drift_binades, replace_partial=replace_partial),
-        dict(out="fpaudit-run", force=False, format=None, module=[], exclude_module=[],
+        dict(force=False, format=None, module=[], exclude_module=[],
              op=[], exclude_op=[], drift_window=None, drift_binades=None,
              replace_partial=False, **specs.defaults("run")),
     )  # fmt: skip

@@ -60,7 +60,8 @@ _LIVE = ("scan", "verify", "fp16-plan")  # commands that run a model file
 
 SPECS: tuple[Spec, ...] = (
     # -- scan and run share the output and selection groups ------------------
-    Spec("out", "str", _OUTPUT),
+    Spec("out", "str", ("scan",), default="fpaudit-report", help="Report directory"),
+    Spec("out", "str", ("run",), default="fpaudit-run", help="Report directory"),
     Spec("force", "bool", _OUTPUT, help="Overwrite an existing report"),
     Spec(
         "replace_partial",
@@ -139,7 +140,8 @@ SPECS: tuple[Spec, ...] = (
         help="Binades kept free below the format's max",
     ),
     Spec("include_loss", "bool", ("scan", "recommend", "gate")),
-    Spec("top", "int", ("scan", "show")),
+    Spec("top", "int", ("scan",), default=8, help="Modules in the summary table"),
+    Spec("top", "int", ("show",)),
     Spec("origins", "bool", ("scan", "show")),
     Spec("drift_window", "int", ("run", "recommend")),
     Spec("drift_binades", "int", ("run", "recommend")),
