@@ -22,9 +22,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from fpaudit import __version__, config, render
-from fpaudit.errors import FpauditError, Interrupted, ModelFileError, ReportExists, UsageError
+from fpaudit import __version__, config, limits, render
+from fpaudit import options as specs  # commands name their merged options `options`
+from fpaudit.errors import (
+    FpauditError,
+    Interrupted,
+    ModelFileError,
+    OptionError,
+    ReportExists,
+    UsageError,
+)
 from fpaudit.formats import FORMATS, Format, get_format
+from fpaudit.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.recipes import RECIPES
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
@@ -34,7 +43,6 @@ if TYPE_CHECKING:
 
 # The analysis and report modules are imported inside the commands: pandas and
 # pyarrow are not needed while `scan` trains, and torch not to read a report.
-DEFAULT_HEADROOM_BITS = config.DEFAULT_HEADROOM_BITS
 
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1
@@ -96,7 +104,7 @@ HeadroomOption = Annotated[
     int | None,
     typer.Option(
         "--headroom-bits",
-        help=f"Binades kept free below the format's max [default: {DEFAULT_HEADROOM_BITS}].",
+        help=specs.help_text("scan", "headroom_bits"),
     ),
 ]
 IncludeLossOption = Annotated[
@@ -118,6 +126,29 @@ DriftBinadesOption = Annotated[
         "--drift-binades",
         help="Warn when per-window recommendations span more binades than this [default: 2].",
     ),
+]
+# The output and selection groups scan and run share, from their one declaration.
+ForceOption = Annotated[
+    bool | None, typer.Option("--force/--no-force", help=specs.help_text("scan", "force"))
+]
+ReplacePartialOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--replace-partial/--keep-complete", help=specs.help_text("scan", "replace_partial")
+    ),
+]
+WindowOption = Annotated[
+    int | None, typer.Option("--window", help=specs.help_text("scan", "window"))
+]
+ModuleOption = Annotated[
+    list[str] | None, typer.Option("--module", help=specs.help_text("scan", "module"))
+]
+ExcludeModuleOption = Annotated[
+    list[str] | None,
+    typer.Option("--exclude-module", help=specs.help_text("scan", "exclude_module")),
+]
+ExcludeOpOption = Annotated[
+    list[str] | None, typer.Option("--exclude-op", help=specs.help_text("scan", "exclude_op"))
 ]
 ReportArgument = Annotated[
     Path,
@@ -263,9 +294,9 @@ def _load_cpu_kernel() -> None:
 
 
 def _headroom(value: int) -> int:
-    if not 0 <= value <= config.MAX_HEADROOM_BITS:
+    if not 0 <= value <= limits.MAX_HEADROOM_BITS:
         raise UsageError(
-            f"--headroom-bits must be between 0 and {config.MAX_HEADROOM_BITS}, got {value}"
+            f"--headroom-bits must be between 0 and {limits.MAX_HEADROOM_BITS}, got {value}"
         )
     return value
 
@@ -316,10 +347,10 @@ def scan_command(
         typer.Argument(help="Python file defining model, batches and loss.", show_default=False),
     ],
     steps: Annotated[
-        int | None, typer.Option("--steps", "-n", help="Training steps to run [default: 10].")
+        int | None, typer.Option("--steps", "-n", help=specs.help_text("scan", "steps"))
     ] = None,
     device: Annotated[
-        str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")
+        str | None, typer.Option("--device", help=specs.help_text("scan", "device"))
     ] = None,
     format_: Annotated[
         list[str] | None,
@@ -330,11 +361,11 @@ def scan_command(
     headroom_bits: HeadroomOption = None,
     include_loss: IncludeLossOption = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Report directory [default: fpaudit-report].")
+        Path | None, typer.Option("--out", "-o", help=specs.help_text("scan", "out"))
     ] = None,
     config_file: ConfigOption = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")
+        int | None, typer.Option("--seed", help=specs.help_text("scan", "seed"))
     ] = None,
     loss_scale: Annotated[
         str | None,
@@ -342,42 +373,22 @@ def scan_command(
             "--loss-scale", help="Run backward with this power-of-two loss scale [default: 1]."
         ),
     ] = None,
-    top: Annotated[
-        int | None, typer.Option("--top", help="Modules in the summary table [default: 8].")
-    ] = None,
-    force: Annotated[
-        bool | None, typer.Option("--force/--no-force", help="Overwrite an existing report.")
-    ] = None,
+    top: Annotated[int | None, typer.Option("--top", help=specs.help_text("scan", "top"))] = None,
+    force: ForceOption = None,
     every: Annotated[
         int | None,
-        typer.Option(
-            "--every", help="Capture every K-th step only; the others run unaudited [default: 1]."
-        ),
+        typer.Option("--every", help=specs.help_text("scan", "every")),
     ] = None,
-    window: Annotated[
-        int | None,
-        typer.Option(
-            "--window", help="Merge the records of W consecutive captured steps [default: 1]."
-        ),
-    ] = None,
-    module: Annotated[
-        list[str] | None,
-        typer.Option("--module", help="Capture only modules matching this glob (repeatable)."),
-    ] = None,
-    exclude_module: Annotated[
-        list[str] | None,
-        typer.Option("--exclude-module", help="Skip modules matching this glob (repeatable)."),
-    ] = None,
+    window: WindowOption = None,
+    module: ModuleOption = None,
+    exclude_module: ExcludeModuleOption = None,
     op: Annotated[
         list[str] | None,
         typer.Option(
             "--op", help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)."
         ),
     ] = None,
-    exclude_op: Annotated[
-        list[str] | None,
-        typer.Option("--exclude-op", help="Skip aten ops matching this glob (repeatable)."),
-    ] = None,
+    exclude_op: ExcludeOpOption = None,
     amp: Annotated[
         str | None,
         typer.Option(
@@ -406,13 +417,7 @@ def scan_command(
             "--forward); see show --origins.",
         ),
     ] = None,
-    replace_partial: Annotated[
-        bool | None,
-        typer.Option(
-            "--replace-partial/--keep-complete",
-            help="Let an interrupted run's report replace one with more completed steps.",
-        ),
-    ] = None,
+    replace_partial: ReplacePartialOption = None,
     recipe: RecipeOption = None,
 ) -> None:
     """Run a model file for some steps and record every backward op.
@@ -431,10 +436,10 @@ def scan_command(
              exclude_module=exclude_module, op=op, exclude_op=exclude_op, amp=amp, shadow=shadow,
              forward=forward, origins=origins,
              replace_partial=replace_partial, recipe=recipe),
-        dict(steps=10, device="auto", format=["fp16"], headroom_bits=DEFAULT_HEADROOM_BITS,
-             include_loss=False, out="fpaudit-report", seed=0, loss_scale="1", top=8, force=False,
-             every=1, window=1, module=[], exclude_module=[], op=[], exclude_op=[], amp=None,
-             shadow=False, forward=False, origins=False, replace_partial=False, recipe=[]),
+        dict(format=["fp16"], include_loss=False, loss_scale="1", force=False, module=[],
+             exclude_module=[], op=[], exclude_op=[], amp=None,
+             shadow=False, forward=False, origins=False, replace_partial=False, recipe=[],
+             **specs.defaults("scan")),
     )  # fmt: skip
     formats = [get_format(name) for name in dict.fromkeys(options["format"])]
     headroom = _headroom(options["headroom_bits"])
@@ -563,71 +568,47 @@ def run_command(
         ),
     ],
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Report directory [default: fpaudit-run].")
+        Path | None, typer.Option("--out", "-o", help=specs.help_text("run", "out"))
     ] = None,
-    force: Annotated[
-        bool | None, typer.Option("--force/--no-force", help="Overwrite an existing report.")
-    ] = None,
+    force: ForceOption = None,
     max_steps: Annotated[
         int | None,
-        typer.Option(
-            "--max-steps", help="Stop the script after N optimizer steps [default: none]."
-        ),
+        typer.Option("--max-steps", help=specs.help_text("run", "max_steps")),
     ] = None,
     capture_every: Annotated[
         int | None,
         typer.Option(
             "--capture-every",
-            help="Record every backward op on every K-th step; 0: never [default: 10].",
+            help=specs.help_text("run", "capture_every"),
         ),
     ] = None,
-    window: Annotated[
-        int | None,
-        typer.Option(
-            "--window", help="Merge the records of W consecutive captured steps [default: 1]."
-        ),
-    ] = None,
+    window: WindowOption = None,
     format_: FormatOption = None,
     headroom_bits: HeadroomOption = None,
-    module: Annotated[
-        list[str] | None,
-        typer.Option("--module", help="Capture only modules matching this glob (repeatable)."),
-    ] = None,
-    exclude_module: Annotated[
-        list[str] | None,
-        typer.Option("--exclude-module", help="Skip modules matching this glob (repeatable)."),
-    ] = None,
+    module: ModuleOption = None,
+    exclude_module: ExcludeModuleOption = None,
     op: Annotated[
         list[str] | None,
         typer.Option("--op", help="Capture only aten ops matching this glob (repeatable)."),
     ] = None,
-    exclude_op: Annotated[
-        list[str] | None,
-        typer.Option("--exclude-op", help="Skip aten ops matching this glob (repeatable)."),
-    ] = None,
+    exclude_op: ExcludeOpOption = None,
     max_backoffs: Annotated[
         int | None,
         typer.Option(
             "--max-backoffs",
-            help="More consecutive scale back-offs than this is a finding [default: 5].",
+            help=specs.help_text("run", "max_backoffs"),
         ),
     ] = None,
     max_skip_rate: Annotated[
         float | None,
         typer.Option(
             "--max-skip-rate",
-            help="A higher skip rate after calibration is a finding, 0..1 [default: 0.02].",
+            help=specs.help_text("run", "max_skip_rate"),
         ),
     ] = None,
     drift_window: DriftWindowOption = None,
     drift_binades: DriftBinadesOption = None,
-    replace_partial: Annotated[
-        bool | None,
-        typer.Option(
-            "--replace-partial/--keep-complete",
-            help="Let an interrupted run's report replace one with more completed steps.",
-        ),
-    ] = None,
+    replace_partial: ReplacePartialOption = None,
     config_file: ConfigOption = None,
 ) -> None:
     """Run an unmodified training script and audit its loop: scaler, skips, clipping, drift.
@@ -644,10 +625,9 @@ def run_command(
              exclude_module=exclude_module, op=op, exclude_op=exclude_op,
              max_backoffs=max_backoffs, max_skip_rate=max_skip_rate, drift_window=drift_window,
              drift_binades=drift_binades, replace_partial=replace_partial),
-        dict(out="fpaudit-run", force=False, max_steps=None, capture_every=10, window=1,
-             format=None, headroom_bits=DEFAULT_HEADROOM_BITS, module=[], exclude_module=[],
-             op=[], exclude_op=[], max_backoffs=5, max_skip_rate=0.02, drift_window=None,
-             drift_binades=None, replace_partial=False),
+        dict(force=False, format=None, module=[], exclude_module=[],
+             op=[], exclude_op=[], drift_window=None, drift_binades=None,
+             replace_partial=False, **specs.defaults("run")),
     )  # fmt: skip
     fmt_name = options["format"][0] if isinstance(options["format"], list) else options["format"]
     fmt = get_format(fmt_name) if fmt_name is not None else None
@@ -1472,10 +1452,10 @@ def verify_command(
         ),
     ] = None,
     device: Annotated[
-        str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")
+        str | None, typer.Option("--device", help=specs.help_text("scan", "device"))
     ] = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")
+        int | None, typer.Option("--seed", help=specs.help_text("scan", "seed"))
     ] = None,
     json_output: JsonOption = None,
 ) -> None:
@@ -1498,8 +1478,8 @@ def verify_command(
             log2_scale=config.parse_scale(scale),
             amp=amp or "fp16",
             clip_norm=clip_norm,
-            device=device or "auto",
-            seed=0 if seed is None else seed,
+            device=device or specs.default_str("verify", "device"),
+            seed=specs.default_int("verify", "seed") if seed is None else seed,
         )
     if json_output:
         render.print_json(result.to_dict())
@@ -1528,10 +1508,10 @@ def fp16_plan_command(
         ),
     ] = None,
     device: Annotated[
-        str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N [default: auto].")
+        str | None, typer.Option("--device", help=specs.help_text("scan", "device"))
     ] = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed for torch, numpy and random [default: 0].")
+        int | None, typer.Option("--seed", help=specs.help_text("scan", "seed"))
     ] = None,
     json_output: JsonOption = None,
 ) -> None:
@@ -1548,8 +1528,8 @@ def fp16_plan_command(
         steps=fp16plan.DEFAULT_STEPS if steps is None else steps,
         headroom_bits=fp16plan.DEFAULT_HEADROOM_BITS if headroom_bits is None else headroom_bits,
         max_underflow=fp16plan.DEFAULT_MAX_UNDERFLOW if max_underflow is None else max_underflow,
-        device=device or "auto",
-        seed=0 if seed is None else seed,
+        device=device or specs.default_str("verify", "device"),
+        seed=specs.default_int("verify", "seed") if seed is None else seed,
     )
     if json_output:
         render.print_json(plan.to_dict())
@@ -1668,6 +1648,8 @@ def run(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         if isinstance(error, ReportExists):  # the library says force=True
             render.error_line(f"{error.target} already exists; pass --force to overwrite it")
+        elif isinstance(error, OptionError):  # the library names its parameter
+            render.error_line(error.as_flag())
         else:
             render.error_line(str(error))
         return error.exit_code

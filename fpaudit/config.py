@@ -17,13 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from fpaudit.errors import ConfigError, UsageError
+from fpaudit.limits import LOG2_SCALE_MAX, LOG2_SCALE_MIN
+from fpaudit.options import toml_schema
 
-DEFAULT_HEADROOM_BITS = 4  # binades kept free below a format's max, as PopART's 1/16 bin edge
-MAX_HEADROOM_BITS = 64  # more than any format's range (fp32 spans 277 binades, fp16 40)
-
-# A loss scale is an fp32 number: keep it a normal one.
-LOG2_SCALE_MIN = -126
-LOG2_SCALE_MAX = 127
 _POWER = re.compile(r"^\s*2\s*(\^|\*\*)\s*([+-]?\d+)\s*$")
 
 
@@ -73,121 +69,10 @@ def parse_scale(text: str, what: str = "--scale") -> int:
     return log2
 
 
-# Option name -> expected TOML type. "formats" is a string or a list of
-# strings; "scale" is a number or a string such as "2^12" or "recommended".
-COMMAND_OPTIONS: dict[str, dict[str, str]] = {
-    "scan": {
-        "steps": "int",
-        "device": "str",
-        "format": "formats",
-        "headroom_bits": "int",
-        "include_loss": "bool",
-        "out": "str",
-        "seed": "int",
-        "force": "bool",
-        "replace_partial": "bool",
-        "loss_scale": "scale",
-        "top": "int",
-        "every": "int",
-        "window": "int",
-        "amp": "str",
-        "shadow": "bool",
-        "forward": "bool",
-        "origins": "bool",
-        "recipe": "recipes",
-        "module": "patterns",
-        "exclude_module": "patterns",
-        "op": "patterns",
-        "exclude_op": "patterns",
-    },
-    "run": {
-        "out": "str",
-        "force": "bool",
-        "replace_partial": "bool",
-        "max_steps": "int",
-        "capture_every": "int",
-        "window": "int",
-        "format": "format",
-        "headroom_bits": "int",
-        "module": "patterns",
-        "exclude_module": "patterns",
-        "op": "patterns",
-        "exclude_op": "patterns",
-        "max_backoffs": "int",
-        "max_skip_rate": "float",
-        "drift_window": "int",
-        "drift_binades": "int",
-    },
-    "show": {
-        "format": "format",
-        "scale": "scale",
-        "top": "int",
-        "json": "bool",
-        "kind": "str",
-        "by": "str",
-        "steps": "bool",
-        "limit": "int",
-        "origins": "bool",
-        "recipe": "str",
-    },
-    "recommend": {
-        "format": "format",
-        "headroom_bits": "int",
-        "include_loss": "bool",
-        "json": "bool",
-        "worst_window": "bool",
-        "drift_window": "int",
-        "drift_binades": "int",
-    },
-    "plot": {
-        "output": "str",
-        "format": "format",
-        "scale": "scale",
-        "headroom_bits": "int",
-        "recipe": "recipes",
-    },
-    "simulate": {
-        "policy": "str",
-        "format": "format",
-        "init_scale": "scale",
-        "growth_factor": "float",
-        "backoff_factor": "float",
-        "growth_interval": "int",
-        "hysteresis": "int",
-        "min_scale": "scale",
-        "max_scale": "scale",
-        "static_scale": "scale",
-        "headroom_bits": "int",
-        "json": "bool",
-        "amax_history_len": "int",
-        "margin": "int",
-        "amax_compute_algo": "str",
-        "sweep": "bool",
-        "max_overflow_steps": "int",
-    },
-    "gate": {
-        "format": "format",
-        "max_underflow": "float",
-        "scale": "scale",
-        "per_module": "bool",
-        "headroom_bits": "int",
-        "include_loss": "bool",
-        "json": "bool",
-        "allow_incomplete": "bool",
-        "allow_nonfinite": "bool",
-        "junit": "str",
-        "recipe": "str",
-        "max_flush": "float",
-        "max_saturate": "float",
-    },
-    "plan": {
-        "recipe": "recipes",
-        "max_flush": "float",
-        "max_saturate": "float",
-        "names": "bool",
-        "json": "bool",
-    },
-}
+# Command -> option name -> expected TOML type, from the one declaration of each option
+# (fpaudit.options). "formats" is a string or a list of strings; "scale" is a number or
+# a string such as "2^12" or "recommended".
+COMMAND_OPTIONS: dict[str, dict[str, str]] = toml_schema()
 
 
 def _normalise(key: str) -> str:

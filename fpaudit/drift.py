@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from fpaudit import analysis, config
+from fpaudit import analysis, limits
 from fpaudit.formats import Format
 from fpaudit.recommendation import log2_scale_for
 from fpaudit.report import Report
@@ -78,7 +78,7 @@ class Drift:
 def drift(
     report: Report,
     fmt: Format,
-    headroom_bits: int = config.DEFAULT_HEADROOM_BITS,
+    headroom_bits: int = limits.DEFAULT_HEADROOM_BITS,
     *,
     window_steps: int | None = None,
     threshold_binades: int = DEFAULT_DRIFT_BINADES,

@@ -18,6 +18,20 @@ class UsageError(FpauditError):
     """A flag, option or config value is invalid."""
 
 
+class OptionError(UsageError):
+    """A bad value for a library parameter, named as the library names it
+    (``steps must be at least 1, got 0``); the CLI names the flag instead."""
+
+    def __init__(self, option: str, detail: str) -> None:
+        super().__init__(f"{option} {detail}")
+        self.option = option
+        self.detail = detail
+
+    def as_flag(self) -> str:
+        """The message as the command line says it: ``--steps must be at least 1, got 0``."""
+        return f"--{self.option.replace('_', '-')} {self.detail}"
+
+
 class ConfigError(FpauditError):
     """The TOML config file is missing, malformed or has unknown keys."""
 

@@ -54,7 +54,7 @@ import numpy as np
 import pandas as pd
 
 from fpaudit import analysis
-from fpaudit.errors import UsageError
+from fpaudit.errors import OptionError, UsageError
 from fpaudit.formats import FP32, Format, get_format
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.report import Report
@@ -263,9 +263,9 @@ def plan_from_report(
 
 def _check(headroom_bits: int, max_underflow: float) -> None:
     if headroom_bits < 0:
-        raise UsageError(f"--headroom-bits must be 0 or more, got {headroom_bits}")
+        raise OptionError("headroom_bits", f"must be 0 or more, got {headroom_bits}")
     if not 0 <= max_underflow <= 1:
-        raise UsageError(f"--max-underflow must be between 0 and 1, got {max_underflow}")
+        raise OptionError("max_underflow", f"must be between 0 and 1, got {max_underflow}")
 
 
 def _ranges_of(ranges: pd.DataFrame, modules: list[str]) -> list[ModuleRange]:

@@ -31,7 +31,8 @@ import numpy as np
 
 from fpaudit import analysis
 from fpaudit.formats import Format, as_format
-from fpaudit.recommendation import DEFAULT_HEADROOM_BITS, recommend
+from fpaudit.limits import DEFAULT_HEADROOM_BITS
+from fpaudit.recommendation import recommend
 from fpaudit.report import Report
 from fpaudit.text import count, module_label, percent, scale_text
 

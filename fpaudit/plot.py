@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from fpaudit import analysis, config, layout
+from fpaudit import analysis, layout, limits
 from fpaudit.errors import UsageError
 from fpaudit.formats import Format, as_format
 from fpaudit.outputs import write_atomically
@@ -92,8 +92,8 @@ FRACTIONS_GID = "fpaudit-fractions"  # the gid (SVG id) of the fractions text
 
 
 # Every binade a value can reach at any fp32 loss scale: one x axis for every scale.
-AXIS_LOW = min(analysis.UNSCALED_MIN + config.LOG2_SCALE_MIN, layout.BINADE_MIN)
-AXIS_HIGH = max(analysis.UNSCALED_MAX + config.LOG2_SCALE_MAX, layout.BINADE_MAX)
+AXIS_LOW = min(analysis.UNSCALED_MIN + limits.LOG2_SCALE_MIN, layout.BINADE_MIN)
+AXIS_HIGH = max(analysis.UNSCALED_MAX + limits.LOG2_SCALE_MAX, layout.BINADE_MAX)
 AXIS = np.arange(AXIS_LOW, AXIS_HIGH + 1)
 
 
@@ -103,7 +103,7 @@ def binade_counts(condensed: analysis.Condensed, log2_scale: int) -> np.ndarray:
     Values that scale with the loss move from unscaled binade ``b`` to ``b + log2_scale``;
     the others stay in their recorded binade.
     """
-    if not config.LOG2_SCALE_MIN <= log2_scale <= config.LOG2_SCALE_MAX:
+    if not limits.LOG2_SCALE_MIN <= log2_scale <= limits.LOG2_SCALE_MAX:
         raise ValueError(f"log2_scale {log2_scale} is outside the range of an fp32 scale")
     counts = np.zeros((condensed.scaled.shape[0], len(AXIS)), dtype=np.int64)
     start = analysis.UNSCALED_MIN + log2_scale - AXIS_LOW
@@ -194,10 +194,10 @@ def _resolve_scale(
     report: Report, fmt: Format, log2_scale: int | None, headroom_bits: int
 ) -> tuple[int, bool]:
     if log2_scale is not None:
-        if not config.LOG2_SCALE_MIN <= log2_scale <= config.LOG2_SCALE_MAX:
+        if not limits.LOG2_SCALE_MIN <= log2_scale <= limits.LOG2_SCALE_MAX:
             raise UsageError(
                 f"--scale 2^{log2_scale} is outside the range of an fp32 scale "
-                f"(2^{config.LOG2_SCALE_MIN} to 2^{config.LOG2_SCALE_MAX})"
+                f"(2^{limits.LOG2_SCALE_MIN} to 2^{limits.LOG2_SCALE_MAX})"
             )
         return log2_scale, False
     from fpaudit.recommendation import recommend
@@ -401,7 +401,7 @@ def build_figure(
     fmt: Format | str,
     log2_scale: int | None = None,
     *,
-    headroom_bits: int = config.DEFAULT_HEADROOM_BITS,
+    headroom_bits: int = limits.DEFAULT_HEADROOM_BITS,
 ) -> Figure:
     """The figure of ``report`` against ``fmt`` at ``2**log2_scale`` (None: the recommended).
 
@@ -465,7 +465,7 @@ def plot_report(
     fmt: Format | str,
     log2_scale: int | None = None,
     *,
-    headroom_bits: int = config.DEFAULT_HEADROOM_BITS,
+    headroom_bits: int = limits.DEFAULT_HEADROOM_BITS,
 ) -> Path:
     """Draw :func:`build_figure` into ``path`` (``.png`` or ``.svg``), atomically; returns it.
 

@@ -17,13 +17,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fpaudit import analysis, config
+from fpaudit import analysis
 from fpaudit.formats import Format, as_format
+from fpaudit.limits import DEFAULT_HEADROOM_BITS, LOG2_SCALE_MAX, LOG2_SCALE_MIN
 from fpaudit.report import Report
-
-LOG2_SCALE_MIN = config.LOG2_SCALE_MIN
-LOG2_SCALE_MAX = config.LOG2_SCALE_MAX
-DEFAULT_HEADROOM_BITS = config.DEFAULT_HEADROOM_BITS
 
 
 def largest_log2_scale(amax: float, limit: float) -> int:

@@ -55,7 +55,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fpaudit import _signals, config, layout
+from fpaudit import _signals, layout, limits
 from fpaudit.errors import ReportError, ReportExists
 from fpaudit.origins import COLUMNS as ORIGIN_COLUMNS
 from fpaudit.origins import TABLE_NAME as ORIGINS_TABLE
@@ -968,7 +968,7 @@ def _check_meta_values(meta: dict[str, Any], meta_file: Path) -> None:
             raise fail(field, f"must be a string, got {_shown(value)}")
 
     bounds = {
-        "headroom_bits": (0, config.MAX_HEADROOM_BITS),
+        "headroom_bits": (0, limits.MAX_HEADROOM_BITS),
         "steps": (0, _INT32_MAX),
         "steps_run": (0, _INT32_MAX),
         "every": (1, _INT32_MAX),

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fpaudit import distributed, modelfile
+from fpaudit import distributed, modelfile, options
 from fpaudit.capture import Audit, Selection, StepSummary
-from fpaudit.errors import Interrupted, ModelExit, UsageError
+from fpaudit.errors import Interrupted, ModelExit, OptionError, UsageError
 from fpaudit.recipes import get_recipe
 from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
 from fpaudit.runinfo import RunInfo
@@ -34,12 +34,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ScanOptions:
-    steps: int = 10
-    device: str = "auto"
+    # defaults: the one declaration of each option, fpaudit.options
+    steps: int = options.default_int("scan", "steps")
+    device: str = options.default_str("scan", "device")
     loss_scale: float = 1.0
-    seed: int | None = 0
-    every: int = 1  # capture every K-th step (0, K, 2K, ...); the others run unaudited
-    window: int = 1  # merge the records of this many consecutive captured steps
+    seed: int | None = options.default_int("scan", "seed")
+    every: int = options.default_int("scan", "every")  # capture steps 0, K, 2K, ...
+    window: int = options.default_int("scan", "window")  # merge W consecutive captured steps
     selection: Selection = field(default_factory=Selection)
     amp: str | None = None  # live mode: "fp16" or "bf16", forward under torch.autocast
     shadow: bool = False  # re-run low-precision backward ops in fp32 to count lost values
@@ -51,19 +52,19 @@ class ScanOptions:
         for name in self.recipes:
             get_recipe(name)  # an unknown name is a one-line UsageError
         if self.steps < 1:
-            raise UsageError(f"--steps must be at least 1, got {self.steps}")
+            raise OptionError("steps", f"must be at least 1, got {self.steps}")
         if self.every < 1:
-            raise UsageError(f"--every must be at least 1, got {self.every}")
+            raise OptionError("every", f"must be at least 1, got {self.every}")
         if self.window < 1:
-            raise UsageError(f"--window must be at least 1, got {self.window}")
+            raise OptionError("window", f"must be at least 1, got {self.window}")
         if self.amp is not None and self.amp not in AMP_DTYPES:
-            raise UsageError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got {self.amp!r}")
+            raise OptionError("amp", f"must be one of {', '.join(AMP_DTYPES)}, got {self.amp!r}")
         if self.shadow and self.amp is None:
             raise UsageError("--shadow compares low-precision ops with fp32: it needs --amp")
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
-            raise UsageError(f"--loss-scale must be a positive number, got {self.loss_scale}")
+            raise OptionError("loss_scale", f"must be a positive number, got {self.loss_scale}")
         if math.frexp(self.loss_scale)[0] != 0.5:
-            raise UsageError(f"--loss-scale must be a power of two, got {self.loss_scale:g}")
+            raise OptionError("loss_scale", f"must be a power of two, got {self.loss_scale:g}")
 
 
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -49,10 +49,10 @@ from torch import nn
 
 import fpaudit
 from fpaudit import _torch_patches as patches
-from fpaudit import modelfile
+from fpaudit import modelfile, options
 from fpaudit._torch_patches import Call
 from fpaudit.capture import Audit, Selection
-from fpaudit.errors import FpauditError, Interrupted, ModelFileError, UsageError
+from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionError
 from fpaudit.records import LOSS_MODULE, STEP_COLUMNS, STEP_DEFAULTS, ReportBuilder
 from fpaudit.runinfo import RunInfo
 
@@ -74,25 +74,28 @@ class StopRun(BaseException):
 
 @dataclass(frozen=True)
 class RunOptions:
+    # defaults: the one declaration of each option, fpaudit.options
     max_steps: int | None = None  # stop after this many optimizer steps
-    capture_every: int = 10  # capture backward ops every K-th step; 0: never
-    window: int = 1  # merge the records of W consecutive captured steps
+    capture_every: int = options.default_int("run", "capture_every")  # 0: never
+    window: int = options.default_int("run", "window")  # merge W consecutive captured steps
     selection: Selection = field(default_factory=Selection)
-    max_backoffs: int = 5  # more consecutive scale back-offs than this is a finding
-    max_skip_rate: float = 0.02  # a higher skip rate after calibration is a finding
+    max_backoffs: int = options.default_int("run", "max_backoffs")  # more is a finding
+    max_skip_rate: float = options.default_float("run", "max_skip_rate")  # more is a finding
     watch_grad_reads: bool = True  # find .grad reads while the gradients are scaled
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
-            raise UsageError(f"--max-steps must be at least 1, got {self.max_steps}")
+            raise OptionError("max_steps", f"must be at least 1, got {self.max_steps}")
         if self.capture_every < 0:
-            raise UsageError(f"--capture-every must be 0 (never) or more, got {self.capture_every}")
+            raise OptionError(
+                "capture_every", f"must be 0 (never) or more, got {self.capture_every}"
+            )
         if self.window < 1:
-            raise UsageError(f"--window must be at least 1, got {self.window}")
+            raise OptionError("window", f"must be at least 1, got {self.window}")
         if self.max_backoffs < 1:
-            raise UsageError(f"--max-backoffs must be at least 1, got {self.max_backoffs}")
+            raise OptionError("max_backoffs", f"must be at least 1, got {self.max_backoffs}")
         if not 0.0 <= self.max_skip_rate <= 1.0:
-            raise UsageError(f"--max-skip-rate must be between 0 and 1, got {self.max_skip_rate}")
+            raise OptionError("max_skip_rate", f"must be between 0 and 1, got {self.max_skip_rate}")
 
 
 # -- findings ---------------------------------------------------------------

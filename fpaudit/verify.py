@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from fpaudit import modelfile
-from fpaudit.errors import UsageError
+from fpaudit.errors import OptionError
 from fpaudit.scan import AMP_DTYPES, resolve_device, seed_everything
 
 
@@ -189,9 +189,9 @@ def verify(
     ``keep_fp32`` names modules whose forward the mixed step runs with autocast
     disabled, on fp32 inputs (``fpaudit fp16-plan``)."""
     if amp not in AMP_DTYPES:
-        raise UsageError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
+        raise OptionError("amp", f"must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
     if clip_norm is not None and not (math.isfinite(clip_norm) and clip_norm > 0):
-        raise UsageError(f"--clip-norm must be a positive number, got {clip_norm}")
+        raise OptionError("clip_norm", f"must be a positive number, got {clip_norm}")
     path = Path(model_path)
     target = resolve_device(device)
     if seed is not None:

@@ -3,6 +3,7 @@ README's excerpt is what `fpaudit scan --help` prints."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -93,3 +94,48 @@ def test_the_readme_excerpt_is_what_scan_help_prints(cli, monkeypatch: pytest.Mo
     assert match, "README has no `$ fpaudit scan --help` excerpt"
     assert match.group(1) == _help(cli, monkeypatch, "scan")
     assert "[default: 10]" in match.group(1)
+
+
+def test_help_toml_and_library_defaults_come_from_one_declaration(
+    cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each declared default is shown by every command that takes it, is the library
+    option object's default, and each declared option is in the TOML schema."""
+    from fpaudit import config, options
+    from fpaudit.scan import ScanOptions
+    from fpaudit.training import RunOptions
+
+    library = {"scan": ScanOptions(), "run": RunOptions()}
+    fields = {name: {f.name for f in dataclasses.fields(o)} for name, o in library.items()}
+    in_library: set[tuple[str, str]] = set()
+    group = typer.main.get_command(app)
+    checked = 0
+    for spec in options.SPECS:
+        for command in spec.commands:
+            if command in config.COMMAND_OPTIONS:
+                assert config.COMMAND_OPTIONS[command][spec.name] == spec.kind
+            if not spec.has_default and not spec.help:
+                continue
+            assert command in group.commands, command  # type: ignore[attr-defined]
+            row = re.sub(r"\s+", " ", _rows(_help(cli, monkeypatch, command))[spec.flag])
+            if not spec.has_default:  # the shared groups: one help text wherever they appear
+                assert row.endswith(f"{spec.help}."), row
+                continue
+            shown = "none" if spec.default is None else str(spec.default)
+            # as _readable_help renders "HELP [default: X]." so that rich keeps the default
+            assert row.endswith(f"{spec.help}. [default: {shown}]"), row
+            if spec.name in fields.get(command, ()):
+                assert getattr(library[command], spec.name) == spec.default, (command, spec)
+                in_library.add((command, spec.name))
+            checked += 1
+    assert checked >= 15
+    assert in_library >= {
+        ("scan", "steps"), ("scan", "device"), ("scan", "seed"), ("scan", "every"),
+        ("scan", "window"), ("run", "max_steps"), ("run", "capture_every"), ("run", "window"),
+        ("run", "max_backoffs"), ("run", "max_skip_rate"),
+    }  # fmt: skip
+    # and no TOML option is declared outside the specs
+    declared = {(c, s.name) for s in options.SPECS for c in s.commands}
+    for command, names in config.COMMAND_OPTIONS.items():
+        for name in names:
+            assert (command, name) in declared
