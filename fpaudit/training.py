@@ -295,7 +295,7 @@ class TrainingMonitor:
             finally:
                 if self._capturing and self.audit is not None:
                     self._capturing = False
-                    self.audit.__exit__(RuntimeError, None, None)  # drop the open step
+                    self.audit.close(discard=True)  # drop the open step
 
     def on_grad_read(self, caller: FrameType) -> None:
         """The script (or torch, or fpaudit) read a ``.grad`` in frame ``caller``."""
@@ -404,7 +404,7 @@ class TrainingMonitor:
             self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
         elif module is not self.audited_model:
             return  # another model: only the first is audited
-        self.audit.__enter__()
+        self.audit.open()
         self.audit.entered_by(module)
         self._capturing = True
 
@@ -414,7 +414,7 @@ class TrainingMonitor:
         step = self._step
         self._capturing = False
         if step.backward_calls == 0:  # forward only so far (evaluation): try again later
-            self.audit.__exit__(RuntimeError, None, None)
+            self.audit.close(discard=True)
             return
         scale = patches.scaler_scale(step.scaler) if step.scaler is not None else None
         self._internal += 1
@@ -424,7 +424,7 @@ class TrainingMonitor:
             )
         finally:
             self._internal -= 1
-            self.audit.__exit__(None, None, None)
+            self.audit.close()
         step.captured = True
         step.capture = False
 
