@@ -828,8 +828,19 @@ class Audit:
         chosen = tuple(dict.fromkeys(as_recipe(r) for r in recipes))
         self._blocks = BlockRecorder(chosen) if chosen else None  # opt-in: --recipe
 
-    # -- context manager -------------------------------------------------
-    def __enter__(self) -> Audit:
+    # -- open / close ------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        """Hooks and the dispatch mode are installed (between :meth:`open` and :meth:`close`)."""
+        return self._stack is not None
+
+    def open(self) -> Audit:
+        """Install the hooks and the dispatch mode: record from now on.
+
+        Opening an audit that is already open is an error (its hooks would be
+        installed twice); :meth:`close` first."""
+        if self._stack is not None:
+            raise RuntimeError("this audit is already open; close() it before opening it again")
         stack = ExitStack()
         try:
             self._clock.install(self.model, stack)
@@ -847,15 +858,28 @@ class Audit:
         self._step_started = time.perf_counter()
         return self
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+    def close(self, discard: bool = False) -> None:
+        """Remove the hooks and the dispatch mode. A step with records still open is
+        closed as a step, or with ``discard`` dropped (nothing of it is recorded).
+
+        Closing an audit that is not open (never opened, or closed already) does
+        nothing, so a ``finally`` may always close."""
         stack, self._stack = self._stack, None
-        if stack is not None:
-            stack.close()
-        if exc_type is None and self._has_open_records():
+        if stack is None:
+            return
+        stack.close()
+        if not discard and self._has_open_records():
             self.step()
         for table in self._tables.values():
             table.reset()
         self._clock.forget()
+
+    # -- context manager -------------------------------------------------
+    def __enter__(self) -> Audit:
+        return self.open()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close(discard=exc_type is not None)
 
     @contextmanager
     def forward_pass(self) -> Iterator[None]:

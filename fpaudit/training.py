@@ -30,7 +30,6 @@ names the file and line of the call, the first frame outside torch and fpaudit.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import runpy
 import sys
@@ -38,7 +37,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -53,11 +52,40 @@ from fpaudit import modelfile, options
 from fpaudit._torch_patches import Call
 from fpaudit.capture import Audit, Selection
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionError
-from fpaudit.records import LOSS_MODULE, STEP_COLUMNS, STEP_DEFAULTS, ReportBuilder
+from fpaudit.findings import (
+    FINDINGS,
+    Finding,
+    Findings,
+    SchedulerCall,
+    SpanScale,
+    _number,
+    mixed_scale_findings,
+    scale_findings,
+    scheduler_findings,
+    skip_statistics,
+    sorted_findings,
+)
+from fpaudit.records import LOSS_MODULE, ReportBuilder
 from fpaudit.runinfo import RunInfo
+from fpaudit.steps import ScalarLog, Span, Step, steps_table
 
 if TYPE_CHECKING:
     from fpaudit.report import Report
+
+__all__ = [  # the findings and the step state live in fpaudit.findings and fpaudit.steps
+    "FINDINGS",
+    "Finding",
+    "RunOptions",
+    "RunOutcome",
+    "ScalarLog",
+    "StopRun",
+    "TrainingMonitor",
+    "call_site",
+    "run_script",
+    "scale_findings",
+    "scheduler_findings",
+    "skip_statistics",
+]
 
 # Frames that are never the script's: torch, fpaudit, and contextlib (fpaudit's
 # handlers of patched calls are context managers).
@@ -98,56 +126,6 @@ class RunOptions:
             raise OptionError("max_skip_rate", f"must be between 0 and 1, got {self.max_skip_rate}")
 
 
-# -- findings ---------------------------------------------------------------
-FINDINGS = {
-    # code: (severity, what it means)
-    "clip-before-unscale": (
-        "error",
-        "gradients clipped while still multiplied by the loss scale",
-    ),
-    "step-without-unscale": (
-        "error",
-        "optimizer.step() on gradients still multiplied by the loss scale",
-    ),
-    "mixed-scale-accumulation": (
-        "error",
-        "micro-batches of one accumulated batch were scaled differently",
-    ),
-    "unscale-twice": ("error", "unscale_() ran twice on the same accumulated gradients"),
-    "grad-read-while-scaled": ("warning", ".grad read while gradients are still scaled"),
-    "scheduler-on-skipped-step": ("warning", "LR scheduler stepped on a skipped optimizer step"),
-    "scale-falling": ("warning", "the loss scale keeps falling"),
-    "scale-below-one": ("warning", "the loss scale fell below 1"),
-    "high-skip-rate": ("warning", "many optimizer steps skipped after calibration"),
-}
-_MAX_LISTED_STEPS = 20
-
-
-@dataclass
-class Finding:
-    code: str
-    file: str
-    line: int
-    message: str
-    steps: list[int] = field(default_factory=list)  # the first few steps it happened at
-    count: int = 0  # in how many steps
-
-    @property
-    def severity(self) -> str:
-        return FINDINGS[self.code][0]
-
-    @property
-    def where(self) -> str:
-        return f"{self.file}:{self.line}"
-
-    last_step: int = field(default=-1, repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        del data["last_step"]
-        return {**data, "severity": self.severity}
-
-
 def call_site() -> tuple[str, int]:
     """File and line of the innermost frame outside torch and fpaudit: the script's call."""
     frame = sys._getframe(1)
@@ -159,107 +137,14 @@ def call_site() -> tuple[str, int]:
     return "<unknown>", 0
 
 
-class _Findings:
-    """Findings keyed by (code, site); each keeps a count and its first steps."""
-
-    def __init__(self) -> None:
-        self.items: dict[tuple[str, str, int], Finding] = {}
-
-    def add(self, code: str, site: tuple[str, int], step: int, message: str) -> None:
-        key = (code, *site)
-        finding = self.items.get(key)
-        if finding is None:
-            finding = self.items[key] = Finding(code, site[0], site[1], message)
-        if step != finding.last_step:
-            finding.count += 1
-            finding.last_step = step
-            if len(finding.steps) < _MAX_LISTED_STEPS:
-                finding.steps.append(step)
-
-
-# -- device values, read once -----------------------------------------------
-class _ScalarLog:
-    """0-dim tensors kept on their device until the run ends, then read in one
-    transfer per device. Stacked 256 at a time, so a long run holds few tensors."""
-
-    _CHUNK = 256
-
-    def __init__(self) -> None:
-        self._pending: dict[torch.device, list[torch.Tensor]] = {}
-        self._chunks: dict[torch.device, list[torch.Tensor]] = {}
-        self._slots: list[tuple[torch.device, int]] = []
-        self._counts: dict[torch.device, int] = {}
-
-    def add(self, value: torch.Tensor) -> int:
-        """Keep a copy of ``value`` (so later in-place changes do not show); its slot."""
-        device = value.device
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        copy = value.detach().reshape(()).to(dtype=dtype, copy=True)
-        pending = self._pending.setdefault(device, [])
-        pending.append(copy)
-        slot = self._counts.get(device, 0)
-        self._counts[device] = slot + 1
-        if len(pending) == self._CHUNK:
-            self._chunks.setdefault(device, []).append(torch.stack(pending))
-            pending.clear()
-        self._slots.append((device, slot))
-        return len(self._slots) - 1
-
-    def read(self) -> np.ndarray:
-        """Every value added, in order, as float64 (one transfer per device)."""
-        per_device: dict[torch.device, np.ndarray] = {}
-        for device, count in self._counts.items():
-            parts = list(self._chunks.get(device, []))
-            if self._pending.get(device):
-                parts.append(torch.stack(self._pending[device]))
-            values = torch.cat(parts).cpu().numpy().astype(np.float64)
-            assert len(values) == count
-            per_device[device] = values
-        return np.array([per_device[d][s] for d, s in self._slots], dtype=np.float64)
-
-
-@dataclass
-class _Step:
-    """What one optimizer step did; tensors become slots of the scalar log at its end."""
-
-    index: int
-    started: float
-    capture: bool
-    backward_calls: int = 0
-    attempted: bool = False  # the first optimizer tried to step
-    stepped: bool = False  # some optimizer.step() ran
-    scaler: Any = None  # the enabled GradScaler in use this step
-    scaler_stepped: bool = False  # scaler.unscale_ or scaler.step ran: update() ends the step
-    scale_before: int = -1  # slots of the scalar log; -1: none
-    found_inf: torch.Tensor | None = None
-    loss: torch.Tensor | None = None
-    loss_from_scale: bool = False
-    grad_amax: torch.Tensor | None = None  # largest |grad| before unscale_ (scaled)
-    norm: int = -1
-    norm_scaled: bool = False  # the norm was of scaled gradients
-    max_norm: float = math.nan
-    captured: bool = False
-    seconds: float = 0.0
-    slots: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Span:
-    """Gradients accumulated since they were last zeroed: one effective batch."""
-
-    scales: list[tuple[int, int, tuple[str, int], int]] = field(default_factory=list)
-    # (scaler update count, scale slot, site of scale(), step)
-    unscaled: set[int] = field(default_factory=set)  # ids of optimizers unscaled in it
-
-
 class TrainingMonitor:
     """Instruments torch's training APIs while installed (see the module docstring)."""
 
     def __init__(self, options: RunOptions = RunOptions()) -> None:
         self.options = options
-        self.findings = _Findings()
-        self.log = _ScalarLog()
-        self.steps: list[_Step] = []
+        self.findings = Findings()
+        self.log = ScalarLog()
+        self.steps: list[Step] = []
         self.audit: Audit | None = None
         self.audited_model: nn.Module | None = None
         self.models: list[str] = []  # class names of top-level modules with trainable parameters
@@ -271,7 +156,7 @@ class TrainingMonitor:
         self._primary: torch.optim.Optimizer | None = None
         self._probes: dict[int, torch.Tensor] = {}  # optimizer id -> a parameter to watch
         self._last_attempt: dict[int, int] = {}  # optimizer id -> step index
-        self._scheduler_calls: list[tuple[tuple[str, int], int, str]] = []
+        self._scheduler_calls: list[SchedulerCall] = []
         self._updates = 0  # scaler.update() calls: the scale's version
         self._trainable: dict[int, bool] = {}
         self._roots: list[nn.Module] = []  # the first top-level modules called
@@ -284,8 +169,8 @@ class TrainingMonitor:
         self._scaled_since_unscale = False  # an enabled scaler's scale() since unscale_/step
         self._scaled_pending = False  # gradients hold scaled values not yet unscaled
         self._capturing = False
-        self._span = _Span()
-        self._mixed: list[list[tuple[int, int, tuple[str, int], int]]] = []
+        self._span = Span()
+        self._mixed: list[list[SpanScale]] = []
         self._step = self._new_step(0)
 
     # -- installation --------------------------------------------------------
@@ -299,7 +184,7 @@ class TrainingMonitor:
             finally:
                 if self._capturing and self.audit is not None:
                     self._capturing = False
-                    self.audit.__exit__(RuntimeError, None, None)  # drop the open step
+                    self.audit.close(discard=True)  # drop the open step
 
     def on_grad_read(self, caller: FrameType) -> None:
         """The script (or torch, or fpaudit) read a ``.grad`` in frame ``caller``."""
@@ -321,9 +206,9 @@ class TrainingMonitor:
         return bool(self._internal or self._in_backward)
 
     # -- steps ---------------------------------------------------------------
-    def _new_step(self, index: int) -> _Step:
+    def _new_step(self, index: int) -> Step:
         every = self.options.capture_every
-        return _Step(index, time.perf_counter(), capture=bool(every) and index % every == 0)
+        return Step(index, time.perf_counter(), capture=bool(every) and index % every == 0)
 
     def _maybe_stop(self) -> None:
         if self.done:
@@ -408,7 +293,7 @@ class TrainingMonitor:
             self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
         elif module is not self.audited_model:
             return  # another model: only the first is audited
-        self.audit.__enter__()
+        self.audit.open()
         self.audit.entered_by(module)
         self._capturing = True
 
@@ -418,7 +303,7 @@ class TrainingMonitor:
         step = self._step
         self._capturing = False
         if step.backward_calls == 0:  # forward only so far (evaluation): try again later
-            self.audit.__exit__(RuntimeError, None, None)
+            self.audit.close(discard=True)
             return
         scale = patches.scaler_scale(step.scaler) if step.scaler is not None else None
         self._internal += 1
@@ -428,7 +313,7 @@ class TrainingMonitor:
             )
         finally:
             self._internal -= 1
-            self.audit.__exit__(None, None, None)
+            self.audit.close()
         step.captured = True
         step.capture = False
 
@@ -517,7 +402,7 @@ class TrainingMonitor:
         step = self._step
         span = self._span
         if not span.scales or span.scales[-1][0] != self._updates:
-            span.scales.append((self._updates, self._scale_slot(scaler), site, step.index))
+            span.scales.append(SpanScale(self._updates, self._scale_slot(scaler), site, step.index))
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
             loss = outputs.detach().reshape(()).float()
             running = step.loss if step.loss_from_scale else None
@@ -665,7 +550,7 @@ class TrainingMonitor:
         if outermost and not patches.scheduler_initial_step(scheduler):
             optimizer = getattr(scheduler, "optimizer", None)
             last = self._last_attempt.get(id(optimizer), -1)
-            self._scheduler_calls.append((call_site(), last, type(scheduler).__name__))
+            self._scheduler_calls.append(SchedulerCall(call_site(), last, type(scheduler).__name__))
             name = type(scheduler).__name__
             if name not in self.schedulers:
                 self.schedulers.append(name)
@@ -695,202 +580,21 @@ class TrainingMonitor:
     def steps_table(self) -> tuple[dict[str, list[Any]], np.ndarray]:
         """The steps table (every column of STEP_COLUMNS) and the scalar log's values."""
         values = self.log.read()
-
-        def value(slot: int) -> float:
-            return float(values[slot]) if slot >= 0 else math.nan
-
-        captured: dict[int, dict[str, Any]] = {}
-        if self.audit is not None:
-            rows = self.audit.step_rows()
-            for i, index in enumerate(rows["step"]):
-                captured[index] = {name: column[i] for name, column in rows.items()}
-        table: dict[str, list[Any]] = {name: [] for name in STEP_COLUMNS}
-        for step in self.steps:
-            scale = value(step.scale_before) if step.scaler is not None else 1.0
-            after = value(step.slots.get("scale_after", -1)) if step.scaler is not None else scale
-            found = value(step.slots.get("found_inf", -1))
-            skipped = bool(found > 0) if not math.isnan(found) else False
-            loss = value(step.slots.get("loss", -1))
-            norm = value(step.norm)
-            grad_norm = norm / scale if step.norm_scaled else norm
-            amax = value(step.slots.get("grad_amax", -1))
-            row = {
-                **STEP_DEFAULTS,
-                "step": step.index,
-                "loss": loss,
-                "loss_finite": math.isnan(loss) or math.isfinite(loss),
-                "loss_scale": scale,
-                "scale_after": after,
-                "skipped": skipped,
-                "optimizer_step": step.stepped and not skipped,
-                "grad_norm": grad_norm,
-                "clip_max_norm": step.max_norm,
-                "clipped": bool(norm > step.max_norm),
-                "grad_amax": amax / scale if math.isfinite(amax) else amax,
-                "backward_calls": step.backward_calls,
-                "captured": step.captured,
-                "records": 0,
-                "seconds": step.seconds,
-            }
-            if step.captured and step.index in captured:
-                from_audit = captured[step.index]
-                for name in ("records", "nonfinite_grads", "first_nonfinite"):
-                    row[name] = from_audit[name]
-            for name in STEP_COLUMNS:
-                table[name].append(row[name])
-        return table, values
+        rows = self.audit.step_rows() if self.audit is not None else None
+        return steps_table(self.steps, values, rows), values
 
     def judge(self, table: dict[str, list[Any]], values: np.ndarray) -> list[Finding]:
-        """Findings that need the run's values: scales, skips, schedulers."""
-        for finding in scheduler_findings(table, self._scheduler_calls):
-            self.findings.items[(finding.code, finding.file, finding.line)] = finding
-        self._judge_spans(values)
+        """Findings that need the run's values: scales, skips, schedulers, accumulation."""
+        found = [*scheduler_findings(table, self._scheduler_calls)]
+        spans = [*self._mixed, self._span.scales]
+        found += mixed_scale_findings(spans, values, self.update_site)
         if self.scaler_settings is not None:
             site = self.update_site or ("<script>", 0)
             options = self.options
-            for finding in scale_findings(table, site, options.max_backoffs, options.max_skip_rate):
-                self.findings.items[(finding.code, finding.file, finding.line)] = finding
-        return sorted(
-            self.findings.items.values(),
-            key=lambda f: (("error", "warning", "info").index(f.severity), f.file, f.line),
-        )
-
-    def _judge_spans(self, values: np.ndarray) -> None:
-        """Micro-batches of one effective batch that ran under different scale values."""
-        for scales in [*self._mixed, self._span.scales]:
-            if len(scales) < 2:
-                continue
-            first = values[scales[0][1]]
-            for _version, slot, site, step in scales[1:]:
-                if values[slot] != first:
-                    update = f" (scaler.update() at {_where(self.update_site)} ran between them)"
-                    self.findings.add(
-                        "mixed-scale-accumulation",
-                        site,
-                        step,
-                        f"a micro-batch scaled by {_power(values[slot])} was accumulated onto "
-                        f"gradients scaled by {_power(first)}{update if self.update_site else ''}"
-                        ": unscale_ divides the sum by one scale, so micro-batches are weighted "
-                        "unequally; update the scaler once per optimizer step",
-                    )
-
-
-# -- findings over the steps table (pure: a table in, findings out) -----------------
-def scheduler_findings(
-    table: dict[str, list[Any]], calls: list[tuple[tuple[str, int], int, str]]
-) -> list[Finding]:
-    """Scheduler steps (site, the step its optimizer last attempted, class name) that
-    followed a skipped optimizer step."""
-    found = _Findings()
-    skipped = dict(zip(table["step"], table["skipped"], strict=True))
-    for site, attempt, name in calls:
-        if skipped.get(attempt, False):
-            found.add(
-                "scheduler-on-skipped-step",
-                site,
-                attempt,
-                f"{name}.step() ran after a skipped optimizer step: the learning rate moved "
-                "on while the weights did not; step the scheduler only when "
-                "scaler.get_scale() did not fall",
-            )
-    return list(found.items.values())
-
-
-def scale_findings(
-    table: dict[str, list[Any]], site: tuple[str, int], max_backoffs: int, max_skip_rate: float
-) -> list[Finding]:
-    """A scale that keeps falling, falls below 1, or skips too often after calibration,
-    from the steps table's ``step``, ``loss_scale``, ``scale_after`` and ``skipped``;
-    each finding is placed at ``site`` (the script's ``scaler.update()``)."""
-    found = _Findings()
-    if not table["step"]:
-        return []
-    steps = np.array(table["step"])
-    before = np.array(table["loss_scale"])
-    after = np.array(table["scale_after"])
-    backoff = after < before
-    stats = skip_statistics(np.array(table["skipped"], dtype=bool))
-    # Backing off from the initial scale until gradients fit is calibration, not decay.
-    runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats["calibration_steps"])]
-    for start, end in [(start, end) for start, end in runs if end - start > max_backoffs]:
-        found.add(
-            "scale-falling",
-            site,
-            int(steps[start]),
-            f"the scale backed off {end - start} times in a row (steps {steps[start]} to "
-            f"{steps[end - 1]}, {_power(before[start])} to {_power(after[end - 1])}): every "
-            "step overflows whatever the scale, which points at inf/NaN from the forward "
-            "pass or the data (try `fpaudit scan --amp --forward`), not at a too-large scale",
-        )
-    below = np.flatnonzero(after < 1.0)
-    if len(below):
-        first = int(below[0])
-        found.add(
-            "scale-below-one",
-            site,
-            int(steps[first]),
-            f"the scale fell below 1 ({_power(after[first])} after step {steps[first]}): "
-            "gradients are now held smaller than unscaled, so loss scaling only adds "
-            "underflow; something overflows at every scale",
-        )
-    if (
-        stats["skipped_after_calibration"] >= 3
-        and stats["skip_rate_after_calibration"] > max_skip_rate
-    ):
-        rate = stats["skip_rate_after_calibration"]
-        phase = " after calibration" if stats["calibration_steps"] else ""
-        found.add(
-            "high-skip-rate",
-            site,
-            int(steps[stats["calibration_steps"]]),
-            f"{stats['skipped_after_calibration']} of {stats['steps_after_calibration']} "
-            f"steps{phase} were skipped ({rate:.1%}, more than {max_skip_rate:.1%}): each "
-            "skip discards a batch; look for steps that overflow at every scale, or a "
-            "growth interval too short",
-        )
-    return list(found.items.values())
-
-
-def skip_statistics(skipped: np.ndarray) -> dict[str, Any]:
-    """Skipped steps, split at the end of calibration: the leading run of skips while a
-    fresh dynamic scaler backs off from its initial scale (expected, not a problem)
-    until its first step that is not skipped."""
-    # A run that never takes a step never calibrated: its skips all count.
-    calibration = int(np.argmin(skipped)) if not skipped.all() else 0
-    after = skipped[calibration:]
-    return {
-        "steps": len(skipped),
-        "skipped": int(skipped.sum()),
-        "calibration_steps": calibration,
-        "steps_after_calibration": len(after),
-        "skipped_after_calibration": int(after.sum()),
-        "skip_rate_after_calibration": float(after.mean()) if len(after) else 0.0,
-    }
-
-
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """[start, end) of every run of True in ``mask``."""
-    padded = np.concatenate([[False], mask, [False]]).astype(np.int8)
-    edges = np.flatnonzero(np.diff(padded))
-    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
-
-
-def _power(value: float) -> str:
-    """2^k for a power of two, else the number."""
-    if value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5:
-        return f"2^{math.frexp(value)[1] - 1}"
-    return f"{value:g}"
-
-
-def _number(value: Any) -> str:
-    try:
-        return f"{float(value):g}"
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _where(site: tuple[str, int] | None) -> str:
-    return f"{site[0]}:{site[1]}" if site is not None else "?"
+            found += scale_findings(table, site, options.max_backoffs, options.max_skip_rate)
+        for finding in found:
+            self.findings.items[(finding.code, finding.file, finding.line)] = finding
+        return sorted_findings(list(self.findings.items.values()))
 
 
 def _script_line(error: BaseException, script: Path) -> str:

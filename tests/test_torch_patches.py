@@ -362,3 +362,73 @@ def test_an_error_in_fpaudits_own_handler_is_reported_as_fpaudits(
     assert "fpaudit's training monitor failed" in message
     assert "ZeroDivisionError: a bug in the monitor" in message
     assert f"{script}:5" in message and "not in train.py" in message
+
+
+# -- the Hugging Face callback's wrappers (fpaudit.integrations.huggingface) --------------
+def _hf_callback(tmp_path: Any) -> Any:
+    pytest.importorskip("transformers", reason="needs transformers")
+    from fpaudit.integrations.huggingface import FpauditTrainerCallback
+
+    callback = FpauditTrainerCallback(out=tmp_path / "report", force=True)
+    callback.session.start(nn.Linear(2, 1), 0)
+    return callback
+
+
+_HF_CASES = [
+    (key, label)
+    for key, (_, calls) in CASES.items()
+    if key[1] in {"backward", "clip_grad_norm_", "clip_grad_value_", "unscale_"}
+    for label, _ in calls
+]
+
+
+def test_every_hf_wrapper_has_a_case(tmp_path: Any) -> None:
+    callback = _hf_callback(tmp_path)
+    world = _with_grads(_world())
+    callback._scaler = world.scaler
+    wrapped = {
+        (o if o is not world.scaler else GradScaler, n) for o, n, _ in callback.patch_targets()
+    }
+    assert wrapped == {key for key, _ in _HF_CASES}
+
+
+@pytest.mark.parametrize(
+    ("key", "label"), _HF_CASES, ids=lambda v: v if isinstance(v, str) else _label(*v)
+)
+def test_an_hf_wrapped_call_returns_and_does_what_the_original_does(
+    key: Any, label: str, tmp_path: Any
+) -> None:
+    make, calls = CASES[key]
+    call = dict(calls)[label]
+    (plain, plain_error, plain_told), _, plain_state = _run(make, call)
+
+    def watched_world() -> World:
+        world = make()
+        callback._scaler = world.scaler
+        callback.session.begin(0)  # open: the first clip or unscale_ closes the step
+        callback._install()
+        owner = world.scaler if key[0] is GradScaler else key[0]
+        patched = getattr(owner, key[1])
+        assert patched.__wrapped__ is not None  # the wrapper is what gets called
+        assert inspect.signature(patched) == inspect.signature(patched.__wrapped__)
+        return world
+
+    callback = _hf_callback(tmp_path)
+    try:
+        (watched, watched_error, watched_told), _, watched_state = _run(watched_world, call)
+    finally:
+        callback._patches.restore()
+        callback.session.abort()
+    assert watched_error == plain_error
+    assert watched_told == plain_told
+    assert watched_state == plain_state
+    plain_items = plain if isinstance(plain, tuple | list) else (plain,)
+    watched_items = watched if isinstance(watched, tuple | list) else (watched,)
+    assert len(plain_items) == len(watched_items)
+    for a, b in zip(plain_items, watched_items, strict=True):
+        if isinstance(a, list):
+            assert all(_same(x, y) for x, y in zip(a, b, strict=True))
+        else:
+            assert _same(a, b)
+    assert not callback._patches  # every wrapper put back
+    assert not hasattr(vars(torch.autograd)["backward"], "__wrapped__")

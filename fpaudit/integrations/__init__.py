@@ -141,7 +141,7 @@ class AuditSession:
         """Start auditing optimizer step ``index``: enter before the step's first forward."""
         if self.audit is None or self._open:
             return
-        self.audit.__enter__()
+        self.audit.open()
         self._open = True
         self._index = index
         self._loss = None
@@ -163,9 +163,9 @@ class AuditSession:
         try:
             summary = self.audit.step(loss=self._loss, index=self._index, loss_scale=loss_scale)
         except BaseException:
-            self.audit.__exit__(RuntimeError, None, None)
+            self.audit.close(discard=True)
             raise
-        self.audit.__exit__(None, None, None)
+        self.audit.close()
         self._loss = None
         self._pending = summary
         return summary
@@ -175,7 +175,7 @@ class AuditSession:
         if self.audit is not None and self._open:
             self._open = False
             self._loss = None
-            self.audit.__exit__(RuntimeError, None, None)
+            self.audit.close(discard=True)
 
     @property
     def pending(self) -> StepSummary | None:

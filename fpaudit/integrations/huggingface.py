@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fpaudit._torch_patches import Call, wrap
 from fpaudit.capture import Selection
 from fpaudit.integrations import AuditSession, Patches, scale_tensor, unscaled
 
@@ -215,44 +217,44 @@ class FpauditTrainerCallback(TrainerCallback):
             self._close_or_drop(ok=True)
 
     def _install(self) -> None:
-        callback = self
-        original_backward = torch.autograd.backward
+        """Wrap (``_torch_patches.wrap``: the originals' signatures, arguments passed on
+        untouched) the calls that change the gradients before ``on_pre_optimizer_step``."""
+        for owner, name, handler in self.patch_targets():
+            original = getattr(owner, name)
+            label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+            self._patches.replace(owner, name, wrap(original, label, handler))
 
-        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            is_loss = isinstance(tensors, torch.Tensor) and tensors.numel() == 1
-            if is_loss and callback.session.is_open:  # unscale it (no host sync)
-                callback.session.add_loss(unscaled(tensors, scale_tensor(callback._scaler)))
-            return original_backward(tensors, *args, **kwargs)
-
-        backward.__doc__ = original_backward.__doc__
-        self._patches.replace(torch.autograd, "backward", backward)
+    def patch_targets(self) -> list[tuple[Any, str, Callable[[Call], Any]]]:
+        """What :meth:`_install` wraps while a step is audited: (owner, attribute, handler)."""
+        found: list[tuple[Any, str, Callable[[Call], Any]]] = [
+            (torch.autograd, "backward", self._on_backward)
+        ]
         for module in (torch.nn.utils, torch.nn.utils.clip_grad):
             for name in _CLIP_FUNCTIONS:
-                original = getattr(module, name, None)
-                if original is not None:
-                    self._patches.replace(module, name, _closing_first(callback, original))
-        scaler = self._scaler
-        if _enabled(scaler):
-            original_unscale = scaler.unscale_
+                if getattr(module, name, None) is not None:
+                    found.append((module, name, self._on_clip))
+        if _enabled(self._scaler):
+            found.append((self._scaler, "unscale_", self._on_unscale))  # this scaler only
+        return found
 
-            def unscale_(optimizer: Any) -> Any:
-                callback._before_gradients_change()
-                callback._unscaled = True
-                return original_unscale(optimizer)
+    @contextmanager
+    def _on_backward(self, call: Call) -> Iterator[None]:
+        tensors = call.arguments["tensors"]
+        is_loss = isinstance(tensors, torch.Tensor) and tensors.numel() == 1
+        if is_loss and self.session.is_open:  # unscale it (no host sync)
+            self.session.add_loss(unscaled(tensors, scale_tensor(self._scaler)))
+        yield
 
-            self._patches.replace(scaler, "unscale_", unscale_)
+    @contextmanager
+    def _on_clip(self, call: Call) -> Iterator[None]:
+        self._before_gradients_change()
+        yield
 
-
-def _closing_first(callback: FpauditTrainerCallback, original: Callable[..., Any]) -> Any:
-    """``original`` (a gradient clipping function), closing the open step before it runs."""
-
-    def clip(*args: Any, **kwargs: Any) -> Any:
-        callback._before_gradients_change()
-        return original(*args, **kwargs)
-
-    clip.__doc__ = original.__doc__
-    clip.__name__ = original.__name__
-    return clip
+    @contextmanager
+    def _on_unscale(self, call: Call) -> Iterator[None]:
+        self._before_gradients_change()
+        self._unscaled = True
+        yield
 
 
 def _unsupported(args: Any) -> str | None:

@@ -1,0 +1,272 @@
+"""The misuse rules of ``fpaudit run``: pure functions from what a run did to findings.
+
+``training.TrainingMonitor`` notes the calls; the rules over the run's values
+(the steps table, the scalar log) live here, so each can be tested on a
+hand-built table: a table in, findings out. A finding names the file and line of
+the script's call and the first steps it happened at.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "FINDINGS",
+    "Finding",
+    "Findings",
+    "SchedulerCall",
+    "Site",
+    "SpanScale",
+    "mixed_scale_findings",
+    "scale_findings",
+    "scheduler_findings",
+    "skip_statistics",
+    "sorted_findings",
+]
+
+Site = tuple[str, int]  # file and line of the script's call
+
+
+class SchedulerCall(NamedTuple):
+    """A scheduler's ``step()`` from the script."""
+
+    site: Site
+    attempt: int  # the step its optimizer last attempted (-1: none)
+    name: str  # the scheduler's class name
+
+
+class SpanScale(NamedTuple):
+    """One scale a micro-batch of an accumulated batch was scaled by."""
+
+    version: int  # scaler.update() calls before it: the scale's version
+    slot: int  # the scale's slot in the scalar log
+    site: Site  # the script's scale() call
+    step: int
+
+
+FINDINGS = {
+    # code: (severity, what it means)
+    "clip-before-unscale": (
+        "error",
+        "gradients clipped while still multiplied by the loss scale",
+    ),
+    "step-without-unscale": (
+        "error",
+        "optimizer.step() on gradients still multiplied by the loss scale",
+    ),
+    "mixed-scale-accumulation": (
+        "error",
+        "micro-batches of one accumulated batch were scaled differently",
+    ),
+    "unscale-twice": ("error", "unscale_() ran twice on the same accumulated gradients"),
+    "grad-read-while-scaled": ("warning", ".grad read while gradients are still scaled"),
+    "scheduler-on-skipped-step": ("warning", "LR scheduler stepped on a skipped optimizer step"),
+    "scale-falling": ("warning", "the loss scale keeps falling"),
+    "scale-below-one": ("warning", "the loss scale fell below 1"),
+    "high-skip-rate": ("warning", "many optimizer steps skipped after calibration"),
+}
+_MAX_LISTED_STEPS = 20
+
+
+@dataclass
+class Finding:
+    code: str
+    file: str
+    line: int
+    message: str
+    steps: list[int] = field(default_factory=list)  # the first few steps it happened at
+    count: int = 0  # in how many steps
+
+    @property
+    def severity(self) -> str:
+        return FINDINGS[self.code][0]
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    last_step: int = field(default=-1, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["last_step"]
+        return {**data, "severity": self.severity}
+
+
+class Findings:
+    """Findings keyed by (code, site); each keeps a count and its first steps."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[str, str, int], Finding] = {}
+
+    def add(self, code: str, site: Site, step: int, message: str) -> None:
+        key = (code, *site)
+        finding = self.items.get(key)
+        if finding is None:
+            finding = self.items[key] = Finding(code, site[0], site[1], message)
+        if step != finding.last_step:
+            finding.count += 1
+            finding.last_step = step
+            if len(finding.steps) < _MAX_LISTED_STEPS:
+                finding.steps.append(step)
+
+
+def mixed_scale_findings(
+    spans: Sequence[Sequence[tuple[int, int, Site, int]]],
+    values: np.ndarray,
+    update_site: Site | None,
+) -> list[Finding]:
+    """Micro-batches of one effective batch that ran under different scale values.
+
+    ``spans``: per accumulated batch, its scales (:class:`SpanScale`) in order;
+    ``values``: the scalar log's values. A micro-batch whose scale's value differs
+    from the first micro-batch's is a finding at its ``scale()`` call; the
+    ``scaler.update()`` at ``update_site`` is named as the cause."""
+    found = Findings()
+    for scales in spans:
+        if len(scales) < 2:
+            continue
+        first = values[scales[0][1]]
+        for _version, slot, site, step in scales[1:]:
+            if values[slot] != first:
+                update = f" (scaler.update() at {_where(update_site)} ran between them)"
+                found.add(
+                    "mixed-scale-accumulation",
+                    site,
+                    step,
+                    f"a micro-batch scaled by {_power(values[slot])} was accumulated onto "
+                    f"gradients scaled by {_power(first)}{update if update_site else ''}"
+                    ": unscale_ divides the sum by one scale, so micro-batches are weighted "
+                    "unequally; update the scaler once per optimizer step",
+                )
+    return list(found.items.values())
+
+
+def sorted_findings(findings: Sequence[Finding]) -> list[Finding]:
+    """Errors first, then warnings, each by file and line (ties keep their order)."""
+    return sorted(
+        findings,
+        key=lambda f: (("error", "warning", "info").index(f.severity), f.file, f.line),
+    )
+
+
+def scheduler_findings(
+    table: dict[str, list[Any]], calls: Sequence[tuple[Site, int, str]]
+) -> list[Finding]:
+    """Scheduler steps (site, the step its optimizer last attempted, class name) that
+    followed a skipped optimizer step."""
+    found = Findings()
+    skipped = dict(zip(table["step"], table["skipped"], strict=True))
+    for site, attempt, name in calls:
+        if skipped.get(attempt, False):
+            found.add(
+                "scheduler-on-skipped-step",
+                site,
+                attempt,
+                f"{name}.step() ran after a skipped optimizer step: the learning rate moved "
+                "on while the weights did not; step the scheduler only when "
+                "scaler.get_scale() did not fall",
+            )
+    return list(found.items.values())
+
+
+def scale_findings(
+    table: dict[str, list[Any]], site: Site, max_backoffs: int, max_skip_rate: float
+) -> list[Finding]:
+    """A scale that keeps falling, falls below 1, or skips too often after calibration,
+    from the steps table's ``step``, ``loss_scale``, ``scale_after`` and ``skipped``;
+    each finding is placed at ``site`` (the script's ``scaler.update()``)."""
+    found = Findings()
+    if not table["step"]:
+        return []
+    steps = np.array(table["step"])
+    before = np.array(table["loss_scale"])
+    after = np.array(table["scale_after"])
+    backoff = after < before
+    stats = skip_statistics(np.array(table["skipped"], dtype=bool))
+    # Backing off from the initial scale until gradients fit is calibration, not decay.
+    runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats["calibration_steps"])]
+    for start, end in [(start, end) for start, end in runs if end - start > max_backoffs]:
+        found.add(
+            "scale-falling",
+            site,
+            int(steps[start]),
+            f"the scale backed off {end - start} times in a row (steps {steps[start]} to "
+            f"{steps[end - 1]}, {_power(before[start])} to {_power(after[end - 1])}): every "
+            "step overflows whatever the scale, which points at inf/NaN from the forward "
+            "pass or the data (try `fpaudit scan --amp --forward`), not at a too-large scale",
+        )
+    below = np.flatnonzero(after < 1.0)
+    if len(below):
+        first = int(below[0])
+        found.add(
+            "scale-below-one",
+            site,
+            int(steps[first]),
+            f"the scale fell below 1 ({_power(after[first])} after step {steps[first]}): "
+            "gradients are now held smaller than unscaled, so loss scaling only adds "
+            "underflow; something overflows at every scale",
+        )
+    if (
+        stats["skipped_after_calibration"] >= 3
+        and stats["skip_rate_after_calibration"] > max_skip_rate
+    ):
+        rate = stats["skip_rate_after_calibration"]
+        phase = " after calibration" if stats["calibration_steps"] else ""
+        found.add(
+            "high-skip-rate",
+            site,
+            int(steps[stats["calibration_steps"]]),
+            f"{stats['skipped_after_calibration']} of {stats['steps_after_calibration']} "
+            f"steps{phase} were skipped ({rate:.1%}, more than {max_skip_rate:.1%}): each "
+            "skip discards a batch; look for steps that overflow at every scale, or a "
+            "growth interval too short",
+        )
+    return list(found.items.values())
+
+
+def skip_statistics(skipped: np.ndarray) -> dict[str, Any]:
+    """Skipped steps, split at the end of calibration: the leading run of skips while a
+    fresh dynamic scaler backs off from its initial scale (expected, not a problem)
+    until its first step that is not skipped."""
+    # A run that never takes a step never calibrated: its skips all count.
+    calibration = int(np.argmin(skipped)) if not skipped.all() else 0
+    after = skipped[calibration:]
+    return {
+        "steps": len(skipped),
+        "skipped": int(skipped.sum()),
+        "calibration_steps": calibration,
+        "steps_after_calibration": len(after),
+        "skipped_after_calibration": int(after.sum()),
+        "skip_rate_after_calibration": float(after.mean()) if len(after) else 0.0,
+    }
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of every run of True in ``mask``."""
+    padded = np.concatenate([[False], mask, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def _power(value: float) -> str:
+    """2^k for a power of two, else the number."""
+    if value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5:
+        return f"2^{math.frexp(value)[1] - 1}"
+    return f"{value:g}"
+
+
+def _number(value: Any) -> str:
+    try:
+        return f"{float(value):g}"
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _where(site: Site | None) -> str:
+    return f"{site[0]}:{site[1]}" if site is not None else "?"

@@ -1,0 +1,97 @@
+"""The Audit's explicit lifecycle: open(), close(), close(discard=True).
+
+Callers that drop an open step (``fpaudit run``, the framework integrations) call
+``close(discard=True)`` instead of faking an exception through ``__exit__``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from fpaudit.capture import Audit
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def _backward(model: nn.Module) -> None:
+    model.zero_grad(set_to_none=True)  # every step alike: no accumulation ops
+    model(torch.randn(5, 3)).pow(2).mean().backward()
+
+
+def _hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_open_installs_and_close_removes_the_hooks() -> None:
+    model = _model()
+    before = _hooks(model)
+    audit = Audit(model)
+    assert not audit.is_open
+    assert audit.open() is audit
+    assert audit.is_open and _hooks(model) > before
+    audit.close()
+    assert not audit.is_open and _hooks(model) == before
+    assert _get_current_dispatch_mode() is None
+
+
+def test_close_records_the_open_step_and_discard_drops_it() -> None:
+    model = _model()
+    audit = Audit(model)
+    audit.open()
+    _backward(model)
+    audit.close()  # records still open: closed as one step
+    assert audit.steps == 1
+    kept = audit.step_rows()["records"]
+    assert len(kept) == 1 and kept[0] > 0
+    audit.open()
+    _backward(model)
+    audit.close(discard=True)  # dropped: nothing of it is recorded
+    assert audit.steps == 1
+    assert audit.step_rows()["records"] == kept
+    audit.open()  # the dropped step's records do not leak into the next step
+    _backward(model)
+    audit.close()
+    assert audit.steps == 2 and audit.step_rows()["records"] == kept * 2
+
+
+def test_closing_twice_or_without_opening_does_nothing() -> None:
+    model = _model()
+    audit = Audit(model)
+    audit.close()
+    audit.close(discard=True)
+    assert audit.steps == 0 and not audit.is_open
+    audit.open()
+    _backward(model)
+    audit.close()
+    audit.close()  # a second close does not record a second step
+    audit.close(discard=True)
+    assert audit.steps == 1
+
+
+def test_opening_an_open_audit_is_refused_and_leaves_it_open() -> None:
+    model = _model()
+    audit = Audit(model)
+    audit.open()
+    hooks = _hooks(model)
+    with pytest.raises(RuntimeError, match="already open"):
+        audit.open()
+    assert audit.is_open and _hooks(model) == hooks  # not installed twice
+    audit.close()
+
+
+def test_the_context_manager_is_open_and_close_discarding_on_an_exception() -> None:
+    model = _model()
+    audit = Audit(model)
+    with audit:
+        _backward(model)
+    assert audit.steps == 1
+    with pytest.raises(ZeroDivisionError), audit:
+        _backward(model)
+        raise ZeroDivisionError
+    assert audit.steps == 1 and not audit.is_open
