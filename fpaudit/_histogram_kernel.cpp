@@ -12,7 +12,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -174,6 +176,149 @@ void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
   });
 }
 
+// ---- Block-scaled statistics (fpaudit/blockstats.py) ----
+//
+// Two passes over a contiguous fp32 tensor of blocks [n_blocks, block_elements]:
+// block_amax (the largest |x| per block, NaN if the block holds one, as torch's
+// amax) and, once Python has turned the maxima into fp32 multipliers,
+// block_classify: the per-class counts, the blocks with a flushed value and the
+// dynamic-range histogram, with the same fp32 product and thresholds as the
+// pure-torch reference (blockstats._general_stats), which the tests check.
+
+namespace {
+
+constexpr uint32_t kInfBits = 0x7F800000u;
+constexpr int kRanges = 277;
+constexpr int kBlockCounts = 8;  // zero, flushed, subnormal, normal, saturated, nonfinite, poisoned, blocks_flushed
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+__attribute__((target_clones("avx2", "default")))
+uint32_t row_amax_bits(const uint32_t* __restrict data, int64_t count) {
+  int32_t largest = 0;  // |x| bits < 2**31: a signed max vectorises; NaN bits exceed inf's
+  for (int64_t j = 0; j < count; ++j) largest = std::max(largest, int32_t(data[j] & 0x7FFFFFFFu));
+  return uint32_t(largest);
+}
+
+struct RowCounts {
+  int64_t zero, nonfinite, nonzero, flushed, subnormal, saturated;
+  uint32_t top, bottom;  // finite nonzero |x| bits: largest, smallest (0x7FFFFFFF if none)
+};
+
+__attribute__((target_clones("avx2", "default")))
+RowCounts row_classify(const uint32_t* __restrict data, int64_t count, float m, float zero_edge,
+                       float below_normal, float overflow_edge, bool inclusive) {
+  int32_t zero = 0, nonfinite = 0, nonzero = 0, flushed = 0, subnormal = 0, saturated = 0;
+  int32_t top = 0, bottom = 0x7FFFFFFF;
+  for (int64_t j = 0; j < count; ++j) {
+    const uint32_t u = data[j] & 0x7FFFFFFFu;
+    const int32_t live = int32_t(u < kInfBits) & int32_t(u != 0);
+    const float s = bits_to_float(u) * m;
+    zero += int32_t(u == 0);
+    nonfinite += int32_t(u >= kInfBits);
+    nonzero += live;
+    flushed += live & int32_t(s <= zero_edge);
+    subnormal += live & int32_t(s > zero_edge) & int32_t(s < below_normal);
+    saturated += live & int32_t(inclusive ? s >= overflow_edge : s > overflow_edge);
+    top = std::max(top, live ? int32_t(u) : 0);
+    bottom = std::min(bottom, live ? int32_t(u) : 0x7FFFFFFF);
+  }
+  return RowCounts{zero, nonfinite, nonzero, flushed, subnormal, saturated, uint32_t(top),
+                   uint32_t(bottom)};
+}
+
+}  // namespace
+
+// The largest |x| of each row of `blocks` (contiguous fp32 [n, k]), as fp32 [n];
+// a row holding a NaN gives NaN, one holding inf (and no NaN) inf.
+torch::Tensor block_amax(const torch::Tensor& blocks) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kFloat32 &&
+                  blocks.dim() == 2 && blocks.is_contiguous(),
+              "block_amax needs a contiguous 2-D float32 CPU tensor");
+  const int64_t n = blocks.size(0), k = blocks.size(1);
+  auto out = torch::empty({n}, blocks.options().dtype(torch::kInt32));
+  const auto* data = reinterpret_cast<const uint32_t*>(blocks.data_ptr<float>());
+  auto* result = out.data_ptr<int32_t>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(k, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) result[b] = int32_t(row_amax_bits(data + b * k, k));
+  });
+  return out.view(torch::kFloat32);
+}
+
+// Classifies every element of `blocks` (contiguous fp32 [n, k]) scaled by its row's
+// fp32 multiplier (`multiplier`, fp32 [n]): returns int64 [8 + 277]: zero, flushed,
+// subnormal, normal, saturated, nonfinite, poisoned (finite nonzero under a
+// non-finite multiplier), blocks with a flushed value, then the histogram of
+// floor(log2(max / min)) over each row's finite nonzero |x| (rows without one are
+// not counted). Padding is the caller's to subtract from the zeros.
+torch::Tensor block_classify(const torch::Tensor& blocks, const torch::Tensor& multiplier,
+                             double zero_edge, double below_normal, double overflow_edge,
+                             bool inclusive) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kFloat32 &&
+                  blocks.dim() == 2 && blocks.is_contiguous(),
+              "block_classify needs a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(multiplier.device().is_cpu() && multiplier.scalar_type() == torch::kFloat32 &&
+                  multiplier.dim() == 1 && multiplier.is_contiguous() &&
+                  multiplier.size(0) == blocks.size(0),
+              "multiplier must be a contiguous float32 CPU tensor of one value per block");
+  const int64_t n = blocks.size(0), k = blocks.size(1);
+  const auto* data = reinterpret_cast<const uint32_t*>(blocks.data_ptr<float>());
+  const float* scale = multiplier.data_ptr<float>();
+  const float ze = float(zero_edge), bn = float(below_normal), oe = float(overflow_edge);
+  auto out = torch::zeros({kBlockCounts + kRanges}, blocks.options().dtype(torch::kInt64));
+  int64_t* total = out.data_ptr<int64_t>();
+  std::mutex merge;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(k, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    std::array<int64_t, kBlockCounts + kRanges> local{};
+    for (int64_t b = begin; b < end; ++b) {
+      const float m = scale[b];
+      // A row longer than 2**30 is counted in pieces (int32 counters inside).
+      RowCounts c{0, 0, 0, 0, 0, 0, 0, 0x7FFFFFFFu};
+      for (int64_t start = 0; start < k; start += int64_t(1) << 30) {
+        const int64_t count = std::min<int64_t>(k - start, int64_t(1) << 30);
+        const RowCounts p = row_classify(data + b * k + start, count, m, ze, bn, oe, inclusive);
+        c.zero += p.zero;
+        c.nonfinite += p.nonfinite;
+        c.nonzero += p.nonzero;
+        c.flushed += p.flushed;
+        c.subnormal += p.subnormal;
+        c.saturated += p.saturated;
+        c.top = std::max(c.top, p.top);
+        c.bottom = std::min(c.bottom, p.bottom);
+      }
+      local[0] += c.zero;
+      local[5] += c.nonfinite;
+      if (!std::isfinite(m)) {  // NaN scale: every finite nonzero value is poisoned
+        local[6] += c.nonzero;
+      } else {
+        local[1] += c.flushed;
+        local[2] += c.subnormal;
+        local[3] += c.nonzero - c.flushed - c.subnormal - c.saturated;
+        local[4] += c.saturated;
+        local[7] += int64_t(c.flushed > 0);
+      }
+      if (c.nonzero > 0) {  // floor(log2(top / bottom)), exactly, from frexp
+        int top_exponent, bottom_exponent;
+        const float top_mantissa = std::frexp(bits_to_float(c.top), &top_exponent);
+        const float bottom_mantissa = std::frexp(bits_to_float(c.bottom), &bottom_exponent);
+        const int range = top_exponent - bottom_exponent - int(top_mantissa < bottom_mantissa);
+        ++local[size_t(kBlockCounts + range)];
+      }
+    }
+    std::lock_guard<std::mutex> guard(merge);
+    for (size_t i = 0; i < local.size(); ++i) total[i] += local[i];
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("histogram_add", &histogram_add, "Exact fp32 magnitude histogram (fpaudit layout)");
+  m.def("block_amax", &block_amax, "Largest |x| per row (NaN-propagating)");
+  m.def("block_classify", &block_classify, "Block-scaled class counts and dynamic ranges");
 }

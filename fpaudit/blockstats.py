@@ -107,9 +107,16 @@ def block_scales(
     """Per block: the fp32 multiplier applied to its elements, the scale code,
     whether the scale left its format's range, and the block's maximum |x| (NaN if
     it holds a NaN), all of shape ``[n_blocks]``."""
+    return scales_from_amax(absolute.amax(dim=1), recipe)  # NaN if the block holds one
+
+
+def scales_from_amax(
+    amax: torch.Tensor, recipe: Recipe
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As :func:`block_scales`, from each block's maximum |x| (fp32 ``[n_blocks]``)."""
     import torch
 
-    amax = block_amax = absolute.amax(dim=1)  # NaN if the block holds one
+    block_amax = amax
     finite_nonzero = torch.isfinite(amax) & (amax > 0)
     element = recipe.element
     rule = recipe.scale_rule
@@ -165,19 +172,30 @@ def block_scales(
     return multiplier, code.to(torch.int64), out_of_range, block_amax
 
 
-def block_stats(tensor: torch.Tensor, recipe: Recipe, *, general: bool = False) -> torch.Tensor:
+def block_stats(
+    tensor: torch.Tensor, recipe: Recipe, *, general: bool = False, compiled: bool = True
+) -> torch.Tensor:
     """The statistics vector (int64 ``[WIDTH]``, on the tensor's device): see the module.
 
-    On the CPU, blocks whose maximum and scale are all finite (the usual case) take
-    a path of a few passes (threshold counts); any inf, NaN or degenerate scale,
-    any other device, or ``general`` takes the general path, which needs no host
-    sync. Both give the same counts."""
+    On the CPU the compiled kernel (:mod:`fpaudit.kernels`, ``FPAUDIT_KERNEL``)
+    takes two passes over the values: the block maxima, then every count. Without
+    it (or with ``compiled=False``), blocks whose maximum and scale are all finite
+    (the usual case) take a pure-torch path of a few passes (threshold counts); any
+    inf, NaN or degenerate scale, any other device, or ``general`` takes the
+    general path, which needs no host sync. All give the same counts (the tests
+    check)."""
     import torch
 
     device = tensor.device
     if tensor.numel() == 0:
         return torch.zeros(WIDTH, dtype=torch.int64, device=device)
     blocks, padding = _blocks(tensor, recipe)
+    if compiled and not general and device.type == "cpu":
+        from fpaudit import kernels
+
+        kernel = kernels.cpu_kernel()
+        if kernel is not None:
+            return _compiled_stats(kernel, blocks.contiguous(), recipe, padding)
     absolute = blocks.abs()
     multiplier, code, out_of_range, amax = block_scales(blocks, absolute, recipe)
     fast = not general and device.type == "cpu"
@@ -194,6 +212,36 @@ def block_stats(tensor: torch.Tensor, recipe: Recipe, *, general: bool = False) 
     return torch.cat(
         [counts[:7], blocks_row[:1], counts[7:], blocks_row[1:], scale_codes, range_counts]
     ).to(torch.int64)
+
+
+def _compiled_stats(
+    kernel: Any, blocks: torch.Tensor, recipe: Recipe, padding: int
+) -> torch.Tensor:
+    """:func:`block_stats` with the CPU kernel: its maxima, the scales from them, its counts."""
+    import torch
+
+    multiplier, code, out_of_range, _ = scales_from_amax(kernel.block_amax(blocks), recipe)
+    element = recipe.element
+    counted = kernel.block_classify(
+        blocks,
+        multiplier.contiguous(),
+        element.round_to_zero_edge,
+        element.smallest_normal - element.smallest_subnormal / 2,
+        element.overflow_edge,
+        element.overflow_edge_inclusive,
+    )
+    counted[0] -= padding
+    head = torch.stack([torch.tensor(blocks.shape[0]), out_of_range.sum()])
+    return torch.cat(
+        [
+            counted[:7],
+            head[:1],
+            counted[7:8],
+            head[1:],
+            torch.bincount(code, minlength=N_SCALE_CODES),
+            counted[8:],
+        ]
+    )
 
 
 def _finite_stats(

@@ -222,3 +222,53 @@ def test_finite_path_equals_general_path(name: str) -> None:
     for x in (wide, torch.randn(257, 129), torch.zeros(3, 64)):
         fast = blockstats.block_stats(x, recipe)
         assert torch.equal(fast, blockstats.block_stats(x, recipe, general=True))
+
+
+def _three_paths(x: torch.Tensor, name: str) -> None:
+    """The compiled CPU kernel, the pure-torch finite path and the general path agree."""
+    from fpaudit import kernels
+
+    if kernels.cpu_kernel() is None:
+        pytest.skip(f"the CPU kernel is not built: {kernels.failure()}")
+    recipe = get_recipe(name)
+    compiled = blockstats.block_stats(x, recipe)
+    assert torch.equal(compiled, blockstats.block_stats(x, recipe, compiled=False)), name
+    assert torch.equal(compiled, blockstats.block_stats(x, recipe, general=True)), name
+    assert int(compiled[: len(blockstats.CLASSES)].sum()) == x.numel()
+
+
+ALL_NAMES = [*RECIPES, *(f"{n}:col" for n, r in RECIPES.items() if not r.per_tensor)]
+
+
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_compiled_kernel_equals_torch_paths(name: str) -> None:
+    generator = torch.Generator().manual_seed(7)
+    patterns = torch.randint(-(2**31), 2**31 - 1, (37, 300), generator=generator)
+    bits = patterns.to(torch.int32).view(torch.float32)  # every binade, inf, NaN, subnormals
+    wide = torch.exp2(torch.randn(130, 300, generator=generator) * 30)
+    wide = wide * torch.randn(130, 300, generator=generator).sign()
+    wide[::3] = 0
+    wide[:, 5:40] = 0
+    wide[7, 100] = float("inf")  # one inf and one NaN block among finite ones
+    wide[9, 200] = float("nan")
+    subnormals = torch.exp2(-torch.arange(100, 149, dtype=torch.float32)).repeat(3, 5)
+    subnormals[0, ::2] = -0.0
+    for x in (
+        edge_values(),  # ties of every element format, fp32 subnormals, +-0
+        edge_values()[:, :250],  # partial blocks
+        bits,
+        wide,
+        subnormals,
+        torch.randn(257, 129, generator=generator),
+        torch.zeros(3, 64),
+        torch.tensor(float("nan")),
+        torch.full((2, 40), float("inf")),
+    ):
+        _three_paths(x, name)
+
+
+def test_compiled_kernel_on_other_dtypes_and_layouts() -> None:
+    x = torch.randn(64, 96) * torch.exp2(torch.randint(-40, 40, (64, 1)).float())
+    for tensor in (x.t(), x[:, ::3], x.half(), x.bfloat16(), x.double()):
+        for name in ("mxfp8-e4m3", "mxfp4:col", "nvfp4", "fp8-block-128x128", "fp8-tensor-e5m2"):
+            _three_paths(tensor, name)
