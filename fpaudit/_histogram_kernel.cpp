@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -317,8 +318,128 @@ torch::Tensor block_classify(const torch::Tensor& blocks, const torch::Tensor& m
   return out;
 }
 
+namespace {
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// 2**e as fp32, exactly, for integer e in [-149, 127] (blockstats._pow2).
+inline float pow2(int e) {
+  return bits_to_float(e >= -126 ? uint32_t(e + 127) << 23 : uint32_t(1) << (e + 149));
+}
+
+constexpr int kFloor = 0, kRceil = 1, kPow2Floor = 2;
+
+// One block's multiplier, scale code and out-of-range flag from its amax bits, in the
+// fp32 operations of blockstats.scales_from_amax (mx-floor, mx-rceil, pow2-floor).
+inline float block_scale(int rule, uint32_t amax_bits, float element_max, int element_max_pow2,
+                         int* code, bool* out_of_range) {
+  const float amax = bits_to_float(amax_bits);
+  const bool nan = amax_bits > kInfBits;
+  const bool finite_nonzero = amax_bits < kInfBits && amax_bits != 0;
+  if (rule == kFloor) {
+    const int unbiased = int(amax_bits >> 23 & 0xFF) - 127 - element_max_pow2;
+    *out_of_range = finite_nonzero && unbiased < -127;
+    *code = nan ? 255 : std::min(std::max(unbiased, -127), 128) + 127;
+    return *code == 255 ? std::numeric_limits<float>::quiet_NaN() : pow2(127 - std::min(*code, 254));
+  }
+  if (rule == kRceil) {
+    const float descale = amax / element_max;
+    const uint32_t bits = float_bits(descale);
+    const int biased = int(bits >> 23 & 0xFF);
+    const uint32_t fraction = bits & 0x7FFFFFu;
+    const uint32_t half = uint32_t(1) << 22;
+    int exponent;
+    if (biased == 0) {
+      exponent = fraction > half ? -126 : -127;
+    } else {
+      exponent = std::min(std::max(biased - 127 + int(fraction > 0), -127), 127);
+    }
+    *out_of_range = finite_nonzero && biased == 0 && fraction < half;
+    *code = std::isnan(descale) ? 255 : std::isinf(descale) ? 254 : exponent + 127;
+    if (*code == 255) return std::numeric_limits<float>::quiet_NaN();
+    if (*code == 254) return pow2(-127);
+    return *code == 0 ? 1.0f : pow2(127 - *code);
+  }
+  // pow2-floor: elem_max / amax in fp32, overflow clamped, rounded down to a power of two
+  float multiplier = element_max / amax;
+  *out_of_range = finite_nonzero && std::isinf(multiplier);
+  if (std::isinf(multiplier)) multiplier = std::numeric_limits<float>::max();
+  if (amax == 0.0f) multiplier = 1.0f;
+  multiplier = bits_to_float(float_bits(multiplier) & ~0x7FFFFFu);
+  const uint32_t bits = float_bits(multiplier);
+  const int biased = int(bits >> 23 & 0xFF);
+  *code = nan ? 255 : std::min(std::max(2 * 127 - biased - int((bits & 0x7FFFFFu) > 0), 0), 254);
+  return nan ? std::numeric_limits<float>::quiet_NaN() : multiplier;
+}
+
+}  // namespace
+
+// The whole statistics vector of blockstats (layout: 10 counts, 256 scale codes, 277
+// ranges) for the rules whose scale depends on the block alone (rule 0 mx-floor, 1
+// mx-rceil, 2 pow2-floor), in one pass over `blocks` (contiguous fp32 [n, k]): each
+// block's maximum, its scale, then its elements (from the cache). `padding` zeros are
+// not counted.
+torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double element_max,
+                          int64_t element_max_pow2, double zero_edge, double below_normal,
+                          double overflow_edge, bool inclusive, int64_t padding) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kFloat32 &&
+                  blocks.dim() == 2 && blocks.is_contiguous(),
+              "block_stats needs a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(rule >= kFloor && rule <= kPow2Floor, "unknown rule ", rule);
+  constexpr int kCounts = 10, kCodes = 256;
+  const int64_t n = blocks.size(0), k = blocks.size(1);
+  const auto* data = reinterpret_cast<const uint32_t*>(blocks.data_ptr<float>());
+  const float ze = float(zero_edge), bn = float(below_normal), oe = float(overflow_edge);
+  const float emax = float(element_max);
+  auto out = torch::zeros({kCounts + kCodes + kRanges}, blocks.options().dtype(torch::kInt64));
+  int64_t* total = out.data_ptr<int64_t>();
+  std::mutex merge;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(k, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    std::array<int64_t, kCounts + kCodes + kRanges> local{};
+    for (int64_t b = begin; b < end; ++b) {
+      const uint32_t* row = data + b * k;
+      int code;
+      bool out_of_range;
+      const float m = block_scale(int(rule), row_amax_bits(row, k), emax, int(element_max_pow2),
+                                  &code, &out_of_range);
+      ++local[size_t(kCounts + code)];
+      local[9] += int64_t(out_of_range);
+      const RowCounts c = row_classify(row, k, m, ze, bn, oe, inclusive);
+      local[0] += c.zero;
+      local[5] += c.nonfinite;
+      if (!std::isfinite(m)) {
+        local[6] += c.nonzero;
+      } else {
+        local[1] += c.flushed;
+        local[2] += c.subnormal;
+        local[3] += c.nonzero - c.flushed - c.subnormal - c.saturated;
+        local[4] += c.saturated;
+        local[8] += int64_t(c.flushed > 0);
+      }
+      if (c.nonzero > 0) {
+        int top_exponent, bottom_exponent;
+        const float top_mantissa = std::frexp(bits_to_float(c.top), &top_exponent);
+        const float bottom_mantissa = std::frexp(bits_to_float(c.bottom), &bottom_exponent);
+        ++local[size_t(kCounts + kCodes + top_exponent - bottom_exponent -
+                       int(top_mantissa < bottom_mantissa))];
+      }
+    }
+    std::lock_guard<std::mutex> guard(merge);
+    for (size_t i = 0; i < local.size(); ++i) total[i] += local[i];
+  });
+  total[0] -= padding;
+  total[7] = n;
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("histogram_add", &histogram_add, "Exact fp32 magnitude histogram (fpaudit layout)");
   m.def("block_amax", &block_amax, "Largest |x| per row (NaN-propagating)");
+  m.def("block_stats", &block_stats, "Block-scaled statistics, one pass (block-local scales)");
   m.def("block_classify", &block_classify, "Block-scaled class counts and dynamic ranges");
 }

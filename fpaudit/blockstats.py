@@ -158,7 +158,9 @@ def scales_from_amax(
         if rule == "amax" or rule == "amax-pow2":
             amax = amax.amax().expand(amax.shape)
             finite_nonzero = torch.isfinite(amax) & (amax > 0)
-        multiplier = element.max_finite / amax
+        # A true fp32 division, as Transformer Engine's; ``float / tensor`` in torch is
+        # ``reciprocal() * float``, two roundings, which can differ in the last bit.
+        multiplier = amax.new_full((), element.max_finite) / amax
         out_of_range = finite_nonzero & torch.isinf(multiplier)
         fp32_max = torch.tensor(_FP32_MAX_BITS, dtype=torch.int32, device=amax.device)
         multiplier = torch.where(torch.isinf(multiplier), fp32_max.view(torch.float32), multiplier)
@@ -214,19 +216,37 @@ def block_stats(
     ).to(torch.int64)
 
 
+_ONE_PASS_RULES = {"mx-floor": 0, "mx-rceil": 1, "pow2-floor": 2}  # the kernel's rule ids
+
+
 def _compiled_stats(
     kernel: Any, blocks: torch.Tensor, recipe: Recipe, padding: int
 ) -> torch.Tensor:
-    """:func:`block_stats` with the CPU kernel: its maxima, the scales from them, its counts."""
+    """:func:`block_stats` with the CPU kernel: one pass where a block's scale depends on
+    that block alone; else its maxima, the scales from them (torch), its counts."""
     import torch
 
-    multiplier, code, out_of_range, _ = scales_from_amax(kernel.block_amax(blocks), recipe)
     element = recipe.element
+    below_normal = element.smallest_normal - element.smallest_subnormal / 2
+    rule = _ONE_PASS_RULES.get(recipe.scale_rule)
+    if rule is not None:
+        return kernel.block_stats(  # type: ignore[no-any-return]  # a compiled module
+            blocks,
+            rule,
+            element.max_finite,
+            recipe.element_max_pow2,
+            element.round_to_zero_edge,
+            below_normal,
+            element.overflow_edge,
+            element.overflow_edge_inclusive,
+            padding,
+        )
+    multiplier, code, out_of_range, _ = scales_from_amax(kernel.block_amax(blocks), recipe)
     counted = kernel.block_classify(
         blocks,
         multiplier.contiguous(),
         element.round_to_zero_edge,
-        element.smallest_normal - element.smallest_subnormal / 2,
+        below_normal,
         element.overflow_edge,
         element.overflow_edge_inclusive,
     )

@@ -144,7 +144,8 @@ def test_fp8_block_counts_equal_torch_cast(name: str, source: str) -> None:
     rows, cols = get_recipe(name).block
     tiles = x.reshape(x.shape[0] // rows, rows, x.shape[1] // cols, cols)
     amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
-    multiplier = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    # a true fp32 division (torch's ``448.0 / amax`` is ``amax.reciprocal() * 448``)
+    multiplier = torch.where(amax > 0, torch.tensor(448.0) / amax, torch.ones_like(amax))
     multiplier = torch.where(torch.isinf(multiplier), torch.finfo(torch.float32).max, multiplier)
     exponent = torch.frexp(multiplier)[1] - 1  # power of two, rounded down
     multiplier = torch.ldexp(torch.ones_like(multiplier), exponent).expand_as(tiles)
@@ -272,3 +273,17 @@ def test_compiled_kernel_on_other_dtypes_and_layouts() -> None:
     for tensor in (x.t(), x[:, ::3], x.half(), x.bfloat16(), x.double()):
         for name in ("mxfp8-e4m3", "mxfp4:col", "nvfp4", "fp8-block-128x128", "fp8-tensor-e5m2"):
             _three_paths(tensor, name)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_fp32_multiplier_is_one_true_division(compiled: bool) -> None:
+    # A block maximum of 1.75 * 2**126: 448 / amax = 2**-118 exactly (the fp32 division
+    # of Transformer Engine), so pow2-floor keeps 2**-118: code 254 - (127 - 118) = 245.
+    # torch's ``448.0 / amax`` is ``amax.reciprocal() * 448``: the reciprocal is an fp32
+    # subnormal, rounded, and the product falls just below 2**-118 (code 246).
+    x = torch.zeros(128)
+    x[0] = 1.75 * 2.0**126
+    assert float(448.0 / x[:1]) < 2.0**-118 == float(torch.tensor(448.0) / x[:1])
+    vector = blockstats.block_stats(x, get_recipe("fp8-block-1x128"), compiled=compiled)
+    codes = blockstats.scale_codes(vector.numpy())
+    assert codes[245] == 1 and codes.sum() == 1
