@@ -287,3 +287,34 @@ def test_fp32_multiplier_is_one_true_division(compiled: bool) -> None:
     vector = blockstats.block_stats(x, get_recipe("fp8-block-1x128"), compiled=compiled)
     codes = blockstats.scale_codes(vector.numpy())
     assert codes[245] == 1 and codes.sum() == 1
+
+
+def test_gate_and_plan_judge_saturation_alike_by_default() -> None:
+    """One default for --max-saturate: 0 in gate and plan (a clamped value is a loss)."""
+    import inspect
+
+    from torch import nn
+
+    import fpaudit
+    from fpaudit import blockplan
+
+    gate_default = inspect.signature(blockplan.block_gate).parameters["max_saturate"].default
+    plan_default = inspect.signature(blockplan.plan).parameters["max_saturate"].default
+    assert gate_default == plan_default == 0.0
+    # A layer whose values saturate under MXFP8-E4M3's floor scale: each 32-block's
+    # maximum is 1.9 * 2**k, so it scales to 1.9 * 2**8 = 486.4 > 464: clamped to 448.
+    layer = nn.Linear(32, 32, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(32))
+    x = torch.full((4, 32), 0.5)
+    x[:, 0] = 1.9
+    with fpaudit.audit(layer, recipes=["mxfp8-e4m3"]) as audit:
+        loss = layer(x).sum()
+        loss.backward()
+        audit.step(loss=loss)
+    report = audit.report
+    gated = blockplan.block_gate(report, "mxfp8-e4m3", max_flush=1.0)
+    assert not gated.passed  # the default judges saturation
+    assert blockplan.block_gate(report, "mxfp8-e4m3", 1.0, max_saturate=1.0).passed
+    planned = blockplan.plan(report, ["mxfp8-e4m3"], max_flush=1.0)
+    assert planned.max_saturate == 0.0 and planned.keep  # nothing passes: stays in bf16
