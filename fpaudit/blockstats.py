@@ -386,9 +386,14 @@ class BlockRecorder:
     called many times in a step, and steps and ranks later, merge by summing.
     """
 
-    def __init__(self, recipes: tuple[Recipe, ...]) -> None:
+    def __init__(self, recipes: tuple[Recipe, ...], window: int = 1) -> None:
         self.recipes = recipes
+        self.window = window  # merge this many consecutive closed steps into one row each
         self._open: dict[Any, torch.Tensor] = {}
+        self._pending: dict[Any, np.ndarray] = {}  # the window filling, on the host
+        self._pending_first = 0
+        self._pending_steps = 0
+        self._rank = 0
         self._rows: dict[str, list[Any]] = {
             name: [] for name in (*BLOCK_KEY_COLUMNS, *COUNT_COLUMNS, *BLOCK_HISTOGRAM_COLUMNS)
         }
@@ -404,19 +409,41 @@ class BlockRecorder:
             total += vectors
 
     def close_step(self, step: int, rank: int, keep: bool = True) -> None:
-        """Move the open step's statistics to host rows (dropped unless ``keep``)."""
-        open_rows, self._open = self._open, {}
-        if not keep:
-            return
-        import torch
+        """Move the open step's statistics to host rows (dropped unless ``keep``).
 
-        by_device: dict[Any, list[Any]] = {}
-        for key, vectors in open_rows.items():
-            by_device.setdefault(vectors.device, []).append(key)
-        for keys in by_device.values():  # one transfer per device
-            host = torch.stack([open_rows[key] for key in keys]).cpu().numpy()
-            for key, vectors in zip(keys, host, strict=True):
+        With ``window`` W > 1, W consecutive closed steps (kept or not, as the
+        records count them) sum into one row per key, numbered by the window's first
+        step, as the histogram records of ``--window`` are."""
+        open_rows, self._open = self._open, {}
+        host_rows: dict[Any, np.ndarray] = {}
+        if keep:
+            import torch
+
+            by_device: dict[Any, list[Any]] = {}
+            for key, vectors in open_rows.items():
+                by_device.setdefault(vectors.device, []).append(key)
+            for keys in by_device.values():  # one transfer per device
+                host = torch.stack([open_rows[key] for key in keys]).cpu().numpy()
+                host_rows.update(zip(keys, host, strict=True))
+        if self.window == 1:
+            for key, vectors in host_rows.items():
                 self._add_rows(step, rank, key, vectors)
+            return
+        if self._pending_steps == 0:
+            self._pending_first = step
+        self._pending_steps += 1
+        for key, vectors in host_rows.items():
+            merged = self._pending.get(key)
+            if merged is None:
+                self._pending[key] = vectors.copy()
+            else:
+                merged += vectors
+        self._rank = rank
+        if self._pending_steps == self.window:
+            for key, vectors in self._pending.items():
+                self._add_rows(self._pending_first, rank, key, vectors)
+            self._pending.clear()
+            self._pending_steps = 0
 
     def _add_rows(self, step: int, rank: int, key: Any, host: np.ndarray) -> None:
         for recipe, vector in zip(self.recipes, host, strict=True):
@@ -438,4 +465,13 @@ class BlockRecorder:
                 values.append(row[name])
 
     def columns(self) -> dict[str, list[Any]]:
-        return {name: list(values) for name, values in self._rows.items()}
+        """The rows so far; a window still filling is included as it stands."""
+        columns = {name: list(values) for name, values in self._rows.items()}
+        if self._pending:
+            rows, self._rows = self._rows, columns
+            try:
+                for key, vectors in self._pending.items():
+                    self._add_rows(self._pending_first, self._rank, key, vectors)
+            finally:
+                self._rows = rows
+        return columns

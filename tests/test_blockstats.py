@@ -11,6 +11,7 @@ must equal these exactly.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -318,3 +319,40 @@ def test_gate_and_plan_judge_saturation_alike_by_default() -> None:
     assert blockplan.block_gate(report, "mxfp8-e4m3", 1.0, max_saturate=1.0).passed
     planned = blockplan.plan(report, ["mxfp8-e4m3"], max_flush=1.0)
     assert planned.max_saturate == 0.0 and planned.keep  # nothing passes: stays in bf16
+
+
+def test_window_merges_block_rows_exactly() -> None:
+    """--window W: the block rows of W consecutive steps sum into one row (numbered by
+    the window's first step), as the histogram records; a filling window is kept."""
+    from torch import nn
+
+    import fpaudit
+
+    def scan(window: int) -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(40, 70), nn.Tanh(), nn.Linear(70, 3))
+        audit = fpaudit.audit(model, recipes=["mxfp4", "fp8-block-1x128"], window=window)
+        for step in range(5):
+            with audit:
+                model.zero_grad(set_to_none=True)
+                loss = model(torch.randn(16, 40) * 2.0 ** (-step * 8)).sum()
+                loss.backward()
+                audit.step(loss=loss)
+        return audit.report.blocks
+
+    keys = ["kind", "module", "op", "output", "dtype", "recipe"]
+    counts = list(blockstats.COUNT_COLUMNS)
+    single, merged = scan(1), scan(2)
+    assert sorted(set(single["step"])) == [0, 1, 2, 3, 4]
+    assert sorted(set(merged["step"])) == [0, 2, 4]  # windows 0-1, 2-3 and 4 (filling)
+    window_of = single["step"] // 2 * 2
+    expected = single.assign(step=window_of).groupby(["step", *keys])[counts].sum()
+    got = merged.set_index(["step", *keys])[counts].sort_index()
+    assert len(got) == len(expected)
+    assert got.equals(expected.sort_index().astype(got.dtypes.to_dict()))
+    for column in blockstats.BLOCK_HISTOGRAM_COLUMNS:
+        for (step, *key), group in single.assign(step=window_of).groupby(["step", *keys]):
+            row = merged[(merged["step"] == step)]
+            for name, value in zip(keys, key, strict=True):
+                row = row[row[name] == value]
+            assert np.array_equal(np.sum(np.stack(group[column].to_list()), 0), row[column].iloc[0])
