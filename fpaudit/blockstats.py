@@ -420,8 +420,8 @@ class BlockRecorder:
             import torch
 
             by_device: dict[Any, list[Any]] = {}
-            for key, vectors in open_rows.items():
-                by_device.setdefault(vectors.device, []).append(key)
+            for key, device_vectors in open_rows.items():
+                by_device.setdefault(device_vectors.device, []).append(key)
             for keys in by_device.values():  # one transfer per device
                 host = torch.stack([open_rows[key] for key in keys]).cpu().numpy()
                 host_rows.update(zip(keys, host, strict=True))
