@@ -356,3 +356,36 @@ def test_window_merges_block_rows_exactly() -> None:
             for name, value in zip(keys, key, strict=True):
                 row = row[row[name] == value]
             assert np.array_equal(np.sum(np.stack(group[column].to_list()), 0), row[column].iloc[0])
+
+
+def test_ranks_merge_block_rows_exactly() -> None:
+    """Two ranks' parts (hand-built: one audited model each, the second as rank 1) merge
+    into one report whose block table is the sum of block_stats over both ranks' values."""
+    from torch import nn
+
+    import fpaudit
+    from fpaudit import blockplan
+    from fpaudit.report import _merge_ranks
+
+    recipe = get_recipe("mxfp8-e4m3")
+    parts, grads = [], []
+    for rank, scale in enumerate((1.0, 2.0**-30)):
+        torch.manual_seed(rank)
+        layer = nn.Linear(64, 32, bias=False)
+        with fpaudit.audit(layer, recipes=[recipe.name]) as audit:
+            loss = layer(torch.randn(8, 64) * scale).sum()
+            loss.backward()
+            audit.step(loss=loss)
+        part = audit.report
+        assert part.blocks is not None and layer.weight.grad is not None
+        part.blocks["rank"] = rank
+        part.records["rank"] = rank
+        part.steps["rank"] = rank
+        parts.append(part)
+        grads.append(layer.weight.grad)
+    merged = _merge_ranks(parts, parts[0].meta, parts[0].path)
+    table = blockplan.block_table(merged, recipe, ("module", "kind", "op"))
+    row = table[(table["kind"] == "grad") & (table["op"] == "weight")].iloc[0]
+    expected = blockstats.summary(sum(blockstats.block_stats(g, recipe) for g in grads).numpy())
+    assert {k: int(row[k]) for k in expected} == expected
+    assert sorted(set(merged.blocks["rank"])) == [0, 1]
