@@ -18,7 +18,11 @@ What it checks, on the sample transformer:
 5. live mode on the device: a step under ``torch.autocast`` in fp16 with the fp32
    shadow, also free of host syncs, and the values the shadow found lost;
 6. ``fpaudit verify`` on the device at scale 1 and at the recommended scale;
-7. ``fpaudit run`` on ``sample_configs/train_loop.py --bugs`` on the device: the three
+7. block statistics (``--recipe``): every recipe's statistics vector on the device (on
+   CUDA the pure-torch general path: there is no Triton block kernel yet) equals the CPU
+   path's (the compiled kernel where built) on edge values and random bit patterns, under
+   ``set_sync_debug_mode("error")``; and the cost per value of one MX recipe;
+8. ``fpaudit run`` on ``sample_configs/train_loop.py --bugs`` on the device: the three
    findings, and no host sync beyond the script's own (GradScaler's ``.item()``, its
    ``get_scale()``, its prints) and fpaudit's one read at the end, counted with
    ``torch.cuda.set_sync_debug_mode("warn")`` against the plain script.
@@ -110,6 +114,44 @@ def check_exactness(device: torch.device) -> dict[str, Any]:
     return result
 
 
+def check_block_stats(device: torch.device, n: int, reps: int) -> dict[str, Any]:
+    """Block statistics on ``device`` against the CPU path, every recipe; ns per value."""
+    from fpaudit import blockstats
+    from fpaudit.recipes import RECIPES, get_recipe
+
+    generator = torch.Generator().manual_seed(1)
+    patterns = torch.randint(-(2**31), 2**31 - 1, (64, 512), generator=generator)
+    x = torch.cat([patterns.to(torch.int32).view(torch.float32),
+                   torch.randn(64, 512, generator=generator) * 1e-4,
+                   torch.exp2(torch.randn(64, 512, generator=generator) * 30)])  # fmt: skip
+    names = [*RECIPES, "mxfp8-e4m3:col", "fp8-block-128x128:col"]
+    mismatched = []
+    for name in names:
+        recipe = get_recipe(name)
+        # on CUDA against the CPU path (the compiled kernel); on the CPU (the smoke test)
+        # the kernel is the device path, so against the pure-torch path
+        expected = blockstats.block_stats(x, recipe, compiled=device.type != "cpu")
+        with no_host_sync(device):
+            got = blockstats.block_stats(x.to(device), recipe)
+        if not torch.equal(got.cpu(), expected):
+            mismatched.append(name)
+    values = torch.randn(n, device=device) * 1e-3
+    recipe = get_recipe("mxfp8-e4m3")
+    times = []
+    for rep in range(reps + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        blockstats.block_stats(values, recipe)
+        synchronize(device)
+        if rep:
+            times.append(time.perf_counter() - start)
+    return {
+        "block_stats_exact": not mismatched,
+        "block_stats_mismatched_recipes": mismatched,
+        "block_stats_mxfp8_ns_per_value": statistics.median(times) / n * 1e9,
+    }
+
+
 def time_kernels(device: torch.device, n: int, reps: int) -> dict[str, float]:
     """Nanoseconds per value: the histogram paths and one read, medians, interleaved."""
     x = torch.randn(n, device=device) * 1e-3
@@ -196,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         summary["device_name"] = torch.cuda.get_device_name(device)
     summary.update(check_exactness(device))
+    summary.update(check_block_stats(device, 1 << 16 if args.quick else 1 << 26,
+                                     1 if args.quick else 5))  # fmt: skip
 
     sample = runpy.run_path(str(ROOT / "sample_configs" / "transformer.py"))
     torch.manual_seed(0)
@@ -313,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["no_host_sync_during_capture"] = sync_error is None
     ok = summary["exact"] and summary["amax_exact"] and summary["no_host_sync_during_capture"]
     ok = ok and summary["exact_torch_path"] and summary["amax_exact_torch_path"]
+    ok = ok and summary["block_stats_exact"]
     ok = ok and summary["backward_records_per_step"] > 0
     ok = ok and all(v["float16_records"] > 0 for v in live.values())
     ok = ok and summary["run_no_extra_sync"] and len(summary["run_findings"]) == 3

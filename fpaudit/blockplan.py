@@ -112,7 +112,7 @@ def block_gate(
     report: Report,
     recipe: Recipe | str,
     max_flush: float,
-    max_saturate: float = 1.0,
+    max_saturate: float = 0.0,
     *,
     per_module: bool = True,
 ) -> BlockGateResult:
@@ -204,7 +204,7 @@ class Plan:
 
 
 def plan(
-    report: Report, recipes: list[Recipe | str], max_flush: float, max_saturate: float = 1.0
+    report: Report, recipes: list[Recipe | str], max_flush: float, max_saturate: float = 0.0
 ) -> Plan:
     """Per module, the cheapest of ``recipes`` whose flush and saturation fractions stay
     within the limits, and the statistic that ruled out the cheaper ones."""

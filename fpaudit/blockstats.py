@@ -107,9 +107,16 @@ def block_scales(
     """Per block: the fp32 multiplier applied to its elements, the scale code,
     whether the scale left its format's range, and the block's maximum |x| (NaN if
     it holds a NaN), all of shape ``[n_blocks]``."""
+    return scales_from_amax(absolute.amax(dim=1), recipe)  # NaN if the block holds one
+
+
+def scales_from_amax(
+    amax: torch.Tensor, recipe: Recipe
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As :func:`block_scales`, from each block's maximum |x| (fp32 ``[n_blocks]``)."""
     import torch
 
-    amax = block_amax = absolute.amax(dim=1)  # NaN if the block holds one
+    block_amax = amax
     finite_nonzero = torch.isfinite(amax) & (amax > 0)
     element = recipe.element
     rule = recipe.scale_rule
@@ -151,7 +158,9 @@ def block_scales(
         if rule == "amax" or rule == "amax-pow2":
             amax = amax.amax().expand(amax.shape)
             finite_nonzero = torch.isfinite(amax) & (amax > 0)
-        multiplier = element.max_finite / amax
+        # A true fp32 division, as Transformer Engine's; ``float / tensor`` in torch is
+        # ``reciprocal() * float``, two roundings, which can differ in the last bit.
+        multiplier = amax.new_full((), element.max_finite) / amax
         out_of_range = finite_nonzero & torch.isinf(multiplier)
         fp32_max = torch.tensor(_FP32_MAX_BITS, dtype=torch.int32, device=amax.device)
         multiplier = torch.where(torch.isinf(multiplier), fp32_max.view(torch.float32), multiplier)
@@ -165,19 +174,30 @@ def block_scales(
     return multiplier, code.to(torch.int64), out_of_range, block_amax
 
 
-def block_stats(tensor: torch.Tensor, recipe: Recipe, *, general: bool = False) -> torch.Tensor:
+def block_stats(
+    tensor: torch.Tensor, recipe: Recipe, *, general: bool = False, compiled: bool = True
+) -> torch.Tensor:
     """The statistics vector (int64 ``[WIDTH]``, on the tensor's device): see the module.
 
-    On the CPU, blocks whose maximum and scale are all finite (the usual case) take
-    a path of a few passes (threshold counts); any inf, NaN or degenerate scale,
-    any other device, or ``general`` takes the general path, which needs no host
-    sync. Both give the same counts."""
+    On the CPU the compiled kernel (:mod:`fpaudit.kernels`, ``FPAUDIT_KERNEL``)
+    takes two passes over the values: the block maxima, then every count. Without
+    it (or with ``compiled=False``), blocks whose maximum and scale are all finite
+    (the usual case) take a pure-torch path of a few passes (threshold counts); any
+    inf, NaN or degenerate scale, any other device, or ``general`` takes the
+    general path, which needs no host sync. All give the same counts (the tests
+    check)."""
     import torch
 
     device = tensor.device
     if tensor.numel() == 0:
         return torch.zeros(WIDTH, dtype=torch.int64, device=device)
     blocks, padding = _blocks(tensor, recipe)
+    if compiled and not general and device.type == "cpu":
+        from fpaudit import kernels
+
+        kernel = kernels.cpu_kernel()
+        if kernel is not None:
+            return _compiled_stats(kernel, blocks.contiguous(), recipe, padding)
     absolute = blocks.abs()
     multiplier, code, out_of_range, amax = block_scales(blocks, absolute, recipe)
     fast = not general and device.type == "cpu"
@@ -194,6 +214,54 @@ def block_stats(tensor: torch.Tensor, recipe: Recipe, *, general: bool = False) 
     return torch.cat(
         [counts[:7], blocks_row[:1], counts[7:], blocks_row[1:], scale_codes, range_counts]
     ).to(torch.int64)
+
+
+_ONE_PASS_RULES = {"mx-floor": 0, "mx-rceil": 1, "pow2-floor": 2}  # the kernel's rule ids
+
+
+def _compiled_stats(
+    kernel: Any, blocks: torch.Tensor, recipe: Recipe, padding: int
+) -> torch.Tensor:
+    """:func:`block_stats` with the CPU kernel: one pass where a block's scale depends on
+    that block alone; else its maxima, the scales from them (torch), its counts."""
+    import torch
+
+    element = recipe.element
+    below_normal = element.smallest_normal - element.smallest_subnormal / 2
+    rule = _ONE_PASS_RULES.get(recipe.scale_rule)
+    if rule is not None:
+        return kernel.block_stats(  # type: ignore[no-any-return]  # a compiled module
+            blocks,
+            rule,
+            element.max_finite,
+            recipe.element_max_pow2,
+            element.round_to_zero_edge,
+            below_normal,
+            element.overflow_edge,
+            element.overflow_edge_inclusive,
+            padding,
+        )
+    multiplier, code, out_of_range, _ = scales_from_amax(kernel.block_amax(blocks), recipe)
+    counted = kernel.block_classify(
+        blocks,
+        multiplier.contiguous(),
+        element.round_to_zero_edge,
+        below_normal,
+        element.overflow_edge,
+        element.overflow_edge_inclusive,
+    )
+    counted[0] -= padding
+    head = torch.stack([torch.tensor(blocks.shape[0]), out_of_range.sum()])
+    return torch.cat(
+        [
+            counted[:7],
+            head[:1],
+            counted[7:8],
+            head[1:],
+            torch.bincount(code, minlength=N_SCALE_CODES),
+            counted[8:],
+        ]
+    )
 
 
 def _finite_stats(
@@ -318,9 +386,14 @@ class BlockRecorder:
     called many times in a step, and steps and ranks later, merge by summing.
     """
 
-    def __init__(self, recipes: tuple[Recipe, ...]) -> None:
+    def __init__(self, recipes: tuple[Recipe, ...], window: int = 1) -> None:
         self.recipes = recipes
+        self.window = window  # merge this many consecutive closed steps into one row each
         self._open: dict[Any, torch.Tensor] = {}
+        self._pending: dict[Any, np.ndarray] = {}  # the window filling, on the host
+        self._pending_first = 0
+        self._pending_steps = 0
+        self._rank = 0
         self._rows: dict[str, list[Any]] = {
             name: [] for name in (*BLOCK_KEY_COLUMNS, *COUNT_COLUMNS, *BLOCK_HISTOGRAM_COLUMNS)
         }
@@ -336,19 +409,41 @@ class BlockRecorder:
             total += vectors
 
     def close_step(self, step: int, rank: int, keep: bool = True) -> None:
-        """Move the open step's statistics to host rows (dropped unless ``keep``)."""
-        open_rows, self._open = self._open, {}
-        if not keep:
-            return
-        import torch
+        """Move the open step's statistics to host rows (dropped unless ``keep``).
 
-        by_device: dict[Any, list[Any]] = {}
-        for key, vectors in open_rows.items():
-            by_device.setdefault(vectors.device, []).append(key)
-        for keys in by_device.values():  # one transfer per device
-            host = torch.stack([open_rows[key] for key in keys]).cpu().numpy()
-            for key, vectors in zip(keys, host, strict=True):
+        With ``window`` W > 1, W consecutive closed steps (kept or not, as the
+        records count them) sum into one row per key, numbered by the window's first
+        step, as the histogram records of ``--window`` are."""
+        open_rows, self._open = self._open, {}
+        host_rows: dict[Any, np.ndarray] = {}
+        if keep:
+            import torch
+
+            by_device: dict[Any, list[Any]] = {}
+            for key, device_vectors in open_rows.items():
+                by_device.setdefault(device_vectors.device, []).append(key)
+            for keys in by_device.values():  # one transfer per device
+                host = torch.stack([open_rows[key] for key in keys]).cpu().numpy()
+                host_rows.update(zip(keys, host, strict=True))
+        if self.window == 1:
+            for key, vectors in host_rows.items():
                 self._add_rows(step, rank, key, vectors)
+            return
+        if self._pending_steps == 0:
+            self._pending_first = step
+        self._pending_steps += 1
+        for key, vectors in host_rows.items():
+            merged = self._pending.get(key)
+            if merged is None:
+                self._pending[key] = vectors.copy()
+            else:
+                merged += vectors
+        self._rank = rank
+        if self._pending_steps == self.window:
+            for key, vectors in self._pending.items():
+                self._add_rows(self._pending_first, rank, key, vectors)
+            self._pending.clear()
+            self._pending_steps = 0
 
     def _add_rows(self, step: int, rank: int, key: Any, host: np.ndarray) -> None:
         for recipe, vector in zip(self.recipes, host, strict=True):
@@ -370,4 +465,13 @@ class BlockRecorder:
                 values.append(row[name])
 
     def columns(self) -> dict[str, list[Any]]:
-        return {name: list(values) for name, values in self._rows.items()}
+        """The rows so far; a window still filling is included as it stands."""
+        columns = {name: list(values) for name, values in self._rows.items()}
+        if self._pending:
+            rows, self._rows = self._rows, columns
+            try:
+                for key, vectors in self._pending.items():
+                    self._add_rows(self._pending_first, self._rank, key, vectors)
+            finally:
+                self._rows = rows
+        return columns

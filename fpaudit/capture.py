@@ -826,7 +826,7 @@ class Audit:
         self._step_started = time.perf_counter()
         self._lock = threading.Lock()
         chosen = tuple(dict.fromkeys(as_recipe(r) for r in recipes))
-        self._blocks = BlockRecorder(chosen) if chosen else None  # opt-in: --recipe
+        self._blocks = BlockRecorder(chosen, window) if chosen else None  # opt-in: --recipe
 
     # -- open / close ------------------------------------------------------
     @property

@@ -1296,7 +1296,7 @@ def gate_command(
     max_saturate: Annotated[
         float | None,
         typer.Option(
-            "--max-saturate", help="With --recipe: largest saturated fraction [default: 1]."
+            "--max-saturate", help="With --recipe: largest saturated fraction [default: 0]."
         ),
     ] = None,
     json_output: JsonOption = None,
@@ -1372,7 +1372,7 @@ def _gate_blocks(report_path: Path, options: dict[str, Any]) -> None:
         raise UsageError("a block gate needs both --recipe R and --max-flush FRACTION")
     report = Report.read(report_path)
     render.report_notes(report)
-    saturate = 1.0 if options["max_saturate"] is None else options["max_saturate"]
+    saturate = 0.0 if options["max_saturate"] is None else options["max_saturate"]
     result = block_gate(report, options["recipe"], options["max_flush"], saturate)
     if options["json"]:
         render.print_json(result.to_dict())

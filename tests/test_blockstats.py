@@ -11,6 +11,7 @@ must equal these exactly.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -144,7 +145,8 @@ def test_fp8_block_counts_equal_torch_cast(name: str, source: str) -> None:
     rows, cols = get_recipe(name).block
     tiles = x.reshape(x.shape[0] // rows, rows, x.shape[1] // cols, cols)
     amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
-    multiplier = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    # a true fp32 division (torch's ``448.0 / amax`` is ``amax.reciprocal() * 448``)
+    multiplier = torch.where(amax > 0, torch.tensor(448.0) / amax, torch.ones_like(amax))
     multiplier = torch.where(torch.isinf(multiplier), torch.finfo(torch.float32).max, multiplier)
     exponent = torch.frexp(multiplier)[1] - 1  # power of two, rounded down
     multiplier = torch.ldexp(torch.ones_like(multiplier), exponent).expand_as(tiles)
@@ -222,3 +224,168 @@ def test_finite_path_equals_general_path(name: str) -> None:
     for x in (wide, torch.randn(257, 129), torch.zeros(3, 64)):
         fast = blockstats.block_stats(x, recipe)
         assert torch.equal(fast, blockstats.block_stats(x, recipe, general=True))
+
+
+def _three_paths(x: torch.Tensor, name: str) -> None:
+    """The compiled CPU kernel, the pure-torch finite path and the general path agree."""
+    from fpaudit import kernels
+
+    if kernels.cpu_kernel() is None:
+        pytest.skip(f"the CPU kernel is not built: {kernels.failure()}")
+    recipe = get_recipe(name)
+    compiled = blockstats.block_stats(x, recipe)
+    assert torch.equal(compiled, blockstats.block_stats(x, recipe, compiled=False)), name
+    assert torch.equal(compiled, blockstats.block_stats(x, recipe, general=True)), name
+    assert int(compiled[: len(blockstats.CLASSES)].sum()) == x.numel()
+
+
+ALL_NAMES = [*RECIPES, *(f"{n}:col" for n, r in RECIPES.items() if not r.per_tensor)]
+
+
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_compiled_kernel_equals_torch_paths(name: str) -> None:
+    generator = torch.Generator().manual_seed(7)
+    patterns = torch.randint(-(2**31), 2**31 - 1, (37, 300), generator=generator)
+    bits = patterns.to(torch.int32).view(torch.float32)  # every binade, inf, NaN, subnormals
+    wide = torch.exp2(torch.randn(130, 300, generator=generator) * 30)
+    wide = wide * torch.randn(130, 300, generator=generator).sign()
+    wide[::3] = 0
+    wide[:, 5:40] = 0
+    wide[7, 100] = float("inf")  # one inf and one NaN block among finite ones
+    wide[9, 200] = float("nan")
+    subnormals = torch.exp2(-torch.arange(100, 149, dtype=torch.float32)).repeat(3, 5)
+    subnormals[0, ::2] = -0.0
+    for x in (
+        edge_values(),  # ties of every element format, fp32 subnormals, +-0
+        edge_values()[:, :250],  # partial blocks
+        bits,
+        wide,
+        subnormals,
+        torch.randn(257, 129, generator=generator),
+        torch.zeros(3, 64),
+        torch.tensor(float("nan")),
+        torch.full((2, 40), float("inf")),
+    ):
+        _three_paths(x, name)
+
+
+def test_compiled_kernel_on_other_dtypes_and_layouts() -> None:
+    x = torch.randn(64, 96) * torch.exp2(torch.randint(-40, 40, (64, 1)).float())
+    for tensor in (x.t(), x[:, ::3], x.half(), x.bfloat16(), x.double()):
+        for name in ("mxfp8-e4m3", "mxfp4:col", "nvfp4", "fp8-block-128x128", "fp8-tensor-e5m2"):
+            _three_paths(tensor, name)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_fp32_multiplier_is_one_true_division(compiled: bool) -> None:
+    # A block maximum of 1.75 * 2**126: 448 / amax = 2**-118 exactly (the fp32 division
+    # of Transformer Engine), so pow2-floor keeps 2**-118: code 254 - (127 - 118) = 245.
+    # torch's ``448.0 / amax`` is ``amax.reciprocal() * 448``: the reciprocal is an fp32
+    # subnormal, rounded, and the product falls just below 2**-118 (code 246).
+    x = torch.zeros(128)
+    x[0] = 1.75 * 2.0**126
+    assert float(448.0 / x[:1]) < 2.0**-118 == float(torch.tensor(448.0) / x[:1])
+    vector = blockstats.block_stats(x, get_recipe("fp8-block-1x128"), compiled=compiled)
+    codes = blockstats.scale_codes(vector.numpy())
+    assert codes[245] == 1 and codes.sum() == 1
+
+
+def test_gate_and_plan_judge_saturation_alike_by_default() -> None:
+    """One default for --max-saturate: 0 in gate and plan (a clamped value is a loss)."""
+    import inspect
+
+    from torch import nn
+
+    import fpaudit
+    from fpaudit import blockplan
+
+    gate_default = inspect.signature(blockplan.block_gate).parameters["max_saturate"].default
+    plan_default = inspect.signature(blockplan.plan).parameters["max_saturate"].default
+    assert gate_default == plan_default == 0.0
+    # A layer whose values saturate under MXFP8-E4M3's floor scale: each 32-block's
+    # maximum is 1.9 * 2**k, so it scales to 1.9 * 2**8 = 486.4 > 464: clamped to 448.
+    layer = nn.Linear(32, 32, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(32))
+    x = torch.full((4, 32), 0.5)
+    x[:, 0] = 1.9
+    with fpaudit.audit(layer, recipes=["mxfp8-e4m3"]) as audit:
+        loss = layer(x).sum()
+        loss.backward()
+        audit.step(loss=loss)
+    report = audit.report
+    gated = blockplan.block_gate(report, "mxfp8-e4m3", max_flush=1.0)
+    assert not gated.passed  # the default judges saturation
+    assert blockplan.block_gate(report, "mxfp8-e4m3", 1.0, max_saturate=1.0).passed
+    planned = blockplan.plan(report, ["mxfp8-e4m3"], max_flush=1.0)
+    assert planned.max_saturate == 0.0 and planned.keep  # nothing passes: stays in bf16
+
+
+def test_window_merges_block_rows_exactly() -> None:
+    """--window W: the block rows of W consecutive steps sum into one row (numbered by
+    the window's first step), as the histogram records; a filling window is kept."""
+    from torch import nn
+
+    import fpaudit
+
+    def scan(window: int) -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(40, 70), nn.Tanh(), nn.Linear(70, 3))
+        audit = fpaudit.audit(model, recipes=["mxfp4", "fp8-block-1x128"], window=window)
+        for step in range(5):
+            with audit:
+                model.zero_grad(set_to_none=True)
+                loss = model(torch.randn(16, 40) * 2.0 ** (-step * 8)).sum()
+                loss.backward()
+                audit.step(loss=loss)
+        return audit.report.blocks
+
+    keys = ["kind", "module", "op", "output", "dtype", "recipe"]
+    counts = list(blockstats.COUNT_COLUMNS)
+    single, merged = scan(1), scan(2)
+    assert sorted(set(single["step"])) == [0, 1, 2, 3, 4]
+    assert sorted(set(merged["step"])) == [0, 2, 4]  # windows 0-1, 2-3 and 4 (filling)
+    window_of = single["step"] // 2 * 2
+    expected = single.assign(step=window_of).groupby(["step", *keys])[counts].sum()
+    got = merged.set_index(["step", *keys])[counts].sort_index()
+    assert len(got) == len(expected)
+    assert got.equals(expected.sort_index().astype(got.dtypes.to_dict()))
+    for column in blockstats.BLOCK_HISTOGRAM_COLUMNS:
+        for (step, *key), group in single.assign(step=window_of).groupby(["step", *keys]):
+            row = merged[(merged["step"] == step)]
+            for name, value in zip(keys, key, strict=True):
+                row = row[row[name] == value]
+            assert np.array_equal(np.sum(np.stack(group[column].to_list()), 0), row[column].iloc[0])
+
+
+def test_ranks_merge_block_rows_exactly() -> None:
+    """Two ranks' parts (hand-built: one audited model each, the second as rank 1) merge
+    into one report whose block table is the sum of block_stats over both ranks' values."""
+    from torch import nn
+
+    import fpaudit
+    from fpaudit import blockplan
+    from fpaudit.report import _merge_ranks
+
+    recipe = get_recipe("mxfp8-e4m3")
+    parts, grads = [], []
+    for rank, scale in enumerate((1.0, 2.0**-30)):
+        torch.manual_seed(rank)
+        layer = nn.Linear(64, 32, bias=False)
+        with fpaudit.audit(layer, recipes=[recipe.name]) as audit:
+            loss = layer(torch.randn(8, 64) * scale).sum()
+            loss.backward()
+            audit.step(loss=loss)
+        part = audit.report
+        assert part.blocks is not None and layer.weight.grad is not None
+        part.blocks["rank"] = rank
+        part.records["rank"] = rank
+        part.steps["rank"] = rank
+        parts.append(part)
+        grads.append(layer.weight.grad)
+    merged = _merge_ranks(parts, parts[0].meta, parts[0].path)
+    table = blockplan.block_table(merged, recipe, ("module", "kind", "op"))
+    row = table[(table["kind"] == "grad") & (table["op"] == "weight")].iloc[0]
+    expected = blockstats.summary(sum(blockstats.block_stats(g, recipe) for g in grads).numpy())
+    assert {k: int(row[k]) for k in expected} == expected
+    assert sorted(set(merged.blocks["rank"])) == [0, 1]
