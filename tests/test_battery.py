@@ -567,10 +567,11 @@ def _sample_digests() -> dict[str, str]:
             for p in sorted(SAMPLES.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}  # fmt: skip
 
 
-SAMPLES_BEFORE = _sample_digests()  # at collection, before any case of this module ran
+SAMPLES_BEFORE = _sample_digests()  # at collection: before any test of the session ran
 
 
 def test_samples_are_not_touched() -> None:
-    """The cases above run the sample model files: none is changed, added or removed."""
+    """No test run so far (this module's cases and every module collected before it, which
+    scan, verify and run the samples) changed, added or removed a sample file."""
     assert "mlp.py" in SAMPLES_BEFORE
     assert _sample_digests() == SAMPLES_BEFORE
