@@ -506,9 +506,7 @@ def scan_command(
             raise typer.Exit(EXIT_OK)
         _write(lambda: distributed.write_report(report, out_path, force=options["force"]), report)
     if distributed.active():
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        distributed.shutdown()  # every rank wrote its part: meet at a barrier, then leave
         if not lead:
             return
         from fpaudit.report import Report

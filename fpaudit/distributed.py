@@ -27,6 +27,7 @@ gradients (``use_orig_params=True``) or of each unit's flat parameter
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 from pathlib import Path
@@ -55,7 +56,33 @@ def init_from_environment(device: torch.device) -> tuple[int, int]:
     """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); (rank, world)."""
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # Any other way out (an error, SIGTERM, sys.exit) leaves the group at exit, while
+        # the interpreter is whole; without a barrier, as a failed rank may be alone.
+        atexit.register(_leave_at_exit, os.getpid())
     return dist.get_rank(), dist.get_world_size()
+
+
+def _leave_at_exit(pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child: the group is its parent's
+        shutdown(wait=False)
+
+
+def shutdown(*, wait: bool = True) -> None:
+    """Leave the process group before the process exits, on every exit path.
+
+    A process that exits with its gloo group still alive tears the group's worker
+    threads down during interpreter finalisation, which now and then aborts it
+    ("terminate called without an active exception"): destroy it while Python is
+    whole. ``wait``: first meet every rank at a barrier, so that no rank destroys the
+    group while a peer still reads the last collective's data; only where every rank
+    is known to get here (a normal end), never on an error path, where a rank that
+    failed alone would wait forever for the others.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def local_device(spec: str) -> str:

@@ -560,5 +560,18 @@ def test_reliability_doc_is_current(tmp_path_factory: pytest.TempPathFactory) ->
     )
 
 
+def _sample_digests() -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(SAMPLES)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(SAMPLES.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}  # fmt: skip
+
+
+SAMPLES_BEFORE = _sample_digests()  # at collection: before any test of the session ran
+
+
 def test_samples_are_not_touched() -> None:
-    assert (SAMPLES / "mlp.py").exists()
+    """No test run so far (this module's cases and every module collected before it, which
+    scan, verify and run the samples) changed, added or removed a sample file."""
+    assert "mlp.py" in SAMPLES_BEFORE
+    assert _sample_digests() == SAMPLES_BEFORE

@@ -6,6 +6,11 @@ test_report.py): random JSON in the metadata, random bytes in the Parquet
 files, and well-formed Parquet tables holding impossible values. Every
 reading command (show, recommend, gate) must then exit 0 or 1 with a result,
 or 2 with one ``fpaudit: error:`` line: never an internal error or a traceback.
+A result must be a correct one: every ``show --json`` row's counts add up (elements =
+zeros + non-finite + nonzero, each class within its total, fractions = count / nonzero),
+``recommend --json``'s scale is 2 to its exponent; and where only the metadata was
+tampered with (the tables are the pristine ones), the format-independent numbers of every
+module (elements, zeros, infs, NaNs, nonzero, amax) equal the pristine report's.
 Bounded: about 150 examples in all.
 """
 
@@ -72,6 +77,33 @@ def _fix_checksums(root: Path) -> None:
     (root / "meta.json").write_text(json.dumps(meta))
 
 
+UNSCALED = ("elements", "zeros", "infs", "nans", "nonfinite", "nonzero", "amax")
+
+
+def _show(root: Path) -> dict[str, dict[str, object]] | None:
+    """``show --json``'s rows by module, or None when it refused (exit 2)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = run(["show", str(root), "--json"])
+    return {row["module"]: row for row in json.loads(out.getvalue())} if code == 0 else None
+
+
+def _check_rows(rows: list[dict[str, object]]) -> None:
+    """What holds of any correct ``show --json`` result, whatever the report holds."""
+    for row in rows:
+        n: dict[str, int] = {k: int(row[k]) for k in ("elements", "zeros", "infs", "nans",
+                             "nonfinite", "nonzero", "underflow", "flushed", "subnormal",
+                             "overflow")}  # fmt: skip
+        assert all(v >= 0 for v in n.values()), row
+        assert n["nonfinite"] == n["infs"] + n["nans"], row
+        assert n["elements"] == n["zeros"] + n["nonfinite"] + n["nonzero"], row
+        assert max(n["underflow"], n["subnormal"], n["overflow"]) <= n["nonzero"], row
+        assert n["underflow"] <= n["flushed"] <= n["nonzero"], row
+        for name in ("underflow", "flushed", "overflow"):
+            expected = n[name] / n["nonzero"] if n["nonzero"] else 0.0
+            assert row[f"{name}_fraction"] == pytest.approx(expected, rel=1e-12, abs=0), row
+
+
 def _assert_clean(root: Path) -> None:
     for args in COMMANDS:
         out, err = io.StringIO(), io.StringIO()
@@ -84,8 +116,12 @@ def _assert_clean(root: Path) -> None:
             assert len(lines) == 1 and lines[0].startswith("fpaudit: error: "), err.getvalue()
         else:
             assert code in (0, 1), (args, code, err.getvalue())
-            if "--json" in args:
-                json.loads(out.getvalue())  # a result, not garbage
+            if args[0] == "show" and "--json" in args:
+                _check_rows(json.loads(out.getvalue()))
+            elif args[0] == "recommend":
+                result = json.loads(out.getvalue())
+                assert result["scale"] == 2.0 ** result["log2_scale"], result
+                assert 0 <= result["underflow_fraction"] <= 1, result
 
 
 json_values = st.recursive(
@@ -112,6 +148,12 @@ def test_tampered_metadata(
         meta[key] = value
     (root / "meta.json").write_text(json.dumps(meta))
     _assert_clean(root)
+    shown = _show(root)
+    if shown is not None:  # the tables are untouched: so are their format-free numbers
+        before = _show(pristine)
+        assert before is not None and set(shown) <= set(before), (shown, before)
+        for module, row in shown.items():
+            assert {k: row[k] for k in UNSCALED} == {k: before[module][k] for k in UNSCALED}
 
 
 @SETTINGS

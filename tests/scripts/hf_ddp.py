@@ -3,12 +3,14 @@
 torchrun --standalone --nproc-per-node 2 tests/scripts/hf_ddp.py OUT
 """
 
+import gc
 import sys
 import warnings
 
 import torch
 import transformers
 
+from fpaudit.distributed import shutdown
 from fpaudit.integrations.huggingface import FpauditTrainerCallback
 
 out = sys.argv[1]
@@ -44,3 +46,8 @@ with warnings.catch_warnings():
         trainer.train()
     finally:
         audit.finish()
+# The Trainer's DDP reducer goes before its process group (gloo aborts the other way
+# round), then every rank meets and leaves the group while Python is whole.
+del trainer
+gc.collect()
+shutdown()

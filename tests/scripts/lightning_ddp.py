@@ -3,6 +3,7 @@
 torchrun --standalone --nproc-per-node 2 tests/scripts/lightning_ddp.py OUT [FAIL_ON_RANK]
 """
 
+import gc
 import sys
 import warnings
 
@@ -10,6 +11,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from fpaudit.distributed import shutdown
 from fpaudit.integrations.lightning import FpauditCallback
 
 out = sys.argv[1]
@@ -45,6 +47,15 @@ trainer = L.Trainer(
     enable_model_summary=False,
     callbacks=[FpauditCallback(out=out)],
 )
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    trainer.fit(Tiny(), loader)
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Tiny(), loader)
+except BaseException:
+    shutdown(wait=False)  # this rank failed alone: leave the group without a barrier
+    raise
+# The trainer's DDP reducer goes before its process group (gloo aborts the other way
+# round), then every rank meets and leaves the group while Python is whole.
+del trainer
+gc.collect()
+shutdown()
