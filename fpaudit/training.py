@@ -33,7 +33,6 @@ import contextlib
 import os
 import runpy
 import sys
-import time
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -57,7 +56,6 @@ from fpaudit.findings import (
     Finding,
     Findings,
     SchedulerCall,
-    SpanScale,
     _number,
     mixed_scale_findings,
     scale_findings,
@@ -67,7 +65,7 @@ from fpaudit.findings import (
 )
 from fpaudit.records import LOSS_MODULE, ReportBuilder
 from fpaudit.runinfo import RunInfo
-from fpaudit.steps import ScalarLog, Span, Step, steps_table
+from fpaudit.steps import RunState, ScalarLog, steps_table
 
 if TYPE_CHECKING:
     from fpaudit.report import Report
@@ -138,40 +136,27 @@ def call_site() -> tuple[str, int]:
 
 
 class TrainingMonitor:
-    """Instruments torch's training APIs while installed (see the module docstring)."""
+    """Instruments torch's training APIs while installed (see the module docstring):
+    translates the patched calls into updates of its :class:`RunState`."""
 
     def __init__(self, options: RunOptions = RunOptions()) -> None:
         self.options = options
+        self.state = RunState(options.capture_every, options.max_steps)
         self.findings = Findings()
-        self.log = ScalarLog()
-        self.steps: list[Step] = []
         self.audit: Audit | None = None
         self.audited_model: nn.Module | None = None
         self.models: list[str] = []  # class names of top-level modules with trainable parameters
-        self.scaler_settings: dict[str, Any] | None = None
-        self.optimizers: list[str] = []
         self.schedulers: list[str] = []
         self.update_site: tuple[str, int] | None = None
-        self.done = False  # --max-steps reached: the next step's first call stops the script
-        self._primary: torch.optim.Optimizer | None = None
-        self._probes: dict[int, torch.Tensor] = {}  # optimizer id -> a parameter to watch
-        self._last_attempt: dict[int, int] = {}  # optimizer id -> step index
         self._scheduler_calls: list[SchedulerCall] = []
-        self._updates = 0  # scaler.update() calls: the scale's version
         self._trainable: dict[int, bool] = {}
-        self._roots: list[nn.Module] = []  # the first top-level modules called
         self._depth = 0  # module call depth
         self._optimizer_depth = 0
         self._scheduler_depth = 0
         self._in_scaler_step = 0
         self._internal = 0  # inside a call whose own .grad reads are not the script's
         self._in_backward = 0
-        self._scaled_since_unscale = False  # an enabled scaler's scale() since unscale_/step
-        self._scaled_pending = False  # gradients hold scaled values not yet unscaled
         self._capturing = False
-        self._span = Span()
-        self._mixed: list[list[SpanScale]] = []
-        self._step = self._new_step(0)
 
     # -- installation --------------------------------------------------------
     @contextmanager
@@ -188,7 +173,7 @@ class TrainingMonitor:
 
     def on_grad_read(self, caller: FrameType) -> None:
         """The script (or torch, or fpaudit) read a ``.grad`` in frame ``caller``."""
-        if not self._scaled_pending or self._quiet():
+        if not self.state.scaled_pending or self._internal or self._in_backward:
             return
         filename = caller.f_code.co_filename
         if filename.startswith(_OUTSIDE) or filename.startswith("<"):
@@ -196,85 +181,25 @@ class TrainingMonitor:
         self.findings.add(
             "grad-read-while-scaled",
             (filename, caller.f_lineno),
-            self._step.index,
+            self.state.step.index,
             ".grad read while the gradients are still multiplied by the loss scale: values "
             "logged or checked here are S times too large; call scaler.unscale_(optimizer) "
             "first",
         )
 
-    def _quiet(self) -> bool:
-        return bool(self._internal or self._in_backward)
-
-    # -- steps ---------------------------------------------------------------
-    def _new_step(self, index: int) -> Step:
-        every = self.options.capture_every
-        return Step(index, time.perf_counter(), capture=bool(every) and index % every == 0)
-
     def _maybe_stop(self) -> None:
-        if self.done:
+        if self.state.done:
             raise StopRun
 
-    def _scale_slot(self, scaler: Any) -> int:
-        scale = patches.scaler_scale(scaler)
-        assert scale is not None, "a used scaler has a scale"
-        return self.log.add(scale)
-
-    def _use_scaler(self, scaler: Any) -> None:
-        step = self._step
-        if step.scaler is None:
-            step.scaler = scaler
-            step.scale_before = self._scale_slot(scaler)
-        if self.scaler_settings is None:
-            self.scaler_settings = patches.scaler_settings(scaler)
-
     def _end_step(self) -> None:
-        step = self._step
         if self._capturing:
             self._close_capture()
-        step.seconds = time.perf_counter() - step.started
-        if step.loss is not None:
-            step.slots["loss"] = self.log.add(step.loss)
-        if step.found_inf is not None:
-            step.slots["found_inf"] = self.log.add(step.found_inf)
-        if step.grad_amax is not None:
-            step.slots["grad_amax"] = self.log.add(step.grad_amax)
-        if step.scaler is not None:
-            step.slots["scale_after"] = self._scale_slot(step.scaler)
-        self.steps.append(step)
-        if self.options.max_steps is not None and len(self.steps) >= self.options.max_steps:
-            self.done = True
-        self._step = self._new_step(step.index + 1)
+        self.state.end_step()
 
     def _attempt(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._primary is None:
-            self._primary = optimizer
         if self._capturing:
             self._close_capture()
-        self._last_attempt[id(optimizer)] = self._step.index
-        if optimizer is self._primary:
-            self._step.attempted = True
-        if id(optimizer) not in self._probes:
-            self._note_optimizer(optimizer)
-
-    def _note_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizers.append(type(optimizer).__name__)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if isinstance(param, torch.Tensor) and param.requires_grad:
-                    self._probes[id(optimizer)] = param
-                    return
-
-    def _note_grad_amax(self, optimizer: torch.optim.Optimizer) -> None:
-        """The largest gradient magnitude, as the optimizer sees the gradients (no sync)."""
-        grads = [patches.raw_grad(p) for group in optimizer.param_groups for p in group["params"]]
-        self._note_amax_of([g for g in grads if g is not None])
-
-    def _note_amax_of(self, grads: list[torch.Tensor]) -> None:
-        amax = patches.amax(grads)
-        if amax is None:
-            return
-        step = self._step
-        step.grad_amax = amax if step.grad_amax is None else torch.maximum(step.grad_amax, amax)
+        self.state.attempt(optimizer)
 
     # -- capture of backward ops ----------------------------------------------
     def _trainable_root(self, module: nn.Module) -> bool:
@@ -300,19 +225,18 @@ class TrainingMonitor:
     def _close_capture(self) -> None:
         """Gradients are complete (unscale_ or an optimizer step is next): close the step."""
         assert self.audit is not None
-        step = self._step
+        step = self.state.step
         self._capturing = False
         if step.backward_calls == 0:  # forward only so far (evaluation): try again later
             self.audit.close(discard=True)
             return
         scale = patches.scaler_scale(step.scaler) if step.scaler is not None else None
-        self._internal += 1
         try:
-            self.audit.step(
-                loss=step.loss, index=step.index, loss_scale=1.0 if scale is None else scale
-            )
+            with self._own_calls():
+                self.audit.step(
+                    loss=step.loss, index=step.index, loss_scale=1.0 if scale is None else scale
+                )
         finally:
-            self._internal -= 1
             self.audit.close()
         step.captured = True
         step.capture = False
@@ -321,11 +245,9 @@ class TrainingMonitor:
     def forward_pre_hook(self, module: nn.Module, args: Any) -> None:
         if self._depth == 0:
             self._maybe_stop()
-            if len(self._roots) < 16 and all(module is not root for root in self._roots):
-                self._roots.append(module)  # stands in for a clip call's generator
-            step = self._step
+            self.state.note_root(module)
             if (
-                step.capture
+                self.state.step.capture
                 and not self._capturing
                 and not self._in_backward
                 and self._trainable_root(module)
@@ -340,52 +262,28 @@ class TrainingMonitor:
         self._optimizer_depth += 1
         if self._optimizer_depth > 1:
             return
-        self._step.stepped = True
+        self.state.step.stepped = True
         if self._in_scaler_step:
             return
         self._maybe_stop()
-        if self._scaled_pending:
+        if self.state.scaled_pending:
             self.findings.add(
                 "step-without-unscale",
                 call_site(),
-                self._step.index,
+                self.state.step.index,
                 f"{type(optimizer).__name__}.step() ran on gradients still multiplied by the "
                 "loss scale; call scaler.step(optimizer) (or scaler.unscale_(optimizer) first)",
             )
         self._attempt(optimizer)
-        self._internal += 1
-        try:
-            self._note_grad_amax(optimizer)
-        finally:
-            self._internal -= 1
+        with self._own_calls():
+            self.state.note_grad_amax(optimizer)
 
     def optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth -= 1
         if self._optimizer_depth or self._in_scaler_step:
             return
-        step = self._step
-        if optimizer is self._primary and not step.scaler_stepped:
-            self._end_step()  # no scaler.update() to wait for
-
-    def _new_span(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Gradients were zeroed (all, or ``optimizer``'s): a new effective batch starts."""
-        span = self._span
-        if len({version for version, *_ in span.scales}) > 1:
-            self._mixed.append(span.scales)  # judged after the run, when values are known
-        span.scales = []
-        if optimizer is None:
-            span.unscaled.clear()
-        else:
-            span.unscaled.discard(id(optimizer))
-
-    def _probe_span(self) -> None:
-        """Gradients set to None by hand (not by zero_grad) also start a new batch
-        (checked when a micro-batch is scaled, before its backward)."""
-        if self._span.scales or self._span.unscaled:
-            for probe in self._probes.values():
-                if patches.raw_grad(probe) is None:
-                    self._new_span()
-                    return
+        if self.state.ends_on_optimizer(optimizer):
+            self._end_step()
 
     # -- handlers of the patched calls (see _torch_patches) --------------------------
     @contextmanager
@@ -395,20 +293,10 @@ class TrainingMonitor:
             yield
             return
         self._maybe_stop()
-        self._probe_span()
+        self.state.probe_span()
         site = call_site()
         yield  # the original initialises the scaler's scale on first use
-        self._use_scaler(scaler)
-        step = self._step
-        span = self._span
-        if not span.scales or span.scales[-1][0] != self._updates:
-            span.scales.append(SpanScale(self._updates, self._scale_slot(scaler), site, step.index))
-        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-            loss = outputs.detach().reshape(()).float()
-            running = step.loss if step.loss_from_scale else None
-            step.loss = loss if running is None else running + loss
-            step.loss_from_scale = True
-        self._scaled_since_unscale = True
+        self.state.scaled(scaler, outputs, site)
 
     @contextmanager
     def on_unscale(self, call: Call) -> Iterator[None]:
@@ -419,22 +307,18 @@ class TrainingMonitor:
         site = call_site()
         if self._capturing:
             self._close_capture()
-        if id(optimizer) in self._span.unscaled:
+        if self.state.unscaling(scaler, optimizer):
             self.findings.add(
                 "unscale-twice",
                 site,
-                self._step.index,
+                self.state.step.index,
                 "unscale_() ran again on gradients already unscaled since they were last "
                 "zeroed: they are divided by the scale twice",
             )
-        self._span.unscaled.add(id(optimizer))
-        self._use_scaler(scaler)
-        self._step.scaler_stepped = True
         with self._own_calls():
-            self._note_grad_amax(optimizer)  # still scaled: divided by the scale later
+            self.state.note_grad_amax(optimizer)  # still scaled: divided by the scale later
             yield
-        self._scaled_since_unscale = False
-        self._scaled_pending = False
+        self.state.unscaled()
 
     @contextmanager
     def on_scaler_step(self, call: Call) -> Iterator[None]:
@@ -443,21 +327,16 @@ class TrainingMonitor:
             yield
             return
         self._maybe_stop()
-        self._use_scaler(scaler)
-        self._step.scaler_stepped = True
-        self._attempt(optimizer)
+        self.state.scaler_stepping(scaler, optimizer)
+        if self._capturing:
+            self._close_capture()
         self._in_scaler_step += 1
         try:  # unscale_ (patched too) runs inside unless the script called it
             with self._own_calls():
                 yield
         finally:
             self._in_scaler_step -= 1
-        found = patches.found_inf(scaler, optimizer)
-        if found is not None:
-            current = self._step.found_inf
-            self._step.found_inf = found if current is None else current + found
-        self._scaled_since_unscale = False
-        self._scaled_pending = False
+        self.state.scaler_stepped(scaler, optimizer)
 
     @contextmanager
     def on_update(self, call: Call) -> Iterator[None]:
@@ -468,28 +347,21 @@ class TrainingMonitor:
         if self.update_site is None:
             self.update_site = call_site()
         if patches.scaler_scale(scaler) is not None:
-            self._use_scaler(scaler)
+            self.state.use_scaler(scaler)
         yield
-        self._updates += 1
-        if self._step.attempted:
+        if self.state.updated():
             self._end_step()
 
     @contextmanager
     def on_backward(self, call: Call) -> Iterator[None]:
         self._maybe_stop()
-        step = self._step
-        step.backward_calls += 1
-        tensors = call.arguments["tensors"]
-        if not step.loss_from_scale and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-            loss = tensors.detach().reshape(()).float()
-            step.loss = loss if step.loss is None else step.loss + loss
+        self.state.backward_starts(call.arguments["tensors"])
         self._in_backward += 1
         try:
             yield
         finally:
             self._in_backward -= 1
-        if self._scaled_since_unscale:
-            self._scaled_pending = True
+        self.state.backward_done()
 
     @contextmanager
     def on_clip(self, call: Call) -> Iterator[None]:
@@ -497,12 +369,13 @@ class TrainingMonitor:
         parameters = call.arguments["parameters"]
         limit = call.arguments["max_norm" if name == "clip_grad_norm_" else "clip_value"]
         site = call_site()
-        step = self._step
-        scaled = self._scaled_pending
+        state = self.state
+        step = state.step
+        scaled = state.scaled_pending
         if scaled:
             # Measure before clipping shrinks them: unscale_ will only see the result.
             with self._own_calls():
-                self._note_amax_of(self._clipped_grads(parameters))
+                state.note_amax_of(state.clipped_grads(parameters))
             self.findings.add(
                 "clip-before-unscale",
                 site,
@@ -514,32 +387,11 @@ class TrainingMonitor:
         with self._own_calls():
             yield
         if name == "clip_grad_norm_" and isinstance(call.result, torch.Tensor):
-            step.norm = self.log.add(call.result)
-            step.norm_scaled = scaled
-            step.max_norm = float(limit)
-
-    def _clipped_grads(self, parameters: Any) -> list[torch.Tensor]:
-        """The gradients a clip call will change, read without consuming ``parameters``:
-        a one-shot iterator (a generator) is left to the clip call, and the gradients of
-        every model seen instead stand for it."""
-        if isinstance(parameters, torch.Tensor):
-            return [g for g in [patches.raw_grad(parameters)] if g is not None]
-        try:
-            iterator = iter(parameters)
-        except TypeError:  # not iterable: the clip call itself will say so
-            return []
-        if iterator is not parameters:
-            params: list[Any] = list(parameters)  # a second pass over a list, tuple or set
-        else:
-            params = [p for root in self._roots for p in root.parameters()]
-        grads = [patches.raw_grad(p) for p in params if isinstance(p, torch.Tensor)]
-        return [g for g in grads if g is not None]
+            state.clipped_norm(call.result, scaled, limit)
 
     @contextmanager
     def on_zero_grad(self, call: Call) -> Iterator[None]:
-        owner = call.arguments["self"]
-        self._new_span(owner if isinstance(owner, torch.optim.Optimizer) else None)
-        self._scaled_pending = False
+        self.state.zeroed(call.arguments["self"])
         with self._own_calls():
             yield
 
@@ -549,7 +401,7 @@ class TrainingMonitor:
         outermost = self._scheduler_depth == 0
         if outermost and not patches.scheduler_initial_step(scheduler):
             optimizer = getattr(scheduler, "optimizer", None)
-            last = self._last_attempt.get(id(optimizer), -1)
+            last = self.state.last_attempt.get(id(optimizer), -1)
             self._scheduler_calls.append(SchedulerCall(call_site(), last, type(scheduler).__name__))
             name = type(scheduler).__name__
             if name not in self.schedulers:
@@ -579,16 +431,15 @@ class TrainingMonitor:
     # -- after the run ---------------------------------------------------------
     def steps_table(self) -> tuple[dict[str, list[Any]], np.ndarray]:
         """The steps table (every column of STEP_COLUMNS) and the scalar log's values."""
-        values = self.log.read()
+        values = self.state.log.read()
         rows = self.audit.step_rows() if self.audit is not None else None
-        return steps_table(self.steps, values, rows), values
+        return steps_table(self.state.steps, values, rows), values
 
     def judge(self, table: dict[str, list[Any]], values: np.ndarray) -> list[Finding]:
         """Findings that need the run's values: scales, skips, schedulers, accumulation."""
         found = [*scheduler_findings(table, self._scheduler_calls)]
-        spans = [*self._mixed, self._span.scales]
-        found += mixed_scale_findings(spans, values, self.update_site)
-        if self.scaler_settings is not None:
+        found += mixed_scale_findings(self.state.spans(), values, self.update_site)
+        if self.state.scaler_settings is not None:
             site = self.update_site or ("<script>", 0)
             options = self.options
             found += scale_findings(table, site, options.max_backoffs, options.max_skip_rate)
@@ -695,7 +546,7 @@ def run_script(
         command="run",
         script=str(path),
         steps_requested=options.max_steps,
-        steps_run=len(monitor.steps),
+        steps_run=len(monitor.state.steps),
         complete=failure is None and interrupted is None,
         stopped_by=stopped_by,
         selection=options.selection.describe(),
@@ -706,8 +557,8 @@ def run_script(
             **run.to_meta(),
             "script_args": list(args),
             "capture_every": options.capture_every,
-            "scaler": monitor.scaler_settings,
-            "optimizers": monitor.optimizers,
+            "scaler": monitor.state.scaler_settings,
+            "optimizers": monitor.state.optimizers,
             "schedulers": monitor.schedulers,
             "models": monitor.models,
             "audited_model": type(monitor.audited_model).__name__
