@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fpaudit import _torch_patches as patches
-from fpaudit.findings import Site, SpanScale
+from fpaudit.findings import CallLog, Site, SpanScale
 from fpaudit.records import STEP_COLUMNS, STEP_DEFAULTS
 
 __all__ = ["RunState", "ScalarLog", "Span", "Step", "steps_table"]
@@ -173,6 +173,7 @@ class RunState:
         self.mixed: list[list[SpanScale]] = []  # closed spans scaled by more than one scale
         self.scaled_since_unscale = False  # an enabled scaler's scale() since unscale_/step
         self.scaled_pending = False  # gradients hold scaled values not yet unscaled
+        self.calls = CallLog()  # the script's calls on gradients, judged after the run
         self.step = self.new_step(0)
 
     # -- steps -----------------------------------------------------------------
@@ -259,14 +260,19 @@ class RunState:
             step.loss_from_scale = True
         self.scaled_since_unscale = True
 
-    def unscaling(self, scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
-        """An enabled ``scaler.unscale_(optimizer)`` is about to run; whether the
-        gradients were already unscaled since they were last zeroed."""
+    def log_call(self, kind: str, site: Site, detail: str = "") -> None:
+        """The script's ``kind`` of call on the gradients (see :class:`CallLog`) at ``site``,
+        with whether they are still scaled."""
+        self.calls.add(kind, site, self.step.index, self.scaled_pending, detail)
+
+    def unscaling(self, scaler: Any, optimizer: torch.optim.Optimizer, site: Site) -> None:
+        """An enabled ``scaler.unscale_(optimizer)`` at ``site`` is about to run; logged as
+        on scaled gradients unless they were already unscaled since last zeroed."""
         twice = id(optimizer) in self.span.unscaled
+        self.calls.add("unscale", site, self.step.index, not twice)
         self.span.unscaled.add(id(optimizer))
         self.use_scaler(scaler)
         self.step.scaler_stepped = True
-        return twice
 
     def unscaled(self) -> None:
         """unscale_ or scaler.step returned: the gradients are no longer scaled."""

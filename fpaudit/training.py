@@ -54,9 +54,9 @@ from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionErro
 from fpaudit.findings import (
     FINDINGS,
     Finding,
-    Findings,
     SchedulerCall,
     _number,
+    grad_call_findings,
     mixed_scale_findings,
     scale_findings,
     scheduler_findings,
@@ -142,7 +142,6 @@ class TrainingMonitor:
     def __init__(self, options: RunOptions = RunOptions()) -> None:
         self.options = options
         self.state = RunState(options.capture_every, options.max_steps)
-        self.findings = Findings()
         self.audit: Audit | None = None
         self.audited_model: nn.Module | None = None
         self.models: list[str] = []  # class names of top-level modules with trainable parameters
@@ -174,18 +173,10 @@ class TrainingMonitor:
     def on_grad_read(self, caller: FrameType) -> None:
         """The script (or torch, or fpaudit) read a ``.grad`` in frame ``caller``."""
         if not self.state.scaled_pending or self._internal or self._in_backward:
-            return
+            return  # unscaled reads are not logged: no concern, and many
         filename = caller.f_code.co_filename
-        if filename.startswith(_OUTSIDE) or filename.startswith("<"):
-            return
-        self.findings.add(
-            "grad-read-while-scaled",
-            (filename, caller.f_lineno),
-            self.state.step.index,
-            ".grad read while the gradients are still multiplied by the loss scale: values "
-            "logged or checked here are S times too large; call scaler.unscale_(optimizer) "
-            "first",
-        )
+        if not filename.startswith(_OUTSIDE) and not filename.startswith("<"):
+            self.state.log_call("read", (filename, caller.f_lineno))
 
     def _maybe_stop(self) -> None:
         if self.state.done:
@@ -266,14 +257,7 @@ class TrainingMonitor:
         if self._in_scaler_step:
             return
         self._maybe_stop()
-        if self.state.scaled_pending:
-            self.findings.add(
-                "step-without-unscale",
-                call_site(),
-                self.state.step.index,
-                f"{type(optimizer).__name__}.step() ran on gradients still multiplied by the "
-                "loss scale; call scaler.step(optimizer) (or scaler.unscale_(optimizer) first)",
-            )
+        self.state.log_call("step", call_site(), type(optimizer).__name__)
         self._attempt(optimizer)
         with self._own_calls():
             self.state.note_grad_amax(optimizer)
@@ -307,14 +291,7 @@ class TrainingMonitor:
         site = call_site()
         if self._capturing:
             self._close_capture()
-        if self.state.unscaling(scaler, optimizer):
-            self.findings.add(
-                "unscale-twice",
-                site,
-                self.state.step.index,
-                "unscale_() ran again on gradients already unscaled since they were last "
-                "zeroed: they are divided by the scale twice",
-            )
+        self.state.unscaling(scaler, optimizer, site)
         with self._own_calls():
             self.state.note_grad_amax(optimizer)  # still scaled: divided by the scale later
             yield
@@ -370,20 +347,12 @@ class TrainingMonitor:
         limit = call.arguments["max_norm" if name == "clip_grad_norm_" else "clip_value"]
         site = call_site()
         state = self.state
-        step = state.step
         scaled = state.scaled_pending
         if scaled:
             # Measure before clipping shrinks them: unscale_ will only see the result.
             with self._own_calls():
                 state.note_amax_of(state.clipped_grads(parameters))
-            self.findings.add(
-                "clip-before-unscale",
-                site,
-                step.index,
-                f"{name}(..., {_number(limit)}) clipped gradients still multiplied by the loss "
-                "scale S: the threshold is meant for unscaled gradients, so clipping is "
-                "off by a factor S; call scaler.unscale_(optimizer) before clipping",
-            )
+        state.log_call("clip", site, f"{name}(..., {_number(limit)})")
         with self._own_calls():
             yield
         if name == "clip_grad_norm_" and isinstance(call.result, torch.Tensor):
@@ -436,16 +405,16 @@ class TrainingMonitor:
         return steps_table(self.state.steps, values, rows), values
 
     def judge(self, table: dict[str, list[Any]], values: np.ndarray) -> list[Finding]:
-        """Findings that need the run's values: scales, skips, schedulers, accumulation."""
-        found = [*scheduler_findings(table, self._scheduler_calls)]
+        """The findings: calls on scaled gradients, scales, skips, schedulers, accumulation."""
+        found = grad_call_findings(self.state.calls)
+        found += scheduler_findings(table, self._scheduler_calls)
         found += mixed_scale_findings(self.state.spans(), values, self.update_site)
         if self.state.scaler_settings is not None:
             site = self.update_site or ("<script>", 0)
             options = self.options
             found += scale_findings(table, site, options.max_backoffs, options.max_skip_rate)
-        for finding in found:
-            self.findings.items[(finding.code, finding.file, finding.line)] = finding
-        return sorted_findings(list(self.findings.items.values()))
+        unique = {(finding.code, finding.file, finding.line): finding for finding in found}
+        return sorted_findings(list(unique.values()))
 
 
 def _script_line(error: BaseException, script: Path) -> str:
