@@ -1,8 +1,9 @@
 """The misuse rules of ``fpaudit run``: pure functions from what a run did to findings.
 
-``training.TrainingMonitor`` notes the calls; the rules over the run's values
-(the steps table, the scalar log) live here, so each can be tested on a
-hand-built table: a table in, findings out. A finding names the file and line of
+``training.TrainingMonitor`` notes the calls; the rules over them (a
+:class:`CallLog` of calls on gradients, each with whether they were still scaled)
+and over the run's values (the steps table, the scalar log) live here, so each can
+be tested on a hand-built log or table: a log or table in, findings out. A finding names the file and line of
 the script's call and the first steps it happened at.
 """
 

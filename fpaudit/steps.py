@@ -1,7 +1,9 @@
 """The step state of ``fpaudit run``: what each optimizer step did, and the steps table.
 
-``training.TrainingMonitor`` fills a :class:`Step` per optimizer step and a
-:class:`Span` per accumulated batch; device values (scales, inf checks, norms,
+:class:`RunState` is the run's state in plain methods, which
+``training.TrainingMonitor`` calls as the script makes its calls: a :class:`Step`
+per optimizer step, a :class:`Span` per accumulated batch, and a log of the
+script's calls on gradients (``findings.CallLog``); device values (scales, inf checks, norms,
 losses) stay 0-dim tensors in a :class:`ScalarLog` until the run ends, then are
 read in one transfer per device. :func:`steps_table` turns the steps and those
 values into the report's steps table (every column of ``STEP_COLUMNS``).
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from fpaudit import _torch_patches as patches
-from fpaudit.findings import CallLog, Site, SpanScale
+from fpaudit.findings import CallLog, SchedulerCall, Site, SpanScale
 from fpaudit.records import STEP_COLUMNS, STEP_DEFAULTS
 
 __all__ = ["RunState", "ScalarLog", "Span", "Step", "steps_table"]
@@ -174,6 +176,8 @@ class RunState:
         self.scaled_since_unscale = False  # an enabled scaler's scale() since unscale_/step
         self.scaled_pending = False  # gradients hold scaled values not yet unscaled
         self.calls = CallLog()  # the script's calls on gradients, judged after the run
+        self.scheduler_calls: list[SchedulerCall] = []
+        self.schedulers: list[str] = []  # class names, in the order they first stepped
         self.step = self.new_step(0)
 
     # -- steps -----------------------------------------------------------------
@@ -329,6 +333,15 @@ class RunState:
             params = [p for root in self.roots for p in root.parameters()]
         grads = [patches.raw_grad(p) for p in params if isinstance(p, torch.Tensor)]
         return [g for g in grads if g is not None]
+
+    def scheduler_step(self, scheduler: Any, site: Site) -> None:
+        """The script stepped ``scheduler`` at ``site`` (not its constructor's first step)."""
+        optimizer = getattr(scheduler, "optimizer", None)
+        name = type(scheduler).__name__
+        last = self.last_attempt.get(id(optimizer), -1)
+        self.scheduler_calls.append(SchedulerCall(site, last, name))
+        if name not in self.schedulers:
+            self.schedulers.append(name)
 
     # -- spans -------------------------------------------------------------------
     def new_span(self, optimizer: torch.optim.Optimizer | None = None) -> None:

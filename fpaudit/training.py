@@ -17,14 +17,16 @@ enabled ``GradScaler`` takes part, the step ends at ``scaler.update()``, which
 comes after every optimizer of the iteration.
 
 Nothing here reads a device value while the script runs: the scale in force,
-the inf checks, norms and losses stay 0-dim device tensors (``_ScalarLog``)
+the inf checks, norms and losses stay 0-dim device tensors (``ScalarLog``)
 and are read in one transfer per device at the end, so the run has no host
 syncs beyond the one ``GradScaler.step`` makes anyway. Every K-th step
 (``capture_every``) the core audit records every backward op under the scale
 in force; a captured step costs one more sync, as in ``fpaudit scan``.
 
-Misuse is judged after the run, from those values (``findings``): each finding
-names the file and line of the call, the first frame outside torch and fpaudit.
+The monitor translates each patched call into an update of its state
+(``steps.RunState``); misuse is judged after the run, from that state's log of
+calls and those values (``findings``): each finding names the file and line of
+the call, the first frame outside torch and fpaudit.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionErro
 from fpaudit.findings import (
     FINDINGS,
     Finding,
-    SchedulerCall,
     _number,
     grad_call_findings,
     mixed_scale_findings,
@@ -65,7 +66,7 @@ from fpaudit.findings import (
 )
 from fpaudit.records import LOSS_MODULE, ReportBuilder
 from fpaudit.runinfo import RunInfo
-from fpaudit.steps import RunState, ScalarLog, steps_table
+from fpaudit.steps import RunState, ScalarLog, Step, steps_table
 
 if TYPE_CHECKING:
     from fpaudit.report import Report
@@ -135,6 +136,75 @@ def call_site() -> tuple[str, int]:
     return "<unknown>", 0
 
 
+@contextmanager
+def _warnings_told_at(site: tuple[str, int]) -> Iterator[None]:
+    """Warnings raised inside (torch's own), told at ``site``, the script's line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, *site, module="__main__")
+
+
+class BackwardCapture:
+    """Capture of every backward op of a step, every K-th step (``capture_every``), by
+    the core audit of the first model with trainable parameters the script calls."""
+
+    def __init__(self, options: RunOptions) -> None:
+        self.options = options
+        self.audit: Audit | None = None
+        self.audited_model: nn.Module | None = None
+        self.models: list[str] = []  # class names of top-level modules with trainable parameters
+        self.open = False
+        self._trainable: dict[int, bool] = {}
+
+    def trainable(self, module: nn.Module) -> bool:
+        known = self._trainable.get(id(module))
+        if known is None:
+            known = any(p.requires_grad for p in module.parameters())
+            self._trainable[id(module)] = known
+            if known:
+                self.models.append(type(module).__name__)
+        return known
+
+    def start(self, module: nn.Module) -> None:
+        """A top-level call of ``module`` begins a step to capture."""
+        if self.open or not self.trainable(module):
+            return
+        if self.audit is None:
+            self.audited_model = module
+            self.audit = Audit(module, selection=self.options.selection, window=self.options.window)
+            self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
+        elif module is not self.audited_model:
+            return  # another model: only the first is audited
+        self.audit.open()
+        self.audit.entered_by(module)
+        self.open = True
+
+    def close(self, step: Step) -> None:
+        """Gradients are complete (unscale_ or an optimizer step is next): close ``step``."""
+        assert self.audit is not None
+        self.open = False
+        if step.backward_calls == 0:  # forward only so far (evaluation): try again later
+            self.audit.close(discard=True)
+            return
+        scale = patches.scaler_scale(step.scaler) if step.scaler is not None else None
+        try:
+            self.audit.step(
+                loss=step.loss, index=step.index, loss_scale=1.0 if scale is None else scale
+            )
+        finally:
+            self.audit.close()
+        step.captured = True
+        step.capture = False
+
+    def discard(self) -> None:
+        """The run ended inside a step: drop it."""
+        if self.open and self.audit is not None:
+            self.open = False
+            self.audit.close(discard=True)
+
+
 class TrainingMonitor:
     """Instruments torch's training APIs while installed (see the module docstring):
     translates the patched calls into updates of its :class:`RunState`."""
@@ -142,20 +212,14 @@ class TrainingMonitor:
     def __init__(self, options: RunOptions = RunOptions()) -> None:
         self.options = options
         self.state = RunState(options.capture_every, options.max_steps)
-        self.audit: Audit | None = None
-        self.audited_model: nn.Module | None = None
-        self.models: list[str] = []  # class names of top-level modules with trainable parameters
-        self.schedulers: list[str] = []
+        self.capture = BackwardCapture(options)
         self.update_site: tuple[str, int] | None = None
-        self._scheduler_calls: list[SchedulerCall] = []
-        self._trainable: dict[int, bool] = {}
         self._depth = 0  # module call depth
         self._optimizer_depth = 0
         self._scheduler_depth = 0
         self._in_scaler_step = 0
         self._internal = 0  # inside a call whose own .grad reads are not the script's
         self._in_backward = 0
-        self._capturing = False
 
     # -- installation --------------------------------------------------------
     @contextmanager
@@ -166,9 +230,7 @@ class TrainingMonitor:
             try:
                 yield self
             finally:
-                if self._capturing and self.audit is not None:
-                    self._capturing = False
-                    self.audit.close(discard=True)  # drop the open step
+                self.capture.discard()
 
     def on_grad_read(self, caller: FrameType) -> None:
         """The script (or torch, or fpaudit) read a ``.grad`` in frame ``caller``."""
@@ -182,68 +244,26 @@ class TrainingMonitor:
         if self.state.done:
             raise StopRun
 
+    def _close_capture(self) -> None:
+        if self.capture.open:
+            with self._own_calls():
+                self.capture.close(self.state.step)
+
     def _end_step(self) -> None:
-        if self._capturing:
-            self._close_capture()
+        self._close_capture()
         self.state.end_step()
 
     def _attempt(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._capturing:
-            self._close_capture()
+        self._close_capture()
         self.state.attempt(optimizer)
-
-    # -- capture of backward ops ----------------------------------------------
-    def _trainable_root(self, module: nn.Module) -> bool:
-        known = self._trainable.get(id(module))
-        if known is None:
-            known = any(p.requires_grad for p in module.parameters())
-            self._trainable[id(module)] = known
-            if known:
-                self.models.append(type(module).__name__)
-        return known
-
-    def _start_capture(self, module: nn.Module) -> None:
-        if self.audit is None:
-            self.audited_model = module
-            self.audit = Audit(module, selection=self.options.selection, window=self.options.window)
-            self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
-        elif module is not self.audited_model:
-            return  # another model: only the first is audited
-        self.audit.open()
-        self.audit.entered_by(module)
-        self._capturing = True
-
-    def _close_capture(self) -> None:
-        """Gradients are complete (unscale_ or an optimizer step is next): close the step."""
-        assert self.audit is not None
-        step = self.state.step
-        self._capturing = False
-        if step.backward_calls == 0:  # forward only so far (evaluation): try again later
-            self.audit.close(discard=True)
-            return
-        scale = patches.scaler_scale(step.scaler) if step.scaler is not None else None
-        try:
-            with self._own_calls():
-                self.audit.step(
-                    loss=step.loss, index=step.index, loss_scale=1.0 if scale is None else scale
-                )
-        finally:
-            self.audit.close()
-        step.captured = True
-        step.capture = False
 
     # -- hooks -----------------------------------------------------------------
     def forward_pre_hook(self, module: nn.Module, args: Any) -> None:
         if self._depth == 0:
             self._maybe_stop()
             self.state.note_root(module)
-            if (
-                self.state.step.capture
-                and not self._capturing
-                and not self._in_backward
-                and self._trainable_root(module)
-            ):
-                self._start_capture(module)
+            if self.state.step.capture and not self._in_backward:
+                self.capture.start(module)
         self._depth += 1
 
     def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -289,8 +309,7 @@ class TrainingMonitor:
             yield
             return
         site = call_site()
-        if self._capturing:
-            self._close_capture()
+        self._close_capture()
         self.state.unscaling(scaler, optimizer, site)
         with self._own_calls():
             self.state.note_grad_amax(optimizer)  # still scaled: divided by the scale later
@@ -305,8 +324,7 @@ class TrainingMonitor:
             return
         self._maybe_stop()
         self.state.scaler_stepping(scaler, optimizer)
-        if self._capturing:
-            self._close_capture()
+        self._close_capture()
         self._in_scaler_step += 1
         try:  # unscale_ (patched too) runs inside unless the script called it
             with self._own_calls():
@@ -367,26 +385,15 @@ class TrainingMonitor:
     @contextmanager
     def on_scheduler_step(self, call: Call) -> Iterator[None]:
         scheduler = call.arguments["self"]
-        outermost = self._scheduler_depth == 0
-        if outermost and not patches.scheduler_initial_step(scheduler):
-            optimizer = getattr(scheduler, "optimizer", None)
-            last = self.state.last_attempt.get(id(optimizer), -1)
-            self._scheduler_calls.append(SchedulerCall(call_site(), last, type(scheduler).__name__))
-            name = type(scheduler).__name__
-            if name not in self.schedulers:
-                self.schedulers.append(name)
         site = call_site()
+        if self._scheduler_depth == 0 and not patches.scheduler_initial_step(scheduler):
+            self.state.scheduler_step(scheduler, site)
         self._scheduler_depth += 1
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            with _warnings_told_at(site):
                 yield
         finally:
             self._scheduler_depth -= 1
-        for warning in caught:  # torch's own warnings, told at the script's line
-            warnings.warn_explicit(
-                warning.message, warning.category, site[0], site[1], module="__main__"
-            )
 
     @contextmanager
     def _own_calls(self) -> Iterator[None]:
@@ -401,13 +408,14 @@ class TrainingMonitor:
     def steps_table(self) -> tuple[dict[str, list[Any]], np.ndarray]:
         """The steps table (every column of STEP_COLUMNS) and the scalar log's values."""
         values = self.state.log.read()
-        rows = self.audit.step_rows() if self.audit is not None else None
+        audit = self.capture.audit
+        rows = audit.step_rows() if audit is not None else None
         return steps_table(self.state.steps, values, rows), values
 
     def judge(self, table: dict[str, list[Any]], values: np.ndarray) -> list[Finding]:
         """The findings: calls on scaled gradients, scales, skips, schedulers, accumulation."""
         found = grad_call_findings(self.state.calls)
-        found += scheduler_findings(table, self._scheduler_calls)
+        found += scheduler_findings(table, self.state.scheduler_calls)
         found += mixed_scale_findings(self.state.spans(), values, self.update_site)
         if self.state.scaler_settings is not None:
             site = self.update_site or ("<script>", 0)
@@ -502,8 +510,8 @@ def run_script(
 
     table, values = monitor.steps_table()
     findings = monitor.judge(table, values)
-    if monitor.audit is not None:
-        report = monitor.audit.build_report(table)
+    if monitor.capture.audit is not None:
+        report = monitor.capture.audit.build_report(table)
     else:
         from fpaudit.report import Report, run_metadata
 
@@ -528,10 +536,10 @@ def run_script(
             "capture_every": options.capture_every,
             "scaler": monitor.state.scaler_settings,
             "optimizers": monitor.state.optimizers,
-            "schedulers": monitor.schedulers,
-            "models": monitor.models,
-            "audited_model": type(monitor.audited_model).__name__
-            if monitor.audited_model is not None
+            "schedulers": monitor.state.schedulers,
+            "models": monitor.capture.models,
+            "audited_model": type(monitor.capture.audited_model).__name__
+            if monitor.capture.audited_model is not None
             else None,
             "findings": [f.to_dict() for f in findings],
             "training": skip_statistics(np.array(table["skipped"], dtype=bool)),
