@@ -3,8 +3,9 @@
 ``training.TrainingMonitor`` notes the calls; the rules over them (a
 :class:`CallLog` of calls on gradients, each with whether they were still scaled)
 and over the run's values (the steps table, the scalar log) live here, so each can
-be tested on a hand-built log or table: a log or table in, findings out. A finding names the file and line of
-the script's call and the first steps it happened at.
+be tested on a hand-built log or table: a log or table in, findings out. A
+finding names the file and line of the script's call and the first steps it
+happened at.
 """
 
 from __future__ import annotations
