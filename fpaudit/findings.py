@@ -1,9 +1,11 @@
 """The misuse rules of ``fpaudit run``: pure functions from what a run did to findings.
 
-``training.TrainingMonitor`` notes the calls; the rules over the run's values
-(the steps table, the scalar log) live here, so each can be tested on a
-hand-built table: a table in, findings out. A finding names the file and line of
-the script's call and the first steps it happened at.
+``training.TrainingMonitor`` notes the calls; the rules over them (a
+:class:`CallLog` of calls on gradients, each with whether they were still scaled)
+and over the run's values (the steps table, the scalar log) live here, so each can
+be tested on a hand-built log or table: a log or table in, findings out. A
+finding names the file and line of the script's call and the first steps it
+happened at.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import numpy as np
 
 __all__ = [
     "FINDINGS",
+    "CallLog",
     "Finding",
     "Findings",
+    "GradCall",
     "SchedulerCall",
     "Site",
     "SpanScale",
+    "grad_call_findings",
     "mixed_scale_findings",
     "scale_findings",
     "scheduler_findings",
@@ -114,6 +119,81 @@ class Findings:
             finding.last_step = step
             if len(finding.steps) < _MAX_LISTED_STEPS:
                 finding.steps.append(step)
+
+
+class GradCall(NamedTuple):
+    """A kind of call of the script's on the gradients, at one site, and whether the
+    gradients were still multiplied by the loss scale when it ran."""
+
+    kind: str  # "read" (of .grad), "step" (optimizer.step), "clip", "unscale" (unscale_)
+    site: Site
+    scaled: bool  # unscale: False when they were already unscaled since last zeroed
+
+
+@dataclass
+class CallSteps:
+    """When a :class:`GradCall` happened: its first steps and in how many steps."""
+
+    detail: str  # step: the optimizer's class; clip: the call, as "clip_grad_norm_(..., 1)"
+    steps: list[int] = field(default_factory=list)
+    count: int = 0
+    last_step: int = -1
+
+
+class CallLog:
+    """The script's calls on the gradients, as the run saw them; each kind of call is
+    kept once, with its first steps and a count, so a long run's log stays small.
+    Reads of ``.grad`` are logged only while the gradients are scaled (the others are
+    no concern, and many)."""
+
+    def __init__(self) -> None:
+        self.items: dict[GradCall, CallSteps] = {}
+
+    def add(self, kind: str, site: Site, step: int, scaled: bool, detail: str = "") -> None:
+        """A call at ``site`` in step ``step``; ``detail`` of its first one is kept."""
+        seen = self.items.setdefault(GradCall(kind, site, scaled), CallSteps(detail))
+        if step != seen.last_step:
+            seen.count += 1
+            seen.last_step = step
+            if len(seen.steps) < _MAX_LISTED_STEPS:
+                seen.steps.append(step)
+
+
+def grad_call_findings(log: CallLog) -> list[Finding]:
+    """Calls on gradients that were (or, for unscale_, were no longer) scaled: clipping,
+    stepping or reading them scaled, and unscaling them twice."""
+    found: list[Finding] = []
+    for (kind, (file, line), scaled), seen in log.items.items():
+        if kind == "clip" and scaled:
+            code, message = (
+                "clip-before-unscale",
+                f"{seen.detail} clipped gradients still multiplied by the loss scale S: the "
+                "threshold is meant for unscaled gradients, so clipping is off by a factor S; "
+                "call scaler.unscale_(optimizer) before clipping",
+            )
+        elif kind == "step" and scaled:
+            code, message = (
+                "step-without-unscale",
+                f"{seen.detail}.step() ran on gradients still multiplied by the loss scale; "
+                "call scaler.step(optimizer) (or scaler.unscale_(optimizer) first)",
+            )
+        elif kind == "read" and scaled:
+            code, message = (
+                "grad-read-while-scaled",
+                ".grad read while the gradients are still multiplied by the loss scale: values "
+                "logged or checked here are S times too large; call scaler.unscale_(optimizer) "
+                "first",
+            )
+        elif kind == "unscale" and not scaled:
+            code, message = (
+                "unscale-twice",
+                "unscale_() ran again on gradients already unscaled since they were last "
+                "zeroed: they are divided by the scale twice",
+            )
+        else:
+            continue
+        found.append(Finding(code, file, line, message, list(seen.steps), seen.count))
+    return found
 
 
 def mixed_scale_findings(

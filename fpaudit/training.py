@@ -17,14 +17,16 @@ enabled ``GradScaler`` takes part, the step ends at ``scaler.update()``, which
 comes after every optimizer of the iteration.
 
 Nothing here reads a device value while the script runs: the scale in force,
-the inf checks, norms and losses stay 0-dim device tensors (``_ScalarLog``)
+the inf checks, norms and losses stay 0-dim device tensors (``ScalarLog``)
 and are read in one transfer per device at the end, so the run has no host
 syncs beyond the one ``GradScaler.step`` makes anyway. Every K-th step
 (``capture_every``) the core audit records every backward op under the scale
 in force; a captured step costs one more sync, as in ``fpaudit scan``.
 
-Misuse is judged after the run, from those values (``findings``): each finding
-names the file and line of the call, the first frame outside torch and fpaudit.
+The monitor translates each patched call into an update of its state
+(``steps.RunState``); misuse is judged after the run, from that state's log of
+calls and those values (``findings``): each finding names the file and line of
+the call, the first frame outside torch and fpaudit.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import contextlib
 import os
 import runpy
 import sys
-import time
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -55,10 +56,8 @@ from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionErro
 from fpaudit.findings import (
     FINDINGS,
     Finding,
-    Findings,
-    SchedulerCall,
-    SpanScale,
     _number,
+    grad_call_findings,
     mixed_scale_findings,
     scale_findings,
     scheduler_findings,
@@ -67,7 +66,7 @@ from fpaudit.findings import (
 )
 from fpaudit.records import LOSS_MODULE, ReportBuilder
 from fpaudit.runinfo import RunInfo
-from fpaudit.steps import ScalarLog, Span, Step, steps_table
+from fpaudit.steps import RunState, ScalarLog, Step, steps_table
 
 if TYPE_CHECKING:
     from fpaudit.report import Report
@@ -137,41 +136,90 @@ def call_site() -> tuple[str, int]:
     return "<unknown>", 0
 
 
-class TrainingMonitor:
-    """Instruments torch's training APIs while installed (see the module docstring)."""
+@contextmanager
+def _warnings_told_at(site: tuple[str, int]) -> Iterator[None]:
+    """Warnings raised inside (torch's own), told at ``site``, the script's line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, *site, module="__main__")
 
-    def __init__(self, options: RunOptions = RunOptions()) -> None:
+
+class BackwardCapture:
+    """Capture of every backward op of a step, every K-th step (``capture_every``), by
+    the core audit of the first model with trainable parameters the script calls."""
+
+    def __init__(self, options: RunOptions) -> None:
         self.options = options
-        self.findings = Findings()
-        self.log = ScalarLog()
-        self.steps: list[Step] = []
         self.audit: Audit | None = None
         self.audited_model: nn.Module | None = None
         self.models: list[str] = []  # class names of top-level modules with trainable parameters
-        self.scaler_settings: dict[str, Any] | None = None
-        self.optimizers: list[str] = []
-        self.schedulers: list[str] = []
-        self.update_site: tuple[str, int] | None = None
-        self.done = False  # --max-steps reached: the next step's first call stops the script
-        self._primary: torch.optim.Optimizer | None = None
-        self._probes: dict[int, torch.Tensor] = {}  # optimizer id -> a parameter to watch
-        self._last_attempt: dict[int, int] = {}  # optimizer id -> step index
-        self._scheduler_calls: list[SchedulerCall] = []
-        self._updates = 0  # scaler.update() calls: the scale's version
+        self.open = False
         self._trainable: dict[int, bool] = {}
-        self._roots: list[nn.Module] = []  # the first top-level modules called
+
+    def trainable(self, module: nn.Module) -> bool:
+        known = self._trainable.get(id(module))
+        if known is None:
+            known = any(p.requires_grad for p in module.parameters())
+            self._trainable[id(module)] = known
+            if known:
+                self.models.append(type(module).__name__)
+        return known
+
+    def start(self, module: nn.Module) -> None:
+        """A top-level call of ``module`` begins a step to capture."""
+        if self.open or not self.trainable(module):
+            return
+        if self.audit is None:
+            self.audited_model = module
+            self.audit = Audit(module, selection=self.options.selection, window=self.options.window)
+            self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
+        elif module is not self.audited_model:
+            return  # another model: only the first is audited
+        self.audit.open()
+        self.audit.entered_by(module)
+        self.open = True
+
+    def close(self, step: Step) -> None:
+        """Gradients are complete (unscale_ or an optimizer step is next): close ``step``."""
+        assert self.audit is not None
+        self.open = False
+        if step.backward_calls == 0:  # forward only so far (evaluation): try again later
+            self.audit.close(discard=True)
+            return
+        scale = patches.scaler_scale(step.scaler) if step.scaler is not None else None
+        try:
+            self.audit.step(
+                loss=step.loss, index=step.index, loss_scale=1.0 if scale is None else scale
+            )
+        finally:
+            self.audit.close()
+        step.captured = True
+        step.capture = False
+
+    def discard(self) -> None:
+        """The run ended inside a step: drop it."""
+        if self.open and self.audit is not None:
+            self.open = False
+            self.audit.close(discard=True)
+
+
+class TrainingMonitor:
+    """Instruments torch's training APIs while installed (see the module docstring):
+    translates the patched calls into updates of its :class:`RunState`."""
+
+    def __init__(self, options: RunOptions = RunOptions()) -> None:
+        self.options = options
+        self.state = RunState(options.capture_every, options.max_steps)
+        self.capture = BackwardCapture(options)
+        self.update_site: tuple[str, int] | None = None
         self._depth = 0  # module call depth
         self._optimizer_depth = 0
         self._scheduler_depth = 0
         self._in_scaler_step = 0
         self._internal = 0  # inside a call whose own .grad reads are not the script's
         self._in_backward = 0
-        self._scaled_since_unscale = False  # an enabled scaler's scale() since unscale_/step
-        self._scaled_pending = False  # gradients hold scaled values not yet unscaled
-        self._capturing = False
-        self._span = Span()
-        self._mixed: list[list[SpanScale]] = []
-        self._step = self._new_step(0)
 
     # -- installation --------------------------------------------------------
     @contextmanager
@@ -182,155 +230,40 @@ class TrainingMonitor:
             try:
                 yield self
             finally:
-                if self._capturing and self.audit is not None:
-                    self._capturing = False
-                    self.audit.close(discard=True)  # drop the open step
+                self.capture.discard()
 
     def on_grad_read(self, caller: FrameType) -> None:
         """The script (or torch, or fpaudit) read a ``.grad`` in frame ``caller``."""
-        if not self._scaled_pending or self._quiet():
-            return
+        if not self.state.scaled_pending or self._internal or self._in_backward:
+            return  # unscaled reads are not logged: no concern, and many
         filename = caller.f_code.co_filename
-        if filename.startswith(_OUTSIDE) or filename.startswith("<"):
-            return
-        self.findings.add(
-            "grad-read-while-scaled",
-            (filename, caller.f_lineno),
-            self._step.index,
-            ".grad read while the gradients are still multiplied by the loss scale: values "
-            "logged or checked here are S times too large; call scaler.unscale_(optimizer) "
-            "first",
-        )
-
-    def _quiet(self) -> bool:
-        return bool(self._internal or self._in_backward)
-
-    # -- steps ---------------------------------------------------------------
-    def _new_step(self, index: int) -> Step:
-        every = self.options.capture_every
-        return Step(index, time.perf_counter(), capture=bool(every) and index % every == 0)
+        if not filename.startswith(_OUTSIDE) and not filename.startswith("<"):
+            self.state.log_call("read", (filename, caller.f_lineno))
 
     def _maybe_stop(self) -> None:
-        if self.done:
+        if self.state.done:
             raise StopRun
 
-    def _scale_slot(self, scaler: Any) -> int:
-        scale = patches.scaler_scale(scaler)
-        assert scale is not None, "a used scaler has a scale"
-        return self.log.add(scale)
-
-    def _use_scaler(self, scaler: Any) -> None:
-        step = self._step
-        if step.scaler is None:
-            step.scaler = scaler
-            step.scale_before = self._scale_slot(scaler)
-        if self.scaler_settings is None:
-            self.scaler_settings = patches.scaler_settings(scaler)
+    def _close_capture(self) -> None:
+        if self.capture.open:
+            with self._own_calls():
+                self.capture.close(self.state.step)
 
     def _end_step(self) -> None:
-        step = self._step
-        if self._capturing:
-            self._close_capture()
-        step.seconds = time.perf_counter() - step.started
-        if step.loss is not None:
-            step.slots["loss"] = self.log.add(step.loss)
-        if step.found_inf is not None:
-            step.slots["found_inf"] = self.log.add(step.found_inf)
-        if step.grad_amax is not None:
-            step.slots["grad_amax"] = self.log.add(step.grad_amax)
-        if step.scaler is not None:
-            step.slots["scale_after"] = self._scale_slot(step.scaler)
-        self.steps.append(step)
-        if self.options.max_steps is not None and len(self.steps) >= self.options.max_steps:
-            self.done = True
-        self._step = self._new_step(step.index + 1)
+        self._close_capture()
+        self.state.end_step()
 
     def _attempt(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._primary is None:
-            self._primary = optimizer
-        if self._capturing:
-            self._close_capture()
-        self._last_attempt[id(optimizer)] = self._step.index
-        if optimizer is self._primary:
-            self._step.attempted = True
-        if id(optimizer) not in self._probes:
-            self._note_optimizer(optimizer)
-
-    def _note_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizers.append(type(optimizer).__name__)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if isinstance(param, torch.Tensor) and param.requires_grad:
-                    self._probes[id(optimizer)] = param
-                    return
-
-    def _note_grad_amax(self, optimizer: torch.optim.Optimizer) -> None:
-        """The largest gradient magnitude, as the optimizer sees the gradients (no sync)."""
-        grads = [patches.raw_grad(p) for group in optimizer.param_groups for p in group["params"]]
-        self._note_amax_of([g for g in grads if g is not None])
-
-    def _note_amax_of(self, grads: list[torch.Tensor]) -> None:
-        amax = patches.amax(grads)
-        if amax is None:
-            return
-        step = self._step
-        step.grad_amax = amax if step.grad_amax is None else torch.maximum(step.grad_amax, amax)
-
-    # -- capture of backward ops ----------------------------------------------
-    def _trainable_root(self, module: nn.Module) -> bool:
-        known = self._trainable.get(id(module))
-        if known is None:
-            known = any(p.requires_grad for p in module.parameters())
-            self._trainable[id(module)] = known
-            if known:
-                self.models.append(type(module).__name__)
-        return known
-
-    def _start_capture(self, module: nn.Module) -> None:
-        if self.audit is None:
-            self.audited_model = module
-            self.audit = Audit(module, selection=self.options.selection, window=self.options.window)
-            self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
-        elif module is not self.audited_model:
-            return  # another model: only the first is audited
-        self.audit.open()
-        self.audit.entered_by(module)
-        self._capturing = True
-
-    def _close_capture(self) -> None:
-        """Gradients are complete (unscale_ or an optimizer step is next): close the step."""
-        assert self.audit is not None
-        step = self._step
-        self._capturing = False
-        if step.backward_calls == 0:  # forward only so far (evaluation): try again later
-            self.audit.close(discard=True)
-            return
-        scale = patches.scaler_scale(step.scaler) if step.scaler is not None else None
-        self._internal += 1
-        try:
-            self.audit.step(
-                loss=step.loss, index=step.index, loss_scale=1.0 if scale is None else scale
-            )
-        finally:
-            self._internal -= 1
-            self.audit.close()
-        step.captured = True
-        step.capture = False
+        self._close_capture()
+        self.state.attempt(optimizer)
 
     # -- hooks -----------------------------------------------------------------
     def forward_pre_hook(self, module: nn.Module, args: Any) -> None:
         if self._depth == 0:
             self._maybe_stop()
-            if len(self._roots) < 16 and all(module is not root for root in self._roots):
-                self._roots.append(module)  # stands in for a clip call's generator
-            step = self._step
-            if (
-                step.capture
-                and not self._capturing
-                and not self._in_backward
-                and self._trainable_root(module)
-            ):
-                self._start_capture(module)
+            self.state.note_root(module)
+            if self.state.step.capture and not self._in_backward:
+                self.capture.start(module)
         self._depth += 1
 
     def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -340,52 +273,21 @@ class TrainingMonitor:
         self._optimizer_depth += 1
         if self._optimizer_depth > 1:
             return
-        self._step.stepped = True
+        self.state.step.stepped = True
         if self._in_scaler_step:
             return
         self._maybe_stop()
-        if self._scaled_pending:
-            self.findings.add(
-                "step-without-unscale",
-                call_site(),
-                self._step.index,
-                f"{type(optimizer).__name__}.step() ran on gradients still multiplied by the "
-                "loss scale; call scaler.step(optimizer) (or scaler.unscale_(optimizer) first)",
-            )
+        self.state.log_call("step", call_site(), type(optimizer).__name__)
         self._attempt(optimizer)
-        self._internal += 1
-        try:
-            self._note_grad_amax(optimizer)
-        finally:
-            self._internal -= 1
+        with self._own_calls():
+            self.state.note_grad_amax(optimizer)
 
     def optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth -= 1
         if self._optimizer_depth or self._in_scaler_step:
             return
-        step = self._step
-        if optimizer is self._primary and not step.scaler_stepped:
-            self._end_step()  # no scaler.update() to wait for
-
-    def _new_span(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Gradients were zeroed (all, or ``optimizer``'s): a new effective batch starts."""
-        span = self._span
-        if len({version for version, *_ in span.scales}) > 1:
-            self._mixed.append(span.scales)  # judged after the run, when values are known
-        span.scales = []
-        if optimizer is None:
-            span.unscaled.clear()
-        else:
-            span.unscaled.discard(id(optimizer))
-
-    def _probe_span(self) -> None:
-        """Gradients set to None by hand (not by zero_grad) also start a new batch
-        (checked when a micro-batch is scaled, before its backward)."""
-        if self._span.scales or self._span.unscaled:
-            for probe in self._probes.values():
-                if patches.raw_grad(probe) is None:
-                    self._new_span()
-                    return
+        if self.state.ends_on_optimizer(optimizer):
+            self._end_step()
 
     # -- handlers of the patched calls (see _torch_patches) --------------------------
     @contextmanager
@@ -395,20 +297,10 @@ class TrainingMonitor:
             yield
             return
         self._maybe_stop()
-        self._probe_span()
+        self.state.probe_span()
         site = call_site()
         yield  # the original initialises the scaler's scale on first use
-        self._use_scaler(scaler)
-        step = self._step
-        span = self._span
-        if not span.scales or span.scales[-1][0] != self._updates:
-            span.scales.append(SpanScale(self._updates, self._scale_slot(scaler), site, step.index))
-        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-            loss = outputs.detach().reshape(()).float()
-            running = step.loss if step.loss_from_scale else None
-            step.loss = loss if running is None else running + loss
-            step.loss_from_scale = True
-        self._scaled_since_unscale = True
+        self.state.scaled(scaler, outputs, site)
 
     @contextmanager
     def on_unscale(self, call: Call) -> Iterator[None]:
@@ -417,24 +309,12 @@ class TrainingMonitor:
             yield
             return
         site = call_site()
-        if self._capturing:
-            self._close_capture()
-        if id(optimizer) in self._span.unscaled:
-            self.findings.add(
-                "unscale-twice",
-                site,
-                self._step.index,
-                "unscale_() ran again on gradients already unscaled since they were last "
-                "zeroed: they are divided by the scale twice",
-            )
-        self._span.unscaled.add(id(optimizer))
-        self._use_scaler(scaler)
-        self._step.scaler_stepped = True
+        self._close_capture()
+        self.state.unscaling(scaler, optimizer, site)
         with self._own_calls():
-            self._note_grad_amax(optimizer)  # still scaled: divided by the scale later
+            self.state.note_grad_amax(optimizer)  # still scaled: divided by the scale later
             yield
-        self._scaled_since_unscale = False
-        self._scaled_pending = False
+        self.state.unscaled()
 
     @contextmanager
     def on_scaler_step(self, call: Call) -> Iterator[None]:
@@ -443,21 +323,15 @@ class TrainingMonitor:
             yield
             return
         self._maybe_stop()
-        self._use_scaler(scaler)
-        self._step.scaler_stepped = True
-        self._attempt(optimizer)
+        self.state.scaler_stepping(scaler, optimizer)
+        self._close_capture()
         self._in_scaler_step += 1
         try:  # unscale_ (patched too) runs inside unless the script called it
             with self._own_calls():
                 yield
         finally:
             self._in_scaler_step -= 1
-        found = patches.found_inf(scaler, optimizer)
-        if found is not None:
-            current = self._step.found_inf
-            self._step.found_inf = found if current is None else current + found
-        self._scaled_since_unscale = False
-        self._scaled_pending = False
+        self.state.scaler_stepped(scaler, optimizer)
 
     @contextmanager
     def on_update(self, call: Call) -> Iterator[None]:
@@ -468,28 +342,21 @@ class TrainingMonitor:
         if self.update_site is None:
             self.update_site = call_site()
         if patches.scaler_scale(scaler) is not None:
-            self._use_scaler(scaler)
+            self.state.use_scaler(scaler)
         yield
-        self._updates += 1
-        if self._step.attempted:
+        if self.state.updated():
             self._end_step()
 
     @contextmanager
     def on_backward(self, call: Call) -> Iterator[None]:
         self._maybe_stop()
-        step = self._step
-        step.backward_calls += 1
-        tensors = call.arguments["tensors"]
-        if not step.loss_from_scale and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-            loss = tensors.detach().reshape(()).float()
-            step.loss = loss if step.loss is None else step.loss + loss
+        self.state.backward_starts(call.arguments["tensors"])
         self._in_backward += 1
         try:
             yield
         finally:
             self._in_backward -= 1
-        if self._scaled_since_unscale:
-            self._scaled_pending = True
+        self.state.backward_done()
 
     @contextmanager
     def on_clip(self, call: Call) -> Iterator[None]:
@@ -497,75 +364,36 @@ class TrainingMonitor:
         parameters = call.arguments["parameters"]
         limit = call.arguments["max_norm" if name == "clip_grad_norm_" else "clip_value"]
         site = call_site()
-        step = self._step
-        scaled = self._scaled_pending
+        state = self.state
+        scaled = state.scaled_pending
         if scaled:
             # Measure before clipping shrinks them: unscale_ will only see the result.
             with self._own_calls():
-                self._note_amax_of(self._clipped_grads(parameters))
-            self.findings.add(
-                "clip-before-unscale",
-                site,
-                step.index,
-                f"{name}(..., {_number(limit)}) clipped gradients still multiplied by the loss "
-                "scale S: the threshold is meant for unscaled gradients, so clipping is "
-                "off by a factor S; call scaler.unscale_(optimizer) before clipping",
-            )
+                state.note_amax_of(state.clipped_grads(parameters))
+        state.log_call("clip", site, f"{name}(..., {_number(limit)})")
         with self._own_calls():
             yield
         if name == "clip_grad_norm_" and isinstance(call.result, torch.Tensor):
-            step.norm = self.log.add(call.result)
-            step.norm_scaled = scaled
-            step.max_norm = float(limit)
-
-    def _clipped_grads(self, parameters: Any) -> list[torch.Tensor]:
-        """The gradients a clip call will change, read without consuming ``parameters``:
-        a one-shot iterator (a generator) is left to the clip call, and the gradients of
-        every model seen instead stand for it."""
-        if isinstance(parameters, torch.Tensor):
-            return [g for g in [patches.raw_grad(parameters)] if g is not None]
-        try:
-            iterator = iter(parameters)
-        except TypeError:  # not iterable: the clip call itself will say so
-            return []
-        if iterator is not parameters:
-            params: list[Any] = list(parameters)  # a second pass over a list, tuple or set
-        else:
-            params = [p for root in self._roots for p in root.parameters()]
-        grads = [patches.raw_grad(p) for p in params if isinstance(p, torch.Tensor)]
-        return [g for g in grads if g is not None]
+            state.clipped_norm(call.result, scaled, limit)
 
     @contextmanager
     def on_zero_grad(self, call: Call) -> Iterator[None]:
-        owner = call.arguments["self"]
-        self._new_span(owner if isinstance(owner, torch.optim.Optimizer) else None)
-        self._scaled_pending = False
+        self.state.zeroed(call.arguments["self"])
         with self._own_calls():
             yield
 
     @contextmanager
     def on_scheduler_step(self, call: Call) -> Iterator[None]:
         scheduler = call.arguments["self"]
-        outermost = self._scheduler_depth == 0
-        if outermost and not patches.scheduler_initial_step(scheduler):
-            optimizer = getattr(scheduler, "optimizer", None)
-            last = self._last_attempt.get(id(optimizer), -1)
-            self._scheduler_calls.append(SchedulerCall(call_site(), last, type(scheduler).__name__))
-            name = type(scheduler).__name__
-            if name not in self.schedulers:
-                self.schedulers.append(name)
         site = call_site()
+        if self._scheduler_depth == 0 and not patches.scheduler_initial_step(scheduler):
+            self.state.scheduler_step(scheduler, site)
         self._scheduler_depth += 1
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            with _warnings_told_at(site):
                 yield
         finally:
             self._scheduler_depth -= 1
-        for warning in caught:  # torch's own warnings, told at the script's line
-            warnings.warn_explicit(
-                warning.message, warning.category, site[0], site[1], module="__main__"
-            )
 
     @contextmanager
     def _own_calls(self) -> Iterator[None]:
@@ -579,22 +407,22 @@ class TrainingMonitor:
     # -- after the run ---------------------------------------------------------
     def steps_table(self) -> tuple[dict[str, list[Any]], np.ndarray]:
         """The steps table (every column of STEP_COLUMNS) and the scalar log's values."""
-        values = self.log.read()
-        rows = self.audit.step_rows() if self.audit is not None else None
-        return steps_table(self.steps, values, rows), values
+        values = self.state.log.read()
+        audit = self.capture.audit
+        rows = audit.step_rows() if audit is not None else None
+        return steps_table(self.state.steps, values, rows), values
 
     def judge(self, table: dict[str, list[Any]], values: np.ndarray) -> list[Finding]:
-        """Findings that need the run's values: scales, skips, schedulers, accumulation."""
-        found = [*scheduler_findings(table, self._scheduler_calls)]
-        spans = [*self._mixed, self._span.scales]
-        found += mixed_scale_findings(spans, values, self.update_site)
-        if self.scaler_settings is not None:
+        """The findings: calls on scaled gradients, scales, skips, schedulers, accumulation."""
+        found = grad_call_findings(self.state.calls)
+        found += scheduler_findings(table, self.state.scheduler_calls)
+        found += mixed_scale_findings(self.state.spans(), values, self.update_site)
+        if self.state.scaler_settings is not None:
             site = self.update_site or ("<script>", 0)
             options = self.options
             found += scale_findings(table, site, options.max_backoffs, options.max_skip_rate)
-        for finding in found:
-            self.findings.items[(finding.code, finding.file, finding.line)] = finding
-        return sorted_findings(list(self.findings.items.values()))
+        unique = {(finding.code, finding.file, finding.line): finding for finding in found}
+        return sorted_findings(list(unique.values()))
 
 
 def _script_line(error: BaseException, script: Path) -> str:
@@ -682,8 +510,8 @@ def run_script(
 
     table, values = monitor.steps_table()
     findings = monitor.judge(table, values)
-    if monitor.audit is not None:
-        report = monitor.audit.build_report(table)
+    if monitor.capture.audit is not None:
+        report = monitor.capture.audit.build_report(table)
     else:
         from fpaudit.report import Report, run_metadata
 
@@ -695,7 +523,7 @@ def run_script(
         command="run",
         script=str(path),
         steps_requested=options.max_steps,
-        steps_run=len(monitor.steps),
+        steps_run=len(monitor.state.steps),
         complete=failure is None and interrupted is None,
         stopped_by=stopped_by,
         selection=options.selection.describe(),
@@ -706,12 +534,12 @@ def run_script(
             **run.to_meta(),
             "script_args": list(args),
             "capture_every": options.capture_every,
-            "scaler": monitor.scaler_settings,
-            "optimizers": monitor.optimizers,
-            "schedulers": monitor.schedulers,
-            "models": monitor.models,
-            "audited_model": type(monitor.audited_model).__name__
-            if monitor.audited_model is not None
+            "scaler": monitor.state.scaler_settings,
+            "optimizers": monitor.state.optimizers,
+            "schedulers": monitor.state.schedulers,
+            "models": monitor.capture.models,
+            "audited_model": type(monitor.capture.audited_model).__name__
+            if monitor.capture.audited_model is not None
             else None,
             "findings": [f.to_dict() for f in findings],
             "training": skip_statistics(np.array(table["skipped"], dtype=bool)),

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 from fpaudit.findings import (
+    CallLog,
+    GradCall,
     SchedulerCall,
     SpanScale,
+    grad_call_findings,
     mixed_scale_findings,
     scale_findings,
     scheduler_findings,
@@ -31,6 +34,79 @@ def _table(before: list[float], after: list[float], skipped: list[bool]) -> dict
         "scale_after": after,
         "skipped": skipped,
     }
+
+
+# -- calls on gradients still scaled (clip, step, .grad read) or unscaled twice --------
+def test_calls_on_scaled_gradients_are_found_with_their_site_steps_and_message() -> None:
+    log = CallLog()
+    clip, step, read, unscale = (("train.py", n) for n in (30, 31, 32, 33))
+    for index in (4, 5):
+        log.add("clip", clip, index, True, "clip_grad_norm_(..., 1)")
+        log.add("clip", clip, index, True, "clip_grad_norm_(..., 2)")  # the first detail stays
+        log.add("step", step, index, True, "SGD")
+        log.add("read", read, index, True)
+        log.add("read", read, index, True)  # twice in a step counts once
+        log.add("unscale", unscale, index, False)
+    found = {f.code: f for f in grad_call_findings(log)}
+    assert list(found) == [
+        "clip-before-unscale",
+        "step-without-unscale",
+        "grad-read-while-scaled",
+        "unscale-twice",
+    ]
+    assert [(f.where, f.steps, f.count) for f in found.values()] == [
+        ("train.py:30", [4, 5], 2),
+        ("train.py:31", [4, 5], 2),
+        ("train.py:32", [4, 5], 2),
+        ("train.py:33", [4, 5], 2),
+    ]
+    assert [f.severity for f in found.values()] == ["error", "error", "warning", "error"]
+    assert found["clip-before-unscale"].message == (
+        "clip_grad_norm_(..., 1) clipped gradients still multiplied by the loss scale S: the "
+        "threshold is meant for unscaled gradients, so clipping is off by a factor S; "
+        "call scaler.unscale_(optimizer) before clipping"
+    )
+    assert found["step-without-unscale"].message == (
+        "SGD.step() ran on gradients still multiplied by the loss scale; "
+        "call scaler.step(optimizer) (or scaler.unscale_(optimizer) first)"
+    )
+    assert found["grad-read-while-scaled"].message == (
+        ".grad read while the gradients are still multiplied by the loss scale: values "
+        "logged or checked here are S times too large; call scaler.unscale_(optimizer) first"
+    )
+    assert found["unscale-twice"].message == (
+        "unscale_() ran again on gradients already unscaled since they were last "
+        "zeroed: they are divided by the scale twice"
+    )
+
+
+def test_calls_on_unscaled_gradients_and_a_first_unscale_are_not_findings() -> None:
+    log = CallLog()
+    for index in range(3):
+        log.add("unscale", SITE, index, True)  # the first unscale_ of each batch
+        log.add("clip", SITE, index, False, "clip_grad_value_(..., 0.5)")
+        log.add("step", SITE, index, False, "Adam")
+        log.add("read", SITE, index, False)
+    assert grad_call_findings(log) == []
+    assert log.items[GradCall("step", SITE, False)].count == 3
+
+
+def test_a_site_scaled_in_some_steps_only_is_found_at_those_steps() -> None:
+    log = CallLog()
+    for index in range(30):
+        log.add("step", SITE, index, index % 2 == 1, "SGD")  # odd steps skip unscaling
+    (finding,) = grad_call_findings(log)
+    assert finding.code == "step-without-unscale"
+    assert finding.count == 15
+    assert finding.steps == [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29]
+
+
+def test_the_log_lists_the_first_twenty_steps_and_counts_them_all() -> None:
+    log = CallLog()
+    for index in range(50):
+        log.add("read", SITE, index, True)
+    (finding,) = grad_call_findings(log)
+    assert (finding.steps, finding.count) == (list(range(20)), 50)
 
 
 # -- mixed-scale-accumulation ----------------------------------------------------
