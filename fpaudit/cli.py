@@ -88,17 +88,15 @@ RecipeOption = Annotated[
     list[str] | None,
     typer.Option(
         "--recipe",
-        help="Block-scaled recipe, e.g. mxfp8-e4m3, mxfp4, nvfp4 (repeatable; fpaudit recipes).",
+        help=specs.help_text("plot", "recipe"),
     ),
 ]
 JsonOption = Annotated[
-    bool | None, typer.Option("--json/--no-json", help="Print JSON instead of a table.")
+    bool | None, typer.Option("--json/--no-json", help=specs.help_text("show", "json"))
 ]
 FormatOption = Annotated[
     str | None,
-    typer.Option(
-        "--format", "-f", help="fp16, bf16, fp8_e4m3fn or fp8_e5m2 [default: the report's first]."
-    ),
+    typer.Option("--format", "-f", help=specs.help_text("show", "format")),
 ]
 HeadroomOption = Annotated[
     int | None,
@@ -110,21 +108,21 @@ HeadroomOption = Annotated[
 IncludeLossOption = Annotated[
     bool | None,
     typer.Option(
-        "--include-loss/--exclude-loss", help="Let the loss seed and <loss> ops limit the scale."
+        "--include-loss/--exclude-loss", help=specs.help_text("recommend", "include_loss")
     ),
 ]
 DriftWindowOption = Annotated[
     int | None,
     typer.Option(
         "--drift-window",
-        help="Steps per window for the drift check [default: the run in ten windows].",
+        help=specs.help_text("recommend", "drift_window"),
     ),
 ]
 DriftBinadesOption = Annotated[
     int | None,
     typer.Option(
         "--drift-binades",
-        help="Warn when per-window recommendations span more binades than this [default: 2].",
+        help=specs.help_text("recommend", "drift_binades"),
     ),
 ]
 # The output and selection groups scan and run share, from their one declaration.
@@ -623,8 +621,7 @@ def run_command(
              exclude_module=exclude_module, op=op, exclude_op=exclude_op,
              max_backoffs=max_backoffs, max_skip_rate=max_skip_rate, drift_window=drift_window,
              drift_binades=drift_binades, replace_partial=replace_partial),
-        dict(force=False, format=None, module=[], exclude_module=[],
-             op=[], exclude_op=[], drift_window=None, drift_binades=None,
+        dict(force=False, module=[], exclude_module=[], op=[], exclude_op=[],
              replace_partial=False, **specs.defaults("run")),
     )  # fmt: skip
     fmt_name = options["format"][0] if isinstance(options["format"], list) else options["format"]
@@ -750,55 +747,35 @@ def show_command(
     format_: FormatOption = None,
     scale: Annotated[
         str | None,
-        typer.Option(
-            "--scale", "-s", help="Power-of-two scale (1024, 2^10) or 'recommended' [default: 1]."
-        ),
+        typer.Option("--scale", "-s", help=specs.help_text("show", "scale")),
     ] = None,
     top: Annotated[
         int | None,
-        typer.Option(
-            "--top", help="Only the N rows with the highest underflow fraction [default: all]."
-        ),
+        typer.Option("--top", help=specs.help_text("show", "top")),
     ] = None,
     kind: Annotated[
         str | None,
-        typer.Option(
-            "--kind",
-            help="backward (op outputs), grad (parameter gradients) or forward "
-            "(--forward scans) [default: backward].",
-        ),
+        typer.Option("--kind", help=specs.help_text("show", "kind")),
     ] = None,
     by: Annotated[
         str | None,
-        typer.Option(
-            "--by", help="module, or op (module, autograd node and aten op) [default: module]."
-        ),
+        typer.Option("--by", help=specs.help_text("show", "by")),
     ] = None,
     steps: Annotated[
         bool | None,
-        typer.Option(
-            "--steps/--no-steps",
-            help="The steps table instead: scale, skips, clipping, findings (fpaudit run).",
-        ),
+        typer.Option("--steps/--no-steps", help=specs.help_text("show", "steps")),
     ] = None,
     limit: Annotated[
         int | None,
-        typer.Option("--limit", help="With --steps: rows shown, first and last [default: 40]."),
+        typer.Option("--limit", help=specs.help_text("show", "limit")),
     ] = None,
     origins: Annotated[
         bool | None,
-        typer.Option(
-            "--origins",
-            help="The ops that made inf/NaN (scan --origins), and those predicted at --scale.",
-        ),
+        typer.Option("--origins", help=specs.help_text("show", "origins")),
     ] = None,
     recipe: Annotated[
         str | None,
-        typer.Option(
-            "--recipe",
-            help="Block statistics of this recipe instead (from a scan with that recipe), "
-            "per module or op.",
-        ),
+        typer.Option("--recipe", help=specs.help_text("show", "recipe")),
     ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
@@ -815,8 +792,7 @@ def show_command(
         "show", config_file,
         dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output,
              steps=steps, limit=limit, origins=origins, recipe=recipe),
-        dict(format=None, scale="1", top=None, kind=KIND_BACKWARD, by="module", json=False,
-             steps=False, limit=40, origins=False, recipe=None),
+        specs.merge_defaults("show"),
     )  # fmt: skip
     if options["origins"]:
         _show_origins(report_path, options)
