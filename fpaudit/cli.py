@@ -156,6 +156,16 @@ ReportArgument = Annotated[
 ]
 
 
+def _report_defaults(command: str) -> dict[str, Any]:
+    """``command``'s declared defaults, but headroom_bits and include_loss unset: a report
+    command takes those from the report's own scan first, the declared default last."""
+    from_report = ("headroom_bits", "include_loss")
+    return {
+        name: None if name in from_report else value
+        for name, value in specs.merge_defaults(command).items()
+    }
+
+
 def _merge(
     command: str, config_file: Path | None, given: dict[str, Any], defaults: dict[str, Any]
 ) -> dict[str, Any]:
@@ -889,8 +899,7 @@ def recommend_command(
         bool | None,
         typer.Option(
             "--worst-window/--whole-run",
-            help="Recommend from the window of steps with the smallest scale, and judge "
-            "underflow there.",
+            help=specs.help_text("recommend", "worst_window"),
         ),
     ] = None,
     drift_window: DriftWindowOption = None,
@@ -911,8 +920,7 @@ def recommend_command(
         dict(format=format_, headroom_bits=headroom_bits, include_loss=include_loss,
              json=json_output, worst_window=worst_window, drift_window=drift_window,
              drift_binades=drift_binades),
-        dict(format=None, headroom_bits=None, include_loss=None, json=False, worst_window=False,
-             drift_window=None, drift_binades=None),
+        _report_defaults("recommend"),
     )  # fmt: skip
     drift_options = _drift_options(options["drift_window"], options["drift_binades"])
     report = Report.read(report_path)
