@@ -960,80 +960,66 @@ def simulate_command(
     report_path: ReportArgument,
     policy: Annotated[
         str | None,
-        typer.Option(
-            "--policy", help="torch, apex, deepspeed, megatron or static [default: torch]."
-        ),
+        typer.Option("--policy", help=specs.help_text("simulate", "policy")),
     ] = None,
     format_: FormatOption = None,
     init_scale: Annotated[
         str | None,
         typer.Option(
             "--init-scale",
-            help="Initial scale, e.g. 65536 or 2^16 [default: the policy's; torch: the run's].",
+            help=specs.help_text("simulate", "init_scale"),
         ),
     ] = None,
     growth_factor: Annotated[
         float | None,
-        typer.Option("--growth-factor", help="Scale multiplier on growth [default: the policy's]."),
+        typer.Option("--growth-factor", help=specs.help_text("simulate", "growth_factor")),
     ] = None,
     backoff_factor: Annotated[
         float | None,
-        typer.Option(
-            "--backoff-factor", help="Scale multiplier on overflow [default: the policy's]."
-        ),
+        typer.Option("--backoff-factor", help=specs.help_text("simulate", "backoff_factor")),
     ] = None,
     growth_interval: Annotated[
         int | None,
-        typer.Option(
-            "--growth-interval", help="Clean steps before a growth [default: the policy's]."
-        ),
+        typer.Option("--growth-interval", help=specs.help_text("simulate", "growth_interval")),
     ] = None,
     hysteresis: Annotated[
         int | None,
-        typer.Option(
-            "--hysteresis", help="Overflows tolerated before backing off [default: the policy's]."
-        ),
+        typer.Option("--hysteresis", help=specs.help_text("simulate", "hysteresis")),
     ] = None,
     min_scale: Annotated[
-        str | None, typer.Option("--min-scale", help="Floor of the scale [default: the policy's].")
+        str | None, typer.Option("--min-scale", help=specs.help_text("simulate", "min_scale"))
     ] = (None),
     max_scale: Annotated[
-        str | None, typer.Option("--max-scale", help="Cap of the scale [default: the policy's].")
+        str | None, typer.Option("--max-scale", help=specs.help_text("simulate", "max_scale"))
     ] = (None),
     static_scale: Annotated[
         str | None,
         typer.Option(
             "--static-scale",
-            help="The static scale to compare with [default: the recommended one].",
+            help=specs.help_text("simulate", "static_scale"),
         ),
     ] = None,
     headroom_bits: HeadroomOption = None,
     amax_history_len: Annotated[
         int | None,
-        typer.Option(
-            "--amax-history-len", help="FP8 delayed scaling: amax history length H [default: 1024]."
-        ),
+        typer.Option("--amax-history-len", help=specs.help_text("simulate", "amax_history_len")),
     ] = None,
     margin: Annotated[
         int | None,
-        typer.Option("--margin", help="FP8 delayed scaling: margin in binades [default: 0]."),
+        typer.Option("--margin", help=specs.help_text("simulate", "margin")),
     ] = None,
     amax_compute_algo: Annotated[
         str | None,
-        typer.Option(
-            "--amax-compute-algo", help="FP8 delayed scaling: max or most_recent [default: max]."
-        ),
+        typer.Option("--amax-compute-algo", help=specs.help_text("simulate", "amax_compute_algo")),
     ] = None,
     sweep: Annotated[
         bool | None,
-        typer.Option(
-            "--sweep", help="FP8 delayed scaling: replay H in 1..1024 x margin 0..2, recommend."
-        ),
+        typer.Option("--sweep", help=specs.help_text("simulate", "sweep")),
     ] = None,
     max_overflow_steps: Annotated[
         int | None,
         typer.Option(
-            "--max-overflow-steps", help="--sweep's gate: overflow steps allowed [default: 0]."
+            "--max-overflow-steps", help=specs.help_text("simulate", "max_overflow_steps")
         ),
     ] = None,
     json_output: JsonOption = None,
@@ -1055,9 +1041,7 @@ def simulate_command(
              backoff_factor=backoff_factor, growth_interval=growth_interval,
              hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
              static_scale=static_scale, headroom_bits=headroom_bits, json=json_output),
-        dict(policy="torch", format=None, init_scale=None, growth_factor=None,
-             backoff_factor=None, growth_interval=None, hysteresis=None, min_scale=None,
-             max_scale=None, static_scale=None, headroom_bits=None, json=False),
+        _report_defaults("simulate"),
     )  # fmt: skip
     fp8_options = dict(amax_history_len=amax_history_len, margin=margin,
                        amax_compute_algo=amax_compute_algo, sweep=sweep,
@@ -1125,7 +1109,7 @@ def _simulate_delayed(report_path: Path, options: dict[str, Any], fp8: dict[str,
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} is a loss-scaler setting; --policy {options['policy']} "
                              "takes --amax-history-len, --margin, --amax-compute-algo")  # fmt: skip
-    algo = fp8.get("amax_compute_algo") or "max"
+    algo = fp8.get("amax_compute_algo") or specs.default_str("simulate", "amax_compute_algo")
     fmt = get_format(options["format"]) if options["format"] is not None else None
     report = Report.read(report_path)
     render.report_notes(report)
@@ -1136,7 +1120,8 @@ def _simulate_delayed(report_path: Path, options: dict[str, Any], fp8: dict[str,
                 raise UsageError(f"--sweep tries every {flag}; drop {flag}")
         swept = delayed.sweep(
             report, options["policy"], amax_compute_algo=algo,
-            max_overflow_steps=fp8.get("max_overflow_steps") or 0, fmt=fmt,
+            max_overflow_steps=fp8.get("max_overflow_steps")
+            or specs.default_int("simulate", "max_overflow_steps"), fmt=fmt,
         )  # fmt: skip
         if options["json"]:
             render.print_json(swept.to_dict())
@@ -1147,10 +1132,10 @@ def _simulate_delayed(report_path: Path, options: dict[str, Any], fp8: dict[str,
         raise UsageError("--max-overflow-steps is the gate of --sweep; add --sweep")
     settings = delayed.Settings(
         options["policy"],
-        delayed.DEFAULT_HISTORY_LENGTH
+        specs.default_int("simulate", "amax_history_len")
         if fp8.get("amax_history_len") is None
         else fp8["amax_history_len"],
-        delayed.DEFAULT_MARGIN if fp8.get("margin") is None else fp8["margin"],
+        specs.default_int("simulate", "margin") if fp8.get("margin") is None else fp8["margin"],
         algo,
     )
     result = delayed.replay(report, settings, fmt)
