@@ -1150,7 +1150,7 @@ def plot_command(
     report_path: ReportArgument,
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", help="The image to write: FILE.png or FILE.svg (required)."),
+        typer.Option("--output", "-o", help=specs.help_text("plot", "output")),
     ] = None,
     format_: FormatOption = None,
     scale: Annotated[
@@ -1158,7 +1158,7 @@ def plot_command(
         typer.Option(
             "--scale",
             "-s",
-            help="Power-of-two scale (4096, 2^12) or 'recommended' [default: recommended].",
+            help=specs.help_text("plot", "scale"),
         ),
     ] = None,
     headroom_bits: HeadroomOption = None,
@@ -1179,7 +1179,7 @@ def plot_command(
         "plot", config_file,
         dict(output=output, format=format_, scale=scale, headroom_bits=headroom_bits,
              recipe=recipe),
-        dict(output=None, format=None, scale="recommended", headroom_bits=None, recipe=[]),
+        _report_defaults("plot"),
     )  # fmt: skip
     if options["output"] is None:
         raise UsageError("plot needs -o FILE.png or -o FILE.svg")
@@ -1208,22 +1208,16 @@ def gate_command(
     report_path: ReportArgument,
     max_underflow: Annotated[
         float | None,
-        typer.Option(
-            "--max-underflow", help="Largest acceptable underflow fraction, 0..1 (required)."
-        ),
+        typer.Option("--max-underflow", help=specs.help_text("gate", "max_underflow")),
     ] = None,
     format_: FormatOption = None,
     scale: Annotated[
         str | None,
-        typer.Option(
-            "--scale", "-s", help="Power-of-two scale to judge [default: the recommended one]."
-        ),
+        typer.Option("--scale", "-s", help=specs.help_text("gate", "scale")),
     ] = None,
     per_module: Annotated[
         bool | None,
-        typer.Option(
-            "--per-module/--overall", help="Apply the limit to every module, not just overall."
-        ),
+        typer.Option("--per-module/--overall", help=specs.help_text("gate", "per_module")),
     ] = None,
     headroom_bits: HeadroomOption = None,
     include_loss: IncludeLossOption = None,
@@ -1231,40 +1225,34 @@ def gate_command(
         bool | None,
         typer.Option(
             "--allow-incomplete/--require-complete",
-            help="Judge a report whose run was interrupted instead of failing it.",
+            help=specs.help_text("gate", "allow_incomplete"),
         ),
     ] = None,
     allow_nonfinite: Annotated[
         bool | None,
         typer.Option(
             "--allow-nonfinite/--require-finite",
-            help="Judge a report whose backward values or loss hold inf/NaN instead of failing it.",
+            help=specs.help_text("gate", "allow_nonfinite"),
         ),
     ] = None,
     junit: Annotated[
         Path | None,
-        typer.Option(
-            "--junit", help="Also write the verdict as JUnit XML: one test case per module."
-        ),
+        typer.Option("--junit", help=specs.help_text("gate", "junit")),
     ] = None,
     recipe: Annotated[
         str | None,
-        typer.Option(
-            "--recipe", help="Judge this block-scaled recipe's statistics with --max-flush."
-        ),
+        typer.Option("--recipe", help=specs.help_text("gate", "recipe")),
     ] = None,
     max_flush: Annotated[
         float | None,
         typer.Option(
             "--max-flush",
-            help="With --recipe: largest flushed fraction, 0..1 (required with --recipe).",
+            help=specs.help_text("gate", "max_flush"),
         ),
     ] = None,
     max_saturate: Annotated[
         float | None,
-        typer.Option(
-            "--max-saturate", help="With --recipe: largest saturated fraction [default: 0]."
-        ),
+        typer.Option("--max-saturate", help=specs.help_text("gate", "max_saturate")),
     ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
@@ -1283,9 +1271,7 @@ def gate_command(
              headroom_bits=headroom_bits, include_loss=include_loss, json=json_output,
              allow_incomplete=allow_incomplete, allow_nonfinite=allow_nonfinite, junit=junit,
              recipe=recipe, max_flush=max_flush, max_saturate=max_saturate),
-        dict(max_underflow=None, format=None, scale=None, per_module=False, headroom_bits=None,
-             include_loss=None, json=False, allow_incomplete=False, allow_nonfinite=False,
-             junit=None, recipe=None, max_flush=None, max_saturate=None),
+        _report_defaults("gate"),
     )  # fmt: skip
     if options["recipe"] is not None or options["max_flush"] is not None:
         _gate_blocks(report_path, options)
@@ -1339,8 +1325,7 @@ def _gate_blocks(report_path: Path, options: dict[str, Any]) -> None:
         raise UsageError("a block gate needs both --recipe R and --max-flush FRACTION")
     report = Report.read(report_path)
     render.report_notes(report)
-    saturate = 0.0 if options["max_saturate"] is None else options["max_saturate"]
-    result = block_gate(report, options["recipe"], options["max_flush"], saturate)
+    result = block_gate(report, options["recipe"], options["max_flush"], options["max_saturate"])
     if options["json"]:
         render.print_json(result.to_dict())
     else:
@@ -1354,19 +1339,15 @@ def plan_command(
     recipe: RecipeOption = None,
     max_flush: Annotated[
         float | None,
-        typer.Option(
-            "--max-flush", help="Largest acceptable flushed fraction per module, 0..1 (required)."
-        ),
+        typer.Option("--max-flush", help=specs.help_text("plan", "max_flush")),
     ] = None,
     max_saturate: Annotated[
         float | None,
-        typer.Option("--max-saturate", help="Largest saturated fraction per module [default: 0]."),
+        typer.Option("--max-saturate", help=specs.help_text("plan", "max_saturate")),
     ] = None,
     names: Annotated[
         bool | None,
-        typer.Option(
-            "--names/--table", help="Print only the modules that must stay in bf16, one a line."
-        ),
+        typer.Option("--names/--table", help=specs.help_text("plan", "names")),
     ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
@@ -1382,7 +1363,7 @@ def plan_command(
         "plan", config_file,
         dict(recipe=recipe, max_flush=max_flush, max_saturate=max_saturate, names=names,
              json=json_output),
-        dict(recipe=[], max_flush=None, max_saturate=0.0, names=False, json=False),
+        specs.merge_defaults("plan"),
     )  # fmt: skip
     if options["max_flush"] is None:
         raise UsageError("plan needs --max-flush FRACTION (for example 0.01)")
