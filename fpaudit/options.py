@@ -5,6 +5,10 @@ the commands that take it, and, where it has one, its built-in default and help 
 From these come the TOML schema (:data:`fpaudit.config.COMMAND_OPTIONS`), the help's
 ``[default: X]`` and the defaults the commands and library option objects start from.
 
+A default the value alone does not say (``None`` meaning "the report's first") is worded
+by ``shown``; a flag (``bool``) is off by default and its help shows no default; a required
+option declares none. :func:`merge_defaults` is what a command starts from.
+
 Adding an option: one ``Spec`` here (plus its flag in the command's signature in
 ``fpaudit/cli.py``); tests/test_help.py checks that help, TOML and library agree.
 No typer here: library modules read their defaults from this module.
