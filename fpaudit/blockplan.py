@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fpaudit.errors import UsageError
+from fpaudit.errors import OptionError, UsageError
 from fpaudit.recipes import Recipe, as_recipe
 from fpaudit.records import BLOCK_COUNT_COLUMNS, LOSS_MODULE
 from fpaudit.report import Report
@@ -103,9 +103,9 @@ class BlockGateResult:
         return asdict(self)
 
 
-def _check_fraction(value: float, flag: str) -> None:
+def _check_fraction(value: float, name: str) -> None:
     if not 0.0 <= value <= 1.0:  # also rejects NaN
-        raise UsageError(f"{flag} must be a fraction between 0 and 1, got {value}")
+        raise OptionError(name, f"must be a fraction between 0 and 1, got {value}")
 
 
 def block_gate(
@@ -120,8 +120,8 @@ def block_gate(
     saturation fraction under ``recipe`` exceeds its limit, or when nothing nonzero
     was measured (a gate that saw nothing must not pass)."""
     recipe = as_recipe(recipe)
-    _check_fraction(max_flush, "--max-flush")
-    _check_fraction(max_saturate, "--max-saturate")
+    _check_fraction(max_flush, "max_flush")
+    _check_fraction(max_saturate, "max_saturate")
     table = block_table(report, recipe)
     table = table[table["module"] != LOSS_MODULE]
     flushed, saturated = int(table["flushed"].sum()), int(table["saturated"].sum())
@@ -210,8 +210,8 @@ def plan(
     within the limits, and the statistic that ruled out the cheaper ones."""
     if not recipes:
         raise UsageError("plan needs at least one --recipe")
-    _check_fraction(max_flush, "--max-flush")
-    _check_fraction(max_saturate, "--max-saturate")
+    _check_fraction(max_flush, "max_flush")
+    _check_fraction(max_saturate, "max_saturate")
     chosen = sorted(dict.fromkeys(as_recipe(r) for r in recipes), key=lambda r: r.cost)
     tables = {r.name: block_table(report, r).set_index("module") for r in chosen}
     modules = [

@@ -88,17 +88,15 @@ RecipeOption = Annotated[
     list[str] | None,
     typer.Option(
         "--recipe",
-        help="Block-scaled recipe, e.g. mxfp8-e4m3, mxfp4, nvfp4 (repeatable; fpaudit recipes).",
+        help=specs.help_text("plot", "recipe"),
     ),
 ]
 JsonOption = Annotated[
-    bool | None, typer.Option("--json/--no-json", help="Print JSON instead of a table.")
+    bool | None, typer.Option("--json/--no-json", help=specs.help_text("show", "json"))
 ]
 FormatOption = Annotated[
     str | None,
-    typer.Option(
-        "--format", "-f", help="fp16, bf16, fp8_e4m3fn or fp8_e5m2 [default: the report's first]."
-    ),
+    typer.Option("--format", "-f", help=specs.help_text("show", "format")),
 ]
 HeadroomOption = Annotated[
     int | None,
@@ -110,21 +108,21 @@ HeadroomOption = Annotated[
 IncludeLossOption = Annotated[
     bool | None,
     typer.Option(
-        "--include-loss/--exclude-loss", help="Let the loss seed and <loss> ops limit the scale."
+        "--include-loss/--exclude-loss", help=specs.help_text("recommend", "include_loss")
     ),
 ]
 DriftWindowOption = Annotated[
     int | None,
     typer.Option(
         "--drift-window",
-        help="Steps per window for the drift check [default: the run in ten windows].",
+        help=specs.help_text("recommend", "drift_window"),
     ),
 ]
 DriftBinadesOption = Annotated[
     int | None,
     typer.Option(
         "--drift-binades",
-        help="Warn when per-window recommendations span more binades than this [default: 2].",
+        help=specs.help_text("recommend", "drift_binades"),
     ),
 ]
 # The output and selection groups scan and run share, from their one declaration.
@@ -156,6 +154,16 @@ ReportArgument = Annotated[
         help="A report directory written by `fpaudit scan` or `fpaudit run`.", show_default=False
     ),
 ]
+
+
+def _report_defaults(command: str) -> dict[str, Any]:
+    """``command``'s declared defaults, but headroom_bits and include_loss unset: a report
+    command takes those from the report's own scan first, the declared default last."""
+    from_report = ("headroom_bits", "include_loss")
+    return {
+        name: None if name in from_report else value
+        for name, value in specs.merge_defaults(command).items()
+    }
 
 
 def _merge(
@@ -623,8 +631,7 @@ def run_command(
              exclude_module=exclude_module, op=op, exclude_op=exclude_op,
              max_backoffs=max_backoffs, max_skip_rate=max_skip_rate, drift_window=drift_window,
              drift_binades=drift_binades, replace_partial=replace_partial),
-        dict(force=False, format=None, module=[], exclude_module=[],
-             op=[], exclude_op=[], drift_window=None, drift_binades=None,
+        dict(force=False, module=[], exclude_module=[], op=[], exclude_op=[],
              replace_partial=False, **specs.defaults("run")),
     )  # fmt: skip
     fmt_name = options["format"][0] if isinstance(options["format"], list) else options["format"]
@@ -750,55 +757,35 @@ def show_command(
     format_: FormatOption = None,
     scale: Annotated[
         str | None,
-        typer.Option(
-            "--scale", "-s", help="Power-of-two scale (1024, 2^10) or 'recommended' [default: 1]."
-        ),
+        typer.Option("--scale", "-s", help=specs.help_text("show", "scale")),
     ] = None,
     top: Annotated[
         int | None,
-        typer.Option(
-            "--top", help="Only the N rows with the highest underflow fraction [default: all]."
-        ),
+        typer.Option("--top", help=specs.help_text("show", "top")),
     ] = None,
     kind: Annotated[
         str | None,
-        typer.Option(
-            "--kind",
-            help="backward (op outputs), grad (parameter gradients) or forward "
-            "(--forward scans) [default: backward].",
-        ),
+        typer.Option("--kind", help=specs.help_text("show", "kind")),
     ] = None,
     by: Annotated[
         str | None,
-        typer.Option(
-            "--by", help="module, or op (module, autograd node and aten op) [default: module]."
-        ),
+        typer.Option("--by", help=specs.help_text("show", "by")),
     ] = None,
     steps: Annotated[
         bool | None,
-        typer.Option(
-            "--steps/--no-steps",
-            help="The steps table instead: scale, skips, clipping, findings (fpaudit run).",
-        ),
+        typer.Option("--steps/--no-steps", help=specs.help_text("show", "steps")),
     ] = None,
     limit: Annotated[
         int | None,
-        typer.Option("--limit", help="With --steps: rows shown, first and last [default: 40]."),
+        typer.Option("--limit", help=specs.help_text("show", "limit")),
     ] = None,
     origins: Annotated[
         bool | None,
-        typer.Option(
-            "--origins",
-            help="The ops that made inf/NaN (scan --origins), and those predicted at --scale.",
-        ),
+        typer.Option("--origins", help=specs.help_text("show", "origins")),
     ] = None,
     recipe: Annotated[
         str | None,
-        typer.Option(
-            "--recipe",
-            help="Block statistics of this recipe instead (from a scan with that recipe), "
-            "per module or op.",
-        ),
+        typer.Option("--recipe", help=specs.help_text("show", "recipe")),
     ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
@@ -815,8 +802,7 @@ def show_command(
         "show", config_file,
         dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output,
              steps=steps, limit=limit, origins=origins, recipe=recipe),
-        dict(format=None, scale="1", top=None, kind=KIND_BACKWARD, by="module", json=False,
-             steps=False, limit=40, origins=False, recipe=None),
+        specs.merge_defaults("show"),
     )  # fmt: skip
     if options["origins"]:
         _show_origins(report_path, options)
@@ -913,8 +899,7 @@ def recommend_command(
         bool | None,
         typer.Option(
             "--worst-window/--whole-run",
-            help="Recommend from the window of steps with the smallest scale, and judge "
-            "underflow there.",
+            help=specs.help_text("recommend", "worst_window"),
         ),
     ] = None,
     drift_window: DriftWindowOption = None,
@@ -935,8 +920,7 @@ def recommend_command(
         dict(format=format_, headroom_bits=headroom_bits, include_loss=include_loss,
              json=json_output, worst_window=worst_window, drift_window=drift_window,
              drift_binades=drift_binades),
-        dict(format=None, headroom_bits=None, include_loss=None, json=False, worst_window=False,
-             drift_window=None, drift_binades=None),
+        _report_defaults("recommend"),
     )  # fmt: skip
     drift_options = _drift_options(options["drift_window"], options["drift_binades"])
     report = Report.read(report_path)
@@ -976,80 +960,66 @@ def simulate_command(
     report_path: ReportArgument,
     policy: Annotated[
         str | None,
-        typer.Option(
-            "--policy", help="torch, apex, deepspeed, megatron or static [default: torch]."
-        ),
+        typer.Option("--policy", help=specs.help_text("simulate", "policy")),
     ] = None,
     format_: FormatOption = None,
     init_scale: Annotated[
         str | None,
         typer.Option(
             "--init-scale",
-            help="Initial scale, e.g. 65536 or 2^16 [default: the policy's; torch: the run's].",
+            help=specs.help_text("simulate", "init_scale"),
         ),
     ] = None,
     growth_factor: Annotated[
         float | None,
-        typer.Option("--growth-factor", help="Scale multiplier on growth [default: the policy's]."),
+        typer.Option("--growth-factor", help=specs.help_text("simulate", "growth_factor")),
     ] = None,
     backoff_factor: Annotated[
         float | None,
-        typer.Option(
-            "--backoff-factor", help="Scale multiplier on overflow [default: the policy's]."
-        ),
+        typer.Option("--backoff-factor", help=specs.help_text("simulate", "backoff_factor")),
     ] = None,
     growth_interval: Annotated[
         int | None,
-        typer.Option(
-            "--growth-interval", help="Clean steps before a growth [default: the policy's]."
-        ),
+        typer.Option("--growth-interval", help=specs.help_text("simulate", "growth_interval")),
     ] = None,
     hysteresis: Annotated[
         int | None,
-        typer.Option(
-            "--hysteresis", help="Overflows tolerated before backing off [default: the policy's]."
-        ),
+        typer.Option("--hysteresis", help=specs.help_text("simulate", "hysteresis")),
     ] = None,
     min_scale: Annotated[
-        str | None, typer.Option("--min-scale", help="Floor of the scale [default: the policy's].")
+        str | None, typer.Option("--min-scale", help=specs.help_text("simulate", "min_scale"))
     ] = (None),
     max_scale: Annotated[
-        str | None, typer.Option("--max-scale", help="Cap of the scale [default: the policy's].")
+        str | None, typer.Option("--max-scale", help=specs.help_text("simulate", "max_scale"))
     ] = (None),
     static_scale: Annotated[
         str | None,
         typer.Option(
             "--static-scale",
-            help="The static scale to compare with [default: the recommended one].",
+            help=specs.help_text("simulate", "static_scale"),
         ),
     ] = None,
     headroom_bits: HeadroomOption = None,
     amax_history_len: Annotated[
         int | None,
-        typer.Option(
-            "--amax-history-len", help="FP8 delayed scaling: amax history length H [default: 1024]."
-        ),
+        typer.Option("--amax-history-len", help=specs.help_text("simulate", "amax_history_len")),
     ] = None,
     margin: Annotated[
         int | None,
-        typer.Option("--margin", help="FP8 delayed scaling: margin in binades [default: 0]."),
+        typer.Option("--margin", help=specs.help_text("simulate", "margin")),
     ] = None,
     amax_compute_algo: Annotated[
         str | None,
-        typer.Option(
-            "--amax-compute-algo", help="FP8 delayed scaling: max or most_recent [default: max]."
-        ),
+        typer.Option("--amax-compute-algo", help=specs.help_text("simulate", "amax_compute_algo")),
     ] = None,
     sweep: Annotated[
         bool | None,
-        typer.Option(
-            "--sweep", help="FP8 delayed scaling: replay H in 1..1024 x margin 0..2, recommend."
-        ),
+        typer.Option("--sweep", help=specs.help_text("simulate", "sweep")),
     ] = None,
     max_overflow_steps: Annotated[
         int | None,
         typer.Option(
-            "--max-overflow-steps", help="--sweep's gate: overflow steps allowed [default: 0]."
+            "--max-overflow-steps", help=specs.help_text("simulate", "max_overflow_steps")
         ),
     ] = None,
     json_output: JsonOption = None,
@@ -1071,9 +1041,7 @@ def simulate_command(
              backoff_factor=backoff_factor, growth_interval=growth_interval,
              hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
              static_scale=static_scale, headroom_bits=headroom_bits, json=json_output),
-        dict(policy="torch", format=None, init_scale=None, growth_factor=None,
-             backoff_factor=None, growth_interval=None, hysteresis=None, min_scale=None,
-             max_scale=None, static_scale=None, headroom_bits=None, json=False),
+        _report_defaults("simulate"),
     )  # fmt: skip
     fp8_options = dict(amax_history_len=amax_history_len, margin=margin,
                        amax_compute_algo=amax_compute_algo, sweep=sweep,
@@ -1141,7 +1109,7 @@ def _simulate_delayed(report_path: Path, options: dict[str, Any], fp8: dict[str,
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} is a loss-scaler setting; --policy {options['policy']} "
                              "takes --amax-history-len, --margin, --amax-compute-algo")  # fmt: skip
-    algo = fp8.get("amax_compute_algo") or "max"
+    algo = fp8.get("amax_compute_algo") or specs.default_str("simulate", "amax_compute_algo")
     fmt = get_format(options["format"]) if options["format"] is not None else None
     report = Report.read(report_path)
     render.report_notes(report)
@@ -1152,7 +1120,8 @@ def _simulate_delayed(report_path: Path, options: dict[str, Any], fp8: dict[str,
                 raise UsageError(f"--sweep tries every {flag}; drop {flag}")
         swept = delayed.sweep(
             report, options["policy"], amax_compute_algo=algo,
-            max_overflow_steps=fp8.get("max_overflow_steps") or 0, fmt=fmt,
+            max_overflow_steps=fp8.get("max_overflow_steps")
+            or specs.default_int("simulate", "max_overflow_steps"), fmt=fmt,
         )  # fmt: skip
         if options["json"]:
             render.print_json(swept.to_dict())
@@ -1163,10 +1132,10 @@ def _simulate_delayed(report_path: Path, options: dict[str, Any], fp8: dict[str,
         raise UsageError("--max-overflow-steps is the gate of --sweep; add --sweep")
     settings = delayed.Settings(
         options["policy"],
-        delayed.DEFAULT_HISTORY_LENGTH
+        specs.default_int("simulate", "amax_history_len")
         if fp8.get("amax_history_len") is None
         else fp8["amax_history_len"],
-        delayed.DEFAULT_MARGIN if fp8.get("margin") is None else fp8["margin"],
+        specs.default_int("simulate", "margin") if fp8.get("margin") is None else fp8["margin"],
         algo,
     )
     result = delayed.replay(report, settings, fmt)
@@ -1181,7 +1150,7 @@ def plot_command(
     report_path: ReportArgument,
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", help="The image to write: FILE.png or FILE.svg (required)."),
+        typer.Option("--output", "-o", help=specs.help_text("plot", "output")),
     ] = None,
     format_: FormatOption = None,
     scale: Annotated[
@@ -1189,7 +1158,7 @@ def plot_command(
         typer.Option(
             "--scale",
             "-s",
-            help="Power-of-two scale (4096, 2^12) or 'recommended' [default: recommended].",
+            help=specs.help_text("plot", "scale"),
         ),
     ] = None,
     headroom_bits: HeadroomOption = None,
@@ -1210,7 +1179,7 @@ def plot_command(
         "plot", config_file,
         dict(output=output, format=format_, scale=scale, headroom_bits=headroom_bits,
              recipe=recipe),
-        dict(output=None, format=None, scale="recommended", headroom_bits=None, recipe=[]),
+        _report_defaults("plot"),
     )  # fmt: skip
     if options["output"] is None:
         raise UsageError("plot needs -o FILE.png or -o FILE.svg")
@@ -1239,22 +1208,16 @@ def gate_command(
     report_path: ReportArgument,
     max_underflow: Annotated[
         float | None,
-        typer.Option(
-            "--max-underflow", help="Largest acceptable underflow fraction, 0..1 (required)."
-        ),
+        typer.Option("--max-underflow", help=specs.help_text("gate", "max_underflow")),
     ] = None,
     format_: FormatOption = None,
     scale: Annotated[
         str | None,
-        typer.Option(
-            "--scale", "-s", help="Power-of-two scale to judge [default: the recommended one]."
-        ),
+        typer.Option("--scale", "-s", help=specs.help_text("gate", "scale")),
     ] = None,
     per_module: Annotated[
         bool | None,
-        typer.Option(
-            "--per-module/--overall", help="Apply the limit to every module, not just overall."
-        ),
+        typer.Option("--per-module/--overall", help=specs.help_text("gate", "per_module")),
     ] = None,
     headroom_bits: HeadroomOption = None,
     include_loss: IncludeLossOption = None,
@@ -1262,40 +1225,34 @@ def gate_command(
         bool | None,
         typer.Option(
             "--allow-incomplete/--require-complete",
-            help="Judge a report whose run was interrupted instead of failing it.",
+            help=specs.help_text("gate", "allow_incomplete"),
         ),
     ] = None,
     allow_nonfinite: Annotated[
         bool | None,
         typer.Option(
             "--allow-nonfinite/--require-finite",
-            help="Judge a report whose backward values or loss hold inf/NaN instead of failing it.",
+            help=specs.help_text("gate", "allow_nonfinite"),
         ),
     ] = None,
     junit: Annotated[
         Path | None,
-        typer.Option(
-            "--junit", help="Also write the verdict as JUnit XML: one test case per module."
-        ),
+        typer.Option("--junit", help=specs.help_text("gate", "junit")),
     ] = None,
     recipe: Annotated[
         str | None,
-        typer.Option(
-            "--recipe", help="Judge this block-scaled recipe's statistics with --max-flush."
-        ),
+        typer.Option("--recipe", help=specs.help_text("gate", "recipe")),
     ] = None,
     max_flush: Annotated[
         float | None,
         typer.Option(
             "--max-flush",
-            help="With --recipe: largest flushed fraction, 0..1 (required with --recipe).",
+            help=specs.help_text("gate", "max_flush"),
         ),
     ] = None,
     max_saturate: Annotated[
         float | None,
-        typer.Option(
-            "--max-saturate", help="With --recipe: largest saturated fraction [default: 0]."
-        ),
+        typer.Option("--max-saturate", help=specs.help_text("gate", "max_saturate")),
     ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
@@ -1314,9 +1271,7 @@ def gate_command(
              headroom_bits=headroom_bits, include_loss=include_loss, json=json_output,
              allow_incomplete=allow_incomplete, allow_nonfinite=allow_nonfinite, junit=junit,
              recipe=recipe, max_flush=max_flush, max_saturate=max_saturate),
-        dict(max_underflow=None, format=None, scale=None, per_module=False, headroom_bits=None,
-             include_loss=None, json=False, allow_incomplete=False, allow_nonfinite=False,
-             junit=None, recipe=None, max_flush=None, max_saturate=None),
+        _report_defaults("gate"),
     )  # fmt: skip
     if options["recipe"] is not None or options["max_flush"] is not None:
         _gate_blocks(report_path, options)
@@ -1370,8 +1325,7 @@ def _gate_blocks(report_path: Path, options: dict[str, Any]) -> None:
         raise UsageError("a block gate needs both --recipe R and --max-flush FRACTION")
     report = Report.read(report_path)
     render.report_notes(report)
-    saturate = 0.0 if options["max_saturate"] is None else options["max_saturate"]
-    result = block_gate(report, options["recipe"], options["max_flush"], saturate)
+    result = block_gate(report, options["recipe"], options["max_flush"], options["max_saturate"])
     if options["json"]:
         render.print_json(result.to_dict())
     else:
@@ -1385,19 +1339,15 @@ def plan_command(
     recipe: RecipeOption = None,
     max_flush: Annotated[
         float | None,
-        typer.Option(
-            "--max-flush", help="Largest acceptable flushed fraction per module, 0..1 (required)."
-        ),
+        typer.Option("--max-flush", help=specs.help_text("plan", "max_flush")),
     ] = None,
     max_saturate: Annotated[
         float | None,
-        typer.Option("--max-saturate", help="Largest saturated fraction per module [default: 0]."),
+        typer.Option("--max-saturate", help=specs.help_text("plan", "max_saturate")),
     ] = None,
     names: Annotated[
         bool | None,
-        typer.Option(
-            "--names/--table", help="Print only the modules that must stay in bf16, one a line."
-        ),
+        typer.Option("--names/--table", help=specs.help_text("plan", "names")),
     ] = None,
     json_output: JsonOption = None,
     config_file: ConfigOption = None,
@@ -1413,7 +1363,7 @@ def plan_command(
         "plan", config_file,
         dict(recipe=recipe, max_flush=max_flush, max_saturate=max_saturate, names=names,
              json=json_output),
-        dict(recipe=[], max_flush=None, max_saturate=0.0, names=False, json=False),
+        specs.merge_defaults("plan"),
     )  # fmt: skip
     if options["max_flush"] is None:
         raise UsageError("plan needs --max-flush FRACTION (for example 0.01)")

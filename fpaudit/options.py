@@ -5,6 +5,10 @@ the commands that take it, and, where it has one, its built-in default and help 
 From these come the TOML schema (:data:`fpaudit.config.COMMAND_OPTIONS`), the help's
 ``[default: X]`` and the defaults the commands and library option objects start from.
 
+A default the value alone does not say (``None`` meaning "the report's first") is worded
+by ``shown``; a flag (``bool``) is off by default and its help shows no default; a required
+option declares none. :func:`merge_defaults` is what a command starts from.
+
 Adding an option: one ``Spec`` here (plus its flag in the command's signature in
 ``fpaudit/cli.py``); tests/test_help.py checks that help, TOML and library agree.
 No typer here: library modules read their defaults from this module.
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fpaudit.limits import DEFAULT_HEADROOM_BITS
+from fpaudit.records import KIND_BACKWARD
 
 # The commands a config file may have a table for, in the order messages list them.
 CONFIG_COMMANDS = ("scan", "run", "show", "recommend", "plot", "simulate", "gate", "plan")
@@ -34,6 +39,7 @@ class Spec:
     commands: tuple[str, ...]
     default: Any = _NO_DEFAULT
     help: str = ""
+    shown: str = ""  # the default as help words it, where the value alone does not say it
 
     @property
     def flag(self) -> str:
@@ -43,20 +49,30 @@ class Spec:
     def has_default(self) -> bool:
         return self.default is not _NO_DEFAULT
 
+    @property
+    def shown_default(self) -> str:
+        """The default as the help shows it: ``shown``, else the value (``none``, ``0``)."""
+        if self.shown:
+            return self.shown
+        if self.default is None:
+            return "none"
+        if isinstance(self.default, float) and self.default.is_integer():
+            return str(int(self.default))
+        return str(self.default)
+
     def help_text(self) -> str:
-        """The help with its default shown, as rich would otherwise drop it."""
-        if not self.has_default:
+        """The help with its default shown, as rich would otherwise drop it. A flag
+        (``bool``) is off by default; its help says what turning it on does."""
+        if not self.has_default or self.kind == "bool":
             return f"{self.help}."
-        return f"{self.help} [default: {_shown(self.default)}]."
-
-
-def _shown(value: Any) -> str:
-    return "none" if value is None else str(value)
+        return f"{self.help} [default: {self.shown_default}]."
 
 
 ALL_REPORT_COMMANDS = ("show", "recommend", "plot", "simulate", "gate")
 _OUTPUT = ("scan", "run")
 _LIVE = ("scan", "verify", "fp16-plan")  # commands that run a model file
+_POLICYS = "the policy's"
+RECIPES_HELP = "Block-scaled recipe, e.g. mxfp8-e4m3, mxfp4, nvfp4 (repeatable; fpaudit recipes)"
 
 SPECS: tuple[Spec, ...] = (
     # -- scan and run share the output and selection groups ------------------
@@ -100,7 +116,6 @@ SPECS: tuple[Spec, ...] = (
     Spec("amp", "str", ("scan",)),
     Spec("shadow", "bool", ("scan",)),
     Spec("forward", "bool", ("scan",)),
-    Spec("recipe", "recipes", ("scan", "plot", "plan")),
     # -- run -------------------------------------------------------------------
     Spec(
         "max_steps",
@@ -131,7 +146,14 @@ SPECS: tuple[Spec, ...] = (
         help="A higher skip rate after calibration is a finding, 0..1",
     ),
     # -- shared by several commands ----------------------------------------------
-    Spec("format", "format", ("run", *ALL_REPORT_COMMANDS)),
+    Spec(
+        "format",
+        "format",
+        ("run", *ALL_REPORT_COMMANDS),
+        default=None,
+        help="fp16, bf16, fp8_e4m3fn or fp8_e5m2",
+        shown="the report's first",
+    ),
     Spec(
         "headroom_bits",
         "int",
@@ -139,49 +161,284 @@ SPECS: tuple[Spec, ...] = (
         default=DEFAULT_HEADROOM_BITS,
         help="Binades kept free below the format's max",
     ),
-    Spec("include_loss", "bool", ("scan", "recommend", "gate")),
+    Spec("include_loss", "bool", ("scan",)),
+    # recommend and gate: unset, the report's own setting (scan --include-loss) holds
+    Spec(
+        "include_loss",
+        "bool",
+        ("recommend", "gate"),
+        help="Let the loss seed and <loss> ops limit the scale",
+    ),
     Spec("top", "int", ("scan",), default=8, help="Modules in the summary table"),
-    Spec("top", "int", ("show",)),
-    Spec("origins", "bool", ("scan", "show")),
-    Spec("drift_window", "int", ("run", "recommend")),
-    Spec("drift_binades", "int", ("run", "recommend")),
-    Spec("scale", "scale", ("show", "plot", "gate")),
-    Spec("json", "bool", ("show", "recommend", "simulate", "gate", "plan")),
-    Spec("recipe", "str", ("show", "gate")),
-    Spec("max_flush", "float", ("gate", "plan")),
-    Spec("max_saturate", "float", ("gate", "plan")),
+    Spec(
+        "top",
+        "int",
+        ("show",),
+        default=None,
+        help="Only the N rows with the highest underflow fraction",
+        shown="all",
+    ),
+    Spec("origins", "bool", ("scan",)),
+    Spec(
+        "origins",
+        "bool",
+        ("show",),
+        default=False,
+        help="The ops that made inf/NaN (scan --origins), and those predicted at --scale",
+    ),
+    Spec(
+        "drift_window",
+        "int",
+        ("run", "recommend"),
+        default=None,
+        help="Steps per window for the drift check",
+        shown="the run in ten windows",
+    ),
+    Spec(
+        "drift_binades",
+        "int",
+        ("run", "recommend"),
+        default=2,
+        help="Warn when per-window recommendations span more binades than this",
+    ),
+    Spec(
+        "json",
+        "bool",
+        ("show", "recommend", "simulate", "gate", "plan"),
+        default=False,
+        help="Print JSON instead of a table",
+    ),
     # -- show ------------------------------------------------------------------
-    Spec("kind", "str", ("show",)),
-    Spec("by", "str", ("show",)),
-    Spec("steps", "bool", ("show",)),
-    Spec("limit", "int", ("show",)),
+    Spec(
+        "scale",
+        "scale",
+        ("show",),
+        default="1",
+        help="Power-of-two scale (1024, 2^10) or 'recommended'",
+    ),
+    Spec(
+        "kind",
+        "str",
+        ("show",),
+        default=KIND_BACKWARD,
+        help="backward (op outputs), grad (parameter gradients) or forward (--forward scans)",
+    ),
+    Spec(
+        "by",
+        "str",
+        ("show",),
+        default="module",
+        help="module, or op (module, autograd node and aten op)",
+    ),
+    Spec(
+        "steps",
+        "bool",
+        ("show",),
+        default=False,
+        help="The steps table instead: scale, skips, clipping, findings (fpaudit run)",
+    ),
+    Spec("limit", "int", ("show",), default=40, help="With --steps: rows shown, first and last"),
+    Spec(
+        "recipe",
+        "str",
+        ("show",),
+        help="Block statistics of this recipe instead (from a scan with that recipe), "
+        "per module or op",
+    ),
     # -- recommend ---------------------------------------------------------------
-    Spec("worst_window", "bool", ("recommend",)),
+    Spec(
+        "worst_window",
+        "bool",
+        ("recommend",),
+        default=False,
+        help="Recommend from the window of steps with the smallest scale, and judge "
+        "underflow there",
+    ),
     # -- plot ------------------------------------------------------------------
-    Spec("output", "str", ("plot",)),
+    Spec("output", "str", ("plot",), help="The image to write: FILE.png or FILE.svg (required)"),
+    Spec(
+        "scale",
+        "scale",
+        ("plot",),
+        default="recommended",
+        help="Power-of-two scale (4096, 2^12) or 'recommended'",
+    ),
+    Spec("recipe", "recipes", ("scan", "plot", "plan"), help=RECIPES_HELP),
     # -- simulate ----------------------------------------------------------------
-    Spec("policy", "str", ("simulate",)),
-    Spec("init_scale", "scale", ("simulate",)),
-    Spec("growth_factor", "float", ("simulate",)),
-    Spec("backoff_factor", "float", ("simulate",)),
-    Spec("growth_interval", "int", ("simulate",)),
-    Spec("hysteresis", "int", ("simulate",)),
-    Spec("min_scale", "scale", ("simulate",)),
-    Spec("max_scale", "scale", ("simulate",)),
-    Spec("static_scale", "scale", ("simulate",)),
-    Spec("amax_history_len", "int", ("simulate",)),
-    Spec("margin", "int", ("simulate",)),
-    Spec("amax_compute_algo", "str", ("simulate",)),
-    Spec("sweep", "bool", ("simulate",)),
-    Spec("max_overflow_steps", "int", ("simulate",)),
+    Spec(
+        "policy",
+        "str",
+        ("simulate",),
+        default="torch",
+        help="torch, apex, deepspeed, megatron or static",
+    ),
+    # the loss-scaler settings: unset, the policy's own
+    Spec(
+        "init_scale",
+        "scale",
+        ("simulate",),
+        default=None,
+        help="Initial scale, e.g. 65536 or 2^16",
+        shown="the policy's; torch: the run's",
+    ),
+    Spec(
+        "growth_factor",
+        "float",
+        ("simulate",),
+        default=None,
+        help="Scale multiplier on growth",
+        shown=_POLICYS,
+    ),
+    Spec(
+        "backoff_factor",
+        "float",
+        ("simulate",),
+        default=None,
+        help="Scale multiplier on overflow",
+        shown=_POLICYS,
+    ),
+    Spec(
+        "growth_interval",
+        "int",
+        ("simulate",),
+        default=None,
+        help="Clean steps before a growth",
+        shown=_POLICYS,
+    ),
+    Spec(
+        "hysteresis",
+        "int",
+        ("simulate",),
+        default=None,
+        help="Overflows tolerated before backing off",
+        shown=_POLICYS,
+    ),
+    Spec(
+        "min_scale", "scale", ("simulate",), default=None, help="Floor of the scale", shown=_POLICYS
+    ),
+    Spec(
+        "max_scale", "scale", ("simulate",), default=None, help="Cap of the scale", shown=_POLICYS
+    ),
+    Spec(
+        "static_scale",
+        "scale",
+        ("simulate",),
+        default=None,
+        help="The static scale to compare with",
+        shown="the recommended one",
+    ),
+    # FP8 delayed scaling (fpaudit.delayed's defaults; tests/test_help.py checks they agree)
+    Spec(
+        "amax_history_len",
+        "int",
+        ("simulate",),
+        default=1024,
+        help="FP8 delayed scaling: amax history length H",
+    ),
+    Spec("margin", "int", ("simulate",), default=0, help="FP8 delayed scaling: margin in binades"),
+    Spec(
+        "amax_compute_algo",
+        "str",
+        ("simulate",),
+        default="max",
+        help="FP8 delayed scaling: max or most_recent",
+    ),
+    Spec(
+        "sweep",
+        "bool",
+        ("simulate",),
+        default=False,
+        help="FP8 delayed scaling: replay H in 1..1024 x margin 0..2, recommend",
+    ),
+    Spec(
+        "max_overflow_steps",
+        "int",
+        ("simulate",),
+        default=0,
+        help="--sweep's gate: overflow steps allowed",
+    ),
     # -- gate ------------------------------------------------------------------
-    Spec("max_underflow", "float", ("gate",)),
-    Spec("per_module", "bool", ("gate",)),
-    Spec("allow_incomplete", "bool", ("gate",)),
-    Spec("allow_nonfinite", "bool", ("gate",)),
-    Spec("junit", "str", ("gate",)),
+    Spec(
+        "max_underflow",
+        "float",
+        ("gate",),
+        help="Largest acceptable underflow fraction, 0..1 (required)",
+    ),
+    Spec(
+        "scale",
+        "scale",
+        ("gate",),
+        default=None,
+        help="Power-of-two scale to judge",
+        shown="the recommended one",
+    ),
+    Spec(
+        "per_module",
+        "bool",
+        ("gate",),
+        default=False,
+        help="Apply the limit to every module, not just overall",
+    ),
+    Spec(
+        "allow_incomplete",
+        "bool",
+        ("gate",),
+        default=False,
+        help="Judge a report whose run was interrupted instead of failing it",
+    ),
+    Spec(
+        "allow_nonfinite",
+        "bool",
+        ("gate",),
+        default=False,
+        help="Judge a report whose backward values or loss hold inf/NaN instead of failing it",
+    ),
+    Spec(
+        "junit",
+        "str",
+        ("gate",),
+        help="Also write the verdict as JUnit XML: one test case per module",
+    ),
+    Spec(
+        "recipe",
+        "str",
+        ("gate",),
+        help="Judge this block-scaled recipe's statistics with --max-flush",
+    ),
+    Spec(
+        "max_flush",
+        "float",
+        ("gate",),
+        help="With --recipe: largest flushed fraction, 0..1 (required with --recipe)",
+    ),
+    Spec(
+        "max_saturate",
+        "float",
+        ("gate",),
+        default=0.0,
+        help="With --recipe: largest saturated fraction",
+    ),
     # -- plan ------------------------------------------------------------------
-    Spec("names", "bool", ("plan",)),
+    Spec(
+        "max_flush",
+        "float",
+        ("plan",),
+        help="Largest acceptable flushed fraction per module, 0..1 (required)",
+    ),
+    Spec(
+        "max_saturate",
+        "float",
+        ("plan",),
+        default=0.0,
+        help="Largest saturated fraction per module",
+    ),
+    Spec(
+        "names",
+        "bool",
+        ("plan",),
+        default=False,
+        help="Print only the modules that must stay in bf16, one a line",
+    ),
 )
 
 
@@ -241,6 +498,17 @@ def defaults(command: str) -> dict[str, Any]:
         option.name: option.default
         for option in SPECS
         if command in option.commands and option.has_default
+    }
+
+
+def merge_defaults(command: str) -> dict[str, Any]:
+    """What ``command`` starts from before its config file and flags: every option's
+    declared default, ``None`` where it has none (required, or unset until the report
+    or policy says)."""
+    return {
+        option.name: option.default if option.has_default else None
+        for option in SPECS
+        if command in option.commands
     }
 
 

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from fpaudit import analysis, layout, limits
-from fpaudit.errors import UsageError
+from fpaudit.errors import OptionError, UsageError
 from fpaudit.formats import Format, as_format
 from fpaudit.outputs import write_atomically
 from fpaudit.report import Report
@@ -195,9 +195,10 @@ def _resolve_scale(
 ) -> tuple[int, bool]:
     if log2_scale is not None:
         if not limits.LOG2_SCALE_MIN <= log2_scale <= limits.LOG2_SCALE_MAX:
-            raise UsageError(
-                f"--scale 2^{log2_scale} is outside the range of an fp32 scale "
-                f"(2^{limits.LOG2_SCALE_MIN} to 2^{limits.LOG2_SCALE_MAX})"
+            raise OptionError(
+                "scale",
+                f"2^{log2_scale} is outside the range of an fp32 scale "
+                f"(2^{limits.LOG2_SCALE_MIN} to 2^{limits.LOG2_SCALE_MAX})",
             )
         return log2_scale, False
     from fpaudit.recommendation import recommend

@@ -9,6 +9,7 @@ import re
 import pytest
 import typer
 
+from fpaudit import config
 from fpaudit.cli import app
 
 from .conftest import ROOT
@@ -121,14 +122,33 @@ def test_help_toml_and_library_defaults_come_from_one_declaration(
             if not spec.has_default:  # the shared groups: one help text wherever they appear
                 assert row.endswith(f"{spec.help}."), row
                 continue
-            shown = "none" if spec.default is None else str(spec.default)
+            if spec.kind == "bool":  # a flag: off unless given, its help says what it turns on
+                assert spec.default is False, (command, spec)
+                assert row.endswith(f"{spec.help}."), row
+                assert "[default:" not in row, row
+                checked += 1
+                continue
+            shown = spec.shown or (
+                "none"
+                if spec.default is None
+                else str(int(spec.default))
+                if isinstance(spec.default, float) and spec.default.is_integer()
+                else str(spec.default)
+            )
             # as _readable_help renders "HELP [default: X]." so that rich keeps the default
             assert row.endswith(f"{spec.help}. [default: {shown}]"), row
             if spec.name in fields.get(command, ()):
                 assert getattr(library[command], spec.name) == spec.default, (command, spec)
                 in_library.add((command, spec.name))
             checked += 1
-    assert checked >= 15
+    assert checked >= 60
+    # the library's own defaults where the CLI's declaration stands for them
+    from fpaudit import delayed, drift, records
+
+    assert options.default("recommend", "drift_binades") == drift.DEFAULT_DRIFT_BINADES
+    assert options.default("simulate", "amax_history_len") == delayed.DEFAULT_HISTORY_LENGTH
+    assert options.default("simulate", "margin") == delayed.DEFAULT_MARGIN
+    assert options.default("show", "kind") == records.KIND_BACKWARD
     assert in_library >= {
         ("scan", "steps"), ("scan", "device"), ("scan", "seed"), ("scan", "every"),
         ("scan", "window"), ("run", "max_steps"), ("run", "capture_every"), ("run", "window"),
@@ -139,3 +159,28 @@ def test_help_toml_and_library_defaults_come_from_one_declaration(
     for command, names in config.COMMAND_OPTIONS.items():
         for name in names:
             assert (command, name) in declared
+
+
+@pytest.mark.parametrize(
+    "command", ["show", "recommend", "simulate", "plot", "gate", "plan", "scan", "run"]
+)
+def test_every_option_of_a_config_command_takes_its_help_and_default_from_its_spec(
+    command: str,
+) -> None:
+    """No option of a command a config file may set restates its help or default: each
+    flag's help is its spec's, and the command starts from the specs' defaults."""
+    from fpaudit import options
+
+    click_command = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
+    seen = set()
+    for param in click_command.params:
+        if param.param_type_name != "option" or param.name in ("config_file", "help"):
+            continue
+        name = {"format_": "format", "json_output": "json"}.get(param.name, param.name)
+        spec = options.spec(command, name)
+        if not spec.help:
+            continue  # declared for the TOML schema only; its flag has its own wording
+        assert param.help == spec.help_text(), (command, name)
+        seen.add(name)
+    if command not in ("scan", "run"):  # converted whole: every option has its help declared
+        assert seen == set(config.COMMAND_OPTIONS[command]), command
