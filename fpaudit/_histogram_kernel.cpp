@@ -234,6 +234,32 @@ RowCounts row_classify(const uint32_t* __restrict data, int64_t count, float m, 
 
 }  // namespace
 
+// Adds one block, classified under its multiplier `m`, to `counts` (zero, flushed,
+// subnormal, normal, saturated, nonfinite, poisoned), 1 to `*flushed_blocks` if it
+// flushed a value, and its dynamic range floor(log2(top / bottom)), exactly from frexp,
+// to `ranges` (a block without a finite nonzero value has none). A non-finite
+// multiplier poisons every finite nonzero value.
+inline void add_block(int64_t* counts, int64_t* flushed_blocks, int64_t* ranges,
+                      const RowCounts& c, float m) {
+  counts[0] += c.zero;
+  counts[5] += c.nonfinite;
+  if (!std::isfinite(m)) {
+    counts[6] += c.nonzero;
+  } else {
+    counts[1] += c.flushed;
+    counts[2] += c.subnormal;
+    counts[3] += c.nonzero - c.flushed - c.subnormal - c.saturated;
+    counts[4] += c.saturated;
+    *flushed_blocks += int64_t(c.flushed > 0);
+  }
+  if (c.nonzero > 0) {
+    int top_exponent, bottom_exponent;
+    const float top_mantissa = std::frexp(bits_to_float(c.top), &top_exponent);
+    const float bottom_mantissa = std::frexp(bits_to_float(c.bottom), &bottom_exponent);
+    ++ranges[top_exponent - bottom_exponent - int(top_mantissa < bottom_mantissa)];
+  }
+}
+
 // The largest |x| of each row of `blocks` (contiguous fp32 [n, k]), as fp32 [n];
 // a row holding a NaN gives NaN, one holding inf (and no NaN) inf.
 torch::Tensor block_amax(const torch::Tensor& blocks) {
@@ -293,24 +319,7 @@ torch::Tensor block_classify(const torch::Tensor& blocks, const torch::Tensor& m
         c.top = std::max(c.top, p.top);
         c.bottom = std::min(c.bottom, p.bottom);
       }
-      local[0] += c.zero;
-      local[5] += c.nonfinite;
-      if (!std::isfinite(m)) {  // NaN scale: every finite nonzero value is poisoned
-        local[6] += c.nonzero;
-      } else {
-        local[1] += c.flushed;
-        local[2] += c.subnormal;
-        local[3] += c.nonzero - c.flushed - c.subnormal - c.saturated;
-        local[4] += c.saturated;
-        local[7] += int64_t(c.flushed > 0);
-      }
-      if (c.nonzero > 0) {  // floor(log2(top / bottom)), exactly, from frexp
-        int top_exponent, bottom_exponent;
-        const float top_mantissa = std::frexp(bits_to_float(c.top), &top_exponent);
-        const float bottom_mantissa = std::frexp(bits_to_float(c.bottom), &bottom_exponent);
-        const int range = top_exponent - bottom_exponent - int(top_mantissa < bottom_mantissa);
-        ++local[size_t(kBlockCounts + range)];
-      }
+      add_block(local.data(), &local[7], local.data() + kBlockCounts, c, m);
     }
     std::lock_guard<std::mutex> guard(merge);
     for (size_t i = 0; i < local.size(); ++i) total[i] += local[i];
@@ -410,24 +419,7 @@ torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double elem
       ++local[size_t(kCounts + code)];
       local[9] += int64_t(out_of_range);
       const RowCounts c = row_classify(row, k, m, ze, bn, oe, inclusive);
-      local[0] += c.zero;
-      local[5] += c.nonfinite;
-      if (!std::isfinite(m)) {
-        local[6] += c.nonzero;
-      } else {
-        local[1] += c.flushed;
-        local[2] += c.subnormal;
-        local[3] += c.nonzero - c.flushed - c.subnormal - c.saturated;
-        local[4] += c.saturated;
-        local[8] += int64_t(c.flushed > 0);
-      }
-      if (c.nonzero > 0) {
-        int top_exponent, bottom_exponent;
-        const float top_mantissa = std::frexp(bits_to_float(c.top), &top_exponent);
-        const float bottom_mantissa = std::frexp(bits_to_float(c.bottom), &bottom_exponent);
-        ++local[size_t(kCounts + kCodes + top_exponent - bottom_exponent -
-                       int(top_mantissa < bottom_mantissa))];
-      }
+      add_block(local.data(), &local[8], local.data() + kCounts + kCodes, c, m);
     }
     std::lock_guard<std::mutex> guard(merge);
     for (size_t i = 0; i < local.size(); ++i) total[i] += local[i];
