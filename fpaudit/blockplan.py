@@ -42,7 +42,7 @@ def _blocks(report: Report, recipe: Recipe) -> pd.DataFrame:
         recorded = ", ".join(report.recipes) or "none"
         raise UsageError(
             f"the report has no block statistics for recipe {recipe.name!r} "
-            f"(recorded: {recorded}); scan with --recipe {recipe.name}"
+            f"(recorded: {recorded}); scan or run with --recipe {recipe.name}"
         )
     return report.blocks[report.blocks["recipe"] == recipe.name]
 

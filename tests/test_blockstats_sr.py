@@ -10,6 +10,7 @@ expectation is summed in ``fractions.Fraction`` (exact).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from fractions import Fraction
 from pathlib import Path
@@ -246,8 +247,6 @@ def test_a_report_stores_expected_counts_and_reads_older_int_counts(tmp_path: Pa
         table = table.set_column(index, name, table.column(name).cast(pa.int64()))
     pq.write_table(table, blocks_file)
     meta = json.loads((path / "meta.json").read_text())
-    import hashlib
-
     meta["files"]["blocks.parquet"]["sha256"] = hashlib.sha256(blocks_file.read_bytes()).hexdigest()
     meta["schema_version"] = 3
     (path / "meta.json").write_text(json.dumps(meta))
