@@ -7,8 +7,14 @@ nonzero elements (flushed + subnormal + normal + saturated + poisoned).
 ``saturated / nonzero``. The pseudo-module ``<loss>`` (the loss and its seed)
 is left out of gates and plans, as the other analyses leave it out by default.
 
+A stochastic-rounding recipe (``nvfp4-sr``, ``Recipe.expected``) has expected counts:
+flushed, subnormal, normal, saturated and blocks_flushed are floats, and fractions
+are expected fractions. ``nonzero`` stays a whole number (each element's class
+probabilities sum to 1, so the float64 sum is rounded back to the count). A
+round-to-nearest recipe's counts are ints, as before.
+
 The plan's cost order is each recipe's ``cost`` (see :mod:`fpaudit.recipes`):
-mxfp4 < mxfp4-rceil < nvfp4 < mxfp8-e4m3 < ... < mxfp8-e5m2-rceil <
+mxfp4 < mxfp4-rceil < nvfp4 < nvfp4-sr < mxfp8-e4m3 < ... < mxfp8-e5m2-rceil <
 fp8-block-1x128 < fp8-block-128x128 < fp8-tensor-* < bf16, cheaper meaning
 fewer bits per element and coarser scales. A module that no requested recipe
 passes stays in bf16.
@@ -36,7 +42,7 @@ def _blocks(report: Report, recipe: Recipe) -> pd.DataFrame:
         recorded = ", ".join(report.recipes) or "none"
         raise UsageError(
             f"the report has no block statistics for recipe {recipe.name!r} "
-            f"(recorded: {recorded}); scan with --recipe {recipe.name}"
+            f"(recorded: {recorded}); scan or run with --recipe {recipe.name}"
         )
     return report.blocks[report.blocks["recipe"] == recipe.name]
 
@@ -51,9 +57,10 @@ def block_table(
     blocks = _blocks(report, recipe)
     counts = list(BLOCK_COUNT_COLUMNS)
     table = blocks.groupby(list(by), sort=False, as_index=False)[counts].sum()
-    table["nonzero"] = table[["flushed", "subnormal", "normal", "saturated", "poisoned"]].sum(
-        axis=1
-    )
+    nonzero_sum = table[["flushed", "subnormal", "normal", "saturated", "poisoned"]].sum(axis=1)
+    table["nonzero"] = nonzero_sum.round().astype(np.int64)
+    if not recipe.expected:  # exact counts: whole numbers (float64 in the report)
+        table[counts] = table[counts].astype(np.int64)
     nonzero = table["nonzero"].to_numpy(dtype=np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         table["flush_fraction"] = np.where(nonzero > 0, table["flushed"] / nonzero, 0.0)
@@ -93,11 +100,12 @@ class BlockGateResult:
     max_saturate: float
     flush_fraction: float
     saturate_fraction: float
-    flushed: int
-    saturated: int
+    flushed: float  # an int, except for a stochastic-rounding recipe's expected count
+    saturated: float
     nonzero: int
     offenders: list[dict[str, Any]] = field(default_factory=list)
     measured: bool = True  # False: no nonzero value was measured (a failing gate)
+    expected: bool = False  # counts and fractions are expected values (stochastic rounding)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,7 +132,7 @@ def block_gate(
     _check_fraction(max_saturate, "max_saturate")
     table = block_table(report, recipe)
     table = table[table["module"] != LOSS_MODULE]
-    flushed, saturated = int(table["flushed"].sum()), int(table["saturated"].sum())
+    flushed, saturated = _count(table["flushed"].sum()), _count(table["saturated"].sum())
     nonzero = int(table["nonzero"].sum())
     rows = table.itertuples() if per_module else []
     offenders = [
@@ -157,7 +165,14 @@ def block_gate(
         nonzero=nonzero,
         offenders=offenders,
         measured=nonzero > 0,
+        expected=recipe.expected,
     )
+
+
+def _count(value: Any) -> float:
+    """A summed count as Python: an int for exact counts, a float for expected ones."""
+    number: float = value.item() if hasattr(value, "item") else value
+    return number
 
 
 def _offender(module: str, row: dict[str, Any]) -> dict[str, Any]:
@@ -165,8 +180,8 @@ def _offender(module: str, row: dict[str, Any]) -> dict[str, Any]:
         "module": module,
         "flush_fraction": float(row["flush_fraction"]),
         "saturate_fraction": float(row["saturate_fraction"]),
-        "flushed": int(row["flushed"]),
-        "saturated": int(row["saturated"]),
+        "flushed": _count(row["flushed"]),
+        "saturated": _count(row["saturated"]),
         "nonzero": int(row["nonzero"]),
     }
 
@@ -230,12 +245,13 @@ def plan(
                 )
                 break
             if not limiting:
+                expected = "expected " if recipe.expected else ""
                 if int(row["nonzero"]) == 0:
                     limiting = f"nothing measured ({recipe.name})"
                 elif flush > max_flush:
-                    limiting = f"flush {flush:.2%} ({recipe.name})"
+                    limiting = f"{expected}flush {flush:.2%} ({recipe.name})"
                 else:
-                    limiting = f"saturate {saturate:.2%} ({recipe.name})"
+                    limiting = f"{expected}saturate {saturate:.2%} ({recipe.name})"
         if decided is None:
             first = tables[chosen[0].name].loc[module]
             decided = ModulePlan(

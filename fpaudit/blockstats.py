@@ -28,8 +28,12 @@ cast; that value is then classified with exact thresholds of the element format
 is padded with zeros (padding never changes a block's maximum) and the padding
 is not counted.
 
+A recipe with stochastic rounding (``nvfp4-sr``) gets :func:`expected_block_stats`
+instead: the same vector in float64, whose flushed, subnormal, normal, saturated and
+blocks_flushed entries are expected counts over the rounding's random draws.
+
 Known limitations: tensors are read as fp32 (fp64 values beyond fp32 count as
-inf); stochastic rounding is not modelled.
+inf). Expected counts are float64 (CPU and CUDA; MPS has no float64).
 """
 
 from __future__ import annotations
@@ -188,6 +192,8 @@ def block_stats(
     check)."""
     import torch
 
+    if recipe.expected:
+        return expected_block_stats(tensor, recipe, general=general, compiled=compiled)
     device = tensor.device
     if tensor.numel() == 0:
         return torch.zeros(WIDTH, dtype=torch.int64, device=device)
@@ -214,6 +220,81 @@ def block_stats(
     return torch.cat(
         [counts[:7], blocks_row[:1], counts[7:], blocks_row[1:], scale_codes, range_counts]
     ).to(torch.int64)
+
+
+def expected_block_stats(
+    tensor: torch.Tensor, recipe: Recipe, *, general: bool = False, compiled: bool = True
+) -> torch.Tensor:
+    """:func:`block_stats` under stochastic rounding of the elements (float64 ``[WIDTH]``).
+
+    The scale of each block, and so the scaled fp32 value ``v`` of each element, is
+    the round-to-nearest recipe's. An element then rounds to the representable
+    magnitude above ``|v|`` with probability ``(|v| - lo) / (hi - lo)``, else to the
+    one below; each draw is independent. So, with ``s`` the element format's smallest
+    subnormal and ``n`` its smallest normal (E2M1: 0.5 and 1.0), over the live
+    (finite, nonzero, finite-scale) elements:
+
+    * expected flushed: ``sum(1 - |v| / s)`` over ``|v| < s`` (an fp32 product of 0
+      flushes for sure);
+    * expected normal from the last subnormal interval: ``sum((|v| - (n - s)) / s)``
+      over ``n - s < |v| < n``; the rest of ``[s, n)`` is subnormal;
+    * expected saturated: the clamp at the largest value ``m`` keeps the rounding from
+      going past it; an element counts as saturated with the probability that it would
+      have rounded past ``m`` to the next value ``m'`` the format would have (E2M1: 6,
+      8): ``sum((|v| - m) / (m' - m))`` over ``m < |v| < m'``, plus every ``|v| >= m'``;
+    * expected normal: every other live element, less the above;
+    * expected blocks with a flushed element: ``sum over blocks of
+      1 - prod(1 - p_flush)``.
+
+    zero, nonfinite, poisoned, blocks, scales out of range and both histograms do
+    not depend on the rounding: they are the round-to-nearest recipe's counts.
+    Sums are float64 in torch's order: within ``k * 2**-53`` of the exact sum of ``k``
+    terms, relative (the tests compare with exact rationals). ``general`` and
+    ``compiled`` choose the path of the round-to-nearest counts (see :func:`block_stats`)."""
+    import dataclasses
+
+    import torch
+
+    nearest = dataclasses.replace(recipe, rounding="nearest")
+    vector = block_stats(tensor, nearest, general=general, compiled=compiled).to(torch.float64)
+    if tensor.numel() == 0:
+        return vector
+    blocks, _ = _blocks(tensor, recipe)
+    absolute = blocks.abs()
+    multiplier, _, _, _ = block_scales(blocks, absolute, recipe)
+    scaled = (absolute * multiplier.unsqueeze(1)).to(torch.float64)  # the fp32 product
+    live = torch.isfinite(blocks) & (blocks != 0) & torch.isfinite(multiplier).unsqueeze(1)
+    element = recipe.element
+    step = element.smallest_subnormal  # the spacing below the smallest normal
+    last_subnormal = element.smallest_normal - step
+    zero = torch.zeros((), dtype=torch.float64, device=scaled.device)
+    below = live & (scaled < step)
+    p_flush = torch.where(below, 1.0 - scaled / step, zero)
+    rising = live & (scaled > last_subnormal) & (scaled < element.smallest_normal)
+    p_normal = torch.where(rising, (scaled - last_subnormal) / step, zero)
+    p_subnormal = torch.where(below, scaled / step, zero) + torch.where(
+        live & (scaled >= step) & (scaled < element.smallest_normal), 1.0 - p_normal, zero
+    )
+    top, beyond = (
+        element.max_finite,
+        element.max_finite + 2.0 ** (element.max_exp - element.mantissa_bits),
+    )
+    past = live & (scaled > top) & (scaled < beyond)
+    p_saturated = torch.where(past, (scaled - top) / (beyond - top), zero)
+    saturated = p_saturated.sum() + (live & (scaled >= beyond)).sum().to(torch.float64)
+    flushed, subnormal = p_flush.sum(), p_subnormal.sum()
+    normal = live.sum().to(torch.float64) - flushed - subnormal - saturated
+    blocks_flushed = (1.0 - torch.prod(1.0 - p_flush, dim=1)).sum()
+    index = {name: i for i, name in enumerate(COUNT_COLUMNS)}
+    for name, value in (
+        ("flushed", flushed),
+        ("subnormal", subnormal),
+        ("normal", normal),
+        ("saturated", saturated),
+        ("blocks_flushed", blocks_flushed),
+    ):
+        vector[index[name]] = value
+    return vector
 
 
 _ONE_PASS_RULES = {"mx-floor": 0, "mx-rceil": 1, "pow2-floor": 2}  # the kernel's rule ids
@@ -365,9 +446,10 @@ def empty() -> np.ndarray:
     return np.zeros(WIDTH, dtype=np.int64)
 
 
-def summary(vector: np.ndarray) -> dict[str, int]:
-    """The named counts of a statistics vector (host side)."""
-    return {name: int(vector[i]) for i, name in enumerate(COUNT_COLUMNS)}
+def summary(vector: np.ndarray) -> dict[str, Any]:
+    """The named counts of a statistics vector (host side): ints, or floats for the
+    expected counts of :func:`expected_block_stats`."""
+    return {name: vector[i].item() for i, name in enumerate(COUNT_COLUMNS)}
 
 
 def scale_codes(vector: np.ndarray) -> np.ndarray:
@@ -389,6 +471,7 @@ class BlockRecorder:
     def __init__(self, recipes: tuple[Recipe, ...], window: int = 1) -> None:
         self.recipes = recipes
         self.window = window  # merge this many consecutive closed steps into one row each
+        self._expected = any(recipe.expected for recipe in recipes)  # float64 vectors
         self._open: dict[Any, torch.Tensor] = {}
         self._pending: dict[Any, np.ndarray] = {}  # the window filling, on the host
         self._pending_first = 0
@@ -401,7 +484,9 @@ class BlockRecorder:
     def add(self, key: Any, tensor: torch.Tensor) -> None:
         import torch
 
-        vectors = torch.stack([block_stats(tensor, recipe) for recipe in self.recipes])
+        # int64 counts stay exact in float64 (below 2**53), beside expected counts
+        dtype = torch.float64 if self._expected else torch.int64
+        vectors = torch.stack([block_stats(tensor, recipe).to(dtype) for recipe in self.recipes])
         total = self._open.get(key)
         if total is None:
             self._open[key] = vectors
@@ -458,8 +543,8 @@ class BlockRecorder:
                 "dtype": key.dtype,
                 "recipe": recipe.name,
                 **summary(vector),
-                "scale_codes": scale_codes(vector),
-                "dynamic_range": dynamic_ranges(vector),
+                "scale_codes": scale_codes(vector).astype(np.int64),
+                "dynamic_range": dynamic_ranges(vector).astype(np.int64),
             }
             for name, values in self._rows.items():
                 values.append(row[name])

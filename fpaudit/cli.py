@@ -616,6 +616,7 @@ def run_command(
     drift_binades: DriftBinadesOption = None,
     replace_partial: ReplacePartialOption = None,
     config_file: ConfigOption = None,
+    recipe: RecipeOption = None,
 ) -> None:
     """Run an unmodified training script and audit its loop: scaler, skips, clipping, drift.
 
@@ -630,9 +631,9 @@ def run_command(
              window=window, format=format_, headroom_bits=headroom_bits, module=module,
              exclude_module=exclude_module, op=op, exclude_op=exclude_op,
              max_backoffs=max_backoffs, max_skip_rate=max_skip_rate, drift_window=drift_window,
-             drift_binades=drift_binades, replace_partial=replace_partial),
+             drift_binades=drift_binades, replace_partial=replace_partial, recipe=recipe),
         dict(force=False, module=[], exclude_module=[], op=[], exclude_op=[],
-             replace_partial=False, **specs.defaults("run")),
+             replace_partial=False, recipe=[], **specs.defaults("run")),
     )  # fmt: skip
     fmt_name = options["format"][0] if isinstance(options["format"], list) else options["format"]
     fmt = get_format(fmt_name) if fmt_name is not None else None
@@ -645,6 +646,7 @@ def run_command(
         max_backoffs=options["max_backoffs"],
         max_skip_rate=options["max_skip_rate"],
         selection=_selection(options),
+        recipes=tuple(dict.fromkeys(options["recipe"])),
     )
     out_path = _new_report_path(options)
     import torch
@@ -697,6 +699,7 @@ def run_command(
     items = report.meta["findings"]
     render.report_notes(report, incomplete=False)  # the summary says if it was interrupted
     render.run_summary(shown, report, items, rec, drift_result)
+    _block_summaries(report, specs.default_int("scan", "top"))
     if outcome.interrupted is not None:
         render.interrupted(shown, outcome.interrupted.signal_name,
                            report.meta["steps_run"], options["max_steps"])  # fmt: skip

@@ -263,7 +263,7 @@ SPECS: tuple[Spec, ...] = (
         default="recommended",
         help="Power-of-two scale (4096, 2^12) or 'recommended'",
     ),
-    Spec("recipe", "recipes", ("scan", "plot", "plan"), help=RECIPES_HELP),
+    Spec("recipe", "recipes", ("scan", "run", "plot", "plan"), help=RECIPES_HELP),
     # -- simulate ----------------------------------------------------------------
     Spec(
         "policy",

@@ -27,9 +27,17 @@ implementations named beside each:
 A multiplier that overflows fp32 (a tiny amax) is clamped to fp32's largest
 value (pow2: ``2**127``), as Transformer Engine does.
 
-Known limitations: stochastic rounding (NVFP4 gradients) is not modelled; only
-round-to-nearest-even. The 2-D orientation ``columnwise`` quantizes along the
-first dimension of the tensor viewed as ``(-1, last)``.
+Elements round to nearest, ties to even, except under ``rounding="stochastic"``
+(``nvfp4-sr``, as NVFP4 training recipes quantize gradients): the scale is the same
+(scales still round to nearest), but a scaled value between adjacent representable
+magnitudes ``lo < |v| < hi`` rounds to ``hi`` with probability
+``(|v| - lo) / (hi - lo)``, else to ``lo``. Its class counts are *expected* counts
+(floats; see :func:`fpaudit.blockstats.expected_block_stats`).
+
+Known limitations: the stochastic rounding is the ideal one (a probability exactly
+proportional to the distance); hardware draws a few random bits per element, which
+moves each probability by at most ``2**-bits``. The 2-D orientation ``columnwise``
+quantizes along the first dimension of the tensor viewed as ``(-1, last)``.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ E5M2 = FORMATS["fp8_e5m2"]
 
 SCALE_RULES = ("mx-floor", "mx-rceil", "nvfp4", "pow2-floor", "amax", "amax-pow2")
 ORIENTATIONS = ("rowwise", "columnwise")
+ROUNDINGS = ("nearest", "stochastic")
 E8M0_BIAS = 127
 
 
@@ -57,7 +66,8 @@ class Recipe:
     ``block`` is ``(rows, columns)`` of one block of the tensor viewed as
     ``(-1, last dimension)``; ``(0, 0)`` means the whole tensor is one block.
     ``cost`` orders recipes for ``fpaudit plan`` (cheaper first: fewer bits
-    moved and multiplied per element).
+    moved and multiplied per element). ``rounding`` is how elements round (see the
+    module); ``stochastic`` makes the class counts expected values.
     """
 
     name: str
@@ -67,12 +77,20 @@ class Recipe:
     cost: int
     orientation: str = "rowwise"
     description: str = ""
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         if self.scale_rule not in SCALE_RULES:
             raise ValueError(f"unknown scale rule {self.scale_rule!r}")
         if self.orientation not in ORIENTATIONS:
             raise ValueError(f"unknown orientation {self.orientation!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {self.rounding!r}")
+
+    @property
+    def expected(self) -> bool:
+        """Whether the class counts are expected values (stochastic rounding), not exact."""
+        return self.rounding == "stochastic"
 
     @property
     def per_tensor(self) -> bool:
@@ -105,6 +123,15 @@ RECIPES: dict[str, Recipe] = {
         Recipe("mxfp4", E2M1, (1, 32), "mx-floor", 10, description="OCP MXFP4, E8M0 floor"),
         Recipe("mxfp4-rceil", E2M1, (1, 32), "mx-rceil", 11, description="MXFP4, E8M0 round-up"),
         Recipe("nvfp4", E2M1, (1, 16), "nvfp4", 12, description="E4M3 per 16 x fp32 per tensor"),
+        Recipe(
+            "nvfp4-sr",
+            E2M1,
+            (1, 16),
+            "nvfp4",
+            13,
+            description="nvfp4, stochastic rounding: expected counts",
+            rounding="stochastic",
+        ),
         Recipe("mxfp8-e4m3", E4M3, (1, 32), "mx-floor", 20, description="OCP MXFP8, E8M0 floor"),
         Recipe("mxfp8-e4m3-rceil", E4M3, (1, 32), "mx-rceil", 21, description="E8M0 round-up"),
         Recipe("mxfp8-e5m2", E5M2, (1, 32), "mx-floor", 22, description="OCP MXFP8, E8M0 floor"),
@@ -142,6 +169,7 @@ def get_recipe(name: str) -> Recipe:
         recipe.cost,
         "columnwise",
         recipe.description + ", columnwise",
+        recipe.rounding,
     )
 
 

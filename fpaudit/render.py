@@ -16,8 +16,8 @@ from rich.table import Table
 from rich.text import Text
 
 from fpaudit.formats import Format
-from fpaudit.recipes import Recipe
-from fpaudit.text import count, module_in_prose, module_label, percent, scale_text
+from fpaudit.recipes import Recipe, as_recipe
+from fpaudit.text import count, expected_count, module_in_prose, module_label, percent, scale_text
 
 if TYPE_CHECKING:
     from fpaudit.blockplan import BlockGateResult, Plan
@@ -943,6 +943,7 @@ def fp16_plan(plan: Fp16Plan) -> None:
 
 # -- block-scaled recipes (--recipe) -----------------------------------------
 def recipes(items: Iterable[Recipe], as_json: bool) -> None:
+    items = list(items)
     rows: list[dict[str, Any]] = [
         {
             "recipe": r.name,
@@ -954,6 +955,7 @@ def recipes(items: Iterable[Recipe], as_json: bool) -> None:
             "element_flush_at": r.element.round_to_zero_edge,
             "element_smallest_normal": r.element.smallest_normal,
             "element_max": r.element.max_finite,
+            "rounding": r.rounding,
             "cost": r.cost,
             "description": r.description,
         }
@@ -967,16 +969,20 @@ def recipes(items: Iterable[Recipe], as_json: bool) -> None:
         "the block scale",
         title_justify="left",
     )
-    for header in ("recipe", "element", "block", "rule", "scale", "to 0 ≤", "normal", "max"):
+    headers = ("recipe", "element", "block", "rule", "scale", "round", "to 0 ≤", "normal", "max")
+    for header in headers:
         table.add_column(header, no_wrap=True, justify="left" if header == "recipe" else "right")
-    for row in rows:
+    for row, recipe in zip(rows, items, strict=True):
+        # stochastic rounding: any magnitude below the smallest subnormal may flush
+        flush = f"< {_power(recipe.element.smallest_subnormal)}" if recipe.expected else None
         table.add_row(
             row["recipe"],
             row["element"].split("_", 1)[-1],
             row["block"],
             row["scale_rule"],
             row["scale_format"],
-            _power(row["element_flush_at"]),
+            "SR" if recipe.expected else "RN",
+            flush or _power(row["element_flush_at"]),
             _power(row["element_smallest_normal"]),
             f"{row['element_max']:g}",
         )
@@ -985,7 +991,8 @@ def recipes(items: Iterable[Recipe], as_json: bool) -> None:
     console.print(
         "mx-floor: OCP E8M0 2^(floor(log2 amax) - emax), the block max may saturate; mx-rceil: "
         "2^ceil(log2(amax/max)); nvfp4: E4M3 per 16 under an fp32 per-tensor scale; pow2-floor: "
-        "(max/amax) rounded down to a power of two. Add :col for columnwise blocks."
+        "(max/amax) rounded down to a power of two. Add :col for columnwise blocks. RN: "
+        "round to nearest; SR: stochastic rounding, whose counts are expected values."
     )
 
 
@@ -1009,10 +1016,15 @@ def block_rows(table: pd.DataFrame) -> list[dict[str, Any]]:
     return json_records(table[[*keys, *BLOCK_JSON_KEYS]])
 
 
+EXPECTED_NOTE = "stochastic rounding: expected counts over its random draws"
+
+
 def block_table(table: pd.DataFrame, recipe: str, by: str, top: int | None = None) -> None:
+    expected = as_recipe(recipe).expected
+    what = "expected flushed" if expected else "flushed"
     grid = Table(
-        title=f"{recipe}: flushed (nonzero -> 0), subnormal and saturated values per {by}, "
-        "all steps",
+        title=f"{recipe}: {what} (nonzero -> 0), subnormal and saturated values per {by}, "
+        "all steps" + (f" ({EXPECTED_NOTE})" if expected else ""),
         title_justify="left",
     )
     keys = ["module"] + (["kind", "op"] if by == "op" else [])
@@ -1039,7 +1051,7 @@ def block_table(table: pd.DataFrame, recipe: str, by: str, top: int | None = Non
             percent(float(row.subnormal_fraction)),
             percent(float(row.saturate_fraction)),
             count(row.blocks),
-            count(row.blocks_flushed),
+            expected_count(row.blocks_flushed),
             count(row.scales_out_of_range),
         ]
         grid.add_row(*cells)
@@ -1054,16 +1066,20 @@ def block_gate(result: BlockGateResult) -> None:
             f"FAIL: {result.recipe}: no nonzero value was measured, so nothing was judged."
         )
         return
+    expected = "expected " if result.expected else ""
     console.print(
-        f"{verdict}: {result.recipe}: flushed {percent(result.flush_fraction)} of "
+        f"{verdict}: {result.recipe}: {expected}flushed {percent(result.flush_fraction)} of "
         f"{count(result.nonzero)} nonzero values (limit {percent(result.max_flush)}), "
-        f"saturated {percent(result.saturate_fraction)} (limit {percent(result.max_saturate)})."
+        f"{expected}saturated {percent(result.saturate_fraction)} "
+        f"(limit {percent(result.max_saturate)})."
+        + (f" ({EXPECTED_NOTE})" if result.expected else "")
     )
     for offender in result.offenders:
         console.print(
-            f"  {module_label(offender['module'])}: flushed "
-            f"{percent(offender['flush_fraction'])} ({count(offender['flushed'])} of "
-            f"{count(offender['nonzero'])}), saturated {percent(offender['saturate_fraction'])}"
+            f"  {module_label(offender['module'])}: {expected}flushed "
+            f"{percent(offender['flush_fraction'])} ({expected_count(offender['flushed'])} of "
+            f"{count(offender['nonzero'])}), {expected}saturated "
+            f"{percent(offender['saturate_fraction'])}"
         )
 
 
@@ -1097,3 +1113,6 @@ def plan(result: Plan, output: str) -> None:
         f"{len(keep)} of {len(result.modules)} modules must stay in bf16"
         + (f": {', '.join(module_label(k) for k in keep)}" if keep else ".")
     )
+    expected = [name for name in result.recipes if as_recipe(name).expected]
+    if expected:
+        console.print(f"{', '.join(expected)}: {EXPECTED_NOTE}; fractions are expected ones.")

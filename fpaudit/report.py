@@ -1,9 +1,10 @@
 """The report: a directory of Parquet tables plus ``meta.json``, written only here
 (other outputs, JUnit files and images, go through ``fpaudit.outputs.write_atomically``).
 
-Schema version 3 (documented in the README, "Report format"; version 1 reports,
-whose steps table lacks the training-loop columns, and version 2 reports, which
-have no block statistics, are read too):
+Schema version 4 (documented in the README, "Report format"; version 1 reports,
+whose steps table lacks the training-loop columns, version 2 reports, which
+have no block statistics, and version 3 reports, whose block counts are int64,
+are read too):
 
 ``records.parquet``
     One row per (step, kind, module, node, op, output, dtype): the statistics
@@ -19,7 +20,9 @@ have no block statistics, are read too):
 ``blocks.parquet`` (only with ``--recipe``; version 3)
     One row per (step, record key, recipe): block-scaled statistics of the
     record's tensors (see ``fpaudit.blockstats``): class and block counts, and
-    the scale-code and dynamic-range histograms as lists.
+    the scale-code and dynamic-range histograms as lists. From version 4 the
+    counts are float64: whole numbers, except a stochastic-rounding recipe's
+    expected counts (``nvfp4-sr``); version 3 wrote int64, read as float64.
 ``meta.json``
     Versions, device, command, config, module order, and per file its row
     count and SHA-256, checked on every read.
@@ -81,8 +84,8 @@ __all__ = [
     "run_metadata",
 ]
 
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 META_FILE = "meta.json"
 # A reader trusts nothing it has not checked: meta.json is read only up to this size
 # (a model of 100,000 modules needs a few MB) and this nesting depth (fpaudit writes 3).
@@ -115,11 +118,19 @@ BINS_SCHEMA = pa.schema(
 STEPS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in STEP_COLUMNS.items()])
 TABLES = {"records": RECORDS_SCHEMA, "bins": BINS_SCHEMA, "steps": STEPS_SCHEMA}
 ORIGINS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in ORIGIN_COLUMNS.items()])
-BLOCKS_SCHEMA = pa.schema(
-    [(name, _ARROW_TYPES[t]) for name, t in BLOCK_KEY_COLUMNS.items()]
-    + [(name, pa.int64()) for name in BLOCK_COUNT_COLUMNS]
-    + [(name, pa.list_(pa.int64())) for name in BLOCK_HISTOGRAM_COLUMNS]
-)
+
+
+def _blocks_schema(counts: pa.DataType) -> pa.Schema:
+    return pa.schema(
+        [(name, _ARROW_TYPES[t]) for name, t in BLOCK_KEY_COLUMNS.items()]
+        + [(name, counts) for name in BLOCK_COUNT_COLUMNS]
+        + [(name, pa.list_(pa.int64())) for name in BLOCK_HISTOGRAM_COLUMNS]
+    )
+
+
+# float64 counts from version 4: a stochastic-rounding recipe's are expected values
+BLOCKS_SCHEMA = _blocks_schema(pa.float64())
+_V3_BLOCKS_SCHEMA = _blocks_schema(pa.int64())
 # Optional tables, written only when present and read only when listed in meta.json's
 # files (older reports have none): scan --origins's op calls (fpaudit.origins) and,
 # from version 3, block-scaled statistics when recipes were audited (fpaudit.blockstats).
@@ -395,7 +406,12 @@ class Report:
             part = cls(meta, tables["records"], tables["bins"], tables["steps"], path=root)
             for name, schema in OPTIONAL_TABLES.items():
                 if f"{prefix}{name}.parquet" in meta["files"]:
-                    table = _read_table(root, name, schema, meta, prefix)
+                    if name == "blocks" and meta["schema_version"] == 3:
+                        table = _read_table(root, name, _V3_BLOCKS_SCHEMA, meta, prefix)
+                        counts = list(BLOCK_COUNT_COLUMNS)
+                        table[counts] = table[counts].astype(np.float64)  # exact below 2**53
+                    else:
+                        table = _read_table(root, name, schema, meta, prefix)
                     if name == "blocks":
                         _check_blocks(table, root / f"{prefix}{name}.parquet")
                     setattr(part, name, table)
@@ -777,8 +793,8 @@ def _check_blocks(blocks: pd.DataFrame, file: Path) -> None:
     from fpaudit import blockstats
 
     counts = blocks[list(BLOCK_COUNT_COLUMNS)].to_numpy()
-    if len(counts) and counts.min() < 0:
-        raise ReportError(f"{file}: negative counts")
+    if len(counts) and not (np.isfinite(counts).all() and counts.min() >= 0):
+        raise ReportError(f"{file}: counts must be finite and not negative")
     widths = {"scale_codes": blockstats.N_SCALE_CODES, "dynamic_range": blockstats.N_RANGES}
     for column, width in widths.items():
         if not all(len(v) == width for v in blocks[column]):

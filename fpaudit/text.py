@@ -38,3 +38,11 @@ def scale_text(log2_scale: int | None) -> str:
 
 def count(value: int) -> str:
     return f"{int(value):,}"
+
+
+def expected_count(value: float) -> str:
+    """A count that may be an expected value (stochastic rounding): 2 decimals when it
+    is not whole (``1,234.57``), else as :func:`count`."""
+    if float(value).is_integer():
+        return count(int(value))
+    return f"{float(value):,.2f}"

@@ -21,7 +21,9 @@ the inf checks, norms and losses stay 0-dim device tensors (``ScalarLog``)
 and are read in one transfer per device at the end, so the run has no host
 syncs beyond the one ``GradScaler.step`` makes anyway. Every K-th step
 (``capture_every``) the core audit records every backward op under the scale
-in force; a captured step costs one more sync, as in ``fpaudit scan``.
+in force; a captured step costs one more sync, as in ``fpaudit scan``. With
+``recipes`` (``--recipe``) the captured tensors (backward op outputs and parameter
+gradients) also get exact block-scaled statistics, as ``scan --recipe`` records them.
 
 The monitor translates each patched call into an update of its state
 (``steps.RunState``); misuse is judged after the run, from that state's log of
@@ -64,6 +66,7 @@ from fpaudit.findings import (
     skip_statistics,
     sorted_findings,
 )
+from fpaudit.recipes import get_recipe
 from fpaudit.records import LOSS_MODULE, ReportBuilder
 from fpaudit.runinfo import RunInfo
 from fpaudit.steps import RunState, ScalarLog, Step, steps_table
@@ -109,8 +112,11 @@ class RunOptions:
     max_backoffs: int = options.default_int("run", "max_backoffs")  # more is a finding
     max_skip_rate: float = options.default_float("run", "max_skip_rate")  # more is a finding
     watch_grad_reads: bool = True  # find .grad reads while the gradients are scaled
+    recipes: tuple[str, ...] = ()  # block-scaled recipes to audit (--recipe), see fpaudit.recipes
 
     def __post_init__(self) -> None:
+        for name in self.recipes:
+            get_recipe(name)  # an unknown name is a one-line UsageError, before the script runs
         if self.max_steps is not None and self.max_steps < 1:
             raise OptionError("max_steps", f"must be at least 1, got {self.max_steps}")
         if self.capture_every < 0:
@@ -173,7 +179,12 @@ class BackwardCapture:
             return
         if self.audit is None:
             self.audited_model = module
-            self.audit = Audit(module, selection=self.options.selection, window=self.options.window)
+            self.audit = Audit(
+                module,
+                selection=self.options.selection,
+                window=self.options.window,
+                recipes=self.options.recipes,
+            )
             self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
         elif module is not self.audited_model:
             return  # another model: only the first is audited

@@ -48,7 +48,7 @@ def test_scan_reports_the_interleaved_and_sorted_pair(pair_reports: dict[str, Pa
     # Per-tensor E4M3: 2**-20 * 448 = 1.75 * 2**-12 <= 2**-10: 50% in both layouts.
     interleaved = Report.read(pair_reports["interleaved"])
     ordered = Report.read(pair_reports["sorted"])
-    assert interleaved.meta["schema_version"] == SCHEMA_VERSION == 3
+    assert interleaved.meta["schema_version"] == SCHEMA_VERSION == 4
     assert interleaved.recipes == ["mxfp8-e4m3", "fp8-tensor-e4m3"]
     row = _grad_row(interleaved, "mxfp8-e4m3")
     assert (row["flushed"], row["nonzero"], row["flush_fraction"]) == (64, 128, 0.5)
@@ -237,3 +237,76 @@ def test_damaged_block_tables_are_one_line(cli, pair_reports: dict[str, Path]) -
     assert "blocks.parquet is missing" in one_error_line(
         cli("show", report, "--recipe", "mxfp8-e4m3")
     )
+
+
+BLOCK_SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_blocks.py"
+
+
+def _padded_to_blocks(x: torch.Tensor, width: int = 32) -> tuple[torch.Tensor, int]:
+    """``x`` as ``(-1, last)`` with the last dimension zero-padded to a multiple of ``width``
+    (torchao's to_mx needs whole blocks; zeros never change a block's maximum)."""
+    flat = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    pad = -flat.shape[1] % width
+    return torch.nn.functional.pad(flat, (0, pad)), pad * flat.shape[0]
+
+
+def test_run_records_the_block_statistics_torchao_computes(cli, tmp_path: Path) -> None:
+    # `fpaudit run --recipe` on an unmodified script; the script saves its own gradients
+    # (after backward, before the step: where fpaudit records them), and torchao's to_mx
+    # quantizes them: per step and parameter, every class count must agree.
+    pytest.importorskip("torchao.prototype.mx_formats.mx_tensor", reason="torchao not installed")
+    from tests.test_blockstats_torchao import torchao_mx
+
+    grads, out = tmp_path / "grads", tmp_path / "run"
+    grads.mkdir()
+    result = cli(
+        "run", "--recipe", "mxfp8-e4m3", "--capture-every", 1, "--out", out,
+        "--", BLOCK_SCRIPT, "--grads", grads,
+    )  # fmt: skip
+    assert result.code == 0, result.stderr
+    assert "mxfp8-e4m3: flushed" in result.stdout  # the run's summary shows the recipe
+    report = Report.read(out)
+    assert report.recipes == ["mxfp8-e4m3"] and report.blocks is not None
+    blocks = report.blocks
+    rows = blocks[blocks["kind"] == "grad"]
+    assert sorted(set(rows["step"])) == [0, 1, 2]
+    assert set(blocks["kind"]) == {"backward", "grad"}  # backward op outputs too
+    flushed = 0
+    for step in range(3):
+        saved = torch.load(grads / f"step{step}.pt")
+        assert len(saved) == 4
+        for name, grad in saved.items():
+            module, _, op = name.rpartition(".")
+            padded, padding = _padded_to_blocks(grad)
+            expected, _ = torchao_mx(padded, "mxfp8-e4m3")
+            expected["zero"] -= padding
+            row = rows[(rows["step"] == step) & (rows["module"] == module) & (rows["op"] == op)]
+            assert len(row) == 1
+            assert {k: int(row.iloc[0][k]) for k in expected} == expected, (step, name)
+            flushed += expected["flushed"]
+    # the alternating inputs: the small half of each 32-block of layer 0's weight gradient
+    # (2**-20 below the large half, past E4M3's 2**17 range) flushes: 16 of 32 in each of
+    # 32 x 64 / 32 = 64 blocks -> 1024 per step, 3 steps -> at least 3072
+    assert flushed >= 3072
+    # the report commands read a run's block statistics as they read a scan's
+    shown = cli("show", out, "--recipe", "mxfp8-e4m3", "--by", "op", "--json")
+    assert shown.code == 0, shown.stderr
+    weight = [r for r in json.loads(shown.stdout) if r["kind"] == "grad" and r["op"] == "weight"]
+    assert {r["module"] for r in weight} == {"0", "2"}
+    gate = cli("gate", out, "--recipe", "mxfp8-e4m3", "--max-flush", "0.1")
+    assert gate.code == 1 and "FAIL" in gate.stdout
+    plan = cli("plan", out, "--max-flush", "0.1", "--names")
+    assert plan.code == 0 and "0\n" in plan.stdout
+
+
+def test_run_recipes_from_a_config_file_and_bad_names(cli, tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[run]\nrecipe = ["mxfp4", "nvfp4"]\ncapture-every = 1\n')
+    result = cli("run", "--config", config, "--out", tmp_path / "r", "--", BLOCK_SCRIPT)
+    assert result.code == 0, result.stderr
+    assert Report.read(tmp_path / "r").recipes == ["mxfp4", "nvfp4"]
+    line = one_error_line(
+        cli("run", "--recipe", "mxfp9", "--out", tmp_path / "x", "--", BLOCK_SCRIPT)
+    )
+    assert "unknown recipe 'mxfp9'; known: mxfp4" in line
+    assert not (tmp_path / "x").exists()  # refused before the script ran

@@ -53,13 +53,15 @@ def _plain(script: Path, weights: Path, capsys: pytest.CaptureFixture[str]) -> t
 def twice(cli, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Run a zoo script plainly and under `fpaudit run`; both outcomes."""
 
-    def go(name: str) -> tuple[tuple[int, str, bytes], tuple[int, str, str, bytes], Path]:
+    def go(
+        name: str, *options: str
+    ) -> tuple[tuple[int, str, bytes], tuple[int, str, str, bytes], Path]:
         script = ZOO / name
         plain_weights, watched_weights = tmp_path / "plain.bin", tmp_path / "watched.bin"
         plain_code, plain_out = _plain(script, plain_weights, capsys)
         monkeypatch.setenv("FPAUDIT_TRANSPARENCY_OUT", str(watched_weights))
         out = tmp_path / "report"
-        result = cli("run", "--out", out, "--", script)
+        result = cli("run", *options, "--out", out, "--", script)
         monkeypatch.delenv("FPAUDIT_TRANSPARENCY_OUT")
         return (
             (plain_code, plain_out, plain_weights.read_bytes()),
@@ -85,6 +87,22 @@ def test_a_script_runs_the_same_with_and_without_fpaudit(twice, name: str) -> No
     # one printed line per optimizer step: fpaudit counted the same steps
     printed = [line for line in plain_out.splitlines() if line.startswith("step ")]
     assert Report.read(report).meta["steps_run"] == len(printed)
+
+
+def test_block_statistics_leave_the_script_alone(twice) -> None:
+    # --recipe quantizes every captured tensor (a copy, on the side): the weights the
+    # script trains are bit for bit those of the plain run, on every step captured
+    from fpaudit.report import Report
+
+    (plain_code, plain_out, plain_weights), (code, out, err, weights), report = twice(
+        "adamw_groups.py", "--recipe", "mxfp8-e4m3", "--recipe", "nvfp4", "--capture-every", "1"
+    )
+    assert code == plain_code == 0, err
+    assert weights == plain_weights
+    assert out.startswith(plain_out)
+    read = Report.read(report)
+    assert read.recipes == ["mxfp8-e4m3", "nvfp4"] and read.blocks is not None
+    assert set(read.blocks["step"]) == set(range(read.meta["steps_run"]))  # every step
 
 
 def test_keyword_calls_are_judged_at_their_lines(twice) -> None:
