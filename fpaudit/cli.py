@@ -19,7 +19,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
 import typer
 
@@ -264,7 +264,7 @@ def _write_partial(
     from fpaudit import distributed
     from fpaudit.report import steps_in
 
-    done = int(report.meta.get("steps_run") or 0)
+    done = report.info.steps_run or 0
     existing = steps_in(out_path) if out_path.exists() else None
     if existing is not None and done < existing and not options.replace_partial:
         return (
@@ -317,12 +317,8 @@ def _headroom(value: int) -> int:
 
 def _reading_format(name: str | None, report: Report) -> Format:
     if name is None:
-        formats = report.meta.get("formats")
-        name = (
-            formats[0]
-            if isinstance(formats, list) and formats and isinstance(formats[0], str)
-            else "fp16"
-        )
+        formats = report.info.formats
+        name = formats[0] if formats else "fp16"
     return get_format(name)
 
 
@@ -409,7 +405,7 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
             if _forked():
                 raise typer.Exit(stopped.exit_code) from None
             kept = _write_partial(stopped.report, out_path, options, stopping=True)
-            done = stopped.report.meta["steps_run"]
+            done = stopped.report.info.steps_run or 0
             if kept is None:
                 render.interrupted(shown, stopped.signal_name, done, scan_options.steps)
             else:
@@ -420,7 +416,7 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
             if _forked():
                 raise typer.Exit(EXIT_ERROR) from None
             kept = _write_partial(exited.report, out_path, options)
-            done = exited.report.meta["steps_run"]
+            done = exited.report.info.steps_run or 0
             raise ModelFileError(
                 f"{exited}; "
                 + (kept or f"the {done} completed step(s) are in {shown}, marked incomplete")
@@ -450,8 +446,8 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
         at_s = analysis.module_table(report, fmt, rec.log2_scale or 0, scope=scope)
         render.scan_summary(
             shown,
-            report.meta["steps_run"],
-            report.meta["steps"],
+            report.info.steps_run or 0,
+            report.info.steps or 0,
             at_1,
             at_s,
             rec,
@@ -527,9 +523,9 @@ def run_command(
             raise typer.Exit(outcome.exit_status)
         report = outcome.report
         if fmt is None:
-            fmt = get_format(report.meta.get("amp") or "fp16")
+            fmt = get_format(report.info.amp or "fp16")
         report.meta["formats"] = [fmt.name]
-        if not report.meta["steps_run"] and outcome.interrupted is None:
+        if not report.info.steps_run and outcome.interrupted is None:
             if outcome.failure is not None:
                 raise outcome.failure  # nothing done, nothing to keep
             raise ModelFileError(
@@ -546,7 +542,7 @@ def run_command(
     if kept is not None:
         if outcome.interrupted is not None:
             render.error_line(f"interrupted by {outcome.interrupted.signal_name} after "
-                              f"{report.meta['steps_run']} step(s); {kept}")  # fmt: skip
+                              f"{report.info.steps_run} step(s); {kept}")  # fmt: skip
             raise typer.Exit(outcome.interrupted.exit_code)
         assert outcome.failure is not None
         raise ModelFileError(f"{outcome.failure}; {kept}")
@@ -557,12 +553,12 @@ def run_command(
     if not report.records.empty:
         rec = recommend(report, fmt, headroom)
         drift_result = drift(report, fmt, headroom, **drift_options)
-    items = report.meta["findings"]
+    items = list(report.info.findings)
     render.report_notes(report, incomplete=False)  # the summary says if it was interrupted
     render.run_summary(shown, report, items, rec, drift_result)
     if outcome.interrupted is not None:
         render.interrupted(shown, outcome.interrupted.signal_name,
-                           report.meta["steps_run"], options.max_steps)  # fmt: skip
+                           report.info.steps_run or 0, options.max_steps)  # fmt: skip
         raise typer.Exit(outcome.interrupted.exit_code)
     if outcome.failure is not None:
         raise outcome.failure
@@ -590,7 +586,7 @@ def _show_origins(report_path: Path, options: ShowArgs) -> None:
         raise UsageError(f"{report_path} has no origins: scan it with --origins")
     fmt = _reading_format(options.format, report)
     if log2_scale is None:
-        headroom = int(report.meta.get("headroom_bits", DEFAULT_HEADROOM_BITS))
+        headroom = _report_headroom(report)
         log2_scale = recommend(report, fmt, headroom).log2_scale or 0
     scale = math.ldexp(1.0, log2_scale)
     live = origins.live(report.origins)
@@ -629,13 +625,13 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
     if options.steps:
         report = Report.read(report_path)
         render.report_notes(report)
-        items = report.meta.get("findings")
-        items = items if isinstance(items, list) else []
+        info = report.info
+        items = list(info.findings)
         if options.json:
             render.print_json(
                 {
-                    "training": report.meta.get("training"),
-                    "scaler": report.meta.get("scaler"),
+                    "training": dict(info.training) if info.training is not None else None,
+                    "scaler": dict(info.scaler) if info.scaler is not None else None,
                     "findings": items,
                     "steps": render.json_records(report.steps),
                 }
@@ -658,12 +654,7 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
     fmt = _reading_format(options.format, report)
     scale_source = "given"
     if log2_scale is None:
-        log2_scale = (
-            recommend(
-                report, fmt, int(report.meta.get("headroom_bits", DEFAULT_HEADROOM_BITS))
-            ).log2_scale
-            or 0
-        )
+        log2_scale = recommend(report, fmt, _report_headroom(report)).log2_scale or 0
         scale_source = "recommended"
     group = ("module",) if options.by == "module" else ("module", "node", "op")
     scope = analysis.Scope(kinds=(options.kind,), include_loss=True)
@@ -954,11 +945,7 @@ def _gate_blocks(report_path: Path, options: GateArgs) -> None:
     report = Report.read(report_path)
     render.report_notes(report)
     result = block_gate(report, options.recipe, options.max_flush, options.max_saturate)
-    if options.json:
-        render.print_json(result.to_dict())
-    else:
-        render.block_gate(result)
-    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+    _verdict(result, options.json, render.block_gate)
 
 
 @app.command("plan")
@@ -1008,11 +995,7 @@ def verify_command(model_file: ModelFileArgument, options: VerifyArgs) -> None:
             device=options.device,
             seed=options.seed,
         )
-    if options.json:
-        render.print_json(result.to_dict())
-    else:
-        render.verification(result)
-    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+    _verdict(result, options.json, render.verification)
 
 
 @app.command("fp16-plan")
@@ -1034,11 +1017,16 @@ def fp16_plan_command(model_file: ModelFileArgument, options: Fp16PlanArgs) -> N
         device=options.device,
         seed=options.seed,
     )
-    if options.json:
-        render.print_json(plan.to_dict())
+    _verdict(plan, options.json, render.fp16_plan)
+
+
+def _verdict(result: Any, as_json: bool, show: Callable[[Any], None]) -> NoReturn:
+    """Print a pass/fail result (JSON or through ``show``) and exit 0 (passed) or 1."""
+    if as_json:
+        render.print_json(result.to_dict())
     else:
-        render.fp16_plan(plan)
-    raise typer.Exit(EXIT_OK if plan.passed else EXIT_GATE_FAILED)
+        show(result)
+    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
 
 
 def _outside_report(path: Path, report_path: Path, flag: str) -> None:
@@ -1051,13 +1039,21 @@ def _outside_report(path: Path, report_path: Path, flag: str) -> None:
         )
 
 
-def _from_report(options: CommandOptions, name: str, report: Report) -> Any:
+def _from_report(
+    options: CommandOptions, name: Literal["headroom_bits", "include_loss"], report: Report
+) -> Any:
     """An option not given anywhere falls back to what the scan used, then to its default."""
     value = getattr(options, name)
     if name in options.given:
         return value
-    stored = report.meta.get(name)
-    return stored if type(stored) is type(value) else value
+    stored = getattr(report.info, name)
+    return value if stored is None else stored
+
+
+def _report_headroom(report: Report) -> int:
+    """The headroom the report's scan used, else the declared default."""
+    stored = report.info.headroom_bits
+    return DEFAULT_HEADROOM_BITS if stored is None else stored
 
 
 class _Stopped(Exception):
