@@ -419,7 +419,7 @@ SPECS: tuple[Spec, ...] = (
         help="The static scale to compare with",
         shown="the recommended one",
     ),
-    # FP8 delayed scaling (fpaudit.delayed's defaults; tests/test_help.py checks they agree)
+    # FP8 delayed scaling: fpaudit.delayed reads its defaults from these
     Spec(
         "amax_history_len",
         "int",

@@ -149,12 +149,14 @@ def test_help_toml_and_library_defaults_come_from_one_declaration(
                 in_library.add((command, spec.name))
             checked += 1
     assert checked >= 60
-    # the library's own defaults where the CLI's declaration stands for them
-    from fpaudit import delayed, drift, records
+    # the library reads its defaults from the declarations; pinned by hand here:
+    # TE's DelayedScaling defaults amax_history_len=1024, margin=0
+    from fpaudit import delayed, drift, fp16plan, records
 
-    assert options.default("recommend", "drift_binades") == drift.DEFAULT_DRIFT_BINADES
-    assert options.default("simulate", "amax_history_len") == delayed.DEFAULT_HISTORY_LENGTH
-    assert options.default("simulate", "margin") == delayed.DEFAULT_MARGIN
+    assert (drift.DEFAULT_DRIFT_BINADES, delayed.DEFAULT_HISTORY_LENGTH) == (2, 1024)
+    assert delayed.DEFAULT_MARGIN == 0 and delayed.Settings("te-delayed").margin == 0
+    assert (fp16plan.DEFAULT_STEPS, fp16plan.DEFAULT_HEADROOM_BITS) == (4, 1)
+    assert fp16plan.DEFAULT_MAX_UNDERFLOW == 0.001
     assert options.default("show", "kind") == records.KIND_BACKWARD
     assert in_library >= {
         ("scan", "steps"), ("scan", "device"), ("scan", "seed"), ("scan", "every"),
