@@ -9,9 +9,11 @@ A default the value alone does not say (``None`` meaning "the report's first") i
 by ``shown``; a flag (``bool``) is off by default and its help shows no default; a required
 option declares none. :func:`merge_defaults` is what a command starts from.
 
-Adding an option: one ``Spec`` here (plus its flag in the command's signature in
-``fpaudit/cli.py``); tests/test_help.py checks that help, TOML and library agree.
-No typer here: library modules read their defaults from this module.
+A spec also says how the command line spells the option (``short``, ``off``, ``path``):
+``fpaudit/cli.py`` builds each flag from it. Adding an option: one ``Spec`` here and a typed
+field in the command's class in :mod:`fpaudit.command_options` (its default read from the
+spec); tests/test_command_options.py and tests/test_help.py check that fields, help, TOML
+and library agree. No typer here: library modules read their defaults from this module.
 """
 
 from __future__ import annotations
