@@ -224,7 +224,7 @@ def plan(
     """Per module, the cheapest of ``recipes`` whose flush and saturation fractions stay
     within the limits, and the statistic that ruled out the cheaper ones."""
     if not recipes:
-        raise UsageError("plan needs at least one --recipe")
+        raise UsageError("plan needs at least one recipe")
     _check_fraction(max_flush, "max_flush")
     _check_fraction(max_saturate, "max_saturate")
     chosen = sorted(dict.fromkeys(as_recipe(r) for r in recipes), key=lambda r: r.cost)

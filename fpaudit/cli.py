@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import os
 import re
@@ -16,14 +17,28 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
 import typer
 
 from fpaudit import __version__, config, limits, render
 from fpaudit import options as specs  # commands name their merged options `options`
+from fpaudit.command_options import (
+    CONFIG_FIELD,
+    CommandOptions,
+    Fp16PlanArgs,
+    GateArgs,
+    PlanArgs,
+    PlotArgs,
+    RecommendArgs,
+    RunArgs,
+    ScanArgs,
+    ShowArgs,
+    SimulateArgs,
+    VerifyArgs,
+)
 from fpaudit.errors import (
     FpauditError,
     Interrupted,
@@ -79,74 +94,15 @@ def _main(
     _state["debug"] = debug
 
 
-# -- option helpers --------------------------------------------------------
+# -- options ---------------------------------------------------------------
+# A command's flags are built from its options class (fpaudit.command_options): one
+# typer option per field, from the field's Spec (fpaudit.options), in field order.
 ConfigOption = Annotated[
     Path | None,
     typer.Option("--config", help="TOML file with the same options (see sample_configs/)."),
 ]
-RecipeOption = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--recipe",
-        help=specs.help_text("plot", "recipe"),
-    ),
-]
 JsonOption = Annotated[
     bool | None, typer.Option("--json/--no-json", help=specs.help_text("show", "json"))
-]
-FormatOption = Annotated[
-    str | None,
-    typer.Option("--format", "-f", help=specs.help_text("show", "format")),
-]
-HeadroomOption = Annotated[
-    int | None,
-    typer.Option(
-        "--headroom-bits",
-        help=specs.help_text("scan", "headroom_bits"),
-    ),
-]
-IncludeLossOption = Annotated[
-    bool | None,
-    typer.Option(
-        "--include-loss/--exclude-loss", help=specs.help_text("recommend", "include_loss")
-    ),
-]
-DriftWindowOption = Annotated[
-    int | None,
-    typer.Option(
-        "--drift-window",
-        help=specs.help_text("recommend", "drift_window"),
-    ),
-]
-DriftBinadesOption = Annotated[
-    int | None,
-    typer.Option(
-        "--drift-binades",
-        help=specs.help_text("recommend", "drift_binades"),
-    ),
-]
-# The output and selection groups scan and run share, from their one declaration.
-ForceOption = Annotated[
-    bool | None, typer.Option("--force/--no-force", help=specs.help_text("scan", "force"))
-]
-ReplacePartialOption = Annotated[
-    bool | None,
-    typer.Option(
-        "--replace-partial/--keep-complete", help=specs.help_text("scan", "replace_partial")
-    ),
-]
-WindowOption = Annotated[
-    int | None, typer.Option("--window", help=specs.help_text("scan", "window"))
-]
-ModuleOption = Annotated[
-    list[str] | None, typer.Option("--module", help=specs.help_text("scan", "module"))
-]
-ExcludeModuleOption = Annotated[
-    list[str] | None,
-    typer.Option("--exclude-module", help=specs.help_text("scan", "exclude_module")),
-]
-ExcludeOpOption = Annotated[
-    list[str] | None, typer.Option("--exclude-op", help=specs.help_text("scan", "exclude_op"))
 ]
 ReportArgument = Annotated[
     Path,
@@ -154,25 +110,75 @@ ReportArgument = Annotated[
         help="A report directory written by `fpaudit scan` or `fpaudit run`.", show_default=False
     ),
 ]
+ModelFileArgument = Annotated[
+    Path,
+    typer.Argument(help="Python file defining model, batches and loss.", show_default=False),
+]
+_VALUE_TYPES: dict[str, Any] = {
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "str": str,
+    "scale": str,
+    "format": str,
+}
+_Args = TypeVar("_Args", bound=CommandOptions)
 
 
-def _report_defaults(command: str) -> dict[str, Any]:
-    """``command``'s declared defaults, but headroom_bits and include_loss unset: a report
-    command takes those from the report's own scan first, the declared default last."""
-    from_report = ("headroom_bits", "include_loss")
-    return {
-        name: None if name in from_report else value
-        for name, value in specs.merge_defaults(command).items()
-    }
+def _flag(command: str, name: str) -> Any:
+    """The typer option of ``command``'s option ``name``, from its spec; ``None`` (the
+    default) means "not given", so the config file and the spec's default show through."""
+    if name == CONFIG_FIELD:
+        return ConfigOption
+    option = specs.spec(command, name)
+    if not option.help:
+        raise ValueError(f"{command}'s {name!r} has no help to show")
+    value = (
+        list[str] if option.kind in specs.LIST_KINDS
+        else Path if option.path
+        else _VALUE_TYPES[option.kind]
+    )  # fmt: skip
+    return Annotated[value | None, typer.Option(*option.declarations, help=option.help_text())]
 
 
-def _merge(
-    command: str, config_file: Path | None, given: dict[str, Any], defaults: dict[str, Any]
-) -> dict[str, Any]:
-    merged = dict(defaults)
-    merged.update(config.options_for(command, config_file))
-    merged.update({k: v for k, v in given.items() if v is not None})
-    return merged
+def _options(
+    args: type[_Args],
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command its flags from ``args``'s fields and hand it one ``args``: the
+    command declares its arguments and an ``options`` parameter; typer sees the
+    arguments followed by one option per field (``inspect.signature`` reads
+    ``__signature__``, so the help lists them in field order)."""
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own = [
+            parameter
+            for parameter in inspect.signature(command, eval_str=True).parameters.values()
+            if parameter.name != "options"
+        ]
+        names = args.option_names()
+        flags = [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=_flag(args.COMMAND, name),
+            )
+            for name in names
+        ]
+
+        @functools.wraps(command)
+        def parsed(*positional: Any, **given: Any) -> None:
+            flags = {name: given.pop(name) for name in names}
+            file = flags.get(CONFIG_FIELD)
+            configured = config.options_for(args.COMMAND, file) if file is not None else {}
+            command(*positional, **given, options=args.build(configured, flags))
+
+        parameters = [*own, *flags]
+        parsed.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        parsed.__annotations__ = {p.name: p.annotation for p in parameters}
+        return parsed
+
+    return decorate
 
 
 @contextlib.contextmanager
@@ -197,22 +203,22 @@ def _no_progress() -> Iterator[None]:
     yield None
 
 
-def _selection(options: dict[str, Any]) -> Selection:
+def _selection(options: ScanArgs | RunArgs) -> Selection:
     """What --module/--exclude-module/--op/--exclude-op keep."""
     from fpaudit.capture import Selection
 
     return Selection(
-        modules=tuple(options["module"]),
-        exclude_modules=tuple(options["exclude_module"]),
-        ops=tuple(options["op"]),
-        exclude_ops=tuple(options["exclude_op"]),
+        modules=tuple(options.module),
+        exclude_modules=tuple(options.exclude_module),
+        ops=tuple(options.op),
+        exclude_ops=tuple(options.exclude_op),
     )
 
 
-def _new_report_path(options: dict[str, Any]) -> Path:
+def _new_report_path(options: ScanArgs | RunArgs) -> Path:
     """--out as an absolute path (model code may chdir), checked before any work: a name
     for a new directory in an existing directory, and no report there unless --force."""
-    given = str(options["out"])
+    given = str(options.out)
     if not given.strip() or Path(given).name in ("", ".", ".."):
         raise UsageError(
             f"--out {given!r} names no new directory; give the report a name, for example "
@@ -238,7 +244,7 @@ def _new_report_path(options: dict[str, Any]) -> Path:
                         f"long; this filesystem allows {longest}"
                     )
             break
-    if out_path.exists() and not options["force"]:
+    if out_path.exists() and not options.force:
         raise UsageError(f"{given} already exists; pass --force to overwrite it")
     return out_path
 
@@ -250,7 +256,7 @@ def _forked() -> bool:
 
 
 def _write_partial(
-    report: Report, out_path: Path, options: dict[str, Any], *, stopping: bool = False
+    report: Report, out_path: Path, options: ScanArgs | RunArgs, *, stopping: bool = False
 ) -> str | None:
     """Write a report of an interrupted or failed run, unless it would replace a report
     that completed more steps (--replace-partial allows it). None when written, else
@@ -258,15 +264,15 @@ def _write_partial(
     from fpaudit import distributed
     from fpaudit.report import steps_in
 
-    done = int(report.meta.get("steps_run") or 0)
+    done = report.info.steps_run or 0
     existing = steps_in(out_path) if out_path.exists() else None
-    if existing is not None and done < existing and not options["replace_partial"]:
+    if existing is not None and done < existing and not options.replace_partial:
         return (
-            f"kept the existing report {options['out']} ({existing} completed step(s)): this "
+            f"kept the existing report {options.out} ({existing} completed step(s)): this "
             f"run completed {done}; pass --replace-partial to replace it anyway"
         )
     try:
-        _write(lambda: distributed.write_report(report, out_path, force=options["force"]), report)
+        _write(lambda: distributed.write_report(report, out_path, force=options.force), report)
     except typer.Exit:
         if not stopping:  # a Ctrl-C during the write of a stopped run: already stopping
             raise
@@ -311,12 +317,8 @@ def _headroom(value: int) -> int:
 
 def _reading_format(name: str | None, report: Report) -> Format:
     if name is None:
-        formats = report.meta.get("formats")
-        name = (
-            formats[0]
-            if isinstance(formats, list) and formats and isinstance(formats[0], str)
-            else "fp16"
-        )
+        formats = report.info.formats
+        name = formats[0] if formats else "fp16"
     return get_format(name)
 
 
@@ -349,85 +351,8 @@ def recipes_command(json_output: JsonOption = None) -> None:
 
 
 @app.command("scan")
-def scan_command(
-    model_file: Annotated[
-        Path,
-        typer.Argument(help="Python file defining model, batches and loss.", show_default=False),
-    ],
-    steps: Annotated[
-        int | None, typer.Option("--steps", "-n", help=specs.help_text("scan", "steps"))
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option("--device", help=specs.help_text("scan", "device"))
-    ] = None,
-    format_: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--format", "-f", help="Format(s) to summarise; repeat for several [default: fp16]."
-        ),
-    ] = None,
-    headroom_bits: HeadroomOption = None,
-    include_loss: IncludeLossOption = None,
-    out: Annotated[
-        Path | None, typer.Option("--out", "-o", help=specs.help_text("scan", "out"))
-    ] = None,
-    config_file: ConfigOption = None,
-    seed: Annotated[
-        int | None, typer.Option("--seed", help=specs.help_text("scan", "seed"))
-    ] = None,
-    loss_scale: Annotated[
-        str | None,
-        typer.Option(
-            "--loss-scale", help="Run backward with this power-of-two loss scale [default: 1]."
-        ),
-    ] = None,
-    top: Annotated[int | None, typer.Option("--top", help=specs.help_text("scan", "top"))] = None,
-    force: ForceOption = None,
-    every: Annotated[
-        int | None,
-        typer.Option("--every", help=specs.help_text("scan", "every")),
-    ] = None,
-    window: WindowOption = None,
-    module: ModuleOption = None,
-    exclude_module: ExcludeModuleOption = None,
-    op: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--op", help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)."
-        ),
-    ] = None,
-    exclude_op: ExcludeOpOption = None,
-    amp: Annotated[
-        str | None,
-        typer.Option(
-            "--amp",
-            help="Live mode: run forward under torch.autocast in fp16 or bf16 [default: off].",
-        ),
-    ] = None,
-    shadow: Annotated[
-        bool | None,
-        typer.Option(
-            "--shadow/--no-shadow",
-            help="With --amp: re-run low-precision backward ops in fp32 to count lost values.",
-        ),
-    ] = None,
-    forward: Annotated[
-        bool | None,
-        typer.Option(
-            "--forward/--no-forward", help="Also record forward op outputs (a phase of their own)."
-        ),
-    ] = None,
-    origins: Annotated[
-        bool | None,
-        typer.Option(
-            "--origins/--no-origins",
-            help="Note, per op call forward and backward, whether it made inf/NaN (implies "
-            "--forward); see show --origins.",
-        ),
-    ] = None,
-    replace_partial: ReplacePartialOption = None,
-    recipe: RecipeOption = None,
-) -> None:
+@_options(ScanArgs)
+def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
     """Run a model file for some steps and record every backward op.
 
     Example: fpaudit scan sample_configs/transformer.py --steps 8 --format fp16 --out report
@@ -435,38 +360,24 @@ def scan_command(
     from fpaudit.report import output_lock
     from fpaudit.scan import ScanExited, ScanInterrupted, ScanOptions, resolve_device, scan
 
-    options = _merge(
-        "scan",
-        config_file,
-        dict(steps=steps, device=device, format=format_, headroom_bits=headroom_bits,
-             include_loss=include_loss, out=out, seed=seed, loss_scale=loss_scale, top=top,
-             force=force, every=every, window=window, module=module,
-             exclude_module=exclude_module, op=op, exclude_op=exclude_op, amp=amp, shadow=shadow,
-             forward=forward, origins=origins,
-             replace_partial=replace_partial, recipe=recipe),
-        dict(format=["fp16"], include_loss=False, loss_scale="1", force=False, module=[],
-             exclude_module=[], op=[], exclude_op=[], amp=None,
-             shadow=False, forward=False, origins=False, replace_partial=False, recipe=[],
-             **specs.defaults("scan")),
-    )  # fmt: skip
-    formats = [get_format(name) for name in dict.fromkeys(options["format"])]
-    headroom = _headroom(options["headroom_bits"])
-    log2_loss_scale = config.parse_scale(options["loss_scale"], "--loss-scale")
-    if options["top"] < 1:
-        raise UsageError(f"--top must be at least 1, got {options['top']}")
+    formats = [get_format(name) for name in dict.fromkeys(options.format)]
+    headroom = _headroom(options.headroom_bits)
+    log2_loss_scale = config.parse_scale(options.loss_scale, "--loss-scale")
+    if options.top < 1:
+        raise UsageError(f"--top must be at least 1, got {options.top}")
     scan_options = ScanOptions(
-        steps=options["steps"],
-        device=options["device"],
+        steps=options.steps,
+        device=options.device,
         loss_scale=math.ldexp(1.0, log2_loss_scale),
-        seed=options["seed"],
-        every=options["every"],
-        window=options["window"],
-        amp=options["amp"],
-        shadow=options["shadow"],
-        forward=options["forward"],
-        origins=options["origins"],
+        seed=options.seed,
+        every=options.every,
+        window=options.window,
+        amp=options.amp,
+        shadow=options.shadow,
+        forward=options.forward,
+        origins=options.origins,
         selection=_selection(options),
-        recipes=tuple(dict.fromkeys(options["recipe"])),
+        recipes=tuple(dict.fromkeys(options.recipe)),
     )
     out_path = _new_report_path(options)
     if resolve_device(scan_options.device).type == "cpu":
@@ -474,17 +385,17 @@ def scan_command(
     meta = {
         "formats": [f.name for f in formats],
         "headroom_bits": headroom,
-        "include_loss": options["include_loss"],
+        "include_loss": options.include_loss,
         "argv": shlex.join(["fpaudit", *_state["argv"]]),
-        "config": str(config_file) if config_file else None,
-        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items()},
+        "config": str(options.config_file) if options.config_file else None,
+        "options": options.to_meta(),
     }
     from fpaudit import distributed
 
     # Under torchrun every rank runs this command; rank 0 locks, shows progress and sums up.
     lead = int(os.environ.get("RANK", "0")) == 0 if distributed.launched() else True
     lock = output_lock(out_path) if lead else contextlib.nullcontext()
-    shown = str(options["out"])
+    shown = str(options.out)
     with lock:
         try:
             progress = render.step_progress(scan_options.steps) if lead else _no_progress()
@@ -494,7 +405,7 @@ def scan_command(
             if _forked():
                 raise typer.Exit(stopped.exit_code) from None
             kept = _write_partial(stopped.report, out_path, options, stopping=True)
-            done = stopped.report.meta["steps_run"]
+            done = stopped.report.info.steps_run or 0
             if kept is None:
                 render.interrupted(shown, stopped.signal_name, done, scan_options.steps)
             else:
@@ -505,14 +416,14 @@ def scan_command(
             if _forked():
                 raise typer.Exit(EXIT_ERROR) from None
             kept = _write_partial(exited.report, out_path, options)
-            done = exited.report.meta["steps_run"]
+            done = exited.report.info.steps_run or 0
             raise ModelFileError(
                 f"{exited}; "
                 + (kept or f"the {done} completed step(s) are in {shown}, marked incomplete")
             ) from None
         if _forked():
             raise typer.Exit(EXIT_OK)
-        _write(lambda: distributed.write_report(report, out_path, force=options["force"]), report)
+        _write(lambda: distributed.write_report(report, out_path, force=options.force), report)
     if distributed.active():
         distributed.shutdown()  # every rank wrote its part: meet at a barrier, then leave
         if not lead:
@@ -529,27 +440,27 @@ def scan_command(
     forward_problems = int(problems.sum())
     first_nonfinite = sorted(set(report.steps.loc[problems, "first_nonfinite"]) - {""})
     for index, fmt in enumerate(formats):
-        rec = recommend(report, fmt, headroom, include_loss=options["include_loss"])
-        scope = analysis.default_scope(report, options["include_loss"])
+        rec = recommend(report, fmt, headroom, include_loss=options.include_loss)
+        scope = analysis.default_scope(report, options.include_loss)
         at_1 = analysis.module_table(report, fmt, 0, scope=scope)
         at_s = analysis.module_table(report, fmt, rec.log2_scale or 0, scope=scope)
         render.scan_summary(
             shown,
-            report.meta["steps_run"],
-            report.meta["steps"],
+            report.info.steps_run or 0,
+            report.info.steps or 0,
             at_1,
             at_s,
             rec,
-            options["top"],
+            options.top,
             forward_problems,
             first_nonfinite,
             first=index == 0,
         )
-        drifted = drift(report, fmt, headroom, include_loss=options["include_loss"])
+        drifted = drift(report, fmt, headroom, include_loss=options.include_loss)
         if drifted.warn or len(drifted.windows) >= 10:  # long scans: say how it moved
             for line in render.drift_lines(drifted):
                 render.stdout().print(line)
-    _block_summaries(report, options["top"])
+    _block_summaries(report, options.top)
 
 
 def _block_summaries(report: Report, top: int) -> None:
@@ -564,6 +475,7 @@ def _block_summaries(report: Report, top: int) -> None:
 
 
 @app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_options(RunArgs)
 def run_command(
     ctx: typer.Context,
     script: Annotated[
@@ -573,50 +485,7 @@ def run_command(
             show_default=False,
         ),
     ],
-    out: Annotated[
-        Path | None, typer.Option("--out", "-o", help=specs.help_text("run", "out"))
-    ] = None,
-    force: ForceOption = None,
-    max_steps: Annotated[
-        int | None,
-        typer.Option("--max-steps", help=specs.help_text("run", "max_steps")),
-    ] = None,
-    capture_every: Annotated[
-        int | None,
-        typer.Option(
-            "--capture-every",
-            help=specs.help_text("run", "capture_every"),
-        ),
-    ] = None,
-    window: WindowOption = None,
-    format_: FormatOption = None,
-    headroom_bits: HeadroomOption = None,
-    module: ModuleOption = None,
-    exclude_module: ExcludeModuleOption = None,
-    op: Annotated[
-        list[str] | None,
-        typer.Option("--op", help="Capture only aten ops matching this glob (repeatable)."),
-    ] = None,
-    exclude_op: ExcludeOpOption = None,
-    max_backoffs: Annotated[
-        int | None,
-        typer.Option(
-            "--max-backoffs",
-            help=specs.help_text("run", "max_backoffs"),
-        ),
-    ] = None,
-    max_skip_rate: Annotated[
-        float | None,
-        typer.Option(
-            "--max-skip-rate",
-            help=specs.help_text("run", "max_skip_rate"),
-        ),
-    ] = None,
-    drift_window: DriftWindowOption = None,
-    drift_binades: DriftBinadesOption = None,
-    replace_partial: ReplacePartialOption = None,
-    config_file: ConfigOption = None,
-    recipe: RecipeOption = None,
+    options: RunArgs,
 ) -> None:
     """Run an unmodified training script and audit its loop: scaler, skips, clipping, drift.
 
@@ -625,28 +494,17 @@ def run_command(
     from fpaudit.report import output_lock
     from fpaudit.training import RunOptions, run_script
 
-    options = _merge(
-        "run", config_file,
-        dict(out=out, force=force, max_steps=max_steps, capture_every=capture_every,
-             window=window, format=format_, headroom_bits=headroom_bits, module=module,
-             exclude_module=exclude_module, op=op, exclude_op=exclude_op,
-             max_backoffs=max_backoffs, max_skip_rate=max_skip_rate, drift_window=drift_window,
-             drift_binades=drift_binades, replace_partial=replace_partial, recipe=recipe),
-        dict(force=False, module=[], exclude_module=[], op=[], exclude_op=[],
-             replace_partial=False, recipe=[], **specs.defaults("run")),
-    )  # fmt: skip
-    fmt_name = options["format"][0] if isinstance(options["format"], list) else options["format"]
-    fmt = get_format(fmt_name) if fmt_name is not None else None
-    headroom = _headroom(options["headroom_bits"])
-    drift_options = _drift_options(options["drift_window"], options["drift_binades"])
+    fmt = get_format(options.format) if options.format is not None else None
+    headroom = _headroom(options.headroom_bits)
+    drift_options = _drift_options(options)
     run_options = RunOptions(
-        max_steps=options["max_steps"],
-        capture_every=options["capture_every"],
-        window=options["window"],
-        max_backoffs=options["max_backoffs"],
-        max_skip_rate=options["max_skip_rate"],
+        max_steps=options.max_steps,
+        capture_every=options.capture_every,
+        window=options.window,
+        max_backoffs=options.max_backoffs,
+        max_skip_rate=options.max_skip_rate,
         selection=_selection(options),
-        recipes=tuple(dict.fromkeys(options["recipe"])),
+        recipes=tuple(dict.fromkeys(options.recipe)),
     )
     out_path = _new_report_path(options)
     import torch
@@ -656,19 +514,19 @@ def run_command(
     meta = {
         "headroom_bits": headroom,
         "argv": shlex.join(["fpaudit", *_state["argv"]]),
-        "config": str(config_file) if config_file else None,
-        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in options.items()},
+        "config": str(options.config_file) if options.config_file else None,
+        "options": options.to_meta(),
     }
-    shown = str(options["out"])
+    shown = str(options.out)
     with output_lock(out_path):
         outcome = run_script(script, list(ctx.args), run_options, meta=meta)
         if _forked():  # the script's os.fork() child ended its script: exit as it would
             raise typer.Exit(outcome.exit_status)
         report = outcome.report
         if fmt is None:
-            fmt = get_format(report.meta.get("amp") or "fp16")
+            fmt = get_format(report.info.amp or "fp16")
         report.meta["formats"] = [fmt.name]
-        if not report.meta["steps_run"] and outcome.interrupted is None:
+        if not report.info.steps_run and outcome.interrupted is None:
             if outcome.failure is not None:
                 raise outcome.failure  # nothing done, nothing to keep
             raise ModelFileError(
@@ -681,11 +539,11 @@ def run_command(
                 report, out_path, options, stopping=outcome.interrupted is not None
             )
         else:
-            _write(lambda: report.write(out_path, force=options["force"]), report)
+            _write(lambda: report.write(out_path, force=options.force), report)
     if kept is not None:
         if outcome.interrupted is not None:
             render.error_line(f"interrupted by {outcome.interrupted.signal_name} after "
-                              f"{report.meta['steps_run']} step(s); {kept}")  # fmt: skip
+                              f"{report.info.steps_run} step(s); {kept}")  # fmt: skip
             raise typer.Exit(outcome.interrupted.exit_code)
         assert outcome.failure is not None
         raise ModelFileError(f"{outcome.failure}; {kept}")
@@ -696,50 +554,46 @@ def run_command(
     if not report.records.empty:
         rec = recommend(report, fmt, headroom)
         drift_result = drift(report, fmt, headroom, **drift_options)
-    items = report.meta["findings"]
+    items = list(report.info.findings)
     render.report_notes(report, incomplete=False)  # the summary says if it was interrupted
     render.run_summary(shown, report, items, rec, drift_result)
     _block_summaries(report, specs.default_int("scan", "top"))
     if outcome.interrupted is not None:
         render.interrupted(shown, outcome.interrupted.signal_name,
-                           report.meta["steps_run"], options["max_steps"])  # fmt: skip
+                           report.info.steps_run or 0, options.max_steps)  # fmt: skip
         raise typer.Exit(outcome.interrupted.exit_code)
     if outcome.failure is not None:
         raise outcome.failure
 
 
-def _drift_options(window_steps: int | None, binades: int | None) -> dict[str, Any]:
-    from fpaudit.drift import DEFAULT_DRIFT_BINADES
-
+def _drift_options(options: RunArgs | RecommendArgs) -> dict[str, Any]:
+    window_steps, binades = options.drift_window, options.drift_binades
     if window_steps is not None and window_steps < 1:
         raise UsageError(f"--drift-window must be at least 1, got {window_steps}")
-    if binades is not None and binades < 0:
+    if binades < 0:
         raise UsageError(f"--drift-binades must be 0 or more, got {binades}")
-    return {
-        "window_steps": window_steps,
-        "threshold_binades": DEFAULT_DRIFT_BINADES if binades is None else binades,
-    }
+    return {"window_steps": window_steps, "threshold_binades": binades}
 
 
-def _show_origins(report_path: Path, options: dict[str, Any]) -> None:
+def _show_origins(report_path: Path, options: ShowArgs) -> None:
     """``show --origins``: live origins and propagation, and predicted origins at S."""
     from fpaudit import origins
     from fpaudit.recommendation import recommend
     from fpaudit.report import Report
 
-    log2_scale = _scale(options["scale"])
+    log2_scale = _scale(options.scale)
     report = Report.read(report_path)
     render.report_notes(report)
     if report.origins is None:
         raise UsageError(f"{report_path} has no origins: scan it with --origins")
-    fmt = _reading_format(options["format"], report)
+    fmt = _reading_format(options.format, report)
     if log2_scale is None:
-        headroom = int(report.meta.get("headroom_bits", DEFAULT_HEADROOM_BITS))
+        headroom = _report_headroom(report)
         log2_scale = recommend(report, fmt, headroom).log2_scale or 0
     scale = math.ldexp(1.0, log2_scale)
     live = origins.live(report.origins)
     predicted = origins.predicted(report.origins, fmt, scale)
-    if options["json"]:
+    if options.json:
         render.print_json(
             {
                 **live.to_dict(),
@@ -751,48 +605,12 @@ def _show_origins(report_path: Path, options: dict[str, Any]) -> None:
             }
         )
     else:
-        render.origins_view(live, predicted, fmt, log2_scale, top=options["top"] or 10)
+        render.origins_view(live, predicted, fmt, log2_scale, top=options.top or 10)
 
 
 @app.command("show")
-def show_command(
-    report_path: ReportArgument,
-    format_: FormatOption = None,
-    scale: Annotated[
-        str | None,
-        typer.Option("--scale", "-s", help=specs.help_text("show", "scale")),
-    ] = None,
-    top: Annotated[
-        int | None,
-        typer.Option("--top", help=specs.help_text("show", "top")),
-    ] = None,
-    kind: Annotated[
-        str | None,
-        typer.Option("--kind", help=specs.help_text("show", "kind")),
-    ] = None,
-    by: Annotated[
-        str | None,
-        typer.Option("--by", help=specs.help_text("show", "by")),
-    ] = None,
-    steps: Annotated[
-        bool | None,
-        typer.Option("--steps/--no-steps", help=specs.help_text("show", "steps")),
-    ] = None,
-    limit: Annotated[
-        int | None,
-        typer.Option("--limit", help=specs.help_text("show", "limit")),
-    ] = None,
-    origins: Annotated[
-        bool | None,
-        typer.Option("--origins", help=specs.help_text("show", "origins")),
-    ] = None,
-    recipe: Annotated[
-        str | None,
-        typer.Option("--recipe", help=specs.help_text("show", "recipe")),
-    ] = None,
-    json_output: JsonOption = None,
-    config_file: ConfigOption = None,
-) -> None:
+@_options(ShowArgs)
+def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
     """Per-module table of zeros, underflow, flush and overflow at a scale (or --steps).
 
     Example: fpaudit show report --format fp16 --scale 2^12 --top 5
@@ -801,115 +619,89 @@ def show_command(
     from fpaudit.recommendation import recommend
     from fpaudit.report import Report
 
-    options = _merge(
-        "show", config_file,
-        dict(format=format_, scale=scale, top=top, kind=kind, by=by, json=json_output,
-             steps=steps, limit=limit, origins=origins, recipe=recipe),
-        specs.merge_defaults("show"),
-    )  # fmt: skip
-    if options["origins"]:
+    if options.origins:
         _show_origins(report_path, options)
         return
-    if options["limit"] < 2:
-        raise UsageError(f"--limit must be at least 2, got {options['limit']}")
-    if options["steps"]:
+    if options.limit < 2:
+        raise UsageError(f"--limit must be at least 2, got {options.limit}")
+    if options.steps:
         report = Report.read(report_path)
         render.report_notes(report)
-        items = report.meta.get("findings")
-        items = items if isinstance(items, list) else []
-        if options["json"]:
+        info = report.info
+        items = list(info.findings)
+        if options.json:
             render.print_json(
                 {
-                    "training": report.meta.get("training"),
-                    "scaler": report.meta.get("scaler"),
+                    "training": dict(info.training) if info.training is not None else None,
+                    "scaler": dict(info.scaler) if info.scaler is not None else None,
                     "findings": items,
                     "steps": render.json_records(report.steps),
                 }
             )
         else:
-            render.steps_view(report, options["limit"], items)
+            render.steps_view(report, options.limit, items)
         return
-    if options["kind"] not in (KIND_BACKWARD, KIND_GRAD, KIND_FORWARD):
-        raise UsageError(f"--kind must be backward, grad or forward, got {options['kind']!r}")
-    if options["by"] not in ("module", "op"):
-        raise UsageError(f"--by must be module or op, got {options['by']!r}")
-    if options["top"] is not None and options["top"] < 1:
-        raise UsageError(f"--top must be at least 1, got {options['top']}")
-    if options["recipe"] is not None:
-        _show_blocks(report_path, options)
+    if options.kind not in (KIND_BACKWARD, KIND_GRAD, KIND_FORWARD):
+        raise UsageError(f"--kind must be backward, grad or forward, got {options.kind!r}")
+    if options.by not in ("module", "op"):
+        raise UsageError(f"--by must be module or op, got {options.by!r}")
+    if options.top is not None and options.top < 1:
+        raise UsageError(f"--top must be at least 1, got {options.top}")
+    if options.recipe is not None:
+        _show_blocks(report_path, options, options.recipe)
         return
-    log2_scale = _scale(options["scale"])
+    log2_scale = _scale(options.scale)
     report = Report.read(report_path)
     render.report_notes(report)
-    fmt = _reading_format(options["format"], report)
+    fmt = _reading_format(options.format, report)
     scale_source = "given"
     if log2_scale is None:
-        log2_scale = (
-            recommend(
-                report, fmt, int(report.meta.get("headroom_bits", DEFAULT_HEADROOM_BITS))
-            ).log2_scale
-            or 0
-        )
+        log2_scale = recommend(report, fmt, _report_headroom(report)).log2_scale or 0
         scale_source = "recommended"
-    group = ("module",) if options["by"] == "module" else ("module", "node", "op")
-    scope = analysis.Scope(kinds=(options["kind"],), include_loss=True)
+    group = ("module",) if options.by == "module" else ("module", "node", "op")
+    scope = analysis.Scope(kinds=(options.kind,), include_loss=True)
     table = analysis.range_loss(report, fmt, log2_scale, scope=scope, by=group)
-    if options["top"] is not None:
+    if options.top is not None:
         table = table.sort_values("underflow_fraction", ascending=False, kind="stable").head(
-            options["top"]
+            options.top
         )
-    if options["json"]:
+    if options.json:
         render.print_json(render.module_rows(table))
     else:
         render.show(
             table,
             fmt,
             log2_scale,
-            kind=options["kind"],
-            by=options["by"],
-            top=options["top"],
+            kind=options.kind,
+            by=options.by,
+            top=options.top,
             scale_source=scale_source,
         )
 
 
-def _show_blocks(report_path: Path, options: dict[str, Any]) -> None:
+def _show_blocks(report_path: Path, options: ShowArgs, recipe_name: str) -> None:
     """show --recipe: block statistics per module, or per module, kind and op (all kinds)."""
     from fpaudit.blockplan import block_table
     from fpaudit.recipes import get_recipe
     from fpaudit.report import Report
 
-    recipe = get_recipe(options["recipe"])
+    recipe = get_recipe(recipe_name)
     report = Report.read(report_path)
     render.report_notes(report)
-    by = ("module",) if options["by"] == "module" else ("module", "kind", "op")
+    by = ("module",) if options.by == "module" else ("module", "kind", "op")
     table = block_table(report, recipe, by)
-    if options["top"] is not None:
+    if options.top is not None:
         table = table.sort_values("flush_fraction", ascending=False, kind="stable")
-        table = table.head(options["top"])
-    if options["json"]:
+        table = table.head(options.top)
+    if options.json:
         render.print_json(render.block_rows(table))
     else:
-        render.block_table(table, recipe.name, options["by"])
+        render.block_table(table, recipe.name, options.by)
 
 
 @app.command("recommend")
-def recommend_command(
-    report_path: ReportArgument,
-    format_: FormatOption = None,
-    headroom_bits: HeadroomOption = None,
-    include_loss: IncludeLossOption = None,
-    worst_window: Annotated[
-        bool | None,
-        typer.Option(
-            "--worst-window/--whole-run",
-            help=specs.help_text("recommend", "worst_window"),
-        ),
-    ] = None,
-    drift_window: DriftWindowOption = None,
-    drift_binades: DriftBinadesOption = None,
-    json_output: JsonOption = None,
-    config_file: ConfigOption = None,
-) -> None:
+@_options(RecommendArgs)
+def recommend_command(report_path: ReportArgument, options: RecommendArgs) -> None:
     """Recommend a power-of-two static loss scale, and say what limited it.
 
     Example: fpaudit recommend report --format fp16 --headroom-bits 4 --json
@@ -918,28 +710,19 @@ def recommend_command(
     from fpaudit.recommendation import recommend
     from fpaudit.report import Report
 
-    options = _merge(
-        "recommend", config_file,
-        dict(format=format_, headroom_bits=headroom_bits, include_loss=include_loss,
-             json=json_output, worst_window=worst_window, drift_window=drift_window,
-             drift_binades=drift_binades),
-        _report_defaults("recommend"),
-    )  # fmt: skip
-    drift_options = _drift_options(options["drift_window"], options["drift_binades"])
+    drift_options = _drift_options(options)
     report = Report.read(report_path)
     render.report_notes(report)
-    fmt = _reading_format(options["format"], report)
-    headroom = _headroom(
-        _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
-    )
-    include = bool(_from_report(options["include_loss"], report, "include_loss", False))
+    fmt = _reading_format(options.format, report)
+    headroom = _headroom(_from_report(options, "headroom_bits", report))
+    include = bool(_from_report(options, "include_loss", report))
     drifted = drift(report, fmt, headroom, include_loss=include, **drift_options)
-    worst = drifted.worst if options["worst_window"] else None
-    if options["worst_window"] and worst is None:
+    worst = drifted.worst if options.worst_window else None
+    if options.worst_window and worst is None:
         raise UsageError(f"--worst-window: {report_path} has no window with nonzero values")
     judged = report if worst is None else window_report(report, worst.first_step, worst.last_step)
     rec = recommend(judged, fmt, headroom, include_loss=include)
-    if options["json"]:
+    if options.json:
         render.print_json(
             {
                 **rec.to_dict(),
@@ -959,75 +742,8 @@ def recommend_command(
 
 
 @app.command("simulate")
-def simulate_command(
-    report_path: ReportArgument,
-    policy: Annotated[
-        str | None,
-        typer.Option("--policy", help=specs.help_text("simulate", "policy")),
-    ] = None,
-    format_: FormatOption = None,
-    init_scale: Annotated[
-        str | None,
-        typer.Option(
-            "--init-scale",
-            help=specs.help_text("simulate", "init_scale"),
-        ),
-    ] = None,
-    growth_factor: Annotated[
-        float | None,
-        typer.Option("--growth-factor", help=specs.help_text("simulate", "growth_factor")),
-    ] = None,
-    backoff_factor: Annotated[
-        float | None,
-        typer.Option("--backoff-factor", help=specs.help_text("simulate", "backoff_factor")),
-    ] = None,
-    growth_interval: Annotated[
-        int | None,
-        typer.Option("--growth-interval", help=specs.help_text("simulate", "growth_interval")),
-    ] = None,
-    hysteresis: Annotated[
-        int | None,
-        typer.Option("--hysteresis", help=specs.help_text("simulate", "hysteresis")),
-    ] = None,
-    min_scale: Annotated[
-        str | None, typer.Option("--min-scale", help=specs.help_text("simulate", "min_scale"))
-    ] = (None),
-    max_scale: Annotated[
-        str | None, typer.Option("--max-scale", help=specs.help_text("simulate", "max_scale"))
-    ] = (None),
-    static_scale: Annotated[
-        str | None,
-        typer.Option(
-            "--static-scale",
-            help=specs.help_text("simulate", "static_scale"),
-        ),
-    ] = None,
-    headroom_bits: HeadroomOption = None,
-    amax_history_len: Annotated[
-        int | None,
-        typer.Option("--amax-history-len", help=specs.help_text("simulate", "amax_history_len")),
-    ] = None,
-    margin: Annotated[
-        int | None,
-        typer.Option("--margin", help=specs.help_text("simulate", "margin")),
-    ] = None,
-    amax_compute_algo: Annotated[
-        str | None,
-        typer.Option("--amax-compute-algo", help=specs.help_text("simulate", "amax_compute_algo")),
-    ] = None,
-    sweep: Annotated[
-        bool | None,
-        typer.Option("--sweep", help=specs.help_text("simulate", "sweep")),
-    ] = None,
-    max_overflow_steps: Annotated[
-        int | None,
-        typer.Option(
-            "--max-overflow-steps", help=specs.help_text("simulate", "max_overflow_steps")
-        ),
-    ] = None,
-    json_output: JsonOption = None,
-    config_file: ConfigOption = None,
-) -> None:
+@_options(SimulateArgs)
+def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None:
     """Replay a loss-scaler policy over a report's steps: skips, scales, underflow.
 
     With --policy te-delayed or msamp-delayed, replay FP8 delayed scaling per op instead.
@@ -1038,57 +754,46 @@ def simulate_command(
     from fpaudit.report import Report
     from fpaudit.simulation import simulate
 
-    options = _merge(
-        "simulate", config_file,
-        dict(policy=policy, format=format_, init_scale=init_scale, growth_factor=growth_factor,
-             backoff_factor=backoff_factor, growth_interval=growth_interval,
-             hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-             static_scale=static_scale, headroom_bits=headroom_bits, json=json_output),
-        _report_defaults("simulate"),
-    )  # fmt: skip
-    fp8_options = dict(amax_history_len=amax_history_len, margin=margin,
-                       amax_compute_algo=amax_compute_algo, sweep=sweep,
-                       max_overflow_steps=max_overflow_steps)  # fmt: skip
-    if options["policy"] in delayed_policies():
-        _simulate_delayed(report_path, options, _merge("simulate", config_file, fp8_options, {}))
+    if options.policy in delayed_policies():
+        _simulate_delayed(report_path, options)
         return
-    if options["policy"] not in scalers.POLICIES:
+    if options.policy not in scalers.POLICIES:
         known = (*scalers.POLICIES, *delayed_policies())
-        raise UsageError(f"--policy must be one of {', '.join(known)}, got {options['policy']!r}")
-    for name, value in fp8_options.items():
-        if value is not None:
-            flag = "--" + name.replace("_", "-")
+        raise UsageError(f"--policy must be one of {', '.join(known)}, got {options.policy!r}")
+    for name in _FP8_SETTINGS:  # a config file may hold them for another --policy
+        if name in options.flagged:
+            flag = specs.spec("simulate", name).flag
             raise UsageError(f"{flag} applies to --policy te-delayed or msamp-delayed only")
+    scales = {"init_scale": options.init_scale, "min_scale": options.min_scale,
+              "max_scale": options.max_scale, "static_scale": options.static_scale}  # fmt: skip
     numbers = {
-        name: config.parse_number(options[name], "--" + name.replace("_", "-"))
-        if options[name] is not None
+        name: config.parse_number(text, specs.spec("simulate", name).flag)
+        if text is not None
         else None
-        for name in ("init_scale", "min_scale", "max_scale", "static_scale")
+        for name, text in scales.items()
     }
     overrides = {
         "init_scale": numbers["init_scale"],
-        "growth_factor": options["growth_factor"],
-        "backoff_factor": options["backoff_factor"],
-        "growth_interval": options["growth_interval"],
-        "hysteresis": options["hysteresis"],
+        "growth_factor": options.growth_factor,
+        "backoff_factor": options.backoff_factor,
+        "growth_interval": options.growth_interval,
+        "hysteresis": options.hysteresis,
         "min_scale": numbers["min_scale"],
         "max_scale": numbers["max_scale"],
     }
-    if options["policy"] == "static":
+    if options.policy == "static":
         if numbers["init_scale"] is not None:
             raise UsageError("--policy static takes its scale from --static-scale")
         overrides["init_scale"] = numbers["static_scale"]
     report = Report.read(report_path)
     render.report_notes(report)
-    fmt = _reading_format(options["format"], report)
-    headroom = _headroom(
-        _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
-    )
+    fmt = _reading_format(options.format, report)
+    headroom = _headroom(_from_report(options, "headroom_bits", report))
     result = simulate(
-        report, fmt, options["policy"], overrides, numbers["static_scale"],
+        report, fmt, options.policy, overrides, numbers["static_scale"],
         headroom_bits=headroom,
     )  # fmt: skip
-    if options["json"]:
+    if options.json:
         render.print_json(result.to_dict())
     else:
         render.simulation(result)
@@ -1100,74 +805,55 @@ def delayed_policies() -> tuple[str, ...]:
     return delayed.POLICIES
 
 
-def _simulate_delayed(report_path: Path, options: dict[str, Any], fp8: dict[str, Any]) -> None:
+_FP8_SETTINGS = ("amax_history_len", "margin", "amax_compute_algo", "sweep", "max_overflow_steps")
+
+
+def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
     """``simulate --policy te-delayed|msamp-delayed``: FP8 delayed scaling, one or a sweep."""
     from fpaudit import delayed
     from fpaudit.report import Report
 
-    loss_scaler_flags = ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
-                         "hysteresis", "min_scale", "max_scale", "static_scale")  # fmt: skip
-    for name in loss_scaler_flags:
-        if options[name] is not None:
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} is a loss-scaler setting; --policy {options['policy']} "
+    loss_scaler = {"init_scale": options.init_scale, "growth_factor": options.growth_factor,
+                   "backoff_factor": options.backoff_factor,
+                   "growth_interval": options.growth_interval, "hysteresis": options.hysteresis,
+                   "min_scale": options.min_scale, "max_scale": options.max_scale,
+                   "static_scale": options.static_scale}  # fmt: skip
+    for name, value in loss_scaler.items():
+        if value is not None:
+            flag = specs.spec("simulate", name).flag
+            raise UsageError(f"{flag} is a loss-scaler setting; --policy {options.policy} "
                              "takes --amax-history-len, --margin, --amax-compute-algo")  # fmt: skip
-    algo = fp8.get("amax_compute_algo") or specs.default_str("simulate", "amax_compute_algo")
-    fmt = get_format(options["format"]) if options["format"] is not None else None
+    algo = options.amax_compute_algo
+    fmt = get_format(options.format) if options.format is not None else None
     report = Report.read(report_path)
     render.report_notes(report)
-    if fp8.get("sweep"):
+    if options.sweep:
         for name in ("amax_history_len", "margin"):
-            if fp8.get(name) is not None:
-                flag = "--" + name.replace("_", "-")
+            if name in options.given:
+                flag = specs.spec("simulate", name).flag
                 raise UsageError(f"--sweep tries every {flag}; drop {flag}")
         swept = delayed.sweep(
-            report, options["policy"], amax_compute_algo=algo,
-            max_overflow_steps=fp8.get("max_overflow_steps")
-            or specs.default_int("simulate", "max_overflow_steps"), fmt=fmt,
+            report, options.policy, amax_compute_algo=algo,
+            max_overflow_steps=options.max_overflow_steps, fmt=fmt,
         )  # fmt: skip
-        if options["json"]:
+        if options.json:
             render.print_json(swept.to_dict())
         else:
             render.fp8_sweep(swept)
         return
-    if fp8.get("max_overflow_steps") is not None:
+    if "max_overflow_steps" in options.given:
         raise UsageError("--max-overflow-steps is the gate of --sweep; add --sweep")
-    settings = delayed.Settings(
-        options["policy"],
-        specs.default_int("simulate", "amax_history_len")
-        if fp8.get("amax_history_len") is None
-        else fp8["amax_history_len"],
-        specs.default_int("simulate", "margin") if fp8.get("margin") is None else fp8["margin"],
-        algo,
-    )
+    settings = delayed.Settings(options.policy, options.amax_history_len, options.margin, algo)
     result = delayed.replay(report, settings, fmt)
-    if options["json"]:
+    if options.json:
         render.print_json(result.to_dict())
     else:
         render.fp8_replay(result)
 
 
 @app.command("plot")
-def plot_command(
-    report_path: ReportArgument,
-    output: Annotated[
-        Path | None,
-        typer.Option("--output", "-o", help=specs.help_text("plot", "output")),
-    ] = None,
-    format_: FormatOption = None,
-    scale: Annotated[
-        str | None,
-        typer.Option(
-            "--scale",
-            "-s",
-            help=specs.help_text("plot", "scale"),
-        ),
-    ] = None,
-    headroom_bits: HeadroomOption = None,
-    recipe: RecipeOption = None,
-    config_file: ConfigOption = None,
-) -> None:
+@_options(PlotArgs)
+def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
     """Draw a report: value histogram against the format's bands, modules x binades, scale.
 
     With --recipe (a scan with --recipe): the scale codes of every block and the
@@ -1178,88 +864,30 @@ def plot_command(
     from fpaudit.plot import image_format, plot_report
     from fpaudit.report import Report
 
-    options = _merge(
-        "plot", config_file,
-        dict(output=output, format=format_, scale=scale, headroom_bits=headroom_bits,
-             recipe=recipe),
-        _report_defaults("plot"),
-    )  # fmt: skip
-    if options["output"] is None:
+    if options.output is None:
         raise UsageError("plot needs -o FILE.png or -o FILE.svg")
-    image_format(Path(options["output"]))  # a bad suffix fails before the report is read
-    if options["recipe"]:
+    output = Path(options.output)
+    image_format(output)  # a bad suffix fails before the report is read
+    if options.recipe:
         from fpaudit.plot import plot_blocks
 
         report = Report.read(report_path)
         render.report_notes(report)
-        written = plot_blocks(report, Path(options["output"]), options["recipe"])
+        written = plot_blocks(report, output, options.recipe)
         render.stdout().print(f"Wrote {written}")
         return
-    log2_scale = _scale(options["scale"])
+    log2_scale = _scale(options.scale)
     report = Report.read(report_path)
     render.report_notes(report)
-    fmt = _reading_format(options["format"], report)
-    headroom = _headroom(
-        _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
-    )
-    written = plot_report(report, Path(options["output"]), fmt, log2_scale, headroom_bits=headroom)
+    fmt = _reading_format(options.format, report)
+    headroom = _headroom(_from_report(options, "headroom_bits", report))
+    written = plot_report(report, output, fmt, log2_scale, headroom_bits=headroom)
     render.stdout().print(f"Wrote {written}")
 
 
 @app.command("gate")
-def gate_command(
-    report_path: ReportArgument,
-    max_underflow: Annotated[
-        float | None,
-        typer.Option("--max-underflow", help=specs.help_text("gate", "max_underflow")),
-    ] = None,
-    format_: FormatOption = None,
-    scale: Annotated[
-        str | None,
-        typer.Option("--scale", "-s", help=specs.help_text("gate", "scale")),
-    ] = None,
-    per_module: Annotated[
-        bool | None,
-        typer.Option("--per-module/--overall", help=specs.help_text("gate", "per_module")),
-    ] = None,
-    headroom_bits: HeadroomOption = None,
-    include_loss: IncludeLossOption = None,
-    allow_incomplete: Annotated[
-        bool | None,
-        typer.Option(
-            "--allow-incomplete/--require-complete",
-            help=specs.help_text("gate", "allow_incomplete"),
-        ),
-    ] = None,
-    allow_nonfinite: Annotated[
-        bool | None,
-        typer.Option(
-            "--allow-nonfinite/--require-finite",
-            help=specs.help_text("gate", "allow_nonfinite"),
-        ),
-    ] = None,
-    junit: Annotated[
-        Path | None,
-        typer.Option("--junit", help=specs.help_text("gate", "junit")),
-    ] = None,
-    recipe: Annotated[
-        str | None,
-        typer.Option("--recipe", help=specs.help_text("gate", "recipe")),
-    ] = None,
-    max_flush: Annotated[
-        float | None,
-        typer.Option(
-            "--max-flush",
-            help=specs.help_text("gate", "max_flush"),
-        ),
-    ] = None,
-    max_saturate: Annotated[
-        float | None,
-        typer.Option("--max-saturate", help=specs.help_text("gate", "max_saturate")),
-    ] = None,
-    json_output: JsonOption = None,
-    config_file: ConfigOption = None,
-) -> None:
+@_options(GateArgs)
+def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
     """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale,
     or when the report measured nothing, holds inf/NaN or no completed step.
 
@@ -1268,93 +896,63 @@ def gate_command(
     from fpaudit.gating import gate as run_gate
     from fpaudit.report import Report
 
-    options = _merge(
-        "gate", config_file,
-        dict(max_underflow=max_underflow, format=format_, scale=scale, per_module=per_module,
-             headroom_bits=headroom_bits, include_loss=include_loss, json=json_output,
-             allow_incomplete=allow_incomplete, allow_nonfinite=allow_nonfinite, junit=junit,
-             recipe=recipe, max_flush=max_flush, max_saturate=max_saturate),
-        _report_defaults("gate"),
-    )  # fmt: skip
-    if options["recipe"] is not None or options["max_flush"] is not None:
+    if options.recipe is not None or options.max_flush is not None:
         _gate_blocks(report_path, options)
-    limit = options["max_underflow"]
+    limit = options.max_underflow
     if limit is None:
         raise UsageError(
             "gate needs --max-underflow FRACTION (for example 0.001), or max_underflow in --config"
         )
     if not (0.0 <= limit <= 1.0):
         raise UsageError(f"--max-underflow must be a fraction between 0 and 1, got {limit}")
-    log2_scale = _scale(options["scale"])
-    if options["junit"] is not None:
-        _outside_report(Path(options["junit"]), report_path, "--junit")
+    log2_scale = _scale(options.scale)
+    if options.junit is not None:
+        _outside_report(Path(options.junit), report_path, "--junit")
     report = Report.read(report_path)
     render.report_notes(report, incomplete=False)  # the verdict says if it is incomplete
-    fmt = _reading_format(options["format"], report)
-    headroom = _headroom(
-        _from_report(options["headroom_bits"], report, "headroom_bits", DEFAULT_HEADROOM_BITS)
-    )
-    include = bool(_from_report(options["include_loss"], report, "include_loss", False))
+    fmt = _reading_format(options.format, report)
+    headroom = _headroom(_from_report(options, "headroom_bits", report))
+    include = bool(_from_report(options, "include_loss", report))
     result = run_gate(
-        report, fmt, limit, log2_scale=log2_scale, per_module=options["per_module"],
-        headroom_bits=headroom, include_loss=include, allow_incomplete=options["allow_incomplete"],
-        allow_nonfinite=options["allow_nonfinite"],
+        report, fmt, limit, log2_scale=log2_scale, per_module=options.per_module,
+        headroom_bits=headroom, include_loss=include, allow_incomplete=options.allow_incomplete,
+        allow_nonfinite=options.allow_nonfinite,
     )  # fmt: skip
-    if options["junit"] is not None:
+    if options.junit is not None:
         from fpaudit import ci
 
         modules = ci.gate_modules(report, result, include_loss=include)
         text = ci.junit_xml(result, modules, report_path=str(report_path))
-        ci.write_junit(text, Path(options["junit"]))
-    if options["json"]:
+        ci.write_junit(text, Path(options.junit))
+    if options.json:
         render.print_json(result.to_dict())
     else:
         render.gate(result)
     if os.environ.get("GITHUB_ACTIONS") == "true":
         from fpaudit import ci
 
-        stream = sys.stderr if options["json"] else sys.stdout  # keep --json parseable
+        stream = sys.stderr if options.json else sys.stdout  # keep --json parseable
         for line in ci.github_annotations(result, report_path=str(report_path)):
             stream.write(line + "\n")
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
 
 
-def _gate_blocks(report_path: Path, options: dict[str, Any]) -> None:
+def _gate_blocks(report_path: Path, options: GateArgs) -> None:
     """gate --recipe R --max-flush F: judge block statistics (per module), exit 0 or 1."""
     from fpaudit.blockplan import block_gate
     from fpaudit.report import Report
 
-    if options["recipe"] is None or options["max_flush"] is None:
+    if options.recipe is None or options.max_flush is None:
         raise UsageError("a block gate needs both --recipe R and --max-flush FRACTION")
     report = Report.read(report_path)
     render.report_notes(report)
-    result = block_gate(report, options["recipe"], options["max_flush"], options["max_saturate"])
-    if options["json"]:
-        render.print_json(result.to_dict())
-    else:
-        render.block_gate(result)
-    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+    result = block_gate(report, options.recipe, options.max_flush, options.max_saturate)
+    _verdict(result, options.json, render.block_gate)
 
 
 @app.command("plan")
-def plan_command(
-    report_path: ReportArgument,
-    recipe: RecipeOption = None,
-    max_flush: Annotated[
-        float | None,
-        typer.Option("--max-flush", help=specs.help_text("plan", "max_flush")),
-    ] = None,
-    max_saturate: Annotated[
-        float | None,
-        typer.Option("--max-saturate", help=specs.help_text("plan", "max_saturate")),
-    ] = None,
-    names: Annotated[
-        bool | None,
-        typer.Option("--names/--table", help=specs.help_text("plan", "names")),
-    ] = None,
-    json_output: JsonOption = None,
-    config_file: ConfigOption = None,
-) -> None:
+@_options(PlanArgs)
+def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
     """Per module, the cheapest block-scaled recipe that passes, and which must stay in bf16.
 
     Example: fpaudit plan report --recipe mxfp4 --recipe mxfp8-e4m3 --max-flush 0.01
@@ -1362,54 +960,21 @@ def plan_command(
     from fpaudit.blockplan import plan
     from fpaudit.report import Report
 
-    options = _merge(
-        "plan", config_file,
-        dict(recipe=recipe, max_flush=max_flush, max_saturate=max_saturate, names=names,
-             json=json_output),
-        specs.merge_defaults("plan"),
-    )  # fmt: skip
-    if options["max_flush"] is None:
+    if options.max_flush is None:
         raise UsageError("plan needs --max-flush FRACTION (for example 0.01)")
     report = Report.read(report_path)
     render.report_notes(report)
-    wanted = options["recipe"] or report.recipes
+    wanted = options.recipe or report.recipes
     if not wanted:
         raise UsageError(f"{report_path} has no block statistics; scan with --recipe R")
-    result = plan(report, list(wanted), options["max_flush"], options["max_saturate"])
-    output = "json" if options["json"] else "names" if options["names"] else "table"
+    result = plan(report, list(wanted), options.max_flush, options.max_saturate)
+    output = "json" if options.json else "names" if options.names else "table"
     render.plan(result, output)
 
 
 @app.command("verify")
-def verify_command(
-    model_file: Annotated[
-        Path,
-        typer.Argument(help="Python file defining model, batches and loss.", show_default=False),
-    ],
-    scale: Annotated[
-        str | None,
-        typer.Option(
-            "--scale",
-            "-s",
-            help="Power-of-two loss scale for the mixed step (1024, 2^10) (required).",
-        ),
-    ] = None,
-    amp: Annotated[str | None, typer.Option("--amp", help="fp16 or bf16 [default: fp16].")] = None,
-    clip_norm: Annotated[
-        float | None,
-        typer.Option(
-            "--clip-norm",
-            help="Clip unscaled gradients to this total norm [default: none].",
-        ),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option("--device", help=specs.help_text("scan", "device"))
-    ] = None,
-    seed: Annotated[
-        int | None, typer.Option("--seed", help=specs.help_text("scan", "seed"))
-    ] = None,
-    json_output: JsonOption = None,
-) -> None:
+@_options(VerifyArgs)
+def verify_command(model_file: ModelFileArgument, options: VerifyArgs) -> None:
     """One fp32 step against one mixed-precision step: which parameters stop learning.
 
     Example: fpaudit verify sample_configs/mlp.py --scale 2^16 --amp fp16 --clip-norm 1.0
@@ -1417,76 +982,53 @@ def verify_command(
     from fpaudit.modelfile import exits_caught
     from fpaudit.verify import verify
 
-    if scale is None:
+    if options.scale is None:
         raise UsageError(
             "verify needs --scale S, the loss scale of the mixed step (for example 2^16)"
         )
     # With --json, what model code prints goes to stderr: stdout holds only the JSON.
-    model_output = contextlib.redirect_stdout(sys.stderr) if json_output else _no_progress()
+    model_output = contextlib.redirect_stdout(sys.stderr) if options.json else _no_progress()
     with model_output, exits_caught():
         result = verify(
             model_file,
-            log2_scale=config.parse_scale(scale),
-            amp=amp or "fp16",
-            clip_norm=clip_norm,
-            device=device or specs.default_str("verify", "device"),
-            seed=specs.default_int("verify", "seed") if seed is None else seed,
+            log2_scale=config.parse_scale(options.scale),
+            amp=options.amp,
+            clip_norm=options.clip_norm,
+            device=options.device,
+            seed=options.seed,
         )
-    if json_output:
-        render.print_json(result.to_dict())
-    else:
-        render.verification(result)
-    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+    _verdict(result, options.json, render.verification)
 
 
 @app.command("fp16-plan")
-def fp16_plan_command(
-    model_file: Annotated[
-        Path,
-        typer.Argument(help="Python file defining model, batches and loss.", show_default=False),
-    ],
-    steps: Annotated[
-        int | None, typer.Option("--steps", help="fp32 steps to scan [default: 4].")
-    ] = None,
-    headroom_bits: Annotated[
-        int | None,
-        typer.Option("--headroom-bits", help="Keep amax * S at most 65504 / 2^H [default: 1]."),
-    ] = None,
-    max_underflow: Annotated[
-        float | None,
-        typer.Option(
-            "--max-underflow", help="Largest backward underflow fraction at S [default: 0.001]."
-        ),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option("--device", help=specs.help_text("scan", "device"))
-    ] = None,
-    seed: Annotated[
-        int | None, typer.Option("--seed", help=specs.help_text("scan", "seed"))
-    ] = None,
-    json_output: JsonOption = None,
-) -> None:
+@_options(Fp16PlanArgs)
+def fp16_plan_command(model_file: ModelFileArgument, options: Fp16PlanArgs) -> None:
     """The smallest set of modules to keep out of fp16, a loss scale, verified by running it.
 
     Example: fpaudit fp16-plan model.py --headroom-bits 1 --max-underflow 0.001
     """
     from fpaudit import fp16plan
 
-    if steps is not None and steps < 1:
-        raise UsageError(f"--steps must be at least 1, got {steps}")
+    if options.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {options.steps}")
     plan = fp16plan.fp16_plan(
         model_file,
-        steps=fp16plan.DEFAULT_STEPS if steps is None else steps,
-        headroom_bits=fp16plan.DEFAULT_HEADROOM_BITS if headroom_bits is None else headroom_bits,
-        max_underflow=fp16plan.DEFAULT_MAX_UNDERFLOW if max_underflow is None else max_underflow,
-        device=device or specs.default_str("verify", "device"),
-        seed=specs.default_int("verify", "seed") if seed is None else seed,
+        steps=options.steps,
+        headroom_bits=options.headroom_bits,
+        max_underflow=options.max_underflow,
+        device=options.device,
+        seed=options.seed,
     )
-    if json_output:
-        render.print_json(plan.to_dict())
+    _verdict(plan, options.json, render.fp16_plan)
+
+
+def _verdict(result: Any, as_json: bool, show: Callable[[Any], None]) -> NoReturn:
+    """Print a pass/fail result (JSON or through ``show``) and exit 0 (passed) or 1."""
+    if as_json:
+        render.print_json(result.to_dict())
     else:
-        render.fp16_plan(plan)
-    raise typer.Exit(EXIT_OK if plan.passed else EXIT_GATE_FAILED)
+        show(result)
+    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
 
 
 def _outside_report(path: Path, report_path: Path, flag: str) -> None:
@@ -1499,12 +1041,21 @@ def _outside_report(path: Path, report_path: Path, flag: str) -> None:
         )
 
 
-def _from_report(value: Any, report: Report, key: str, default: Any) -> Any:
-    """An option not given anywhere falls back to what the scan used, then to the default."""
-    if value is not None:
+def _from_report(
+    options: CommandOptions, name: Literal["headroom_bits", "include_loss"], report: Report
+) -> Any:
+    """An option not given anywhere falls back to what the scan used, then to its default."""
+    value = getattr(options, name)
+    if name in options.given:
         return value
-    stored = report.meta.get(key)
-    return stored if type(stored) is type(default) else default
+    stored = getattr(report.info, name)
+    return value if stored is None else stored
+
+
+def _report_headroom(report: Report) -> int:
+    """The headroom the report's scan used, else the declared default."""
+    stored = report.info.headroom_bits
+    return DEFAULT_HEADROOM_BITS if stored is None else stored
 
 
 class _Stopped(Exception):

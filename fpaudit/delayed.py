@@ -80,8 +80,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fpaudit import layout
-from fpaudit.errors import ReportError, UsageError
+from fpaudit import layout, options
+from fpaudit.errors import OptionError, ReportError
 from fpaudit.formats import Format, get_format
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.report import Report
@@ -90,8 +90,10 @@ POLICIES: tuple[str, ...] = ("te-delayed", "msamp-delayed")
 AMAX_ALGORITHMS: tuple[str, ...] = ("max", "most_recent")
 SWEEP_HISTORY_LENGTHS: tuple[int, ...] = (1, 16, 64, 256, 1024)
 SWEEP_MARGINS: tuple[int, ...] = (0, 1, 2)
-DEFAULT_HISTORY_LENGTH = 1024  # DelayedScaling.amax_history_len
-DEFAULT_MARGIN = 0  # DelayedScaling.margin
+# DelayedScaling's amax_history_len (1024) and margin (0), declared with their options
+DEFAULT_HISTORY_LENGTH = options.default_int("simulate", "amax_history_len")
+DEFAULT_MARGIN = options.default_int("simulate", "margin")
+DEFAULT_AMAX_COMPUTE_ALGO = options.default_str("simulate", "amax_compute_algo")
 HYBRID = {KIND_FORWARD: "fp8_e4m3fn", KIND_BACKWARD: "fp8_e5m2"}
 KEY_COLUMNS = ("kind", "module", "node", "op", "output")
 _FP32_MAX = np.float32(np.finfo(np.float32).max)
@@ -102,19 +104,23 @@ class Settings:
     policy: str = "te-delayed"
     amax_history_len: int = DEFAULT_HISTORY_LENGTH
     margin: int = DEFAULT_MARGIN
-    amax_compute_algo: str = "max"
+    amax_compute_algo: str = DEFAULT_AMAX_COMPUTE_ALGO
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise UsageError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+            raise OptionError(
+                "policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}"
+            )
         if self.amax_history_len < 1:
-            raise UsageError(f"--amax-history-len must be at least 1, got {self.amax_history_len}")
+            raise OptionError(
+                "amax_history_len", f"must be at least 1, got {self.amax_history_len}"
+            )
         if self.margin < 0:
-            raise UsageError(f"--margin must be 0 or more, got {self.margin}")
+            raise OptionError("margin", f"must be 0 or more, got {self.margin}")
         if self.amax_compute_algo not in AMAX_ALGORITHMS:
-            raise UsageError(
-                f"--amax-compute-algo must be one of {', '.join(AMAX_ALGORITHMS)}, "
-                f"got {self.amax_compute_algo!r}"
+            raise OptionError(
+                "amax_compute_algo",
+                f"must be one of {', '.join(AMAX_ALGORITHMS)}, got {self.amax_compute_algo!r}",
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -504,7 +510,7 @@ def sweep(
     shorter history (it recovers sooner from a spike).
     """
     if max_overflow_steps < 0:
-        raise UsageError(f"--max-overflow-steps must be 0 or more, got {max_overflow_steps}")
+        raise OptionError("max_overflow_steps", f"must be 0 or more, got {max_overflow_steps}")
     series = _series(report, fmt)
     replays = [
         _replay(series, Settings(policy, h, m, amax_compute_algo))

@@ -21,13 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from fpaudit import analysis, limits
+from fpaudit import analysis, limits, options
 from fpaudit.formats import Format
 from fpaudit.recommendation import log2_scale_for
 from fpaudit.report import Report
 
 DEFAULT_WINDOWS = 10  # windows per run when --drift-window is not given
-DEFAULT_DRIFT_BINADES = 2  # warn when per-window recommendations span more binades than this
+# warn when per-window recommendations span more binades than this (declared with --drift-binades)
+DEFAULT_DRIFT_BINADES = options.default_int("recommend", "drift_binades")
 
 
 @dataclass(frozen=True)

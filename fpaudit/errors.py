@@ -7,6 +7,9 @@ fix.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 
 class FpauditError(Exception):
     """Base class: a problem with the user's input, not a bug in fpaudit."""
@@ -20,16 +23,31 @@ class UsageError(FpauditError):
 
 class OptionError(UsageError):
     """A bad value for a library parameter, named as the library names it
-    (``steps must be at least 1, got 0``); the CLI names the flag instead."""
+    (``steps must be at least 1, got 0``); the CLI names the flag instead.
 
-    def __init__(self, option: str, detail: str) -> None:
+    ``mentions`` are the other parameters ``detail`` names, as ``name`` or
+    ``name='value'`` (``hysteresis does not apply to policy='torch'; it takes
+    init_scale``); :meth:`as_flag` words them as flags too."""
+
+    def __init__(self, option: str, detail: str, *, mentions: Sequence[str] = ()) -> None:
         super().__init__(f"{option} {detail}")
         self.option = option
         self.detail = detail
+        self.mentions = tuple(mentions)
 
     def as_flag(self) -> str:
-        """The message as the command line says it: ``--steps must be at least 1, got 0``."""
-        return f"--{self.option.replace('_', '-')} {self.detail}"
+        """The message as the command line says it: ``--steps must be at least 1, got 0``,
+        ``--hysteresis does not apply to --policy torch; it takes --init-scale``."""
+        detail = self.detail
+        for name in self.mentions:
+            flag = _flag(name)
+            detail = re.sub(rf"(?<![-\w]){name}='([^']*)'", rf"{flag} \1", detail)
+            detail = re.sub(rf"(?<![-\w]){name}\b", flag, detail)
+        return f"{_flag(self.option)} {detail}"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 class ConfigError(FpauditError):

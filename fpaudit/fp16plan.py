@@ -53,15 +53,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fpaudit import analysis
+from fpaudit import analysis, options
 from fpaudit.errors import OptionError, UsageError
 from fpaudit.formats import FP32, Format, get_format
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.report import Report
 
-DEFAULT_STEPS = 4
-DEFAULT_HEADROOM_BITS = 1
-DEFAULT_MAX_UNDERFLOW = 0.001
+# declared with fp16-plan's options (4 steps, 1 bit of headroom, 0.001)
+DEFAULT_STEPS = options.default_int("fp16-plan", "steps")
+DEFAULT_HEADROOM_BITS = options.default_int("fp16-plan", "headroom_bits")
+DEFAULT_MAX_UNDERFLOW = options.default_float("fp16-plan", "max_underflow")
 MAX_GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default
 _LOG2_RANGE = range(-24, 64)
 
@@ -81,9 +82,7 @@ def module_ranges(report: Report) -> pd.DataFrame:
     scaled = records[(records["kind"] == KIND_BACKWARD) & records["scales_with_loss"]]
     unscaled = scaled["amax"] / scaled["loss_scale"]
     backward = unscaled.groupby(scaled["module"]).max()
-    modules = [
-        m for m in report.meta.get("modules", []) if m in set(forward.index) | set(backward.index)
-    ]
+    modules = [m for m in report.info.modules if m in set(forward.index) | set(backward.index)]
     return pd.DataFrame(
         {
             "module": modules,
@@ -232,7 +231,7 @@ def plan_from_report(
 
         chosen = recommend(report, fmt, headroom_bits).log2_scale
         if chosen is None:
-            raise UsageError(f"{report.meta.get('model_file')}: no backward values to plan on")
+            raise UsageError(f"{report.info.model_file}: no backward values to plan on")
         notes.append(
             f"no scale keeps underflow within {max_underflow:g} without keeping the whole model "
             f"out of fp16; the plan uses the recommended scale ({headroom_bits} headroom bits)"
@@ -246,7 +245,7 @@ def plan_from_report(
     kept = set(keep_out)
     rate, steps = overflow_rate(report, fmt, math.ldexp(2.0, chosen), kept)
     return Plan(
-        str(report.meta.get("model_file", "")),
+        report.info.model_file or "",
         fmt.name,
         headroom_bits,
         max_underflow,

@@ -9,9 +9,11 @@ A default the value alone does not say (``None`` meaning "the report's first") i
 by ``shown``; a flag (``bool``) is off by default and its help shows no default; a required
 option declares none. :func:`merge_defaults` is what a command starts from.
 
-Adding an option: one ``Spec`` here (plus its flag in the command's signature in
-``fpaudit/cli.py``); tests/test_help.py checks that help, TOML and library agree.
-No typer here: library modules read their defaults from this module.
+A spec also says how the command line spells the option (``short``, ``off``, ``path``):
+``fpaudit/cli.py`` builds each flag from it. Adding an option: one ``Spec`` here and a typed
+field in the command's class in :mod:`fpaudit.command_options` (its default read from the
+spec); tests/test_command_options.py and tests/test_help.py check that fields, help, TOML
+and library agree. No typer here: library modules read their defaults from this module.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fpaudit.records import KIND_BACKWARD
 CONFIG_COMMANDS = ("scan", "run", "show", "recommend", "plot", "simulate", "gate", "plan")
 
 _NO_DEFAULT: Any = object()
+LIST_KINDS = ("patterns", "formats", "recipes")  # repeatable: a tuple of strings
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,32 @@ class Spec:
     default: Any = _NO_DEFAULT
     help: str = ""
     shown: str = ""  # the default as help words it, where the value alone does not say it
+    # How the command line spells it (fpaudit.cli builds each flag from these):
+    short: str = ""  # a one-letter alias, "-n"
+    off: str | None = None  # a flag's off switch; None: "--no-NAME", "": none
+    path: bool = False  # a file or folder: the flag takes a PATH
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def declarations(self) -> tuple[str, ...]:
+        """The flag as the command line declares it: ``--force/--no-force``, ``-n``."""
+        flag = self.flag
+        if self.kind == "bool" and self.off != "":
+            flag += "/" + (self.off or "--no-" + self.flag[2:])
+        return (flag, self.short) if self.short else (flag,)
+
+    @property
+    def value_default(self) -> Any:
+        """What a command holds when neither config file nor flag sets the option: the
+        declared default, else off (a flag), none (a list) or ``None`` (unset, required)."""
+        if self.has_default:
+            return self.default
+        if self.kind == "bool":
+            return False
+        return () if self.kind in LIST_KINDS else None
 
     @property
     def has_default(self) -> bool:
@@ -76,14 +101,31 @@ RECIPES_HELP = "Block-scaled recipe, e.g. mxfp8-e4m3, mxfp4, nvfp4 (repeatable; 
 
 SPECS: tuple[Spec, ...] = (
     # -- scan and run share the output and selection groups ------------------
-    Spec("out", "str", ("scan",), default="fpaudit-report", help="Report directory"),
-    Spec("out", "str", ("run",), default="fpaudit-run", help="Report directory"),
+    Spec(
+        "out",
+        "str",
+        ("scan",),
+        default="fpaudit-report",
+        help="Report directory",
+        short="-o",
+        path=True,
+    ),
+    Spec(
+        "out",
+        "str",
+        ("run",),
+        default="fpaudit-run",
+        help="Report directory",
+        short="-o",
+        path=True,
+    ),
     Spec("force", "bool", _OUTPUT, help="Overwrite an existing report"),
     Spec(
         "replace_partial",
         "bool",
         _OUTPUT,
         help="Let an interrupted run's report replace one with more completed steps",
+        off="--keep-complete",
     ),
     Spec(
         "window",
@@ -98,14 +140,34 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         "exclude_module", "patterns", _OUTPUT, help="Skip modules matching this glob (repeatable)"
     ),
-    Spec("op", "patterns", _OUTPUT),
+    Spec(
+        "op",
+        "patterns",
+        ("scan",),
+        help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)",
+    ),
+    Spec("op", "patterns", ("run",), help="Capture only aten ops matching this glob (repeatable)"),
     Spec("exclude_op", "patterns", _OUTPUT, help="Skip aten ops matching this glob (repeatable)"),
     # -- scan ------------------------------------------------------------------
-    Spec("steps", "int", ("scan",), default=10, help="Training steps to run"),
+    Spec("steps", "int", ("scan",), default=10, help="Training steps to run", short="-n"),
     Spec("device", "str", _LIVE, default="auto", help="auto, cpu, cuda or cuda:N"),
-    Spec("format", "formats", ("scan",)),
+    Spec(
+        "format",
+        "formats",
+        ("scan",),
+        default=("fp16",),
+        help="Format(s) to summarise; repeat for several",
+        shown="fp16",
+        short="-f",
+    ),
     Spec("seed", "int", _LIVE, default=0, help="Seed for torch, numpy and random"),
-    Spec("loss_scale", "scale", ("scan",)),
+    Spec(
+        "loss_scale",
+        "scale",
+        ("scan",),
+        default="1",
+        help="Run backward with this power-of-two loss scale",
+    ),
     Spec(
         "every",
         "int",
@@ -113,9 +175,23 @@ SPECS: tuple[Spec, ...] = (
         default=1,
         help="Capture every K-th step only; the others run unaudited",
     ),
-    Spec("amp", "str", ("scan",)),
-    Spec("shadow", "bool", ("scan",)),
-    Spec("forward", "bool", ("scan",)),
+    Spec(
+        "amp",
+        "str",
+        ("scan",),
+        default=None,
+        help="Live mode: run forward under torch.autocast in fp16 or bf16",
+        shown="off",
+    ),
+    Spec(
+        "shadow",
+        "bool",
+        ("scan",),
+        help="With --amp: re-run low-precision backward ops in fp32 to count lost values",
+    ),
+    Spec(
+        "forward", "bool", ("scan",), help="Also record forward op outputs (a phase of their own)"
+    ),
     # -- run -------------------------------------------------------------------
     Spec(
         "max_steps",
@@ -153,6 +229,7 @@ SPECS: tuple[Spec, ...] = (
         default=None,
         help="fp16, bf16, fp8_e4m3fn or fp8_e5m2",
         shown="the report's first",
+        short="-f",
     ),
     Spec(
         "headroom_bits",
@@ -161,13 +238,13 @@ SPECS: tuple[Spec, ...] = (
         default=DEFAULT_HEADROOM_BITS,
         help="Binades kept free below the format's max",
     ),
-    Spec("include_loss", "bool", ("scan",)),
     # recommend and gate: unset, the report's own setting (scan --include-loss) holds
     Spec(
         "include_loss",
         "bool",
-        ("recommend", "gate"),
+        ("scan", "recommend", "gate"),
         help="Let the loss seed and <loss> ops limit the scale",
+        off="--exclude-loss",
     ),
     Spec("top", "int", ("scan",), default=8, help="Modules in the summary table"),
     Spec(
@@ -178,13 +255,20 @@ SPECS: tuple[Spec, ...] = (
         help="Only the N rows with the highest underflow fraction",
         shown="all",
     ),
-    Spec("origins", "bool", ("scan",)),
+    Spec(
+        "origins",
+        "bool",
+        ("scan",),
+        help="Note, per op call forward and backward, whether it made inf/NaN (implies "
+        "--forward); see show --origins",
+    ),
     Spec(
         "origins",
         "bool",
         ("show",),
         default=False,
         help="The ops that made inf/NaN (scan --origins), and those predicted at --scale",
+        off="",
     ),
     Spec(
         "drift_window",
@@ -204,7 +288,7 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         "json",
         "bool",
-        ("show", "recommend", "simulate", "gate", "plan"),
+        ("show", "recommend", "simulate", "gate", "plan", "verify", "fp16-plan"),
         default=False,
         help="Print JSON instead of a table",
     ),
@@ -215,6 +299,7 @@ SPECS: tuple[Spec, ...] = (
         ("show",),
         default="1",
         help="Power-of-two scale (1024, 2^10) or 'recommended'",
+        short="-s",
     ),
     Spec(
         "kind",
@@ -253,15 +338,24 @@ SPECS: tuple[Spec, ...] = (
         default=False,
         help="Recommend from the window of steps with the smallest scale, and judge "
         "underflow there",
+        off="--whole-run",
     ),
     # -- plot ------------------------------------------------------------------
-    Spec("output", "str", ("plot",), help="The image to write: FILE.png or FILE.svg (required)"),
+    Spec(
+        "output",
+        "str",
+        ("plot",),
+        help="The image to write: FILE.png or FILE.svg (required)",
+        short="-o",
+        path=True,
+    ),
     Spec(
         "scale",
         "scale",
         ("plot",),
         default="recommended",
         help="Power-of-two scale (4096, 2^12) or 'recommended'",
+        short="-s",
     ),
     Spec("recipe", "recipes", ("scan", "run", "plot", "plan"), help=RECIPES_HELP),
     # -- simulate ----------------------------------------------------------------
@@ -327,7 +421,7 @@ SPECS: tuple[Spec, ...] = (
         help="The static scale to compare with",
         shown="the recommended one",
     ),
-    # FP8 delayed scaling (fpaudit.delayed's defaults; tests/test_help.py checks they agree)
+    # FP8 delayed scaling: fpaudit.delayed reads its defaults from these
     Spec(
         "amax_history_len",
         "int",
@@ -349,6 +443,7 @@ SPECS: tuple[Spec, ...] = (
         ("simulate",),
         default=False,
         help="FP8 delayed scaling: replay H in 1..1024 x margin 0..2, recommend",
+        off="",
     ),
     Spec(
         "max_overflow_steps",
@@ -371,6 +466,7 @@ SPECS: tuple[Spec, ...] = (
         default=None,
         help="Power-of-two scale to judge",
         shown="the recommended one",
+        short="-s",
     ),
     Spec(
         "per_module",
@@ -378,6 +474,7 @@ SPECS: tuple[Spec, ...] = (
         ("gate",),
         default=False,
         help="Apply the limit to every module, not just overall",
+        off="--overall",
     ),
     Spec(
         "allow_incomplete",
@@ -385,6 +482,7 @@ SPECS: tuple[Spec, ...] = (
         ("gate",),
         default=False,
         help="Judge a report whose run was interrupted instead of failing it",
+        off="--require-complete",
     ),
     Spec(
         "allow_nonfinite",
@@ -392,12 +490,14 @@ SPECS: tuple[Spec, ...] = (
         ("gate",),
         default=False,
         help="Judge a report whose backward values or loss hold inf/NaN instead of failing it",
+        off="--require-finite",
     ),
     Spec(
         "junit",
         "str",
         ("gate",),
         help="Also write the verdict as JUnit XML: one test case per module",
+        path=True,
     ),
     Spec(
         "recipe",
@@ -438,6 +538,39 @@ SPECS: tuple[Spec, ...] = (
         ("plan",),
         default=False,
         help="Print only the modules that must stay in bf16, one a line",
+        off="--table",
+    ),
+    # -- verify (no config file) -----------------------------------------------
+    Spec(
+        "scale",
+        "scale",
+        ("verify",),
+        help="Power-of-two loss scale for the mixed step (1024, 2^10) (required)",
+        short="-s",
+    ),
+    Spec("amp", "str", ("verify",), default="fp16", help="fp16 or bf16"),
+    Spec(
+        "clip_norm",
+        "float",
+        ("verify",),
+        default=None,
+        help="Clip unscaled gradients to this total norm",
+    ),
+    # -- fp16-plan (no config file) --------------------------------------------
+    Spec("steps", "int", ("fp16-plan",), default=4, help="fp32 steps to scan"),
+    Spec(
+        "headroom_bits",
+        "int",
+        ("fp16-plan",),
+        default=1,
+        help="Keep amax * S at most 65504 / 2^H",
+    ),
+    Spec(
+        "max_underflow",
+        "float",
+        ("fp16-plan",),
+        default=0.001,
+        help="Largest backward underflow fraction at S",
     ),
 )
 

@@ -48,7 +48,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -189,6 +189,13 @@ class Report:
         """The run this report describes, typed (read from ``meta`` each time, so an
         update of ``meta`` shows at once)."""
         return RunInfo.from_meta(self.meta)
+
+    def record_run(
+        self, run: RunInfo, settings: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+    ) -> None:
+        """How every writer ends a run: stamp ``run`` on the metadata, then the command's
+        own ``settings`` (its options as it ran), then the caller's ``meta``, which wins."""
+        self.meta.update({**run.to_meta(), **settings, **(meta or {})})
 
     @property
     def complete(self) -> bool:

@@ -35,6 +35,12 @@ _ALWAYS = (
 )  # and "amp", derived from amp_dtype
 
 
+_READ_ONLY = (
+    "steps", "modules", "out_of_range", "recipes", "formats", "headroom_bits", "include_loss",
+    "findings",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RunInfo:
     command: str | None = None  # "scan", "run", or an integration's name
@@ -54,6 +60,12 @@ class RunInfo:
     # run: the loss scaler's settings and skip statistics (fpaudit.training)
     scaler: Mapping[str, Any] | None = None
     training: Mapping[str, Any] | None = None
+    # Written beside these by the command (its settings) and by fpaudit.training (the
+    # findings); read here, not written.
+    formats: tuple[str, ...] = ()  # the formats the command summarised, first: the default
+    headroom_bits: int | None = None  # scan's and run's --headroom-bits
+    include_loss: bool | None = None  # scan's --include-loss
+    findings: tuple[dict[str, Any], ...] = ()  # run: the misuse findings, as dicts
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> RunInfo:
@@ -91,6 +103,12 @@ class RunInfo:
             recipes=strings("recipes"),
             scaler=of("scaler", dict),
             training=of("training", dict),
+            formats=strings("formats"),
+            headroom_bits=of("headroom_bits", int),
+            include_loss=of("include_loss", bool),
+            findings=tuple(item for item in (meta.get("findings") or ()) if isinstance(item, dict))
+            if isinstance(meta.get("findings"), list)
+            else (),
         )
 
     def to_meta(self) -> dict[str, Any]:
@@ -98,8 +116,8 @@ class RunInfo:
         meta: dict[str, Any] = {}
         for item in dataclasses.fields(self):
             value = getattr(self, item.name)
-            if item.name in ("steps", "modules", "out_of_range", "recipes"):
-                continue  # written with the tables
+            if item.name in _READ_ONLY:
+                continue  # written with the tables, or by the command beside these
             if item.name not in _ALWAYS and value is None:
                 continue
             if item.name == "selection":

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from fpaudit.errors import UsageError
+from fpaudit.errors import OptionError
 
 POLICIES: tuple[str, ...] = ("torch", "apex", "deepspeed", "megatron", "static")
 PARAMETERS: tuple[str, ...] = (
@@ -122,10 +122,9 @@ _FLOAT32_POLICIES = ("torch", "megatron")
 _FP32_MAX = float(np.finfo(np.float32).max)
 
 
-def _flag(policy: str, name: str) -> str:
-    if policy == "static" and name == "init_scale":
-        return "--static-scale"
-    return "--" + name.replace("_", "-")
+def _name(policy: str, name: str) -> str:
+    """The parameter as messages name it: a static policy's one scale is its static_scale."""
+    return "static_scale" if policy == "static" and name == "init_scale" else name
 
 
 @dataclass(frozen=True)
@@ -160,11 +159,11 @@ class PolicySettings:
 def settings(policy: str, **overrides: float | int | None) -> PolicySettings:
     """The policy's defaults with ``overrides`` applied (``None`` keeps the default).
 
-    Raises UsageError, one line naming the flag, for a parameter the policy
+    Raises OptionError, one line naming the parameter, for a parameter the policy
     does not take or a value out of range.
     """
     if policy not in _DEFAULTS:
-        raise UsageError(f"unknown --policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        raise OptionError("policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
     unknown = sorted(set(overrides) - set(PARAMETERS))
     if unknown:
         raise TypeError(f"settings() got unknown parameter(s) {', '.join(unknown)}")
@@ -174,9 +173,11 @@ def settings(policy: str, **overrides: float | int | None) -> PolicySettings:
         if value is None:
             continue
         if name not in defaults:
-            takes = ", ".join(_flag(policy, p) for p in defaults)
-            raise UsageError(
-                f"{_flag(policy, name)} does not apply to --policy {policy}; it takes {takes}"
+            takes = [_name(policy, p) for p in defaults]
+            raise OptionError(
+                _name(policy, name),
+                f"does not apply to policy={policy!r}; it takes {', '.join(takes)}",
+                mentions=("policy", *takes),
             )
         values[name] = value
     _validate(policy, values)
@@ -184,8 +185,12 @@ def settings(policy: str, **overrides: float | int | None) -> PolicySettings:
 
 
 def _validate(policy: str, v: dict[str, Any]) -> None:
-    def bad(name: str, need: str) -> UsageError:
-        return UsageError(f"{_flag(policy, name)} must be {need}, got {v[name]!r}")
+    def bad(name: str, need: str) -> OptionError:
+        return OptionError(
+            _name(policy, name),
+            f"must be {need}, got {v[name]!r}",
+            mentions=("policy", "init_scale", "max_scale"),
+        )
 
     def number(name: str) -> float:
         value = v[name]
@@ -202,7 +207,7 @@ def _validate(policy: str, v: dict[str, Any]) -> None:
     if not (math.isfinite(init) and init > 0):
         raise bad("init_scale", "a finite number > 0")
     if policy in _FLOAT32_POLICIES and not (_f32(init) > 0 and init <= _FP32_MAX):
-        raise bad("init_scale", f"within float32 range, where --policy {policy} keeps the scale")
+        raise bad("init_scale", f"within float32 range, where policy={policy!r} keeps the scale")
     if policy == "static":
         return
     growth = v["growth_factor"] = number("growth_factor")
@@ -220,9 +225,9 @@ def _validate(policy: str, v: dict[str, Any]) -> None:
         if not (math.isfinite(low) and low > 0):
             raise bad("min_scale", "a finite number > 0")
         if v["max_scale"] is not None and low > v["max_scale"]:
-            raise bad("min_scale", f"<= --max-scale ({v['max_scale']!r})")
+            raise bad("min_scale", f"<= max_scale ({v['max_scale']!r})")
         if policy == "megatron" and low > init:  # DynamicGradScaler asserts this
-            raise bad("min_scale", f"<= --init-scale ({init!r}) for --policy megatron")
+            raise bad("min_scale", f"<= init_scale ({init!r}) for policy='megatron'")
 
 
 def _f32(x: float) -> float:

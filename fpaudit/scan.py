@@ -60,7 +60,9 @@ class ScanOptions:
         if self.amp is not None and self.amp not in AMP_DTYPES:
             raise OptionError("amp", f"must be one of {', '.join(AMP_DTYPES)}, got {self.amp!r}")
         if self.shadow and self.amp is None:
-            raise UsageError("--shadow compares low-precision ops with fp32: it needs --amp")
+            raise OptionError(
+                "shadow", "compares low-precision ops with fp32: it needs amp", mentions=("amp",)
+            )
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise OptionError("loss_scale", f"must be a positive number, got {self.loss_scale}")
         if math.frexp(self.loss_scale)[0] != 0.5:
@@ -81,10 +83,10 @@ def resolve_device(spec: str) -> torch.device:
         if index_text and not index_text.isdigit():
             raise UsageError(f"invalid device {spec!r}; use auto, cpu, cuda or cuda:N")
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {spec}: CUDA is not available on this machine")
+            raise OptionError("device", f"{spec}: CUDA is not available on this machine")
         if index_text and int(index_text) >= torch.cuda.device_count():
             count = torch.cuda.device_count()
-            raise UsageError(f"--device {spec}: this machine has {count} CUDA device(s)")
+            raise OptionError("device", f"{spec}: this machine has {count} CUDA device(s)")
         return torch.device(spec)
     raise UsageError(f"invalid device {spec!r}; use auto, cpu, cuda or cuda:N")
 
@@ -248,9 +250,9 @@ def _scan(
         selection=options.selection.describe(),
         amp_dtype=held,
     )
-    report.meta.update(
+    report.record_run(
+        run,
         {
-            **run.to_meta(),
             "loss_scale": options.loss_scale,
             "seed": options.seed,
             "device": str(device),
@@ -261,11 +263,12 @@ def _scan(
             "origins": options.origins,
             "capture_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "world_size": world,
-        }
+            **(
+                {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
+            ),
+        },
+        meta,
     )
-    if device.type == "cuda":
-        report.meta["device_name"] = torch.cuda.get_device_name(device)
-    report.meta.update(meta or {})
     if interrupted is not None:
         raise ScanInterrupted(report, interrupted)
     if exited is not None:

@@ -540,9 +540,9 @@ def run_script(
         selection=options.selection.describe(),
         amp_dtype=amp_dtype,
     )
-    report.meta.update(
+    report.record_run(
+        run,
         {
-            **run.to_meta(),
             "script_args": list(args),
             "capture_every": options.capture_every,
             "scaler": monitor.state.scaler_settings,
@@ -554,8 +554,8 @@ def run_script(
             else None,
             "findings": [f.to_dict() for f in findings],
             "training": skip_statistics(np.array(table["skipped"], dtype=bool)),
-            **(meta or {}),
-        }
+        },
+        meta,
     )
     if interrupted is not None:
         exit_status = interrupted.exit_code

@@ -189,11 +189,11 @@ def test_sweep_without_a_passing_pair_says_so() -> None:
 def test_bad_settings_are_usage_errors() -> None:
     from fpaudit.errors import UsageError
 
-    with pytest.raises(UsageError, match="--amax-history-len"):
+    with pytest.raises(UsageError, match=r"^amax_history_len must be at least 1, got 0$"):
         delayed.Settings("te-delayed", 0, 0)
-    with pytest.raises(UsageError, match="--margin"):
+    with pytest.raises(UsageError, match=r"^margin must be 0 or more, got -1$"):
         delayed.Settings("te-delayed", 1, -1)
-    with pytest.raises(UsageError, match="--amax-compute-algo"):
+    with pytest.raises(UsageError, match=r"^amax_compute_algo must be one of max, most_recent"):
         delayed.Settings("te-delayed", 1, 0, "mean")
 
 

@@ -68,3 +68,28 @@ def test_a_scanned_report_on_disk_reads_through_info(cli, tmp_path: Path) -> Non
     assert info.command == "scan" and info.steps_run == 2 and info.steps_requested == 2
     assert info.complete and info.stopped_by is None
     assert info.model_file == str(SAMPLES / "quadratic.py") and info.amp is None
+
+
+def test_the_commands_settings_and_findings_read_typed_and_are_not_rewritten() -> None:
+    finding = {"rule": "scheduler-on-skip", "step": 3}
+    meta = {"formats": ["bf16", "fp16"], "headroom_bits": 4, "include_loss": True,
+            "findings": [finding, "not a dict"]}  # fmt: skip
+    info = RunInfo.from_meta(meta)
+    assert (info.formats, info.headroom_bits, info.include_loss) == (("bf16", "fp16"), 4, True)
+    assert info.findings == (finding,)  # what is not a finding is dropped
+    assert not {"formats", "headroom_bits", "include_loss", "findings"} & set(info.to_meta())
+    # a bool is no headroom, a number no include_loss: each reads as unset
+    wrong = RunInfo.from_meta({"headroom_bits": True, "include_loss": 1, "findings": {}})
+    assert (wrong.headroom_bits, wrong.include_loss, wrong.findings) == (None, None, ())
+
+
+def test_record_run_stamps_the_run_then_the_settings_then_the_callers_meta() -> None:
+    import torch
+
+    report = report_from({"a": torch.tensor([1.0])})
+    run = RunInfo(command="scan", steps_requested=4, steps_run=2, complete=False)
+    report.record_run(run, {"seed": 0, "every": 2}, {"every": 3, "argv": "fpaudit scan m.py"})
+    assert report.info.steps_run == 2 and report.info.complete is False
+    assert report.meta["seed"] == 0
+    assert report.meta["every"] == 3  # the caller's meta wins over the command's settings
+    assert report.meta["argv"] == "fpaudit scan m.py"

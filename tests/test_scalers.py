@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fpaudit.errors import UsageError
+from fpaudit.errors import OptionError
 from fpaudit.scalers import (
     PARAMETERS,
     POLICIES,
@@ -305,39 +305,55 @@ def test_to_dict_round_trips() -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "overrides", "message"),
+    ("policy", "overrides", "message", "flag_message"),
     [
         (
             "torch",
             {"hysteresis": 3},
+            "hysteresis does not apply to policy='torch'; it takes init_scale, growth_factor, backoff_factor, growth_interval",
             "--hysteresis does not apply to --policy torch; it takes --init-scale, --growth-factor, --backoff-factor, --growth-interval",
         ),
-        ("torch", {"min_scale": 1.0}, "--min-scale does not apply to --policy torch"),
+        (
+            "torch",
+            {"min_scale": 1.0},
+            "min_scale does not apply to policy='torch'",
+            "--min-scale does not apply to --policy torch",
+        ),
         (
             "apex",
             {"hysteresis": 2},
+            "hysteresis does not apply to policy='apex'; it takes init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale",
             "--hysteresis does not apply to --policy apex; it takes --init-scale, --growth-factor, --backoff-factor, --growth-interval, --min-scale, --max-scale",
         ),
         (
             "deepspeed",
             {"max_scale": 2.0**20},
+            "max_scale does not apply to policy='deepspeed'; it takes init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale",
             "--max-scale does not apply to --policy deepspeed; it takes --init-scale, --growth-factor, --backoff-factor, --growth-interval, --hysteresis, --min-scale",
         ),
-        ("megatron", {"max_scale": 2.0**20}, "--max-scale does not apply to --policy megatron"),
+        (
+            "megatron",
+            {"max_scale": 2.0**20},
+            "max_scale does not apply to policy='megatron'",
+            "--max-scale does not apply to --policy megatron",
+        ),
         (
             "static",
             {"growth_factor": 2.0},
+            "growth_factor does not apply to policy='static'; it takes static_scale",
             "--growth-factor does not apply to --policy static; it takes --static-scale",
         ),
     ],
 )
 def test_settings_rejects_inapplicable(
-    policy: str, overrides: dict[str, float], message: str
+    policy: str, overrides: dict[str, float], message: str, flag_message: str
 ) -> None:
-    with pytest.raises(UsageError) as err:
+    """The library names its parameters; the CLI prints the same error with flags."""
+    with pytest.raises(OptionError) as err:
         settings(policy, **overrides)
     text = str(err.value)
     assert text.startswith(message)
+    assert err.value.as_flag().startswith(flag_message)
     assert "\n" not in text
 
 
@@ -373,15 +389,26 @@ def test_settings_rejects_inapplicable(
     ],
 )
 def test_settings_rejects_invalid(policy: str, overrides: dict[str, object], flag: str) -> None:
-    with pytest.raises(UsageError) as err:
+    with pytest.raises(OptionError) as err:
         settings(policy, **overrides)  # type: ignore[arg-type]
     text = str(err.value)
-    assert text.startswith(flag + " must be ")
+    assert text.startswith(flag[2:].replace("-", "_") + " must be ")  # init_scale must be
+    assert err.value.as_flag().startswith(flag + " must be ")  # --init-scale must be
     assert "\n" not in text
 
 
+def test_a_bound_in_the_message_is_worded_as_the_caller_names_it() -> None:
+    with pytest.raises(OptionError) as err:
+        settings("megatron", init_scale=2.0, min_scale=4.0)
+    # Megatron's DynamicGradScaler asserts min_scale <= initial scale
+    assert str(err.value) == "min_scale must be <= init_scale (2.0) for policy='megatron', got 4.0"
+    assert err.value.as_flag() == (
+        "--min-scale must be <= --init-scale (2.0) for --policy megatron, got 4.0"
+    )
+
+
 def test_settings_rejects_unknown_policy_and_parameter() -> None:
-    with pytest.raises(UsageError, match="unknown --policy 'fairseq'; choose one of torch, apex"):
+    with pytest.raises(OptionError, match=r"^policy must be one of torch, apex, .*got 'fairseq'"):
         settings("fairseq")
     with pytest.raises(TypeError, match="init_scal"):
         settings("torch", init_scal=2.0)

@@ -219,17 +219,17 @@ class AuditSession:
             selection=self.selection.describe(),
             amp_dtype=amp_dtype,
         )
-        report.meta.update(
+        report.record_run(
+            run,
             {
-                **run.to_meta(),
                 "formats": list(formats),
                 "every": self.every,
                 "capture_dtype": str(first.dtype).removeprefix("torch.")
                 if first is not None
                 else None,
                 "model_class": type(model).__name__ if model is not None else None,
-                **(meta or {}),
-            }
+            },
+            meta,
         )
         self.report = report
         self.path = self._write(report, stopped_by)
