@@ -79,9 +79,13 @@ def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
     import torch.nn.functional as F
 
     x = tensor.detach().to(torch.float32)
+    if recipe.per_tensor:  # any order of the values: the strides' order reads them in place
+        return _by_stride(x, x.dim()).reshape(1, -1), 0
+    if recipe.block[0] == 1 and recipe.orientation == "rowwise" and x.dim() > 1:
+        # Any order of the rows gives the same statistics: a permuted tensor (attention's
+        # gradients are) becomes a view instead of a copy.
+        x = _by_stride(x, x.dim() - 1)
     flat = x.reshape(1, -1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
-    if recipe.per_tensor:
-        return flat.reshape(1, -1), 0
     if recipe.orientation == "columnwise":
         flat = flat.t()
     rows, cols = recipe.block
@@ -99,6 +103,12 @@ def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
             .reshape(-1, rows * cols)
         )
     return blocks, n_rows * n_cols - tensor.numel()
+
+
+def _by_stride(x: torch.Tensor, leading: int) -> torch.Tensor:
+    """``x`` with its first ``leading`` dimensions in decreasing stride order (a view)."""
+    order = sorted(range(leading), key=lambda d: -x.stride(d))
+    return x.permute([*order, *range(leading, x.dim())])
 
 
 def block_scales(
