@@ -107,7 +107,8 @@ def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
 
 def _by_stride(x: torch.Tensor, leading: int) -> torch.Tensor:
     """``x`` with its first ``leading`` dimensions in decreasing stride order (a view)."""
-    order = sorted(range(leading), key=lambda d: -x.stride(d))
+    strides = x.stride()
+    order = sorted(range(leading), key=lambda d: -strides[d])
     return x.permute([*order, *range(leading, x.dim())])
 
 
@@ -203,7 +204,7 @@ def block_stats(
     if tensor.numel() == 0:
         return torch.zeros(WIDTH, dtype=torch.int64, device=device)
     blocks, padding = _blocks(tensor, recipe)
-    if compiled and not general and device.type == "cpu":
+    if compiled and not general and device.type == "cpu" and recipe.scale_rule in _KERNEL_RULES:
         from fpaudit import kernels
 
         kernel = kernels.cpu_kernel()
