@@ -359,18 +359,23 @@ __attribute__((always_inline)) inline Extremes extremes(const uint32_t* p, int64
 
 struct Thresholds {
   float zero_edge, below_normal, overflow_edge;
-  int32_t inclusive;  // -1: a value at the overflow edge saturates, 0: it rounds down
+  bool inclusive;  // a value at the overflow edge saturates (else it rounds down)
 };
 
-// Per-lane class counts (as -1 masks subtracted): zero, nonfinite, live (finite nonzero),
-// flushed, subnormal, saturated, summed over many blocks before one horizontal sum.
+// Per-lane threshold counts (as -1 masks subtracted), summed over many blocks before one
+// horizontal sum: zero, nonfinite, scaled <= the round-to-zero edge (zeros included),
+// scaled below the normal range (zeros and flushed included), saturated. Under a finite
+// multiplier m >= 0 a non-finite value scales to inf or NaN, which is below neither edge,
+// so the classes are differences of these counts (add_lanes).
 struct Lanes {
-  v8i c[6] = {};
-  int64_t tail[6] = {};
+  static constexpr int kKinds = 5;
+  v8i c[kKinds] = {};
+  int64_t tail[kKinds] = {};
   int64_t since_flush = 0;
-  int64_t wide[6] = {};
+  int64_t values = 0;
+  int64_t wide[kKinds] = {};
   void flush() {
-    for (int i = 0; i < 6; ++i) {
+    for (int i = 0; i < kKinds; ++i) {
       for (int l = 0; l < kLanes; ++l) wide[i] -= c[i][l];
       wide[i] += tail[i];
       c[i] = v8i{};
@@ -380,44 +385,51 @@ struct Lanes {
   }
 };
 
-// Classifies `count` values scaled by the finite multiplier m into `lanes`.
+// Classifies `count` values scaled by the finite multiplier m into `lanes`. `Inclusive`:
+// a value at the overflow edge saturates.
+template <bool Inclusive>
 __attribute__((always_inline)) inline void classify(const uint32_t* p, int64_t count, float m,
                                                     const Thresholds& t, Lanes& lanes) {
   const v8f ze = v8f{} + t.zero_edge, bn = v8f{} + t.below_normal, oe = v8f{} + t.overflow_edge;
   const v8f mv = v8f{} + m;
-  v8i zero = lanes.c[0], nonfinite = lanes.c[1], live_n = lanes.c[2], flushed = lanes.c[3],
-      subnormal = lanes.c[4], saturated = lanes.c[5];
+  v8i zero = lanes.c[0], nonfinite = lanes.c[1], below_edge = lanes.c[2],
+      below_normal = lanes.c[3], saturated = lanes.c[4];
   int64_t j = 0;
   for (; j + kLanes <= count; j += kLanes) {
     const v8i u = load(p + j);
-    const v8i is_zero = u == 0, is_nonfinite = u >= int32_t(kInfBits);
-    const v8i live = ~(is_zero | is_nonfinite);
+    const v8i is_nonfinite = u >= int32_t(kInfBits);
     v8f value;
     std::memcpy(&value, &u, sizeof value);
     const v8f s = value * mv;
-    const v8i below_edge = s <= ze;
-    zero += is_zero;
+    zero += u == 0;
     nonfinite += is_nonfinite;
-    live_n += live;
-    flushed += live & below_edge;
-    subnormal += live & ~below_edge & (s < bn);
-    saturated += live & ((s > oe) | ((s == oe) & t.inclusive));
+    below_edge += s <= ze;
+    below_normal += s < bn;
+    saturated += (Inclusive ? s >= oe : s > oe) & ~is_nonfinite;
   }
-  lanes.c[0] = zero, lanes.c[1] = nonfinite, lanes.c[2] = live_n, lanes.c[3] = flushed;
-  lanes.c[4] = subnormal, lanes.c[5] = saturated;
+  lanes.c[0] = zero, lanes.c[1] = nonfinite, lanes.c[2] = below_edge;
+  lanes.c[3] = below_normal, lanes.c[4] = saturated;
   for (; j < count; ++j) {
     const uint32_t u = p[j] & 0x7FFFFFFFu;
-    const bool live = u != 0 && u < kInfBits;
     const float s = bits_to_float(u) * m;
     lanes.tail[0] += u == 0;
     lanes.tail[1] += u >= kInfBits;
-    lanes.tail[2] += live;
-    lanes.tail[3] += live && s <= t.zero_edge;
-    lanes.tail[4] += live && s > t.zero_edge && s < t.below_normal;
-    lanes.tail[5] += live && (s > t.overflow_edge || (s == t.overflow_edge && t.inclusive));
+    lanes.tail[2] += s <= t.zero_edge;
+    lanes.tail[3] += s < t.below_normal;
+    lanes.tail[4] += u < kInfBits && (Inclusive ? s >= t.overflow_edge : s > t.overflow_edge);
   }
+  lanes.values += count;
   lanes.since_flush += count;
   if (lanes.since_flush >= kLaneFlush) lanes.flush();
+}
+
+__attribute__((always_inline)) inline void classify(const uint32_t* p, int64_t count, float m,
+                                                    const Thresholds& t, Lanes& lanes) {
+  if (t.inclusive) {
+    classify<true>(p, count, m, t, lanes);
+  } else {
+    classify<false>(p, count, m, t, lanes);
+  }
 }
 
 // A block whose multiplier is not finite: its finite nonzero values are poisoned.
@@ -448,12 +460,14 @@ __attribute__((always_inline)) inline float add_block(const Rule& r, const Extre
 
 __attribute__((always_inline)) inline void add_lanes(Lanes& lanes, int64_t* local) {
   lanes.flush();
-  const int64_t* w = lanes.wide;  // zero, nonfinite, live, flushed, subnormal, saturated
+  const int64_t* w = lanes.wide;  // zero, nonfinite, <= zero edge, < normal, saturated
+  const int64_t flushed = w[2] - w[0], subnormal = w[3] - w[2];
+  const int64_t live = lanes.values - w[0] - w[1];
   local[0] += w[0];
-  local[1] += w[3];
-  local[2] += w[4];
-  local[3] += w[2] - w[3] - w[4] - w[5];
-  local[4] += w[5];
+  local[1] += flushed;
+  local[2] += subnormal;
+  local[3] += live - flushed - subnormal - w[4];
+  local[4] += w[4];
   local[5] += w[1];
 }
 
@@ -524,8 +538,7 @@ torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double elem
   TORCH_CHECK(rule >= kFloor && rule <= kAmax, "unknown rule ", rule);
   const int64_t n = blocks.size(0), k = blocks.size(1);
   const auto* data = reinterpret_cast<const uint32_t*>(blocks.data_ptr<float>());
-  const Thresholds t{float(zero_edge), float(below_normal), float(overflow_edge),
-                     inclusive ? -1 : 0};
+  const Thresholds t{float(zero_edge), float(below_normal), float(overflow_edge), inclusive};
   Rule r{int(rule), float(element_max), int(element_max_pow2), 0};
   auto out = torch::zeros({kWidth}, blocks.options().dtype(torch::kInt64));
   int64_t* total = out.data_ptr<int64_t>();
