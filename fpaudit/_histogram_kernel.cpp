@@ -327,29 +327,40 @@ struct Extremes {
   }
 };
 
+// Vectorised: the largest |x| and the smallest of (|x| bits - 1) mod 2**31, which sends 0
+// to the top and keeps inf and NaN above every finite value; with no inf or NaN in the
+// block, that is its smallest nonzero value and its largest is the amax. A block holding
+// inf or NaN (rare) is read again, exactly.
 __attribute__((always_inline)) inline Extremes extremes(const uint32_t* p, int64_t count) {
-  v8i amax = {}, top = {}, bottom = v8i{} + kNoValue;
+  v8i amax = {}, below = v8i{} + kNoValue;
   int64_t j = 0;
   for (; j + kLanes <= count; j += kLanes) {
     const v8i u = load(p + j);
-    const v8i live = (u != 0) & (u < int32_t(kInfBits));
     amax = u > amax ? u : amax;
-    const v8i t = live & u;
-    top = t > top ? t : top;
-    const v8i b = live ? u : v8i{} + kNoValue;
-    bottom = b < bottom ? b : bottom;
+    const v8i b = (u - 1) & 0x7FFFFFFF;
+    below = b < below ? b : below;
   }
   Extremes e;
+  int32_t smallest = kNoValue;  // of (bits - 1) mod 2**31
   for (int l = 0; l < kLanes; ++l) {
     e.amax = std::max(e.amax, amax[l]);
-    e.top = std::max(e.top, top[l]);
-    e.bottom = std::min(e.bottom, bottom[l]);
+    smallest = std::min(smallest, below[l]);
   }
   for (; j < count; ++j) {
     const int32_t u = int32_t(p[j] & 0x7FFFFFFFu);
-    const bool live = u != 0 && u < int32_t(kInfBits);
     e.amax = std::max(e.amax, u);
-    if (live) {
+    smallest = std::min(smallest, (u - 1) & 0x7FFFFFFF);
+  }
+  if (__builtin_expect(e.amax < int32_t(kInfBits), 1)) {
+    if (smallest < int32_t(kInfBits) - 1) {  // a finite nonzero value
+      e.top = e.amax;
+      e.bottom = smallest + 1;
+    }
+    return e;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const int32_t u = int32_t(p[i] & 0x7FFFFFFFu);
+    if (u != 0 && u < int32_t(kInfBits)) {
       e.top = std::max(e.top, u);
       e.bottom = std::min(e.bottom, u);
     }
