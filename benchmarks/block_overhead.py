@@ -1,6 +1,7 @@
 """Block statistics' cost: interleaved full training steps of the reference transformer
-(the one benchmarks/bench.py builds), plain, fpaudit, fpaudit with one MX recipe and with
-every recipe; medians and ratios to plain. bench.py times the same variants in its table.
+(the one benchmarks/bench.py builds), plain, fpaudit, fpaudit with one MX recipe, with
+nvfp4 alone and with every recipe; medians and ratios to plain. bench.py times the same
+variants in its table.
 
     PYTHONPATH=. python benchmarks/block_overhead.py 3 [--quick]
 """
@@ -25,6 +26,7 @@ model, ids, loss_fn = bench.build("transformer", quick)
 audits = {
     "fpaudit": fpaudit.audit(model),
     "fpaudit --recipe mxfp8-e4m3": fpaudit.audit(model, recipes=["mxfp8-e4m3"]),
+    "fpaudit --recipe nvfp4": fpaudit.audit(model, recipes=["nvfp4"]),
     f"fpaudit --recipe (all {len(RECIPES)})": fpaudit.audit(model, recipes=list(RECIPES)),
 }
 

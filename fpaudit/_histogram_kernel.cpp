@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <array>
@@ -179,155 +180,32 @@ void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
 
 // ---- Block-scaled statistics (fpaudit/blockstats.py) ----
 //
-// Two passes over a contiguous fp32 tensor of blocks [n_blocks, block_elements]:
-// block_amax (the largest |x| per block, NaN if the block holds one, as torch's
-// amax) and, once Python has turned the maxima into fp32 multipliers,
-// block_classify: the per-class counts, the blocks with a flushed value and the
-// dynamic-range histogram, with the same fp32 product and thresholds as the
-// pure-torch reference (blockstats._general_stats), which the tests check.
+// The whole statistics vector of a contiguous fp32 tensor of blocks [n, k] under one
+// scale rule, with the same fp32 operations and thresholds as the pure-torch
+// reference (blockstats.scales_from_amax and blockstats._general_stats), which the
+// tests check bit for bit. Rules whose scale needs the tensor's maximum (nvfp4, the
+// per-tensor rules) take one more pass over the values for it.
 
 namespace {
 
 constexpr uint32_t kInfBits = 0x7F800000u;
+constexpr int32_t kNoValue = 0x7FFFFFFF;  // "smallest finite nonzero |x|" of a block without one
 constexpr int kRanges = 277;
-constexpr int kBlockCounts = 8;  // zero, flushed, subnormal, normal, saturated, nonfinite, poisoned, blocks_flushed
+constexpr int kCounts = 10;  // zero .. poisoned, blocks, blocks_flushed, scales_out_of_range
+constexpr int kCodes = 256;
+constexpr int kWidth = kCounts + kCodes + kRanges;
+constexpr int kLanes = 8;
+// int32 lane counters are moved into int64 ones after this many values (2**27 per lane)
+constexpr int64_t kLaneFlush = int64_t(1) << 30;
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
 
 inline float bits_to_float(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-
-__attribute__((target_clones("avx2", "default")))
-uint32_t row_amax_bits(const uint32_t* __restrict data, int64_t count) {
-  int32_t largest = 0;  // |x| bits < 2**31: a signed max vectorises; NaN bits exceed inf's
-  for (int64_t j = 0; j < count; ++j) largest = std::max(largest, int32_t(data[j] & 0x7FFFFFFFu));
-  return uint32_t(largest);
-}
-
-struct RowCounts {
-  int64_t zero, nonfinite, nonzero, flushed, subnormal, saturated;
-  uint32_t top, bottom;  // finite nonzero |x| bits: largest, smallest (0x7FFFFFFF if none)
-};
-
-__attribute__((target_clones("avx2", "default")))
-RowCounts row_classify(const uint32_t* __restrict data, int64_t count, float m, float zero_edge,
-                       float below_normal, float overflow_edge, bool inclusive) {
-  int32_t zero = 0, nonfinite = 0, nonzero = 0, flushed = 0, subnormal = 0, saturated = 0;
-  int32_t top = 0, bottom = 0x7FFFFFFF;
-  for (int64_t j = 0; j < count; ++j) {
-    const uint32_t u = data[j] & 0x7FFFFFFFu;
-    const int32_t live = int32_t(u < kInfBits) & int32_t(u != 0);
-    const float s = bits_to_float(u) * m;
-    zero += int32_t(u == 0);
-    nonfinite += int32_t(u >= kInfBits);
-    nonzero += live;
-    flushed += live & int32_t(s <= zero_edge);
-    subnormal += live & int32_t(s > zero_edge) & int32_t(s < below_normal);
-    saturated += live & int32_t(inclusive ? s >= overflow_edge : s > overflow_edge);
-    top = std::max(top, live ? int32_t(u) : 0);
-    bottom = std::min(bottom, live ? int32_t(u) : 0x7FFFFFFF);
-  }
-  return RowCounts{zero, nonfinite, nonzero, flushed, subnormal, saturated, uint32_t(top),
-                   uint32_t(bottom)};
-}
-
-}  // namespace
-
-// Adds one block, classified under its multiplier `m`, to `counts` (zero, flushed,
-// subnormal, normal, saturated, nonfinite, poisoned), 1 to `*flushed_blocks` if it
-// flushed a value, and its dynamic range floor(log2(top / bottom)), exactly from frexp,
-// to `ranges` (a block without a finite nonzero value has none). A non-finite
-// multiplier poisons every finite nonzero value.
-inline void add_block(int64_t* counts, int64_t* flushed_blocks, int64_t* ranges,
-                      const RowCounts& c, float m) {
-  counts[0] += c.zero;
-  counts[5] += c.nonfinite;
-  if (!std::isfinite(m)) {
-    counts[6] += c.nonzero;
-  } else {
-    counts[1] += c.flushed;
-    counts[2] += c.subnormal;
-    counts[3] += c.nonzero - c.flushed - c.subnormal - c.saturated;
-    counts[4] += c.saturated;
-    *flushed_blocks += int64_t(c.flushed > 0);
-  }
-  if (c.nonzero > 0) {
-    int top_exponent, bottom_exponent;
-    const float top_mantissa = std::frexp(bits_to_float(c.top), &top_exponent);
-    const float bottom_mantissa = std::frexp(bits_to_float(c.bottom), &bottom_exponent);
-    ++ranges[top_exponent - bottom_exponent - int(top_mantissa < bottom_mantissa)];
-  }
-}
-
-// The largest |x| of each row of `blocks` (contiguous fp32 [n, k]), as fp32 [n];
-// a row holding a NaN gives NaN, one holding inf (and no NaN) inf.
-torch::Tensor block_amax(const torch::Tensor& blocks) {
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kFloat32 &&
-                  blocks.dim() == 2 && blocks.is_contiguous(),
-              "block_amax needs a contiguous 2-D float32 CPU tensor");
-  const int64_t n = blocks.size(0), k = blocks.size(1);
-  auto out = torch::empty({n}, blocks.options().dtype(torch::kInt32));
-  const auto* data = reinterpret_cast<const uint32_t*>(blocks.data_ptr<float>());
-  auto* result = out.data_ptr<int32_t>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(k, 1));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) result[b] = int32_t(row_amax_bits(data + b * k, k));
-  });
-  return out.view(torch::kFloat32);
-}
-
-// Classifies every element of `blocks` (contiguous fp32 [n, k]) scaled by its row's
-// fp32 multiplier (`multiplier`, fp32 [n]): returns int64 [8 + 277]: zero, flushed,
-// subnormal, normal, saturated, nonfinite, poisoned (finite nonzero under a
-// non-finite multiplier), blocks with a flushed value, then the histogram of
-// floor(log2(max / min)) over each row's finite nonzero |x| (rows without one are
-// not counted). Padding is the caller's to subtract from the zeros.
-torch::Tensor block_classify(const torch::Tensor& blocks, const torch::Tensor& multiplier,
-                             double zero_edge, double below_normal, double overflow_edge,
-                             bool inclusive) {
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kFloat32 &&
-                  blocks.dim() == 2 && blocks.is_contiguous(),
-              "block_classify needs a contiguous 2-D float32 CPU tensor");
-  TORCH_CHECK(multiplier.device().is_cpu() && multiplier.scalar_type() == torch::kFloat32 &&
-                  multiplier.dim() == 1 && multiplier.is_contiguous() &&
-                  multiplier.size(0) == blocks.size(0),
-              "multiplier must be a contiguous float32 CPU tensor of one value per block");
-  const int64_t n = blocks.size(0), k = blocks.size(1);
-  const auto* data = reinterpret_cast<const uint32_t*>(blocks.data_ptr<float>());
-  const float* scale = multiplier.data_ptr<float>();
-  const float ze = float(zero_edge), bn = float(below_normal), oe = float(overflow_edge);
-  auto out = torch::zeros({kBlockCounts + kRanges}, blocks.options().dtype(torch::kInt64));
-  int64_t* total = out.data_ptr<int64_t>();
-  std::mutex merge;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(k, 1));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    std::array<int64_t, kBlockCounts + kRanges> local{};
-    for (int64_t b = begin; b < end; ++b) {
-      const float m = scale[b];
-      // A row longer than 2**30 is counted in pieces (int32 counters inside).
-      RowCounts c{0, 0, 0, 0, 0, 0, 0, 0x7FFFFFFFu};
-      for (int64_t start = 0; start < k; start += int64_t(1) << 30) {
-        const int64_t count = std::min<int64_t>(k - start, int64_t(1) << 30);
-        const RowCounts p = row_classify(data + b * k + start, count, m, ze, bn, oe, inclusive);
-        c.zero += p.zero;
-        c.nonfinite += p.nonfinite;
-        c.nonzero += p.nonzero;
-        c.flushed += p.flushed;
-        c.subnormal += p.subnormal;
-        c.saturated += p.saturated;
-        c.top = std::max(c.top, p.top);
-        c.bottom = std::min(c.bottom, p.bottom);
-      }
-      add_block(local.data(), &local[7], local.data() + kBlockCounts, c, m);
-    }
-    std::lock_guard<std::mutex> guard(merge);
-    for (size_t i = 0; i < local.size(); ++i) total[i] += local[i];
-  });
-  return out;
-}
-
-namespace {
 
 inline uint32_t float_bits(float f) {
   uint32_t u;
@@ -340,23 +218,33 @@ inline float pow2(int e) {
   return bits_to_float(e >= -126 ? uint32_t(e + 127) << 23 : uint32_t(1) << (e + 149));
 }
 
-constexpr int kFloor = 0, kRceil = 1, kPow2Floor = 2;
+constexpr int kFloor = 0, kRceil = 1, kPow2Floor = 2, kNvfp4 = 3, kAmax = 4;
+
+// The per-block helpers below are always inlined into the target_clones loops: a call
+// from AVX2 code into a default-target (SSE-encoded) function stalls on the AVX-SSE
+// transition, which cost more than the block's whole classification.
+
+struct Rule {
+  int rule;
+  float element_max;
+  int element_max_pow2;
+  uint32_t tensor_amax_bits;  // nvfp4: the largest |x| of the tensor (NaN if it holds one)
+};
 
 // One block's multiplier, scale code and out-of-range flag from its amax bits, in the
-// fp32 operations of blockstats.scales_from_amax (mx-floor, mx-rceil, pow2-floor).
-inline float block_scale(int rule, uint32_t amax_bits, float element_max, int element_max_pow2,
-                         int* code, bool* out_of_range) {
+// fp32 operations of blockstats.scales_from_amax.
+__attribute__((always_inline)) inline float block_scale(const Rule& r, uint32_t amax_bits, int* code, bool* out_of_range) {
   const float amax = bits_to_float(amax_bits);
   const bool nan = amax_bits > kInfBits;
   const bool finite_nonzero = amax_bits < kInfBits && amax_bits != 0;
-  if (rule == kFloor) {
-    const int unbiased = int(amax_bits >> 23 & 0xFF) - 127 - element_max_pow2;
+  if (r.rule == kFloor) {
+    const int unbiased = int(amax_bits >> 23 & 0xFF) - 127 - r.element_max_pow2;
     *out_of_range = finite_nonzero && unbiased < -127;
     *code = nan ? 255 : std::min(std::max(unbiased, -127), 128) + 127;
     return *code == 255 ? std::numeric_limits<float>::quiet_NaN() : pow2(127 - std::min(*code, 254));
   }
-  if (rule == kRceil) {
-    const float descale = amax / element_max;
+  if (r.rule == kRceil) {
+    const float descale = amax / r.element_max;
     const uint32_t bits = float_bits(descale);
     const int biased = int(bits >> 23 & 0xFF);
     const uint32_t fraction = bits & 0x7FFFFFu;
@@ -373,57 +261,323 @@ inline float block_scale(int rule, uint32_t amax_bits, float element_max, int el
     if (*code == 254) return pow2(-127);
     return *code == 0 ? 1.0f : pow2(127 - *code);
   }
-  // pow2-floor: elem_max / amax in fp32, overflow clamped, rounded down to a power of two
-  float multiplier = element_max / amax;
+  if (r.rule == kNvfp4) {
+    // torchao's nvfp4_quantize: tensor scale amax / (448 * 6), block scale
+    // (block_amax / 6) / tensor_scale clamped to [2**-6, 448] and cast to E4M3 (c10's
+    // cast, torch's own), elements times (1 / tensor_scale) / block_scale. NaNs (and
+    // their signs: x86's 0/0 is -NaN, E4M3 0xFF) follow from the same fp32 operations.
+    const float e4m3_max = 448.0f, smallest = 0.015625f;  // E4M3's largest, smallest normal
+    const float tensor_scale = bits_to_float(r.tensor_amax_bits) / (e4m3_max * r.element_max);
+    const float scaled = (amax / r.element_max) / tensor_scale;
+    *out_of_range = finite_nonzero && (scaled < smallest || scaled > e4m3_max);
+    const float clamped = std::isnan(scaled) ? scaled : std::min(std::max(scaled, smallest), e4m3_max);
+    const c10::Float8_e4m3fn scale(clamped);
+    *code = int(scale.x);
+    return (1.0f / tensor_scale) / float(scale);
+  }
+  // kPow2Floor (and amax-pow2) / kAmax: elem_max / amax in fp32, overflow clamped;
+  // pow2 rounds it down to a power of two
+  float multiplier = r.element_max / amax;
   *out_of_range = finite_nonzero && std::isinf(multiplier);
   if (std::isinf(multiplier)) multiplier = std::numeric_limits<float>::max();
   if (amax == 0.0f) multiplier = 1.0f;
-  multiplier = bits_to_float(float_bits(multiplier) & ~0x7FFFFFu);
+  if (r.rule == kPow2Floor) multiplier = bits_to_float(float_bits(multiplier) & ~0x7FFFFFu);
   const uint32_t bits = float_bits(multiplier);
   const int biased = int(bits >> 23 & 0xFF);
   *code = nan ? 255 : std::min(std::max(2 * 127 - biased - int((bits & 0x7FFFFFu) > 0), 0), 254);
   return nan ? std::numeric_limits<float>::quiet_NaN() : multiplier;
 }
 
+// floor(log2(top / bottom)) of two finite positive fp32 bit patterns, exactly: with
+// x = (1 + f / 2**23) * 2**(e - 127) (subnormals normalised), it is
+// e_top - e_bottom - (f_top < f_bottom).
+__attribute__((always_inline)) inline int log2_ratio(uint32_t top, uint32_t bottom) {
+  auto split = [](uint32_t u, int* exponent, uint32_t* fraction) {
+    const int biased = int(u >> 23);
+    if (biased != 0) {
+      *exponent = biased;
+      *fraction = u & 0x7FFFFFu;
+    } else {  // subnormal: u * 2**-149, its top bit at 2**(p - 149)
+      const int p = 31 - __builtin_clz(u);
+      *exponent = p - 22;
+      *fraction = (u << (23 - p)) & 0x7FFFFFu;
+    }
+  };
+  int top_exponent, bottom_exponent;
+  uint32_t top_fraction, bottom_fraction;
+  split(top, &top_exponent, &top_fraction);
+  split(bottom, &bottom_exponent, &bottom_fraction);
+  return top_exponent - bottom_exponent - int(top_fraction < bottom_fraction);
+}
+
+inline v8i load(const uint32_t* p) {
+  v8i v;
+  std::memcpy(&v, p, sizeof v);
+  return v & 0x7FFFFFFF;
+}
+
+struct Extremes {
+  int32_t amax = 0;          // largest |x| bits (NaN above inf, as torch's amax)
+  int32_t top = 0;           // largest finite nonzero |x| bits
+  int32_t bottom = kNoValue;  // smallest finite nonzero |x| bits
+  void merge(const Extremes& o) {
+    amax = std::max(amax, o.amax);
+    top = std::max(top, o.top);
+    bottom = std::min(bottom, o.bottom);
+  }
+};
+
+// Vectorised: the largest |x| and the smallest of (|x| bits - 1) mod 2**31, which sends 0
+// to the top and keeps inf and NaN above every finite value; with no inf or NaN in the
+// block, that is its smallest nonzero value and its largest is the amax. A block holding
+// inf or NaN (rare) is read again, exactly.
+__attribute__((always_inline)) inline Extremes extremes(const uint32_t* p, int64_t count) {
+  v8i amax = {}, below = v8i{} + kNoValue;
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes) {
+    const v8i u = load(p + j);
+    amax = u > amax ? u : amax;
+    const v8i b = (u - 1) & 0x7FFFFFFF;
+    below = b < below ? b : below;
+  }
+  Extremes e;
+  int32_t smallest = kNoValue;  // of (bits - 1) mod 2**31
+  for (int l = 0; l < kLanes; ++l) {
+    e.amax = std::max(e.amax, amax[l]);
+    smallest = std::min(smallest, below[l]);
+  }
+  for (; j < count; ++j) {
+    const int32_t u = int32_t(p[j] & 0x7FFFFFFFu);
+    e.amax = std::max(e.amax, u);
+    smallest = std::min(smallest, (u - 1) & 0x7FFFFFFF);
+  }
+  if (__builtin_expect(e.amax < int32_t(kInfBits), 1)) {
+    if (smallest < int32_t(kInfBits) - 1) {  // a finite nonzero value
+      e.top = e.amax;
+      e.bottom = smallest + 1;
+    }
+    return e;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const int32_t u = int32_t(p[i] & 0x7FFFFFFFu);
+    if (u != 0 && u < int32_t(kInfBits)) {
+      e.top = std::max(e.top, u);
+      e.bottom = std::min(e.bottom, u);
+    }
+  }
+  return e;
+}
+
+struct Thresholds {
+  float zero_edge, below_normal, overflow_edge;
+  bool inclusive;  // a value at the overflow edge saturates (else it rounds down)
+};
+
+// Per-lane threshold counts (as -1 masks subtracted), summed over many blocks before one
+// horizontal sum: zero, nonfinite, scaled <= the round-to-zero edge (zeros included),
+// scaled below the normal range (zeros and flushed included), saturated. Under a finite
+// multiplier m >= 0 a non-finite value scales to inf or NaN, which is below neither edge,
+// so the classes are differences of these counts (add_lanes).
+struct Lanes {
+  static constexpr int kKinds = 5;
+  v8i c[kKinds] = {};
+  int64_t tail[kKinds] = {};
+  int64_t since_flush = 0;
+  int64_t values = 0;
+  int64_t wide[kKinds] = {};
+  void flush() {
+    for (int i = 0; i < kKinds; ++i) {
+      for (int l = 0; l < kLanes; ++l) wide[i] -= c[i][l];
+      wide[i] += tail[i];
+      c[i] = v8i{};
+      tail[i] = 0;
+    }
+    since_flush = 0;
+  }
+};
+
+// Classifies `count` values scaled by the finite multiplier m into `lanes`. `Inclusive`:
+// a value at the overflow edge saturates.
+template <bool Inclusive>
+__attribute__((always_inline)) inline void classify(const uint32_t* p, int64_t count, float m,
+                                                    const Thresholds& t, Lanes& lanes) {
+  const v8f ze = v8f{} + t.zero_edge, bn = v8f{} + t.below_normal, oe = v8f{} + t.overflow_edge;
+  const v8f mv = v8f{} + m;
+  v8i zero = lanes.c[0], nonfinite = lanes.c[1], below_edge = lanes.c[2],
+      below_normal = lanes.c[3], saturated = lanes.c[4];
+  int64_t j = 0;
+  for (; j + kLanes <= count; j += kLanes) {
+    const v8i u = load(p + j);
+    const v8i is_nonfinite = u >= int32_t(kInfBits);
+    v8f value;
+    std::memcpy(&value, &u, sizeof value);
+    const v8f s = value * mv;
+    zero += u == 0;
+    nonfinite += is_nonfinite;
+    below_edge += s <= ze;
+    below_normal += s < bn;
+    saturated += (Inclusive ? s >= oe : s > oe) & ~is_nonfinite;
+  }
+  lanes.c[0] = zero, lanes.c[1] = nonfinite, lanes.c[2] = below_edge;
+  lanes.c[3] = below_normal, lanes.c[4] = saturated;
+  for (; j < count; ++j) {
+    const uint32_t u = p[j] & 0x7FFFFFFFu;
+    const float s = bits_to_float(u) * m;
+    lanes.tail[0] += u == 0;
+    lanes.tail[1] += u >= kInfBits;
+    lanes.tail[2] += s <= t.zero_edge;
+    lanes.tail[3] += s < t.below_normal;
+    lanes.tail[4] += u < kInfBits && (Inclusive ? s >= t.overflow_edge : s > t.overflow_edge);
+  }
+  lanes.values += count;
+  lanes.since_flush += count;
+  if (lanes.since_flush >= kLaneFlush) lanes.flush();
+}
+
+__attribute__((always_inline)) inline void classify(const uint32_t* p, int64_t count, float m,
+                                                    const Thresholds& t, Lanes& lanes) {
+  if (t.inclusive) {
+    classify<true>(p, count, m, t, lanes);
+  } else {
+    classify<false>(p, count, m, t, lanes);
+  }
+}
+
+// A block whose multiplier is not finite: its finite nonzero values are poisoned.
+__attribute__((always_inline)) inline void count_poisoned(const uint32_t* p, int64_t count, int64_t* local) {
+  for (int64_t j = 0; j < count; ++j) {
+    const uint32_t u = p[j] & 0x7FFFFFFFu;
+    local[0] += u == 0;
+    local[5] += u >= kInfBits;
+    local[6] += u != 0 && u < kInfBits;
+  }
+}
+
+// The scale, the flushed-block count and the dynamic range of one block from its
+// extremes; the class counts are the caller's. Returns the multiplier.
+__attribute__((always_inline)) inline float add_block(const Rule& r, const Extremes& e, float zero_edge, int64_t* local) {
+  int code;
+  bool out_of_range;
+  const float m = block_scale(r, uint32_t(e.amax), &code, &out_of_range);
+  ++local[kCounts + code];
+  local[9] += int64_t(out_of_range);
+  if (e.bottom != kNoValue) {
+    // fp32 products by m >= 0 are monotonic: the block flushes a value iff its smallest does
+    local[8] += int64_t(std::isfinite(m) && bits_to_float(uint32_t(e.bottom)) * m <= zero_edge);
+    ++local[kCounts + kCodes + log2_ratio(uint32_t(e.top), uint32_t(e.bottom))];
+  }
+  return m;
+}
+
+__attribute__((always_inline)) inline void add_lanes(Lanes& lanes, int64_t* local) {
+  lanes.flush();
+  const int64_t* w = lanes.wide;  // zero, nonfinite, <= zero edge, < normal, saturated
+  const int64_t flushed = w[2] - w[0], subnormal = w[3] - w[2];
+  const int64_t live = lanes.values - w[0] - w[1];
+  local[0] += w[0];
+  local[1] += flushed;
+  local[2] += subnormal;
+  local[3] += live - flushed - subnormal - w[4];
+  local[4] += w[4];
+  local[5] += w[1];
+}
+
+// Every block of rows [begin, end): its extremes, its scale, its values' classes.
+__attribute__((target_clones("avx2", "default")))
+void block_rows(const uint32_t* data, int64_t k, int64_t begin, int64_t end, const Rule& r,
+                const Thresholds& t, int64_t* local) {
+  Lanes lanes;
+  for (int64_t b = begin; b < end; ++b) {
+    const uint32_t* row = data + b * k;
+    const float m = add_block(r, extremes(row, k), t.zero_edge, local);
+    if (__builtin_expect(std::isfinite(m), 1)) {
+      classify(row, k, m, t, lanes);
+    } else {
+      count_poisoned(row, k, local);
+    }
+  }
+  add_lanes(lanes, local);
+}
+
+__attribute__((target_clones("avx2", "default")))
+Extremes span_extremes(const uint32_t* data, int64_t begin, int64_t end) {
+  Extremes e;
+  for (int64_t start = begin; start < end; start += kLaneFlush) {
+    e.merge(extremes(data + start, std::min(end - start, kLaneFlush)));
+  }
+  return e;
+}
+
+__attribute__((target_clones("avx2", "default")))
+void span_classify(const uint32_t* data, int64_t begin, int64_t end, float m,
+                   const Thresholds& t, int64_t* local) {
+  Lanes lanes;
+  for (int64_t start = begin; start < end; start += kLaneFlush) {
+    classify(data + start, std::min(end - start, kLaneFlush), m, t, lanes);
+  }
+  add_lanes(lanes, local);
+}
+
+constexpr int64_t kSpanGrain = int64_t(1) << 16;
+
+// The extremes of all values, in parallel.
+Extremes all_extremes(const uint32_t* data, int64_t count) {
+  Extremes total;
+  std::mutex merge;
+  at::parallel_for(0, count, kSpanGrain, [&](int64_t begin, int64_t end) {
+    const Extremes e = span_extremes(data, begin, end);
+    std::lock_guard<std::mutex> guard(merge);
+    total.merge(e);
+  });
+  return total;
+}
+
 }  // namespace
 
 // The whole statistics vector of blockstats (layout: 10 counts, 256 scale codes, 277
-// ranges) for the rules whose scale depends on the block alone (rule 0 mx-floor, 1
-// mx-rceil, 2 pow2-floor), in one pass over `blocks` (contiguous fp32 [n, k]): each
-// block's maximum, its scale, then its elements (from the cache). `padding` zeros are
-// not counted.
+// ranges) of `blocks` (contiguous fp32 [n, k], one block per row) under `rule` (0
+// mx-floor, 1 mx-rceil, 2 pow2-floor and amax-pow2, 3 nvfp4, 4 amax). `padding` zeros
+// are not counted. One pass over the values where a block's scale depends on it
+// alone; nvfp4 and a single block (the per-tensor rules) first find the tensor's
+// maximum in a pass of their own. A single block is split across threads.
 torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double element_max,
                           int64_t element_max_pow2, double zero_edge, double below_normal,
                           double overflow_edge, bool inclusive, int64_t padding) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kFloat32 &&
                   blocks.dim() == 2 && blocks.is_contiguous(),
               "block_stats needs a contiguous 2-D float32 CPU tensor");
-  TORCH_CHECK(rule >= kFloor && rule <= kPow2Floor, "unknown rule ", rule);
-  constexpr int kCounts = 10, kCodes = 256;
+  TORCH_CHECK(rule >= kFloor && rule <= kAmax, "unknown rule ", rule);
   const int64_t n = blocks.size(0), k = blocks.size(1);
   const auto* data = reinterpret_cast<const uint32_t*>(blocks.data_ptr<float>());
-  const float ze = float(zero_edge), bn = float(below_normal), oe = float(overflow_edge);
-  const float emax = float(element_max);
-  auto out = torch::zeros({kCounts + kCodes + kRanges}, blocks.options().dtype(torch::kInt64));
+  const Thresholds t{float(zero_edge), float(below_normal), float(overflow_edge), inclusive};
+  Rule r{int(rule), float(element_max), int(element_max_pow2), 0};
+  auto out = torch::zeros({kWidth}, blocks.options().dtype(torch::kInt64));
   int64_t* total = out.data_ptr<int64_t>();
   std::mutex merge;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(k, 1));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    std::array<int64_t, kCounts + kCodes + kRanges> local{};
-    for (int64_t b = begin; b < end; ++b) {
-      const uint32_t* row = data + b * k;
-      int code;
-      bool out_of_range;
-      const float m = block_scale(int(rule), row_amax_bits(row, k), emax, int(element_max_pow2),
-                                  &code, &out_of_range);
-      ++local[size_t(kCounts + code)];
-      local[9] += int64_t(out_of_range);
-      const RowCounts c = row_classify(row, k, m, ze, bn, oe, inclusive);
-      add_block(local.data(), &local[8], local.data() + kCounts + kCodes, c, m);
+  if (n == 1) {
+    const Extremes e = all_extremes(data, k);
+    r.tensor_amax_bits = uint32_t(e.amax);
+    const float m = add_block(r, e, t.zero_edge, total);
+    if (std::isfinite(m)) {
+      at::parallel_for(0, k, kSpanGrain, [&](int64_t begin, int64_t end) {
+        std::array<int64_t, kCounts> local{};
+        span_classify(data, begin, end, m, t, local.data());
+        std::lock_guard<std::mutex> guard(merge);
+        for (int i = 0; i < kCounts; ++i) total[i] += local[i];
+      });
+    } else {
+      count_poisoned(data, k, total);
     }
-    std::lock_guard<std::mutex> guard(merge);
-    for (size_t i = 0; i < local.size(); ++i) total[i] += local[i];
-  });
+  } else {
+    if (rule == kNvfp4) r.tensor_amax_bits = uint32_t(all_extremes(data, n * k).amax);
+    const int64_t grain = std::max<int64_t>(1, kSpanGrain / std::max<int64_t>(k, 1));
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      std::array<int64_t, kWidth> local{};
+      block_rows(data, k, begin, end, r, t, local.data());
+      std::lock_guard<std::mutex> guard(merge);
+      for (int i = 0; i < kWidth; ++i) total[i] += local[i];
+    });
+  }
   total[0] -= padding;
   total[7] = n;
   return out;
@@ -431,7 +585,5 @@ torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double elem
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("histogram_add", &histogram_add, "Exact fp32 magnitude histogram (fpaudit layout)");
-  m.def("block_amax", &block_amax, "Largest |x| per row (NaN-propagating)");
-  m.def("block_stats", &block_stats, "Block-scaled statistics, one pass (block-local scales)");
-  m.def("block_classify", &block_classify, "Block-scaled class counts and dynamic ranges");
+  m.def("block_stats", &block_stats, "Block-scaled statistics of every recipe's scale rule");
 }

@@ -83,9 +83,13 @@ def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
     import torch.nn.functional as F
 
     x = tensor.detach().to(torch.float32)
+    if recipe.per_tensor:  # any order of the values: the strides' order reads them in place
+        return _by_stride(x, x.dim()).reshape(1, -1), 0
+    if recipe.block[0] == 1 and recipe.orientation == "rowwise" and x.dim() > 1:
+        # Any order of the rows gives the same statistics: a permuted tensor (attention's
+        # gradients are) becomes a view instead of a copy.
+        x = _by_stride(x, x.dim() - 1)
     flat = x.reshape(1, -1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
-    if recipe.per_tensor:
-        return flat.reshape(1, -1), 0
     if recipe.orientation == "columnwise":
         flat = flat.t()
     rows, cols = recipe.block
@@ -103,6 +107,13 @@ def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
             .reshape(-1, rows * cols)
         )
     return blocks, n_rows * n_cols - tensor.numel()
+
+
+def _by_stride(x: torch.Tensor, leading: int) -> torch.Tensor:
+    """``x`` with its first ``leading`` dimensions in decreasing stride order (a view)."""
+    strides = x.stride()
+    order = sorted(range(leading), key=lambda d: -strides[d])
+    return x.permute([*order, *range(leading, x.dim())])
 
 
 def block_scales(
@@ -184,7 +195,8 @@ def block_stats(
     """The statistics vector (int64 ``[WIDTH]``, on the tensor's device): see the module.
 
     On the CPU the compiled kernel (:mod:`fpaudit.kernels`, ``FPAUDIT_KERNEL``)
-    takes two passes over the values: the block maxima, then every count. Without
+    computes every count in one pass over the values (two for nvfp4 and the
+    per-tensor rules, whose scales need the tensor's maximum first). Without
     it (or with ``compiled=False``), blocks whose maximum and scale are all finite
     (the usual case) take a pure-torch path of a few passes (threshold counts); any
     inf, NaN or degenerate scale, any other device, or ``general`` takes the
@@ -198,7 +210,7 @@ def block_stats(
     if tensor.numel() == 0:
         return torch.zeros(WIDTH, dtype=torch.int64, device=device)
     blocks, padding = _blocks(tensor, recipe)
-    if compiled and not general and device.type == "cpu":
+    if compiled and not general and device.type == "cpu" and recipe.scale_rule in _KERNEL_RULES:
         from fpaudit import kernels
 
         kernel = kernels.cpu_kernel()
@@ -297,51 +309,34 @@ def expected_block_stats(
     return vector
 
 
-_ONE_PASS_RULES = {"mx-floor": 0, "mx-rceil": 1, "pow2-floor": 2}  # the kernel's rule ids
+# the kernel's rule ids; amax-pow2 is pow2-floor over one block
+_KERNEL_RULES = {
+    "mx-floor": 0,
+    "mx-rceil": 1,
+    "pow2-floor": 2,
+    "amax-pow2": 2,
+    "nvfp4": 3,
+    "amax": 4,
+}
 
 
 def _compiled_stats(
     kernel: Any, blocks: torch.Tensor, recipe: Recipe, padding: int
 ) -> torch.Tensor:
-    """:func:`block_stats` with the CPU kernel: one pass where a block's scale depends on
-    that block alone; else its maxima, the scales from them (torch), its counts."""
-    import torch
-
+    """:func:`block_stats` with the CPU kernel, every scale rule: one pass where a
+    block's scale depends on that block alone, a first pass for the tensor's maximum
+    where it does not (nvfp4, per-tensor)."""
     element = recipe.element
-    below_normal = element.smallest_normal - element.smallest_subnormal / 2
-    rule = _ONE_PASS_RULES.get(recipe.scale_rule)
-    if rule is not None:
-        return kernel.block_stats(  # type: ignore[no-any-return]  # a compiled module
-            blocks,
-            rule,
-            element.max_finite,
-            recipe.element_max_pow2,
-            element.round_to_zero_edge,
-            below_normal,
-            element.overflow_edge,
-            element.overflow_edge_inclusive,
-            padding,
-        )
-    multiplier, code, out_of_range, _ = scales_from_amax(kernel.block_amax(blocks), recipe)
-    counted = kernel.block_classify(
+    return kernel.block_stats(  # type: ignore[no-any-return]  # a compiled module
         blocks,
-        multiplier.contiguous(),
+        _KERNEL_RULES[recipe.scale_rule],
+        element.max_finite,
+        recipe.element_max_pow2,
         element.round_to_zero_edge,
-        below_normal,
+        element.smallest_normal - element.smallest_subnormal / 2,
         element.overflow_edge,
         element.overflow_edge_inclusive,
-    )
-    counted[0] -= padding
-    head = torch.stack([torch.tensor(blocks.shape[0]), out_of_range.sum()])
-    return torch.cat(
-        [
-            counted[:7],
-            head[:1],
-            counted[7:8],
-            head[1:],
-            torch.bincount(code, minlength=N_SCALE_CODES),
-            counted[8:],
-        ]
+        padding,
     )
 
 

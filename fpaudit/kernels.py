@@ -7,8 +7,8 @@ the pure-torch path on 2 cores). It is compiled with
 needs a C++ compiler) and cached in torch's extension directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
 
-The same module computes block-scaled statistics (``block_stats``, ``block_amax``,
-``block_classify``; see :mod:`fpaudit.blockstats`, whose pure-torch paths are the
+The same module computes block-scaled statistics (``block_stats``, every scale rule;
+see :mod:`fpaudit.blockstats`, whose pure-torch paths are the
 reference they are tested against).
 
 On CUDA devices ``_triton_kernel.py`` bins in one read of every value when Triton

@@ -271,9 +271,48 @@ def test_compiled_kernel_equals_torch_paths(name: str) -> None:
 
 def test_compiled_kernel_on_other_dtypes_and_layouts() -> None:
     x = torch.randn(64, 96) * torch.exp2(torch.randint(-40, 40, (64, 1)).float())
-    for tensor in (x.t(), x[:, ::3], x.half(), x.bfloat16(), x.double()):
-        for name in ("mxfp8-e4m3", "mxfp4:col", "nvfp4", "fp8-block-128x128", "fp8-tensor-e5m2"):
+    permuted = torch.randn(4, 40, 3, 32).permute(0, 2, 1, 3)  # as attention's gradients
+    names = ("mxfp8-e4m3", "mxfp4:col", "nvfp4", "fp8-block-128x128", "fp8-tensor-e5m2")
+    for tensor in (x.t(), x[:, ::3], x.half(), x.bfloat16(), x.double(), permuted):
+        for name in (*names, "fp8-block-1x128", "fp8-tensor-e4m3-pow2"):
             _three_paths(tensor, name)
+
+
+# The rules whose scale needs the tensor's maximum (a pass of its own in the kernel).
+TENSOR_SCALED = ["nvfp4", *(name for name, r in RECIPES.items() if r.per_tensor)]
+
+
+@pytest.mark.parametrize("name", TENSOR_SCALED)
+def test_compiled_kernel_on_tensor_scale_edges(name: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 48, generator=generator)
+    with_inf = x.clone()
+    with_inf[3, 5] = float("inf")  # nvfp4: tensor scale inf, finite blocks' multiplier 0
+    wide = torch.exp2(torch.randn(70_001, generator=generator) * 20)  # split across threads
+    wide[::5] = 0
+    wide[1::7] *= -1
+    for tensor in (
+        x * 2.0**-130,  # fp32 subnormal maximum: the multiplier overflows fp32
+        x * 2.0**120,  # the block scales leave E4M3 below 2**-6
+        with_inf,
+        wide,  # 70001 values: a single block read by several threads, a ragged tail
+        torch.full((4, 32), -0.0),  # nvfp4: tensor scale 0, every block scale 0/0
+        torch.tensor([2.0**-149, 0.0, -(2.0**-149)]),
+    ):
+        _three_paths(tensor, name)
+
+
+def test_permuted_rows_read_in_place_with_the_same_counts() -> None:
+    # (batch, heads, seq, head_dim) gradients arrive permuted; reading the rows in stride
+    # order gives the contiguous copy's counts, for row blocks and for one scale per tensor.
+    permuted = torch.randn(4, 40, 3, 32).permute(0, 2, 1, 3)
+    for name in ("mxfp8-e4m3", "nvfp4", "fp8-block-1x128", "fp8-tensor-e4m3"):
+        recipe = get_recipe(name)
+        blocks, padding = blockstats._blocks(permuted, recipe)
+        # a view, no copy, unless 32-value rows are padded to 128
+        assert (blocks.data_ptr() == permuted.data_ptr()) == (padding == 0), name
+        same = blockstats.block_stats(permuted.contiguous(), recipe)
+        assert torch.equal(blockstats.block_stats(permuted, recipe), same), name
 
 
 @pytest.mark.parametrize("compiled", [True, False])
