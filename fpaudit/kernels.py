@@ -75,7 +75,6 @@ def _build_directory() -> Path:
 WAIT_ENV = "FPAUDIT_KERNEL_WAIT"  # seconds to wait for another process's build [600]
 
 
-STALE_AFTER = 3600.0  # seconds: no build takes this long; such a lock is removed
 SETTLE = 5.0  # seconds for a lock with no compiler running to go (a load holds it briefly)
 
 
@@ -89,9 +88,12 @@ def _build_guard() -> Iterator[str | None]:
     holder dies. While we hold the flock, a ``lock`` is checked for an owner: a
     compiler running in the build directory (torch runs ninja there; an older
     fpaudit builds without the flock) is waited for; a lock that stays ``SETTLE``
-    seconds with none belongs to a killed build: this run takes the pure-torch path
-    (identical results, slower) and says so once; a lock older than an hour is
-    removed, so the next run builds. A build by another process is waited for up to
+    seconds with none was left by a killed build or load (a Ctrl-C during the first
+    import): every process that loads from this directory holds the flock we hold, so
+    its creator is gone, and the lock is removed and the load goes ahead (torch's
+    ninja rebuilds whatever a killed build left half-done). Only a lock that cannot
+    be removed sends this run to the pure-torch path (identical results, slower),
+    said once. A build by another process is waited for up to
     ``FPAUDIT_KERNEL_WAIT`` seconds (default 600), then this run takes the pure-torch
     path. Yields None to go ahead, else why not (for :func:`failure`).
     """
@@ -119,7 +121,7 @@ def _build_guard() -> Iterator[str | None]:
 
 
 def _stale_lock(baton: Path, deadline: float, wait: float) -> str | None:
-    """Why torch's build lock ``baton`` blocks the build, or None when it is gone."""
+    """Why torch's build lock ``baton`` blocks the load, or None when it is gone or removed."""
     settle = time.monotonic() + SETTLE
     while baton.exists():
         now = time.monotonic()
@@ -134,20 +136,15 @@ def _stale_lock(baton: Path, deadline: float, wait: float) -> str | None:
             break
         time.sleep(0.2)
     try:
-        age = time.time() - baton.stat().st_mtime
+        baton.unlink()
     except FileNotFoundError:
         return None
-    if age > STALE_AFTER:
-        with contextlib.suppress(OSError):
-            baton.unlink()
+    except OSError as error:
         return (
-            f"removed the build lock {baton}, left {age / 3600:.0f} h ago by a killed build; "
-            "the next run builds the kernel"
+            f"the build lock {baton} is held by no fpaudit process (a build or load was "
+            f"killed half-way) and cannot be removed ({error.strerror}); delete it"
         )
-    return (
-        f"the build lock {baton} is held by no fpaudit process (a build was killed half-way); "
-        "delete it unless another program is building there"
-    )
+    return None
 
 
 def _building_in(directory: Path) -> bool:
