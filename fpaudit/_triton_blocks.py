@@ -16,7 +16,8 @@ Each program takes ``ROWS`` blocks and, per block: its maximum |x| bits, the sca
 computes it, then every element's class, the flushed flag and the dynamic range.
 
 Exactness does not lean on the GPU's fp32 division or denormal handling (Triton's
-``/`` on fp32 is approximate, and libdevice may flush subnormals):
+``/`` on fp32 may lower to an approximate division, and libdevice may flush
+subnormals):
 
 * values are rebuilt in fp64 from their bits (``mantissa * 2**exponent``, always an
   fp64 normal), and every multiplier of these rules is a power of two, so the scaled
