@@ -19,9 +19,11 @@ What it checks, on the sample transformer:
    shadow, also free of host syncs, and the values the shadow found lost;
 6. ``fpaudit verify`` on the device at scale 1 and at the recommended scale;
 7. block statistics (``--recipe``): every recipe's statistics vector on the device (on
-   CUDA the pure-torch general path: there is no Triton block kernel yet) equals the CPU
-   path's (the compiled kernel where built) on edge values and random bit patterns, under
-   ``set_sync_debug_mode("error")``; and the cost per value of one MX recipe;
+   CUDA the Triton block kernel for the MX and pow2-floor recipes, the pure-torch path
+   for nvfp4 and per-tensor ones) equals the CPU path's (the C++ kernel where built) on
+   edge values, random bit patterns, fp16/bf16, a transposed view and partial blocks,
+   under ``set_sync_debug_mode("error")``; and each covered recipe's cost per value
+   (kernel and pure-torch path) against the histogram kernel's;
 8. ``fpaudit run`` on ``sample_configs/train_loop.py --bugs`` on the device: the three
    findings, and no host sync beyond the script's own (GradScaler's ``.item()``, its
    ``get_scale()``, its prints) and fpaudit's one read at the end, counted with
@@ -114,9 +116,49 @@ def check_exactness(device: torch.device) -> dict[str, Any]:
     return result
 
 
+def _median_seconds(device: torch.device, run: Any, reps: int) -> float:
+    """Median wall time of ``run()`` over ``reps`` runs after one warm-up (compiles)."""
+    times = []
+    for rep in range(reps + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        if rep:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def block_edge_values() -> torch.Tensor:
+    """Signed zeros, inf, NaN, fp32 subnormals, and each element format's thresholds
+    (scaled by a few powers of two, so they land in blocks of every scale) with their
+    fp32 neighbours."""
+    from fpaudit.recipes import E2M1, E4M3, E5M2
+
+    values = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2.0**-149, 2.0**-127]
+    for element in (E2M1, E4M3, E5M2):
+        edges = (element.round_to_zero_edge, element.smallest_subnormal,
+                 element.smallest_normal, element.max_finite, element.overflow_edge)  # fmt: skip
+        for edge in edges:
+            for shift in (-100, -3, 0, 5, 60):
+                values.append(float(edge) * 2.0**shift)
+    x = torch.tensor(values, dtype=torch.float32)
+    finite = x[torch.isfinite(x) & (x != 0)]
+    x = torch.cat([x, torch.nextafter(finite, torch.zeros_like(finite)),
+                   torch.nextafter(finite, torch.full_like(finite, float("inf")))])  # fmt: skip
+    return torch.cat([x, -x])
+
+
 def check_block_stats(device: torch.device, n: int, reps: int) -> dict[str, Any]:
-    """Block statistics on ``device`` against the CPU path, every recipe; ns per value."""
-    from fpaudit import blockstats
+    """Block statistics on ``device`` against the CPU path, every recipe; ns per value.
+
+    On CUDA the recipes the Triton block kernel covers take it (the rest the torch
+    general path); each is compared exactly with the CPU path (the C++ kernel where it
+    builds) on edge values, random bit patterns, wide binades, fp16/bf16 inputs, a
+    transposed view and partial blocks, under ``set_sync_debug_mode("error")``. Then each
+    covered recipe is timed (median of ``reps``) through the kernel and through the
+    pure-torch path, against the histogram kernel on the same values."""
+    from fpaudit import _triton_blocks, blockstats
     from fpaudit.recipes import RECIPES, get_recipe
 
     generator = torch.Generator().manual_seed(1)
@@ -124,32 +166,75 @@ def check_block_stats(device: torch.device, n: int, reps: int) -> dict[str, Any]
     x = torch.cat([patterns.to(torch.int32).view(torch.float32),
                    torch.randn(64, 512, generator=generator) * 1e-4,
                    torch.exp2(torch.randn(64, 512, generator=generator) * 30)])  # fmt: skip
-    names = [*RECIPES, "mxfp8-e4m3:col", "fp8-block-128x128:col"]
+    edges = block_edge_values()
+    edges = torch.cat([edges, torch.zeros(-edges.numel() % 48)]).reshape(-1, 48)
+    tensors = {
+        "mixed": x,
+        "edges (partial blocks)": edges,
+        "float16": (torch.randn(96, 256, generator=generator) * 1e-3).half(),
+        "bfloat16": (torch.randn(96, 256, generator=generator) * 1e-30).bfloat16(),
+        "transposed, partial": x[:, :300].t(),
+    }
+    names = [*RECIPES, *(f"{name}:col" for name, r in RECIPES.items() if not r.per_tensor)]
+    block_kernel = device.type == "cuda" and kernels.device_block_kernel() is not None
     mismatched = []
     for name in names:
         recipe = get_recipe(name)
-        # on CUDA against the CPU path (the compiled kernel); on the CPU (the smoke test)
-        # the kernel is the device path, so against the pure-torch path
-        expected = blockstats.block_stats(x, recipe, compiled=device.type != "cpu")
-        with no_host_sync(device):
-            got = blockstats.block_stats(x.to(device), recipe)
-        if not torch.equal(got.cpu(), expected):
-            mismatched.append(name)
+        for label, tensor in tensors.items():
+            # on CUDA against the CPU path (the compiled kernel); on the CPU (the smoke
+            # test) the kernel is the device path, so against the pure-torch path
+            expected = blockstats.block_stats(tensor, recipe, compiled=device.type != "cpu")
+            with no_host_sync(device):
+                got = blockstats.block_stats(tensor.to(device), recipe)
+            if not torch.equal(got.cpu(), expected):
+                mismatched.append(f"{name} on {label}")
     values = torch.randn(n, device=device) * 1e-3
-    recipe = get_recipe("mxfp8-e4m3")
-    times = []
-    for rep in range(reps + 1):
-        synchronize(device)
-        start = time.perf_counter()
-        blockstats.block_stats(values, recipe)
-        synchronize(device)
-        if rep:
-            times.append(time.perf_counter() - start)
+    table = histogram.HistogramTable(device)
+    row = table.new_row()
+    histogram_ns = _median_seconds(device, lambda: table._add_device(row, values), reps) / n * 1e9
+    timings: dict[str, dict[str, float]] = {}
+    for name, recipe in RECIPES.items():
+        if not _triton_blocks.covers(recipe):
+            continue
+        kernel_ns = _median_seconds(
+            device, lambda r=recipe: blockstats.block_stats(values, r), reps
+        ) / n * 1e9  # fmt: skip
+        with kernel_mode("torch"):
+            torch_ns = _median_seconds(
+                device, lambda r=recipe: blockstats.block_stats(values, r), reps
+            ) / n * 1e9  # fmt: skip
+        timings[name] = {
+            "ns_per_value": kernel_ns,
+            "torch_path_ns_per_value": torch_ns,
+            "ratio_to_histogram_kernel": kernel_ns / histogram_ns,
+        }
     return {
+        "block_kernel": "triton" if block_kernel else ("cpp" if device.type == "cpu" else "torch"),
+        "block_kernel_failure": kernels.device_block_failure(),
         "block_stats_exact": not mismatched,
-        "block_stats_mismatched_recipes": mismatched,
-        "block_stats_mxfp8_ns_per_value": statistics.median(times) / n * 1e9,
+        "block_stats_mismatched": mismatched,
+        "block_stats_histogram_ns_per_value": histogram_ns,
+        "block_stats_timings": timings,
     }
+
+
+def print_block_summary(summary: dict[str, Any]) -> None:
+    """One PASS/FAIL line for the block statistics, then a line per timed recipe."""
+    verdict = "PASS" if summary["block_stats_exact"] else "FAIL"
+    print(
+        f"block stats: {verdict} ({summary['block_kernel']} path on {summary['device']} "
+        f"equals the CPU path on every recipe)"
+        + "".join(f"\n  mismatch: {m}" for m in summary["block_stats_mismatched"])
+    )
+    print(
+        f"  histogram (device path): {summary['block_stats_histogram_ns_per_value']:.3f} ns/value"
+    )
+    for name, t in summary["block_stats_timings"].items():
+        print(
+            f"  {name:<20} {t['ns_per_value']:.3f} ns/value "
+            f"({t['ratio_to_histogram_kernel']:.2f}x the histogram; "
+            f"torch path {t['torch_path_ns_per_value']:.3f})"
+        )
 
 
 def time_kernels(device: torch.device, n: int, reps: int) -> dict[str, float]:
@@ -238,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         summary["device_name"] = torch.cuda.get_device_name(device)
     summary.update(check_exactness(device))
-    summary.update(check_block_stats(device, 1 << 16 if args.quick else 1 << 26,
+    summary.update(check_block_stats(device, 1 << 16 if args.quick else 1 << 25,
                                      1 if args.quick else 5))  # fmt: skip
 
     sample = runpy.run_path(str(ROOT / "sample_configs" / "transformer.py"))
@@ -363,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = ok and summary["run_no_extra_sync"] and len(summary["run_findings"]) == 3
     summary["ok"] = bool(ok)
     print(json.dumps(summary, indent=2))
+    print_block_summary(summary)
+    print(f"gpu_check: {'PASS' if ok else 'FAIL'}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if ok else 1

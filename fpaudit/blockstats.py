@@ -200,8 +200,10 @@ def block_stats(
     it (or with ``compiled=False``), blocks whose maximum and scale are all finite
     (the usual case) take a pure-torch path of a few passes (threshold counts); any
     inf, NaN or degenerate scale, any other device, or ``general`` takes the
-    general path, which needs no host sync. All give the same counts (the tests
-    check)."""
+    general path, which needs no host sync. On CUDA the Triton block kernel
+    (:mod:`fpaudit._triton_blocks`: MX and pow2-floor recipes) takes one pass where
+    Triton is available; nvfp4 and per-tensor recipes take the general path. All give
+    the same counts (the tests check)."""
     import torch
 
     if recipe.expected:
@@ -216,6 +218,10 @@ def block_stats(
         kernel = kernels.cpu_kernel()
         if kernel is not None:
             return _compiled_stats(kernel, blocks.contiguous(), recipe, padding)
+    if compiled and not general and device.type == "cuda":
+        done = _device_stats(blocks, recipe, padding)
+        if done is not None:
+            return done
     absolute = blocks.abs()
     multiplier, code, out_of_range, amax = block_scales(blocks, absolute, recipe)
     fast = not general and device.type == "cpu"
@@ -318,6 +324,34 @@ _KERNEL_RULES = {
     "nvfp4": 3,
     "amax": 4,
 }
+
+
+def _device_stats(blocks: torch.Tensor, recipe: Recipe, padding: int) -> torch.Tensor | None:
+    """The vector from the Triton block kernel (:mod:`fpaudit._triton_blocks`), or None
+    where it is unavailable, does not cover ``recipe``, or failed (a warning, once)."""
+    import warnings
+
+    import torch
+
+    from fpaudit import kernels
+
+    kernel = kernels.device_block_kernel()
+    if kernel is None or not kernel.covers(recipe):
+        return None
+    out = torch.zeros(WIDTH, dtype=torch.int64, device=blocks.device)
+    try:
+        kernel.block_stats_add(
+            blocks.contiguous(), recipe, padding, out, SCALE_OFFSET, RANGE_OFFSET
+        )
+    except Exception as error:  # Triton too old for the kernel, no compiler, ...
+        kernels.device_block_kernel_failed(error)
+        warnings.warn(
+            f"fpaudit: the Triton block-statistics kernel failed "
+            f"({kernels.device_block_failure()}); using the pure-torch path",
+            stacklevel=3,
+        )
+        return None
+    return out
 
 
 def _compiled_stats(

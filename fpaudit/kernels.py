@@ -13,6 +13,9 @@ reference they are tested against).
 
 On CUDA devices ``_triton_kernel.py`` bins in one read of every value when Triton
 is installed (CUDA builds of torch bring it); Triton compiles it on first use.
+``_triton_blocks.py`` computes block-scaled statistics there for the recipes whose
+scale depends on its block alone (MX floor and round-up, pow2-floor); the others
+keep the pure-torch path. Each Triton kernel that fails falls back alone, once.
 
 ``FPAUDIT_KERNEL`` chooses: ``auto`` (default: each compiled kernel where it
 builds, otherwise the pure-torch path), ``cpp`` (the CPU kernel or an error),
@@ -45,6 +48,8 @@ _module: ModuleType | None = None
 _failure: str | None = None
 _device_module: ModuleType | None = None
 _device_failure: str | None = None
+_block_module: ModuleType | None = None
+_block_failure: str | None = None
 
 
 def mode() -> str:
@@ -242,3 +247,42 @@ def device_kernel_failed(error: Exception) -> None:
 def device_failure() -> str | None:
     """Why the Triton kernel is not used, if it is not."""
     return _device_failure
+
+
+def device_block_kernel() -> ModuleType | None:
+    """The Triton block-statistics module for CUDA tensors, or None for the torch path."""
+    global _block_module, _block_failure
+    chosen = mode()
+    if chosen == "torch":
+        return None
+    if _block_module is None and _block_failure is None:
+        with _lock:
+            if _block_module is None and _block_failure is None:
+                try:
+                    from fpaudit import _triton_blocks
+
+                    _block_module = _triton_blocks
+                except Exception as error:  # not installed, or too old for the kernel
+                    _block_failure = f"{type(error).__name__}: {error}".splitlines()[0]
+    if _block_module is None and chosen == "triton":
+        raise UsageError(
+            f"{ENV}=triton but the GPU block-statistics kernel is unavailable: {_block_failure}"
+        )
+    return _block_module
+
+
+def device_block_kernel_failed(error: Exception) -> None:
+    """The Triton block kernel failed to compile or launch: the pure-torch path from now
+    on (``FPAUDIT_KERNEL=triton`` makes that an error instead)."""
+    global _block_module, _block_failure
+    _block_module = None
+    _block_failure = f"{type(error).__name__}: {error}".splitlines()[0]
+    if mode() == "triton":
+        raise UsageError(
+            f"{ENV}=triton but the GPU block-statistics kernel failed: {_block_failure}"
+        )
+
+
+def device_block_failure() -> str | None:
+    """Why the Triton block kernel is not used, if it is not."""
+    return _block_failure

@@ -167,3 +167,139 @@ def test_torch_mode_never_loads_the_gpu_kernel(monkeypatch: pytest.MonkeyPatch) 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert kernels.device_kernel() is None
+
+
+# ---- the block-statistics kernel (fpaudit/_triton_blocks.py) ----
+
+BLOCK_BASES = ("mxfp4", "mxfp4-rceil", "mxfp8-e4m3", "mxfp8-e4m3-rceil", "mxfp8-e5m2",
+               "mxfp8-e5m2-rceil", "fp8-block-1x128", "fp8-block-128x128")  # fmt: skip
+BLOCK_RECIPES = [name for base in BLOCK_BASES for name in (base, base + ":col")]
+
+
+def _block_vectors(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel's vector (through blockstats' dispatch) and the torch reference's."""
+    from fpaudit import blockstats as B
+    from fpaudit.recipes import get_recipe
+
+    recipe = get_recipe(name)
+    blocks, padding = B._blocks(tensor, recipe)
+    got = B._device_stats(blocks, recipe, padding)
+    assert got is not None, kernels.device_block_failure()
+    return got, B.block_stats(tensor, recipe, general=True)
+
+
+def _same_blocks(tensor: torch.Tensor, name: str) -> None:
+    from fpaudit import blockstats as B
+    from fpaudit.recipes import get_recipe
+
+    got, expected = _block_vectors(tensor, name)
+    assert torch.equal(got, expected), (name, (got - expected).nonzero().flatten().tolist())
+    # and hence the C++ kernel's, where it builds (the CPU path of block_stats)
+    if kernels.cpu_kernel() is not None:
+        assert torch.equal(got, B.block_stats(tensor, get_recipe(name)))
+
+
+def _maxima_at_every_binade(width: int, mantissas: tuple[float, ...]) -> torch.Tensor:
+    """One row of ``width`` values per binade -149..127 and mantissa: the maximum
+    ``mantissa * 2**b``, the rest spread 30 binades below it (subnormals and zeros near
+    the bottom), with a tie at half the maximum."""
+    generator = torch.Generator().manual_seed(3)
+    rows = []
+    for binade in range(-149, 128):
+        for mantissa in mantissas:
+            top = torch.tensor(mantissa * 2.0**binade, dtype=torch.float64)
+            spread = torch.exp2(-30 * torch.rand(width, generator=generator, dtype=torch.float64))
+            row = (top * spread).to(torch.float32)
+            row[0] = top.to(torch.float32)
+            row[1] = (top / 2).to(torch.float32)
+            row[2] = -row[2]
+            rows.append(row)
+    return torch.stack(rows)
+
+
+@in_the_interpreter
+@pytest.mark.parametrize("name", BLOCK_RECIPES)
+def test_block_kernel_on_edge_values_and_partial_blocks(name: str) -> None:
+    # ties, fp32 subnormals, +-0, inf, NaN; 48 columns: a partial block of 16 per row
+    # under 1x32, and partial 1x128 / 128x128 blocks
+    edges = edge_values()
+    x = torch.cat([edges, edges.flip(0)[: -edges.numel() % 48 or None]])
+    x = torch.cat([x, torch.zeros(-x.numel() % 48)]).reshape(-1, 48)
+    _same_blocks(x, name)
+    finite = torch.where(torch.isfinite(x), x, 1.0)  # no NaN block: every class counted
+    _same_blocks(finite, name)
+
+
+@in_the_interpreter
+@pytest.mark.parametrize("name", BLOCK_RECIPES)
+def test_block_kernel_with_block_maxima_at_every_binade(name: str) -> None:
+    # 2**b, 1.75 * 2**b and the largest fp32 below 2**(b + 1); one per binade per 128
+    if "128" in name:
+        _same_blocks(_maxima_at_every_binade(128, (2 - 2.0**-23,)), name)
+    else:
+        _same_blocks(_maxima_at_every_binade(32, (1.0, 1.75, 2 - 2.0**-23)), name)
+
+
+@in_the_interpreter
+@settings(max_examples=15, deadline=None)
+@given(
+    st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=1500),
+    st.sampled_from(BLOCK_RECIPES),
+    st.sampled_from([32, 48, 128, 200]),
+)
+def test_block_kernel_on_arbitrary_bit_patterns(patterns: list[int], name: str, width: int) -> None:
+    x = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([x, torch.zeros(-x.numel() % width)]).reshape(-1, width)
+    _same_blocks(x, name)
+
+
+@in_the_interpreter
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp8-e4m3-rceil", "fp8-block-1x128:col"])
+def test_block_kernel_on_low_precision_and_strided_inputs(name: str) -> None:
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 96, generator=generator) * torch.exp2(
+        torch.randint(-20, 10, (64, 1), generator=generator).float()
+    )
+    x[3, 5] = 0.0
+    for tensor in (x.half(), x.bfloat16(), x.t(), x[:, ::3], x.double(), x[0, 0]):
+        _same_blocks(tensor, name)
+
+
+def test_uncovered_recipes_and_the_torch_mode_keep_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fpaudit import _triton_blocks
+    from fpaudit import blockstats as B
+    from fpaudit.recipes import RECIPES, get_recipe
+
+    covered = {name for name, recipe in RECIPES.items() if _triton_blocks.covers(recipe)}
+    assert covered == {name.removesuffix(":col") for name in BLOCK_RECIPES}
+    blocks, padding = B._blocks(torch.ones(4, 16), get_recipe("nvfp4"))
+    assert B._device_stats(blocks, get_recipe("nvfp4"), padding) is None
+    monkeypatch.setenv(kernels.ENV, "torch")
+    assert kernels.device_block_kernel() is None
+
+
+def test_a_failing_block_kernel_falls_back_to_torch_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fpaudit import blockstats as B
+    from fpaudit.recipes import get_recipe
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("out of resources\nmore")
+
+    fake = SimpleNamespace(covers=lambda recipe: True, block_stats_add=broken)
+    monkeypatch.setattr(kernels, "_block_module", fake)
+    monkeypatch.setattr(kernels, "_block_failure", None)
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    recipe = get_recipe("mxfp8-e4m3")
+    blocks, padding = B._blocks(torch.ones(2, 32), recipe)
+    with pytest.warns(UserWarning, match="Triton block-statistics kernel failed .*out of res"):
+        assert B._device_stats(blocks, recipe, padding) is None
+    assert kernels.device_block_kernel() is None  # not tried again
+    assert kernels.device_block_failure() == "RuntimeError: out of resources"
+
+    monkeypatch.setenv(kernels.ENV, "triton")
+    with pytest.raises(UsageError, match="FPAUDIT_KERNEL=triton but the GPU block"):
+        kernels.device_block_kernel()
