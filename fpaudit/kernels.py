@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import os
 import threading
 import time
@@ -46,10 +47,6 @@ SOURCE = Path(__file__).with_name("_histogram_kernel.cpp")
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failure: str | None = None
-_device_module: ModuleType | None = None
-_device_failure: str | None = None
-_block_module: ModuleType | None = None
-_block_failure: str | None = None
 
 
 def mode() -> str:
@@ -212,77 +209,73 @@ def cpu_kernel(on_build: Callable[[], None] | None = None) -> ModuleType | None:
     return _module
 
 
-def device_kernel() -> ModuleType | None:
-    """The Triton kernel module for CUDA tensors, or None for the pure-torch path."""
-    global _device_module, _device_failure
-    chosen = mode()
-    if chosen == "torch":
-        return None
-    if _device_module is None and _device_failure is None:
-        with _lock:
-            if _device_module is None and _device_failure is None:
-                try:
-                    from fpaudit import _triton_kernel
+class _TritonKernel:
+    """One Triton kernel module for CUDA tensors: imported once, on first use, and given
+    up for the pure-torch path when it cannot be imported or fails (``FPAUDIT_KERNEL=
+    triton`` makes either an error instead; ``torch`` never imports it)."""
 
-                    _device_module = _triton_kernel
-                except Exception as error:  # not installed, or too old for the kernel
-                    _device_failure = f"{type(error).__name__}: {error}".splitlines()[0]
-    if _device_module is None and chosen == "triton":
-        raise UsageError(
-            f"{ENV}=triton but the GPU histogram kernel is unavailable: {_device_failure}"
-        )
-    return _device_module
+    def __init__(self, module: str, what: str) -> None:
+        self.name, self.what = module, what
+        self.module: ModuleType | None = None
+        self.failure: str | None = None
+
+    def get(self) -> ModuleType | None:
+        chosen = mode()
+        if chosen == "torch":
+            return None
+        if self.module is None and self.failure is None:
+            with _lock:
+                if self.module is None and self.failure is None:
+                    try:
+                        self.module = importlib.import_module(self.name)
+                    except Exception as error:  # not installed, or too old for the kernel
+                        self.failure = _first_line(error)
+        if self.module is None and chosen == "triton":
+            raise UsageError(f"{ENV}=triton but the {self.what} is unavailable: {self.failure}")
+        return self.module
+
+    def failed(self, error: Exception) -> None:
+        """It failed to compile or launch: the pure-torch path from now on."""
+        self.module, self.failure = None, _first_line(error)
+        if mode() == "triton":
+            raise UsageError(f"{ENV}=triton but the {self.what} failed: {self.failure}")
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+_HISTOGRAM = _TritonKernel("fpaudit._triton_kernel", "GPU histogram kernel")
+_BLOCKS = _TritonKernel("fpaudit._triton_blocks", "GPU block-statistics kernel")
+
+
+def device_kernel() -> ModuleType | None:
+    """The Triton histogram kernel module for CUDA tensors, or None for the pure-torch path."""
+    return _HISTOGRAM.get()
 
 
 def device_kernel_failed(error: Exception) -> None:
-    """The Triton kernel failed to compile or launch: use the pure-torch path from now on
-    (``FPAUDIT_KERNEL=triton`` makes that an error instead)."""
-    global _device_module, _device_failure
-    _device_module = None
-    _device_failure = f"{type(error).__name__}: {error}".splitlines()[0]
-    if mode() == "triton":
-        raise UsageError(f"{ENV}=triton but the GPU histogram kernel failed: {_device_failure}")
+    """The Triton histogram kernel failed to compile or launch: the pure-torch path from
+    now on (``FPAUDIT_KERNEL=triton`` makes that an error instead)."""
+    _HISTOGRAM.failed(error)
 
 
 def device_failure() -> str | None:
-    """Why the Triton kernel is not used, if it is not."""
-    return _device_failure
+    """Why the Triton histogram kernel is not used, if it is not."""
+    return _HISTOGRAM.failure
 
 
 def device_block_kernel() -> ModuleType | None:
     """The Triton block-statistics module for CUDA tensors, or None for the torch path."""
-    global _block_module, _block_failure
-    chosen = mode()
-    if chosen == "torch":
-        return None
-    if _block_module is None and _block_failure is None:
-        with _lock:
-            if _block_module is None and _block_failure is None:
-                try:
-                    from fpaudit import _triton_blocks
-
-                    _block_module = _triton_blocks
-                except Exception as error:  # not installed, or too old for the kernel
-                    _block_failure = f"{type(error).__name__}: {error}".splitlines()[0]
-    if _block_module is None and chosen == "triton":
-        raise UsageError(
-            f"{ENV}=triton but the GPU block-statistics kernel is unavailable: {_block_failure}"
-        )
-    return _block_module
+    return _BLOCKS.get()
 
 
 def device_block_kernel_failed(error: Exception) -> None:
     """The Triton block kernel failed to compile or launch: the pure-torch path from now
     on (``FPAUDIT_KERNEL=triton`` makes that an error instead)."""
-    global _block_module, _block_failure
-    _block_module = None
-    _block_failure = f"{type(error).__name__}: {error}".splitlines()[0]
-    if mode() == "triton":
-        raise UsageError(
-            f"{ENV}=triton but the GPU block-statistics kernel failed: {_block_failure}"
-        )
+    _BLOCKS.failed(error)
 
 
 def device_block_failure() -> str | None:
     """Why the Triton block kernel is not used, if it is not."""
-    return _block_failure
+    return _BLOCKS.failure

@@ -147,8 +147,8 @@ def test_a_failing_kernel_falls_back_to_torch_with_one_warning(
         raise RuntimeError("PTX too old\nmore")
 
     fake = SimpleNamespace(NATIVE=(torch.float32,), histogram_add=broken)
-    monkeypatch.setattr(kernels, "_device_module", fake)
-    monkeypatch.setattr(kernels, "_device_failure", None)
+    monkeypatch.setattr(kernels._HISTOGRAM, "module", fake)
+    monkeypatch.setattr(kernels._HISTOGRAM, "failure", None)
     monkeypatch.delenv(kernels.ENV, raising=False)
     table = H.HistogramTable(torch.device("cpu"))
     row = table.new_row()
@@ -290,8 +290,8 @@ def test_a_failing_block_kernel_falls_back_to_torch_with_one_warning(
         raise RuntimeError("out of resources\nmore")
 
     fake = SimpleNamespace(covers=lambda recipe: True, block_stats_add=broken)
-    monkeypatch.setattr(kernels, "_block_module", fake)
-    monkeypatch.setattr(kernels, "_block_failure", None)
+    monkeypatch.setattr(kernels._BLOCKS, "module", fake)
+    monkeypatch.setattr(kernels._BLOCKS, "failure", None)
     monkeypatch.delenv(kernels.ENV, raising=False)
     recipe = get_recipe("mxfp8-e4m3")
     blocks, padding = B._blocks(torch.ones(2, 32), recipe)
