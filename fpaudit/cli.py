@@ -464,7 +464,7 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
 
 
 def _block_summaries(report: Report, top: int) -> None:
-    """After a scan with --recipe: each recipe's worst modules by flush fraction."""
+    """After a scan or run with --recipe: each recipe's worst modules by flush fraction."""
     from fpaudit.blockplan import block_table
 
     for name in report.recipes:
@@ -856,7 +856,7 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
 def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
     """Draw a report: value histogram against the format's bands, modules x binades, scale.
 
-    With --recipe (a scan with --recipe): the scale codes of every block and the
+    With --recipe (a scan or run with --recipe): the scale codes of every block and the
     flushed fraction per module and recipe instead.
 
     Example: fpaudit plot report -o report.png --format fp16 --scale recommended
@@ -966,7 +966,7 @@ def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
     render.report_notes(report)
     wanted = options.recipe or report.recipes
     if not wanted:
-        raise UsageError(f"{report_path} has no block statistics; scan with --recipe R")
+        raise UsageError(f"{report_path} has no block statistics; scan or run with --recipe R")
     result = plan(report, list(wanted), options.max_flush, options.max_saturate)
     output = "json" if options.json else "names" if options.names else "table"
     render.plan(result, output)

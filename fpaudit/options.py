@@ -327,7 +327,7 @@ SPECS: tuple[Spec, ...] = (
         "recipe",
         "str",
         ("show",),
-        help="Block statistics of this recipe instead (from a scan with that recipe), "
+        help="Block statistics of this recipe instead (from a scan or run with that recipe), "
         "per module or op",
     ),
     # -- recommend ---------------------------------------------------------------
