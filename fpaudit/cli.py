@@ -19,13 +19,23 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypedDict, TypeVar
 
 import typer
 
 from fpaudit import __version__, config, limits, render
 from fpaudit import options as specs  # commands name their merged options `options`
-from fpaudit.command_options import (
+from fpaudit.errors import (
+    FpauditError,
+    Interrupted,
+    ModelFileError,
+    OptionError,
+    ReportExists,
+    UsageError,
+)
+from fpaudit.formats import FORMATS, Format, get_format
+from fpaudit.limits import DEFAULT_HEADROOM_BITS
+from fpaudit.options import (
     CONFIG_FIELD,
     CommandOptions,
     Fp16PlanArgs,
@@ -39,16 +49,6 @@ from fpaudit.command_options import (
     SimulateArgs,
     VerifyArgs,
 )
-from fpaudit.errors import (
-    FpauditError,
-    Interrupted,
-    ModelFileError,
-    OptionError,
-    ReportExists,
-    UsageError,
-)
-from fpaudit.formats import FORMATS, Format, get_format
-from fpaudit.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.recipes import RECIPES
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
@@ -95,7 +95,7 @@ def _main(
 
 
 # -- options ---------------------------------------------------------------
-# A command's flags are built from its options class (fpaudit.command_options): one
+# A command's flags are built from its options class (fpaudit.options): one
 # typer option per field, from the field's Spec (fpaudit.options), in field order.
 ConfigOption = Annotated[
     Path | None,
@@ -125,14 +125,14 @@ _VALUE_TYPES: dict[str, Any] = {
 _Args = TypeVar("_Args", bound=CommandOptions)
 
 
-def _flag(command: str, name: str) -> Any:
-    """The typer option of ``command``'s option ``name``, from its spec; ``None`` (the
-    default) means "not given", so the config file and the spec's default show through."""
-    if name == CONFIG_FIELD:
+def _flag(command: str, option: specs.Spec | None) -> Any:
+    """The typer option of one of ``command``'s options, from its spec (``None``: the
+    config file's place); ``None`` as the value means "not given", so the config file
+    and the declared default show through."""
+    if option is None:
         return ConfigOption
-    option = specs.spec(command, name)
     if not option.help:
-        raise ValueError(f"{command}'s {name!r} has no help to show")
+        raise ValueError(f"{command}'s {option.name!r} has no help to show")
     value = (
         list[str] if option.kind in specs.LIST_KINDS
         else Path if option.path
@@ -156,12 +156,13 @@ def _options(
             if parameter.name != "options"
         ]
         names = args.option_names()
+        declared = {option.name: option for option in args.specs()}
         flags = [
             inspect.Parameter(
                 name,
                 inspect.Parameter.KEYWORD_ONLY,
                 default=None,
-                annotation=_flag(args.COMMAND, name),
+                annotation=_flag(args.COMMAND, declared.get(name)),
             )
             for name in names
         ]
@@ -203,15 +204,25 @@ def _no_progress() -> Iterator[None]:
     yield None
 
 
-def _selection(options: ScanArgs | RunArgs) -> Selection:
-    """What --module/--exclude-module/--op/--exclude-op keep."""
+class _Captured(TypedDict):
+    window: int
+    selection: Selection
+    recipes: tuple[str, ...]
+
+
+def _captured(options: ScanArgs | RunArgs) -> _Captured:
+    """What scan and run capture alike: the --window, what --module/--exclude-module/
+    --op/--exclude-op keep, and each --recipe once; keywords of ScanOptions/RunOptions."""
     from fpaudit.capture import Selection
 
-    return Selection(
+    selection = Selection(
         modules=tuple(options.module),
         exclude_modules=tuple(options.exclude_module),
         ops=tuple(options.op),
         exclude_ops=tuple(options.exclude_op),
+    )
+    return _Captured(
+        window=options.window, selection=selection, recipes=tuple(dict.fromkeys(options.recipe))
     )
 
 
@@ -371,13 +382,11 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
         loss_scale=math.ldexp(1.0, log2_loss_scale),
         seed=options.seed,
         every=options.every,
-        window=options.window,
         amp=options.amp,
         shadow=options.shadow,
         forward=options.forward,
         origins=options.origins,
-        selection=_selection(options),
-        recipes=tuple(dict.fromkeys(options.recipe)),
+        **_captured(options),
     )
     out_path = _new_report_path(options)
     if resolve_device(scan_options.device).type == "cpu":
@@ -500,11 +509,9 @@ def run_command(
     run_options = RunOptions(
         max_steps=options.max_steps,
         capture_every=options.capture_every,
-        window=options.window,
         max_backoffs=options.max_backoffs,
         max_skip_rate=options.max_skip_rate,
-        selection=_selection(options),
-        recipes=tuple(dict.fromkeys(options.recipe)),
+        **_captured(options),
     )
     out_path = _new_report_path(options)
     import torch

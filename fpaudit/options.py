@@ -1,34 +1,56 @@
-"""Every command option, declared once.
+"""Every command option, declared once: a typed field of the command's options class.
 
-A :class:`Spec` names an option as the library does (``max_backoffs``), its TOML kind,
-the commands that take it, and, where it has one, its built-in default and help text.
-From these come the TOML schema (:data:`fpaudit.config.COMMAND_OPTIONS`), the help's
-``[default: X]`` and the defaults the commands and library option objects start from.
+A command's options are one frozen dataclass (:class:`ScanArgs`, :class:`RunArgs`, ...);
+each field is an option, declared by its type and an :class:`Option` that says its
+built-in default, its help text and how the command line spells it. The field's name
+is the library's (``max_backoffs``), its type what mypy checks every read against, and
+its default the declared one. From the fields come everything else:
 
-A default the value alone does not say (``None`` meaning "the report's first") is worded
-by ``shown``; a flag (``bool``) is off by default and its help shows no default; a required
-option declares none. :func:`merge_defaults` is what a command starts from.
+- :data:`SPECS`, one :class:`Spec` per option (name, TOML kind, the commands that take
+  it with this meaning, default, help), which ``fpaudit/cli.py`` turns into each
+  command's flags, in field order, and :mod:`fpaudit.config` into the TOML schema;
+- the help's ``[default: X]``, the defaults the library's own option objects start from
+  (:func:`default_int` and friends), and what a command holds when neither config file
+  nor flag sets an option.
 
-A spec also says how the command line spells the option (``short``, ``off``, ``path``):
-``fpaudit/cli.py`` builds each flag from it. Adding an option: one ``Spec`` here and a typed
-field in the command's class in :mod:`fpaudit.command_options` (its default read from the
-spec); tests/test_command_options.py and tests/test_help.py check that fields, help, TOML
-and library agree. No typer here: library modules read their defaults from this module.
+An option several commands share with one meaning (``force``, ``headroom_bits``) is one
+module-level :class:`Option` that each class calls; the classes list their options in
+the order their ``--help`` shows them.
+
+Adding an option to a command is one edit: a field in its class, here, e.g.
+``max_backoffs: int = Option(5, "More consecutive scale back-offs than this is a
+finding")()``; then the command reads ``options.max_backoffs``. tests/test_options.py
+and tests/test_help.py check that fields, flags, help, TOML and library agree. No typer
+here: library modules read their defaults from this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar, Self
 
 from fpaudit.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.records import KIND_BACKWARD
 
 # The commands a config file may have a table for, in the order messages list them.
 CONFIG_COMMANDS = ("scan", "run", "show", "recommend", "plot", "simulate", "gate", "plan")
+CONFIG_FIELD = "config_file"  # --config: where the command reads the rest from
 
 _NO_DEFAULT: Any = object()
 LIST_KINDS = ("patterns", "formats", "recipes")  # repeatable: a tuple of strings
+_DECLARED = "fpaudit.option"  # a field's metadata key for its Option
+# The TOML kinds a field's type allows ("scale" and "format": strings that name one).
+_KINDS_OF_TYPE = {
+    "int": ("int",),
+    "float": ("float",),
+    "bool": ("bool",),
+    "str": ("str", "scale", "format"),
+    "tuple[str, ...]": LIST_KINDS,
+}
 
 
 @dataclass(frozen=True)
@@ -93,486 +115,418 @@ class Spec:
         return f"{self.help} [default: {self.shown_default}]."
 
 
-ALL_REPORT_COMMANDS = ("show", "recommend", "plot", "simulate", "gate")
-_OUTPUT = ("scan", "run")
-_LIVE = ("scan", "verify", "fp16-plan")  # commands that run a model file
-_POLICYS = "the policy's"
-RECIPES_HELP = "Block-scaled recipe, e.g. mxfp8-e4m3, mxfp4, nvfp4 (repeatable; fpaudit recipes)"
+@dataclass(frozen=True)
+class Option:
+    """An option as a field declares it, less what the field says itself: its name and
+    type (the TOML ``kind`` follows from the type, ``int``, ``float``, ``bool`` or
+    ``str``, unless given: ``scale``, ``format``, or a list kind for a tuple). Calling it
+    gives the field; :class:`Spec` is what it becomes once the class names it."""
 
-SPECS: tuple[Spec, ...] = (
-    # -- scan and run share the output and selection groups ------------------
-    Spec(
-        "out",
-        "str",
-        ("scan",),
-        default="fpaudit-report",
-        help="Report directory",
-        short="-o",
-        path=True,
-    ),
-    Spec(
-        "out",
-        "str",
-        ("run",),
-        default="fpaudit-run",
-        help="Report directory",
-        short="-o",
-        path=True,
-    ),
-    Spec("force", "bool", _OUTPUT, help="Overwrite an existing report"),
-    Spec(
-        "replace_partial",
-        "bool",
-        _OUTPUT,
-        help="Let an interrupted run's report replace one with more completed steps",
-        off="--keep-complete",
-    ),
-    Spec(
-        "window",
-        "int",
-        _OUTPUT,
-        default=1,
-        help="Merge the records of W consecutive captured steps",
-    ),
-    Spec(
-        "module", "patterns", _OUTPUT, help="Capture only modules matching this glob (repeatable)"
-    ),
-    Spec(
-        "exclude_module", "patterns", _OUTPUT, help="Skip modules matching this glob (repeatable)"
-    ),
-    Spec(
-        "op",
-        "patterns",
-        ("scan",),
-        help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)",
-    ),
-    Spec("op", "patterns", ("run",), help="Capture only aten ops matching this glob (repeatable)"),
-    Spec("exclude_op", "patterns", _OUTPUT, help="Skip aten ops matching this glob (repeatable)"),
-    # -- scan ------------------------------------------------------------------
-    Spec("steps", "int", ("scan",), default=10, help="Training steps to run", short="-n"),
-    Spec("device", "str", _LIVE, default="auto", help="auto, cpu, cuda or cuda:N"),
-    Spec(
-        "format",
-        "formats",
-        ("scan",),
-        default=("fp16",),
-        help="Format(s) to summarise; repeat for several",
-        shown="fp16",
-        short="-f",
-    ),
-    Spec("seed", "int", _LIVE, default=0, help="Seed for torch, numpy and random"),
-    Spec(
-        "loss_scale",
-        "scale",
-        ("scan",),
-        default="1",
-        help="Run backward with this power-of-two loss scale",
-    ),
-    Spec(
-        "every",
-        "int",
-        ("scan",),
-        default=1,
-        help="Capture every K-th step only; the others run unaudited",
-    ),
-    Spec(
-        "amp",
-        "str",
-        ("scan",),
-        default=None,
-        help="Live mode: run forward under torch.autocast in fp16 or bf16",
-        shown="off",
-    ),
-    Spec(
-        "shadow",
-        "bool",
-        ("scan",),
-        help="With --amp: re-run low-precision backward ops in fp32 to count lost values",
-    ),
-    Spec(
-        "forward", "bool", ("scan",), help="Also record forward op outputs (a phase of their own)"
-    ),
-    # -- run -------------------------------------------------------------------
-    Spec(
-        "max_steps",
-        "int",
-        ("run",),
-        default=None,
-        help="Stop the script after N optimizer steps",
-    ),
-    Spec(
-        "capture_every",
-        "int",
-        ("run",),
-        default=10,
-        help="Record every backward op on every K-th step; 0: never",
-    ),
-    Spec(
-        "max_backoffs",
-        "int",
-        ("run",),
-        default=5,
-        help="More consecutive scale back-offs than this is a finding",
-    ),
-    Spec(
-        "max_skip_rate",
-        "float",
-        ("run",),
-        default=0.02,
-        help="A higher skip rate after calibration is a finding, 0..1",
-    ),
-    # -- shared by several commands ----------------------------------------------
-    Spec(
-        "format",
-        "format",
-        ("run", *ALL_REPORT_COMMANDS),
-        default=None,
-        help="fp16, bf16, fp8_e4m3fn or fp8_e5m2",
-        shown="the report's first",
-        short="-f",
-    ),
-    Spec(
-        "headroom_bits",
-        "int",
-        ("scan", "run", "recommend", "plot", "simulate", "gate"),
-        default=DEFAULT_HEADROOM_BITS,
-        help="Binades kept free below the format's max",
-    ),
-    # recommend and gate: unset, the report's own setting (scan --include-loss) holds
-    Spec(
-        "include_loss",
-        "bool",
-        ("scan", "recommend", "gate"),
-        help="Let the loss seed and <loss> ops limit the scale",
-        off="--exclude-loss",
-    ),
-    Spec("top", "int", ("scan",), default=8, help="Modules in the summary table"),
-    Spec(
-        "top",
-        "int",
-        ("show",),
-        default=None,
-        help="Only the N rows with the highest underflow fraction",
-        shown="all",
-    ),
-    Spec(
-        "origins",
-        "bool",
-        ("scan",),
-        help="Note, per op call forward and backward, whether it made inf/NaN (implies "
-        "--forward); see show --origins",
-    ),
-    Spec(
-        "origins",
-        "bool",
-        ("show",),
-        default=False,
-        help="The ops that made inf/NaN (scan --origins), and those predicted at --scale",
-        off="",
-    ),
-    Spec(
-        "drift_window",
-        "int",
-        ("run", "recommend"),
-        default=None,
-        help="Steps per window for the drift check",
-        shown="the run in ten windows",
-    ),
-    Spec(
-        "drift_binades",
-        "int",
-        ("run", "recommend"),
-        default=2,
-        help="Warn when per-window recommendations span more binades than this",
-    ),
-    Spec(
-        "json",
-        "bool",
-        ("show", "recommend", "simulate", "gate", "plan", "verify", "fp16-plan"),
-        default=False,
-        help="Print JSON instead of a table",
-    ),
-    # -- show ------------------------------------------------------------------
-    Spec(
-        "scale",
-        "scale",
-        ("show",),
-        default="1",
-        help="Power-of-two scale (1024, 2^10) or 'recommended'",
-        short="-s",
-    ),
-    Spec(
-        "kind",
-        "str",
-        ("show",),
-        default=KIND_BACKWARD,
-        help="backward (op outputs), grad (parameter gradients) or forward (--forward scans)",
-    ),
-    Spec(
-        "by",
-        "str",
-        ("show",),
-        default="module",
-        help="module, or op (module, autograd node and aten op)",
-    ),
-    Spec(
-        "steps",
-        "bool",
-        ("show",),
-        default=False,
-        help="The steps table instead: scale, skips, clipping, findings (fpaudit run)",
-    ),
-    Spec("limit", "int", ("show",), default=40, help="With --steps: rows shown, first and last"),
-    Spec(
-        "recipe",
-        "str",
-        ("show",),
-        help="Block statistics of this recipe instead (from a scan or run with that recipe), "
-        "per module or op",
-    ),
-    # -- recommend ---------------------------------------------------------------
-    Spec(
-        "worst_window",
-        "bool",
-        ("recommend",),
-        default=False,
-        help="Recommend from the window of steps with the smallest scale, and judge "
-        "underflow there",
-        off="--whole-run",
-    ),
-    # -- plot ------------------------------------------------------------------
-    Spec(
-        "output",
-        "str",
-        ("plot",),
-        help="The image to write: FILE.png or FILE.svg (required)",
-        short="-o",
-        path=True,
-    ),
-    Spec(
-        "scale",
-        "scale",
-        ("plot",),
-        default="recommended",
-        help="Power-of-two scale (4096, 2^12) or 'recommended'",
-        short="-s",
-    ),
-    Spec("recipe", "recipes", ("scan", "run", "plot", "plan"), help=RECIPES_HELP),
-    # -- simulate ----------------------------------------------------------------
-    Spec(
-        "policy",
-        "str",
-        ("simulate",),
-        default="torch",
-        help="torch, apex, deepspeed, megatron or static",
-    ),
-    # the loss-scaler settings: unset, the policy's own
-    Spec(
-        "init_scale",
-        "scale",
-        ("simulate",),
-        default=None,
-        help="Initial scale, e.g. 65536 or 2^16",
-        shown="the policy's; torch: the run's",
-    ),
-    Spec(
-        "growth_factor",
-        "float",
-        ("simulate",),
-        default=None,
-        help="Scale multiplier on growth",
-        shown=_POLICYS,
-    ),
-    Spec(
-        "backoff_factor",
-        "float",
-        ("simulate",),
-        default=None,
-        help="Scale multiplier on overflow",
-        shown=_POLICYS,
-    ),
-    Spec(
-        "growth_interval",
-        "int",
-        ("simulate",),
-        default=None,
-        help="Clean steps before a growth",
-        shown=_POLICYS,
-    ),
-    Spec(
-        "hysteresis",
-        "int",
-        ("simulate",),
-        default=None,
-        help="Overflows tolerated before backing off",
-        shown=_POLICYS,
-    ),
-    Spec(
-        "min_scale", "scale", ("simulate",), default=None, help="Floor of the scale", shown=_POLICYS
-    ),
-    Spec(
-        "max_scale", "scale", ("simulate",), default=None, help="Cap of the scale", shown=_POLICYS
-    ),
-    Spec(
-        "static_scale",
-        "scale",
-        ("simulate",),
-        default=None,
-        help="The static scale to compare with",
-        shown="the recommended one",
-    ),
-    # FP8 delayed scaling: fpaudit.delayed reads its defaults from these
-    Spec(
-        "amax_history_len",
-        "int",
-        ("simulate",),
-        default=1024,
-        help="FP8 delayed scaling: amax history length H",
-    ),
-    Spec("margin", "int", ("simulate",), default=0, help="FP8 delayed scaling: margin in binades"),
-    Spec(
-        "amax_compute_algo",
-        "str",
-        ("simulate",),
-        default="max",
-        help="FP8 delayed scaling: max or most_recent",
-    ),
-    Spec(
-        "sweep",
-        "bool",
-        ("simulate",),
-        default=False,
-        help="FP8 delayed scaling: replay H in 1..1024 x margin 0..2, recommend",
-        off="",
-    ),
-    Spec(
-        "max_overflow_steps",
-        "int",
-        ("simulate",),
-        default=0,
-        help="--sweep's gate: overflow steps allowed",
-    ),
-    # -- gate ------------------------------------------------------------------
-    Spec(
-        "max_underflow",
-        "float",
-        ("gate",),
-        help="Largest acceptable underflow fraction, 0..1 (required)",
-    ),
-    Spec(
-        "scale",
-        "scale",
-        ("gate",),
-        default=None,
-        help="Power-of-two scale to judge",
-        shown="the recommended one",
-        short="-s",
-    ),
-    Spec(
-        "per_module",
-        "bool",
-        ("gate",),
-        default=False,
-        help="Apply the limit to every module, not just overall",
-        off="--overall",
-    ),
-    Spec(
-        "allow_incomplete",
-        "bool",
-        ("gate",),
-        default=False,
-        help="Judge a report whose run was interrupted instead of failing it",
-        off="--require-complete",
-    ),
-    Spec(
-        "allow_nonfinite",
-        "bool",
-        ("gate",),
-        default=False,
-        help="Judge a report whose backward values or loss hold inf/NaN instead of failing it",
-        off="--require-finite",
-    ),
-    Spec(
-        "junit",
-        "str",
-        ("gate",),
-        help="Also write the verdict as JUnit XML: one test case per module",
-        path=True,
-    ),
-    Spec(
-        "recipe",
-        "str",
-        ("gate",),
-        help="Judge this block-scaled recipe's statistics with --max-flush",
-    ),
-    Spec(
-        "max_flush",
-        "float",
-        ("gate",),
-        help="With --recipe: largest flushed fraction, 0..1 (required with --recipe)",
-    ),
-    Spec(
-        "max_saturate",
-        "float",
-        ("gate",),
-        default=0.0,
-        help="With --recipe: largest saturated fraction",
-    ),
-    # -- plan ------------------------------------------------------------------
-    Spec(
-        "max_flush",
-        "float",
-        ("plan",),
-        help="Largest acceptable flushed fraction per module, 0..1 (required)",
-    ),
-    Spec(
-        "max_saturate",
-        "float",
-        ("plan",),
-        default=0.0,
-        help="Largest saturated fraction per module",
-    ),
-    Spec(
-        "names",
-        "bool",
-        ("plan",),
-        default=False,
-        help="Print only the modules that must stay in bf16, one a line",
-        off="--table",
-    ),
-    # -- verify (no config file) -----------------------------------------------
-    Spec(
-        "scale",
-        "scale",
-        ("verify",),
-        help="Power-of-two loss scale for the mixed step (1024, 2^10) (required)",
-        short="-s",
-    ),
-    Spec("amp", "str", ("verify",), default="fp16", help="fp16 or bf16"),
-    Spec(
-        "clip_norm",
-        "float",
-        ("verify",),
-        default=None,
-        help="Clip unscaled gradients to this total norm",
-    ),
-    # -- fp16-plan (no config file) --------------------------------------------
-    Spec("steps", "int", ("fp16-plan",), default=4, help="fp32 steps to scan"),
-    Spec(
-        "headroom_bits",
-        "int",
-        ("fp16-plan",),
-        default=1,
-        help="Keep amax * S at most 65504 / 2^H",
-    ),
-    Spec(
-        "max_underflow",
-        "float",
-        ("fp16-plan",),
-        default=0.001,
-        help="Largest backward underflow fraction at S",
-    ),
+    default: Any = _NO_DEFAULT
+    help: str = ""
+    kind: str = ""
+    shown: str = ""
+    short: str = ""
+    off: str | None = None
+    path: bool = False
+
+    def __call__(self) -> Any:
+        if self.has_default:
+            start = self.default
+        elif self.kind in LIST_KINDS:
+            start = ()
+        else:  # a flag is off, anything else unset (required, or the report's own)
+            start = False if self.kind == "bool" else None
+        return dataclasses.field(default=start, metadata={_DECLARED: self})
+
+    @property
+    def has_default(self) -> bool:
+        return self.default is not _NO_DEFAULT
+
+
+def flag(help: str, *, off: str | None = None, default: bool | None = None) -> Option:
+    """A flag (``bool``): off unless given; its help says what turning it on does.
+    ``default=False`` says so explicitly, as a JSON-or-table switch does."""
+    return Option(_NO_DEFAULT if default is None else default, help, kind="bool", off=off)
+
+
+def _kind(field: dataclasses.Field[Any], option: Option, command: str) -> str:
+    """The TOML kind of ``field``: declared, or its type's, checked against its type."""
+    base = re.sub(r"\s*\|\s*None$", "", str(field.type))
+    allowed = _KINDS_OF_TYPE.get(base)
+    if allowed is None:
+        raise TypeError(f"{command}'s {field.name!r}: an option of type {field.type} is not one")
+    kind = option.kind or allowed[0]
+    if kind not in allowed or (base == "tuple[str, ...]" and not option.kind):
+        raise TypeError(f"{command}'s {field.name!r}: kind {kind!r} does not fit {field.type}")
+    if field.default is None and not str(field.type).endswith("| None"):
+        raise TypeError(f"{command}'s {field.name!r} starts unset (None): its type must allow it")
+    return kind
+
+
+def _field_value(name: str, value: Any) -> Any:
+    """A list as a tuple (the objects are frozen), a path flag as the text a config
+    file would give (``config_file`` stays the path it is)."""
+    if isinstance(value, list):
+        return tuple(value)
+    return str(value) if isinstance(value, Path) and name != CONFIG_FIELD else value
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandOptions:
+    """What a command was told: its declared defaults, then the config file, then the flags.
+
+    ``given`` names the options the config file or a flag set, ``flagged`` those set on
+    the command line; both let a command tell "left at its default" from "asked for"."""
+
+    COMMAND: ClassVar[str]
+    given: frozenset[str] = frozenset()
+    flagged: frozenset[str] = frozenset()
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The declared options, in help order (``config_file`` is --config's place)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("given", "flagged"))
+
+    @classmethod
+    def specs(cls) -> tuple[Spec, ...]:
+        """Each option field as its :class:`Spec`, for this command alone, in field order."""
+        found = []
+        for field in dataclasses.fields(cls):
+            option = field.metadata.get(_DECLARED)
+            if option is None:
+                continue
+            found.append(
+                Spec(
+                    field.name,
+                    _kind(field, option, cls.COMMAND),
+                    (cls.COMMAND,),
+                    option.default,
+                    option.help,
+                    option.shown,
+                    option.short,
+                    option.off,
+                    option.path,
+                )
+            )
+        return tuple(found)
+
+    @classmethod
+    def build(cls, configured: Mapping[str, Any], flags: Mapping[str, Any]) -> Self:
+        """From the config file's values and the flags given (``None``: not given)."""
+        flags = {name: value for name, value in flags.items() if value is not None}
+        values = {**configured, **flags}
+        return cls(
+            **{name: _field_value(name, value) for name, value in values.items()},
+            given=frozenset(values) - {CONFIG_FIELD},
+            flagged=frozenset(flags) - {CONFIG_FIELD},
+        )
+
+    def to_meta(self) -> dict[str, Any]:
+        """The options as a report's metadata keeps them: JSON values, by name."""
+        meta: dict[str, Any] = {}
+        for name in self.option_names():
+            if name == CONFIG_FIELD:
+                continue
+            value = getattr(self, name)
+            meta[name] = list(value) if isinstance(value, tuple) else value
+        return meta
+
+
+# -- options several commands share with one meaning --------------------------------
+RECIPES_HELP = "Block-scaled recipe, e.g. mxfp8-e4m3, mxfp4, nvfp4 (repeatable; fpaudit recipes)"
+_POLICYS = "the policy's"
+FORCE = flag("Overwrite an existing report")
+REPLACE_PARTIAL = flag(
+    "Let an interrupted run's report replace one with more completed steps", off="--keep-complete"
 )
+WINDOW = Option(1, "Merge the records of W consecutive captured steps")
+MODULE = Option(help="Capture only modules matching this glob (repeatable)", kind="patterns")
+EXCLUDE_MODULE = Option(help="Skip modules matching this glob (repeatable)", kind="patterns")
+EXCLUDE_OP = Option(help="Skip aten ops matching this glob (repeatable)", kind="patterns")
+DEVICE = Option("auto", "auto, cpu, cuda or cuda:N")
+SEED = Option(0, "Seed for torch, numpy and random")
+REPORT_FORMAT = Option(
+    None, "fp16, bf16, fp8_e4m3fn or fp8_e5m2", kind="format", shown="the report's first",
+    short="-f",
+)  # fmt: skip
+HEADROOM_BITS = Option(DEFAULT_HEADROOM_BITS, "Binades kept free below the format's max")
+# recommend and gate: unset, the report's own setting (scan --include-loss) holds
+INCLUDE_LOSS = flag("Let the loss seed and <loss> ops limit the scale", off="--exclude-loss")
+DRIFT_WINDOW = Option(None, "Steps per window for the drift check", shown="the run in ten windows")
+DRIFT_BINADES = Option(2, "Warn when per-window recommendations span more binades than this")
+JSON = flag("Print JSON instead of a table", default=False)
+RECIPES = Option(help=RECIPES_HELP, kind="recipes")
+
+
+# -- the commands, each option in its help row's place ------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ScanArgs(CommandOptions):
+    COMMAND: ClassVar[str] = "scan"
+    steps: int = Option(10, "Training steps to run", short="-n")()
+    device: str = DEVICE()
+    format: tuple[str, ...] = Option(
+        ("fp16",), "Format(s) to summarise; repeat for several", kind="formats", shown="fp16",
+        short="-f",
+    )()  # fmt: skip
+    headroom_bits: int = HEADROOM_BITS()
+    include_loss: bool = INCLUDE_LOSS()
+    out: str = Option("fpaudit-report", "Report directory", short="-o", path=True)()
+    config_file: Path | None = None
+    seed: int = SEED()
+    loss_scale: str = Option("1", "Run backward with this power-of-two loss scale", kind="scale")()
+    top: int = Option(8, "Modules in the summary table")()
+    force: bool = FORCE()
+    every: int = Option(1, "Capture every K-th step only; the others run unaudited")()
+    window: int = WINDOW()
+    module: tuple[str, ...] = MODULE()
+    exclude_module: tuple[str, ...] = EXCLUDE_MODULE()
+    op: tuple[str, ...] = Option(
+        help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)",
+        kind="patterns",
+    )()
+    exclude_op: tuple[str, ...] = EXCLUDE_OP()
+    amp: str | None = Option(
+        None, "Live mode: run forward under torch.autocast in fp16 or bf16", shown="off"
+    )()
+    shadow: bool = flag(
+        "With --amp: re-run low-precision backward ops in fp32 to count lost values"
+    )()
+    forward: bool = flag("Also record forward op outputs (a phase of their own)")()
+    origins: bool = flag(
+        "Note, per op call forward and backward, whether it made inf/NaN (implies "
+        "--forward); see show --origins"
+    )()
+    replace_partial: bool = REPLACE_PARTIAL()
+    recipe: tuple[str, ...] = RECIPES()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunArgs(CommandOptions):
+    COMMAND: ClassVar[str] = "run"
+    out: str = Option("fpaudit-run", "Report directory", short="-o", path=True)()
+    force: bool = FORCE()
+    max_steps: int | None = Option(None, "Stop the script after N optimizer steps")()
+    capture_every: int = Option(10, "Record every backward op on every K-th step; 0: never")()
+    window: int = WINDOW()
+    format: str | None = REPORT_FORMAT()
+    headroom_bits: int = HEADROOM_BITS()
+    module: tuple[str, ...] = MODULE()
+    exclude_module: tuple[str, ...] = EXCLUDE_MODULE()
+    op: tuple[str, ...] = Option(
+        help="Capture only aten ops matching this glob (repeatable)", kind="patterns"
+    )()
+    exclude_op: tuple[str, ...] = EXCLUDE_OP()
+    max_backoffs: int = Option(5, "More consecutive scale back-offs than this is a finding")()
+    max_skip_rate: float = Option(0.02, "A higher skip rate after calibration is a finding, 0..1")()
+    drift_window: int | None = DRIFT_WINDOW()
+    drift_binades: int = DRIFT_BINADES()
+    replace_partial: bool = REPLACE_PARTIAL()
+    config_file: Path | None = None
+    recipe: tuple[str, ...] = RECIPES()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShowArgs(CommandOptions):
+    COMMAND: ClassVar[str] = "show"
+    format: str | None = REPORT_FORMAT()
+    scale: str = Option(
+        "1", "Power-of-two scale (1024, 2^10) or 'recommended'", kind="scale", short="-s"
+    )()
+    top: int | None = Option(
+        None, "Only the N rows with the highest underflow fraction", shown="all"
+    )()
+    kind: str = Option(
+        KIND_BACKWARD,
+        "backward (op outputs), grad (parameter gradients) or forward (--forward scans)",
+    )()
+    by: str = Option("module", "module, or op (module, autograd node and aten op)")()
+    steps: bool = flag(
+        "The steps table instead: scale, skips, clipping, findings (fpaudit run)", default=False
+    )()
+    limit: int = Option(40, "With --steps: rows shown, first and last")()
+    origins: bool = flag(
+        "The ops that made inf/NaN (scan --origins), and those predicted at --scale",
+        off="",
+        default=False,
+    )()
+    recipe: str | None = Option(
+        help="Block statistics of this recipe instead (from a scan or run with that recipe), "
+        "per module or op"
+    )()
+    json: bool = JSON()
+    config_file: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecommendArgs(CommandOptions):
+    COMMAND: ClassVar[str] = "recommend"
+    format: str | None = REPORT_FORMAT()
+    headroom_bits: int = HEADROOM_BITS()
+    include_loss: bool = INCLUDE_LOSS()
+    worst_window: bool = flag(
+        "Recommend from the window of steps with the smallest scale, and judge underflow there",
+        off="--whole-run",
+        default=False,
+    )()
+    drift_window: int | None = DRIFT_WINDOW()
+    drift_binades: int = DRIFT_BINADES()
+    json: bool = JSON()
+    config_file: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulateArgs(CommandOptions):
+    COMMAND: ClassVar[str] = "simulate"
+    policy: str = Option("torch", "torch, apex, deepspeed, megatron or static")()
+    format: str | None = REPORT_FORMAT()
+    # the loss-scaler settings: unset, the policy's own
+    init_scale: str | None = Option(
+        None, "Initial scale, e.g. 65536 or 2^16", kind="scale",
+        shown="the policy's; torch: the run's",
+    )()  # fmt: skip
+    growth_factor: float | None = Option(None, "Scale multiplier on growth", shown=_POLICYS)()
+    backoff_factor: float | None = Option(None, "Scale multiplier on overflow", shown=_POLICYS)()
+    growth_interval: int | None = Option(None, "Clean steps before a growth", shown=_POLICYS)()
+    hysteresis: int | None = Option(
+        None, "Overflows tolerated before backing off", shown=_POLICYS
+    )()
+    min_scale: str | None = Option(None, "Floor of the scale", kind="scale", shown=_POLICYS)()
+    max_scale: str | None = Option(None, "Cap of the scale", kind="scale", shown=_POLICYS)()
+    static_scale: str | None = Option(
+        None, "The static scale to compare with", kind="scale", shown="the recommended one"
+    )()
+    headroom_bits: int = HEADROOM_BITS()
+    # FP8 delayed scaling: fpaudit.delayed reads its defaults from these
+    amax_history_len: int = Option(1024, "FP8 delayed scaling: amax history length H")()
+    margin: int = Option(0, "FP8 delayed scaling: margin in binades")()
+    amax_compute_algo: str = Option("max", "FP8 delayed scaling: max or most_recent")()
+    sweep: bool = flag(
+        "FP8 delayed scaling: replay H in 1..1024 x margin 0..2, recommend",
+        off="",
+        default=False,
+    )()
+    max_overflow_steps: int = Option(0, "--sweep's gate: overflow steps allowed")()
+    json: bool = JSON()
+    config_file: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlotArgs(CommandOptions):
+    COMMAND: ClassVar[str] = "plot"
+    output: str | None = Option(
+        help="The image to write: FILE.png or FILE.svg (required)", short="-o", path=True
+    )()
+    format: str | None = REPORT_FORMAT()
+    scale: str = Option(
+        "recommended", "Power-of-two scale (4096, 2^12) or 'recommended'", kind="scale",
+        short="-s",
+    )()  # fmt: skip
+    headroom_bits: int = HEADROOM_BITS()
+    recipe: tuple[str, ...] = RECIPES()
+    config_file: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateArgs(CommandOptions):
+    COMMAND: ClassVar[str] = "gate"
+    max_underflow: float | None = Option(
+        help="Largest acceptable underflow fraction, 0..1 (required)"
+    )()
+    format: str | None = REPORT_FORMAT()
+    scale: str | None = Option(
+        None, "Power-of-two scale to judge", kind="scale", shown="the recommended one",
+        short="-s",
+    )()  # fmt: skip
+    per_module: bool = flag(
+        "Apply the limit to every module, not just overall", off="--overall", default=False
+    )()
+    headroom_bits: int = HEADROOM_BITS()
+    include_loss: bool = INCLUDE_LOSS()
+    allow_incomplete: bool = flag(
+        "Judge a report whose run was interrupted instead of failing it",
+        off="--require-complete",
+        default=False,
+    )()
+    allow_nonfinite: bool = flag(
+        "Judge a report whose backward values or loss hold inf/NaN instead of failing it",
+        off="--require-finite",
+        default=False,
+    )()
+    junit: str | None = Option(
+        help="Also write the verdict as JUnit XML: one test case per module", path=True
+    )()
+    recipe: str | None = Option(
+        help="Judge this block-scaled recipe's statistics with --max-flush"
+    )()
+    max_flush: float | None = Option(
+        help="With --recipe: largest flushed fraction, 0..1 (required with --recipe)"
+    )()
+    max_saturate: float = Option(0.0, "With --recipe: largest saturated fraction")()
+    json: bool = JSON()
+    config_file: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanArgs(CommandOptions):
+    COMMAND: ClassVar[str] = "plan"
+    recipe: tuple[str, ...] = RECIPES()
+    max_flush: float | None = Option(
+        help="Largest acceptable flushed fraction per module, 0..1 (required)"
+    )()
+    max_saturate: float = Option(0.0, "Largest saturated fraction per module")()
+    names: bool = flag(
+        "Print only the modules that must stay in bf16, one a line",
+        off="--table",
+        default=False,
+    )()
+    json: bool = JSON()
+    config_file: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyArgs(CommandOptions):  # no config file
+    COMMAND: ClassVar[str] = "verify"
+    scale: str | None = Option(
+        help="Power-of-two loss scale for the mixed step (1024, 2^10) (required)",
+        kind="scale",
+        short="-s",
+    )()
+    amp: str = Option("fp16", "fp16 or bf16")()
+    clip_norm: float | None = Option(None, "Clip unscaled gradients to this total norm")()
+    device: str = DEVICE()
+    seed: int = SEED()
+    json: bool = JSON()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp16PlanArgs(CommandOptions):  # no config file
+    COMMAND: ClassVar[str] = "fp16-plan"
+    steps: int = Option(4, "fp32 steps to scan")()
+    headroom_bits: int = Option(1, "Keep amax * S at most 65504 / 2^H")()
+    max_underflow: float = Option(0.001, "Largest backward underflow fraction at S")()
+    device: str = DEVICE()
+    seed: int = SEED()
+    json: bool = JSON()
+
+
+COMMAND_ARGS: tuple[type[CommandOptions], ...] = (
+    ScanArgs, RunArgs, ShowArgs, RecommendArgs, SimulateArgs, PlotArgs, GateArgs, PlanArgs,
+    VerifyArgs, Fp16PlanArgs,
+)  # fmt: skip
+
+
+def _merged(each: list[Spec]) -> tuple[Spec, ...]:
+    """One spec per option and meaning: the commands' own specs, those that agree in
+    everything but the command joined, in the order they first appear."""
+    joined: dict[Spec, list[str]] = {}
+    for one in each:
+        key = dataclasses.replace(one, commands=())
+        joined.setdefault(key, []).extend(one.commands)
+    return tuple(dataclasses.replace(key, commands=tuple(c)) for key, c in joined.items())
+
+
+SPECS: tuple[Spec, ...] = _merged([s for args in COMMAND_ARGS for s in args.specs()])
 
 
 def spec(command: str, name: str) -> Spec:
@@ -623,26 +577,6 @@ def default_float(command: str, name: str) -> float:
     if not isinstance(value, float):
         raise TypeError(f"{command}'s {name!r} default is not a number: {value!r}")
     return value
-
-
-def defaults(command: str) -> dict[str, Any]:
-    """Every declared default of ``command``'s options, by name."""
-    return {
-        option.name: option.default
-        for option in SPECS
-        if command in option.commands and option.has_default
-    }
-
-
-def merge_defaults(command: str) -> dict[str, Any]:
-    """What ``command`` starts from before its config file and flags: every option's
-    declared default, ``None`` where it has none (required, or unset until the report
-    or policy says)."""
-    return {
-        option.name: option.default if option.has_default else None
-        for option in SPECS
-        if command in option.commands
-    }
 
 
 def help_text(command: str, name: str) -> str:

@@ -1,0 +1,187 @@
+"""Each command's typed options object is where its options are declared: its specs,
+the flags typer shows and the TOML schema are built from its fields, in field order."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from fpaudit import options
+from fpaudit.cli import _options, app
+from fpaudit.limits import DEFAULT_HEADROOM_BITS
+from fpaudit.options import (
+    COMMAND_ARGS,
+    CONFIG_FIELD,
+    CommandOptions,
+    GateArgs,
+    RunArgs,
+    ScanArgs,
+    SimulateArgs,
+)
+from fpaudit.scan import ScanOptions
+
+IDS = [args.COMMAND for args in COMMAND_ARGS]
+
+
+@pytest.mark.parametrize("args", COMMAND_ARGS, ids=IDS)
+def test_the_fields_are_the_commands_specs_and_start_at_their_defaults(
+    args: type[CommandOptions],
+) -> None:
+    declared = {s.name: s for s in options.SPECS if args.COMMAND in s.commands}
+    names = set(args.option_names()) - {CONFIG_FIELD}
+    assert names == set(declared), args.COMMAND
+    started = args()
+    for name, spec in declared.items():
+        expected = spec.default if spec.has_default else False if spec.kind == "bool" else None
+        if spec.kind in options.LIST_KINDS and not spec.has_default:
+            expected = ()
+        assert getattr(started, name) == expected, (args.COMMAND, name)
+    # a config command reads the rest of its options from --config; verify and fp16-plan not
+    assert (CONFIG_FIELD in args.option_names()) == (args.COMMAND in options.CONFIG_COMMANDS)
+
+
+@pytest.mark.parametrize("args", COMMAND_ARGS, ids=IDS)
+def test_typer_shows_one_flag_per_field_in_field_order(args: type[CommandOptions]) -> None:
+    command = typer.main.get_command(app).commands[args.COMMAND]  # type: ignore[attr-defined]
+    shown = [p.name for p in command.params if p.param_type_name == "option"]
+    assert shown == list(args.option_names())
+    for param in command.params:
+        if param.name in (CONFIG_FIELD, "help") or param.param_type_name != "option":
+            continue
+        spec = options.spec(args.COMMAND, param.name)
+        assert tuple(param.opts + param.secondary_opts) == tuple(
+            d for decl in spec.declarations for d in decl.split("/")
+        ), (args.COMMAND, param.name)
+        assert param.help == spec.help_text()
+
+
+def test_the_field_is_the_one_declaration_of_default_help_and_flag() -> None:
+    """10 steps: the field's default, which the spec, the help and the library all read."""
+    (steps,) = [f for f in dataclasses.fields(ScanArgs) if f.name == "steps"]
+    assert steps.default == 10 and ScanArgs().steps == 10
+    spec = options.spec("scan", "steps")
+    assert spec.default == 10 and spec.kind == "int" and spec.commands == ("scan",)
+    assert spec.help_text() == "Training steps to run [default: 10]."
+    assert spec.declarations == ("--steps", "-n")
+    assert options.default_int("scan", "steps") == ScanOptions().steps == 10
+
+
+def test_an_option_shared_with_one_meaning_is_one_spec_of_every_command_that_takes_it() -> None:
+    (headroom,) = [s for s in options.SPECS if s.name == "headroom_bits" and "scan" in s.commands]
+    assert headroom.commands == ("scan", "run", "recommend", "simulate", "plot", "gate")
+    assert headroom.default == DEFAULT_HEADROOM_BITS
+    # the same name with another meaning is a spec of its own: fp16-plan keeps 1 binade
+    assert options.spec("fp16-plan", "headroom_bits").default == 1
+    assert len({(c, s.name) for s in options.SPECS for c in s.commands}) == sum(
+        len(s.commands) for s in options.SPECS
+    )  # no command declares a name twice
+
+
+@dataclass(frozen=True, kw_only=True)
+class _NewArgs(options.CommandOptions):
+    """A command with one option more than it had: the single edit adding an option is."""
+
+    COMMAND: ClassVar[str] = "scan"
+    steps: int = options.Option(10, "Training steps to run", short="-n")()
+    max_grad_zeros: float | None = options.Option(None, "Fail above this zero fraction")()
+    keep: bool = options.flag("Keep the report", off="--drop")()
+    recipe: tuple[str, ...] = options.RECIPES()
+
+
+def test_adding_a_field_is_all_an_option_needs() -> None:
+    """Its spec (kind from its type), its flag and help, its start value and its
+    metadata follow from the one field; typer shows it through the CLI's builder."""
+    specs = {s.name: s for s in _NewArgs.specs()}
+    assert specs["max_grad_zeros"].kind == "float" and specs["keep"].kind == "bool"
+    assert specs["recipe"].kind == "recipes"
+    assert specs["max_grad_zeros"].help_text() == "Fail above this zero fraction [default: none]."
+    assert specs["keep"].declarations == ("--keep/--drop",)
+    started = _NewArgs()
+    assert (started.max_grad_zeros, started.keep, started.recipe) == (None, False, ())
+    built = _NewArgs.build({}, {"max_grad_zeros": 0.5, "recipe": ["nvfp4"]})
+    assert built.to_meta() == {"steps": 10, "max_grad_zeros": 0.5, "keep": False,
+                               "recipe": ["nvfp4"]}  # fmt: skip
+    assert built.flagged == {"max_grad_zeros", "recipe"}
+    told: list[_NewArgs] = []
+    new = typer.Typer()
+
+    @new.command()
+    @_options(_NewArgs)
+    def scan(options: _NewArgs) -> None:
+        told.append(options)
+
+    done = CliRunner().invoke(new, ["--max-grad-zeros", "0.25", "--drop"])
+    assert done.exit_code == 0, done.output
+    assert told[0].max_grad_zeros == 0.25 and told[0].keep is False
+    assert told[0].flagged == {"max_grad_zeros", "keep"}
+    params = {p.name: p for p in typer.main.get_command(new).params}
+    assert params["max_grad_zeros"].help == "Fail above this zero fraction [default: none]."
+    assert params["keep"].opts + params["keep"].secondary_opts == ["--keep", "--drop"]
+
+
+@pytest.mark.parametrize(
+    ("annotation", "declared", "why"),
+    [
+        ("tuple[str, ...]", options.Option(help="Globs"), "does not fit"),  # which list kind?
+        ("int", options.Option(None, "Unset until the report says"), "must allow it"),
+        ("int", options.Option(1, "A number", kind="scale"), "does not fit"),
+        ("list[int]", options.Option(help="Numbers"), "is not one"),
+    ],
+)
+def test_a_field_that_cannot_be_an_option_fails_where_it_is_declared(
+    annotation: str, declared: options.Option, why: str
+) -> None:
+    namespace = {"__annotations__": {"COMMAND": "ClassVar[str]", "bad": annotation},
+                 "COMMAND": "scan", "bad": declared()}  # fmt: skip
+    bad = dataclass(frozen=True, kw_only=True)(type("Bad", (options.CommandOptions,), namespace))
+    with pytest.raises(TypeError, match=why):
+        bad.specs()
+
+
+def test_build_takes_flags_over_the_config_file_and_says_what_was_given() -> None:
+    built = GateArgs.build(
+        {"max_underflow": 0.5, "per_module": True},  # the config file
+        {"max_underflow": 0.25, "scale": None, "junit": Path("out/junit.xml")},  # flags
+    )
+    assert built.max_underflow == 0.25 and built.per_module is True
+    assert built.scale is None  # not given: the spec's default (the recommended scale)
+    assert built.junit == "out/junit.xml"  # a path flag holds the text a config file would
+    assert built.given == {"max_underflow", "per_module", "junit"}
+    assert built.flagged == {"max_underflow", "junit"}
+
+
+def test_repeated_options_are_tuples_and_the_meta_keeps_json_lists() -> None:
+    built = ScanArgs.build({"module": ["enc.*"]}, {"format": ["bf16", "fp16"]})
+    assert built.module == ("enc.*",) and built.format == ("bf16", "fp16")
+    meta = built.to_meta()
+    assert meta["module"] == ["enc.*"] and meta["format"] == ["bf16", "fp16"]
+    assert CONFIG_FIELD not in meta and "given" not in meta
+    assert set(meta) == set(ScanArgs.option_names()) - {CONFIG_FIELD}
+
+
+def test_the_objects_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RunArgs().max_steps = 3  # type: ignore[misc]
+
+
+def test_fp8_settings_from_a_config_file_are_given_but_not_flagged() -> None:
+    built = SimulateArgs.build({"margin": 1}, {"policy": "torch"})
+    assert "margin" in built.given and "margin" not in built.flagged
+    assert built.margin == 1 and built.amax_history_len == 1024  # 1024: the spec's default
+
+
+def test_a_flag_of_a_config_command_given_in_the_config_file_reaches_the_command(
+    cli, tmp_path: Path
+) -> None:
+    """End to end: --config's table sets an option, a flag overrides another."""
+    config_file = tmp_path / "fpaudit.toml"
+    config_file.write_text('[plot]\noutput = "x.gif"\n')
+    result = cli("plot", str(tmp_path / "no-report"), "--config", str(config_file))
+    assert result.code == 2
+    assert "x.gif" in result.stderr and "Traceback" not in result.stderr
