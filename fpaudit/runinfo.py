@@ -68,6 +68,34 @@ class RunInfo:
     findings: tuple[dict[str, Any], ...] = ()  # run: the misuse findings, as dicts
 
     @classmethod
+    def ended(
+        cls,
+        command: str | None,
+        stopped_by: str | None,
+        steps: tuple[int | None, int],
+        selection: Mapping[str, Sequence[str]],
+        amp_dtype: str | None,
+        *,
+        complete: bool | None = None,
+        **where: str,
+    ) -> RunInfo:
+        """A run as the command that wrote it ends it: ``steps`` requested and run, and
+        complete when nothing ``stopped_by`` it (an interruption, an exit or an error, in
+        words) unless ``complete`` says otherwise (``run``'s --max-steps stops a run that
+        is complete); ``where``: the ``model_file`` or ``script`` it ran."""
+        requested, run = steps
+        return cls(
+            command=command,
+            steps_requested=requested,
+            steps_run=run,
+            complete=stopped_by is None if complete is None else complete,
+            stopped_by=stopped_by,
+            selection=selection,
+            amp_dtype=amp_dtype,
+            **where,  # type: ignore[arg-type]  # model_file or script: str fields
+        )
+
+    @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> RunInfo:
         """The typed view of ``meta`` (checked on read by ``fpaudit.report``); a field
         of the wrong type reads as its default."""

@@ -238,18 +238,14 @@ def _scan(
 
     report = audit.report
     held = str(AMP_DTYPES[options.amp]).removeprefix("torch.") if options.amp else None
-    run = RunInfo(
-        command="scan",
-        model_file=str(path),
-        steps_requested=options.steps,
-        steps_run=steps_run,
-        complete=interrupted is None and exited is None,
-        stopped_by=interrupted.signal_name
+    stopped_by = (
+        interrupted.signal_name
         if interrupted is not None
-        else ("an exit in model code" if exited is not None else None),
-        selection=options.selection.describe(),
-        amp_dtype=held,
+        else ("an exit in model code" if exited is not None else None)
     )
+    steps = (options.steps, steps_run)
+    run = RunInfo.ended("scan", stopped_by, steps, options.selection.describe(), held,
+                        model_file=str(path))  # fmt: skip
     report.record_run(
         run,
         {

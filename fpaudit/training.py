@@ -530,15 +530,11 @@ def run_script(
     from fpaudit.analysis import held_dtype
 
     amp_dtype = held_dtype(report)
-    run = RunInfo(
-        command="run",
-        script=str(path),
-        steps_requested=options.max_steps,
-        steps_run=len(monitor.state.steps),
-        complete=failure is None and interrupted is None,
-        stopped_by=stopped_by,
-        selection=options.selection.describe(),
-        amp_dtype=amp_dtype,
+    steps = (options.max_steps, len(monitor.state.steps))
+    selection = options.selection.describe()
+    complete = failure is None and interrupted is None  # --max-steps ends a complete run
+    run = RunInfo.ended(
+        "run", stopped_by, steps, selection, amp_dtype, complete=complete, script=str(path)
     )
     report.record_run(
         run,

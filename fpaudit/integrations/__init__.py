@@ -210,15 +210,8 @@ class AuditSession:
         formats = self.formats or (AMP_NAMES.get(amp_dtype or "", "fp16"),)
         model = self.model
         first = next(model.parameters(), None) if model is not None else None
-        run = RunInfo(
-            command=self.command,
-            steps_requested=self.steps,
-            steps_run=max(steps_run, 0),
-            complete=stopped_by is None,
-            stopped_by=stopped_by,
-            selection=self.selection.describe(),
-            amp_dtype=amp_dtype,
-        )
+        steps = (self.steps, max(steps_run, 0))
+        run = RunInfo.ended(self.command, stopped_by, steps, self.selection.describe(), amp_dtype)
         report.record_run(
             run,
             {
