@@ -6,6 +6,7 @@ fsdp2: fully_shard on each Linear and the model (the default); flat: FSDP1
 (FullyShardedDataParallel) with its flat parameter; orig: FSDP1 with use_orig_params.
 """
 
+import gc
 import sys
 
 import torch
@@ -39,5 +40,9 @@ for _step in range(2):
         loss.backward()
         audit.step(loss=loss)
 write_report(audit.report, sys.argv[1])
+# The wrapper and the audit before the process group, as ddp_audit.py does: what FSDP
+# holds of the group's work is freed while Python is whole, not at interpreter exit.
+del audit, model
+gc.collect()
 dist.barrier()  # no rank leaves while a peer still reads the last collective
 dist.destroy_process_group()
