@@ -93,3 +93,16 @@ def test_record_run_stamps_the_run_then_the_settings_then_the_callers_meta() -> 
     assert report.meta["seed"] == 0
     assert report.meta["every"] == 3  # the caller's meta wins over the command's settings
     assert report.meta["argv"] == "fpaudit scan m.py"
+
+
+def test_a_run_ends_complete_unless_something_stopped_it() -> None:
+    stopped = RunInfo.ended("scan", "SIGINT", (4, 3), {"modules": ["a.*"]}, None, model_file="m.py")
+    assert (stopped.complete, stopped.stopped_by, stopped.steps_requested, stopped.steps_run) == (
+        False, "SIGINT", 4, 3,
+    )  # fmt: skip
+    assert stopped.model_file == "m.py" and stopped.selection == {"modules": ["a.*"]}
+    done = RunInfo.ended("lightning", None, (None, 7), {}, "bfloat16")
+    assert done.complete and done.stopped_by is None and done.amp_dtype == "bfloat16"
+    # run's --max-steps stops a script whose run is complete, and says what stopped it
+    capped = RunInfo.ended("run", "max-steps", (5, 5), {}, None, complete=True, script="t.py")
+    assert capped.complete and capped.stopped_by == "max-steps" and capped.script == "t.py"
