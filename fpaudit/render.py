@@ -952,7 +952,10 @@ def recipes(items: Iterable[Recipe], as_json: bool) -> None:
             "orientation": r.orientation,
             "scale_rule": r.scale_rule,
             "scale_format": r.scale_format,
-            "element_flush_at": r.element.round_to_zero_edge,
+            # round to nearest: every magnitude up to this becomes 0; stochastic rounding
+            # flushes none for certain, and any below the smallest subnormal may flush
+            "element_flush_at": None if r.expected else r.element.round_to_zero_edge,
+            "element_may_flush_below": r.element.smallest_subnormal if r.expected else None,
             "element_smallest_normal": r.element.smallest_normal,
             "element_max": r.element.max_finite,
             "rounding": r.rounding,
@@ -973,8 +976,7 @@ def recipes(items: Iterable[Recipe], as_json: bool) -> None:
     for header in headers:
         table.add_column(header, no_wrap=True, justify="left" if header == "recipe" else "right")
     for row, recipe in zip(rows, items, strict=True):
-        # stochastic rounding: any magnitude below the smallest subnormal may flush
-        flush = f"< {_power(recipe.element.smallest_subnormal)}" if recipe.expected else None
+        below = row["element_may_flush_below"]
         table.add_row(
             row["recipe"],
             row["element"].split("_", 1)[-1],
@@ -982,7 +984,7 @@ def recipes(items: Iterable[Recipe], as_json: bool) -> None:
             row["scale_rule"],
             row["scale_format"],
             "SR" if recipe.expected else "RN",
-            flush or _power(row["element_flush_at"]),
+            f"< {_power(below)}" if below is not None else _power(row["element_flush_at"]),
             _power(row["element_smallest_normal"]),
             f"{row['element_max']:g}",
         )

@@ -11,7 +11,7 @@ from torch import nn
 
 import fpaudit
 from fpaudit import blockplan, blockstats
-from fpaudit.recipes import get_recipe
+from fpaudit.recipes import RECIPES, get_recipe
 from fpaudit.report import SCHEMA_VERSION, Report
 from tests.conftest import MODELS, one_error_line
 
@@ -310,3 +310,28 @@ def test_run_recipes_from_a_config_file_and_bad_names(cli, tmp_path: Path) -> No
     )
     assert "unknown recipe 'mxfp9'; known: mxfp4" in line
     assert not (tmp_path / "x").exists()  # refused before the script ran
+
+
+def test_the_recipes_command_lists_every_recipe_with_its_thresholds(cli) -> None:
+    """E2M1: smallest subnormal 0.5 (0.1 x 2^0), so round to nearest sends |x| <= 0.25
+    (the tie included) to 0; E4M3: subnormal 2^-9, to 0 at or below 2^-10; E5M2:
+    2^-16 and 2^-17. Stochastic rounding flushes nothing for certain, and may flush any
+    magnitude below the smallest subnormal."""
+    result = cli("recipes", "--json")
+    assert result.code == 0, result.stderr
+    rows = {row["recipe"]: row for row in json.loads(result.stdout)}
+    assert list(rows) == list(RECIPES)  # cheapest first
+    assert [r["cost"] for r in rows.values()] == sorted(r["cost"] for r in rows.values())
+    assert rows["nvfp4"]["element_flush_at"] == 0.25 and rows["nvfp4"]["rounding"] == "nearest"
+    assert rows["nvfp4"]["element_may_flush_below"] is None
+    assert rows["nvfp4-sr"]["element_flush_at"] is None
+    assert rows["nvfp4-sr"]["element_may_flush_below"] == 0.5
+    assert rows["mxfp8-e4m3"]["element_flush_at"] == 2.0**-10
+    assert rows["mxfp8-e5m2"]["element_flush_at"] == 2.0**-17
+    assert (
+        rows["mxfp8-e4m3"]["element_max"] == 448.0 and rows["fp8-block-1x128"]["block"] == "1x128"
+    )
+    table = cli("recipes")
+    assert table.code == 0
+    (sr,) = [line for line in table.stdout.splitlines() if "nvfp4-sr" in line]
+    assert "< 2^-1" in sr and " SR " in sr
