@@ -27,7 +27,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from fpaudit.runinfo import AMP_NAMES, RunInfo
 if TYPE_CHECKING:
     from fpaudit.report import Report
 
-__all__ = ["AuditSession", "Patches", "scale_tensor", "unscaled"]
+__all__ = ["AuditSession", "Patches", "SessionCallback", "scale_tensor", "unscaled"]
 
 
 class AuditSession:
@@ -272,6 +272,41 @@ def unscaled(loss: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``loss`` (as backpropagated) divided by the loss scale: exact for powers of two."""
     value = loss.detach().reshape(()).float()
     return value if scale is None else value / scale.to(value.device).reshape(())
+
+
+class SessionCallback:
+    """What every framework callback starts from: one :class:`AuditSession` built from
+    the same arguments, named by the class's ``COMMAND``, and training not yet under way.
+    A callback lists it before its framework's base class; :meth:`_reset` sets what a
+    callback keeps of its own."""
+
+    COMMAND: ClassVar[str]
+
+    def __init__(
+        self,
+        out: str | Path = "fpaudit-report",
+        steps: int | None = None,
+        every: int = 1,
+        formats: Sequence[str] | None = None,
+        force: bool = True,
+        selection: Selection | None = None,
+    ) -> None:
+        super().__init__()
+        self.session = AuditSession(
+            self.COMMAND,
+            out=out,
+            steps=steps,
+            every=every,
+            formats=formats,
+            force=force,
+            selection=selection,
+        )
+        self._active = False
+        self._first_step = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        """The callback's own state before training starts."""
 
 
 class Patches:

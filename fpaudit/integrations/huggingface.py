@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from fpaudit._torch_patches import Call, wrap
-from fpaudit.capture import Selection
-from fpaudit.integrations import AuditSession, Patches, scale_tensor, unscaled
+from fpaudit.integrations import Patches, SessionCallback, scale_tensor, unscaled
 
 try:
     import transformers
@@ -46,7 +45,7 @@ __all__ = ["FpauditTrainerCallback"]
 _CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_")
 
 
-class FpauditTrainerCallback(TrainerCallback):
+class FpauditTrainerCallback(SessionCallback, TrainerCallback):
     """Audit the backward pass of selected optimizer steps; write a report when training ends.
 
     Options as :class:`fpaudit.integrations.lightning.FpauditCallback`:
@@ -87,27 +86,9 @@ class FpauditTrainerCallback(TrainerCallback):
     remove the hooks and write the steps recorded so far, marked incomplete.
     """
 
-    def __init__(
-        self,
-        out: str | Path = "fpaudit-report",
-        steps: int | None = None,
-        every: int = 1,
-        formats: Sequence[str] | None = None,
-        force: bool = True,
-        selection: Selection | None = None,
-    ) -> None:
-        super().__init__()
-        self.session = AuditSession(
-            "huggingface",
-            out=out,
-            steps=steps,
-            every=every,
-            formats=formats,
-            force=force,
-            selection=selection,
-        )
-        self._active = False
-        self._first_step = 0
+    COMMAND = "huggingface"
+
+    def _reset(self) -> None:
         self._last_step = 0
         self._meta: dict[str, Any] = {}
         self._patches = Patches()

@@ -19,14 +19,12 @@ package is not supported.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fpaudit.capture import Selection
-from fpaudit.integrations import AuditSession, scale_tensor, unscaled
+from fpaudit.integrations import SessionCallback, scale_tensor, unscaled
 
 try:
     import lightning
@@ -39,7 +37,7 @@ except ImportError as error:  # pragma: no cover - exercised only without lightn
 __all__ = ["FpauditCallback"]
 
 
-class FpauditCallback(Callback):
+class FpauditCallback(SessionCallback, Callback):
     """Audit the backward pass of selected optimizer steps; write a report when training ends.
 
     ``steps``: audit among the first N optimizer steps of the run (None: all);
@@ -78,27 +76,9 @@ class FpauditCallback(Callback):
     strategy is untested.
     """
 
-    def __init__(
-        self,
-        out: str | Path = "fpaudit-report",
-        steps: int | None = None,
-        every: int = 1,
-        formats: Sequence[str] | None = None,
-        force: bool = True,
-        selection: Selection | None = None,
-    ) -> None:
-        super().__init__()
-        self.session = AuditSession(
-            "lightning",
-            out=out,
-            steps=steps,
-            every=every,
-            formats=formats,
-            force=force,
-            selection=selection,
-        )
-        self._active = False
-        self._first_step = 0
+    COMMAND = "lightning"
+
+    def _reset(self) -> None:
         self._scale: torch.Tensor | None = None
 
     @property
