@@ -43,8 +43,6 @@ from fpaudit.errors import (
     FpauditError,
     Interrupted,
     ModelFileError,
-    OptionError,
-    ReportExists,
     UsageError,
 )
 from fpaudit.formats import FORMATS, Format, get_format
@@ -1148,12 +1146,7 @@ def run(argv: list[str] | None = None) -> int:
     except FpauditError as error:
         if _state["debug"]:
             traceback.print_exc()
-        if isinstance(error, ReportExists):  # the library says force=True
-            render.error_line(f"{error.target} already exists; pass --force to overwrite it")
-        elif isinstance(error, OptionError):  # the library names its parameter
-            render.error_line(error.as_flag())
-        else:
-            render.error_line(str(error))
+        render.error_line(error.as_flag())  # the library's words, its parameters as flags
         return error.exit_code
     except typer.TyperException as error:  # usage errors from the parser
         if _state["debug"]:

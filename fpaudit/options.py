@@ -47,6 +47,9 @@ class Spec:
     short: str = ""  # a one-letter alias, "-n"
     off: str | None = None  # a flag's off switch; None: "--no-NAME", "": none
     path: bool = False  # a file or folder: the flag takes a PATH
+    # The library's name for it where that differs (Selection's "modules" for --module):
+    # messages the library words with that name are shown with this flag (fpaudit.errors.flag).
+    library: str = ""
 
     @property
     def flag(self) -> str:
@@ -135,19 +138,40 @@ SPECS: tuple[Spec, ...] = (
         help="Merge the records of W consecutive captured steps",
     ),
     Spec(
-        "module", "patterns", _OUTPUT, help="Capture only modules matching this glob (repeatable)"
+        "module",
+        "patterns",
+        _OUTPUT,
+        help="Capture only modules matching this glob (repeatable)",
+        library="modules",
     ),
     Spec(
-        "exclude_module", "patterns", _OUTPUT, help="Skip modules matching this glob (repeatable)"
+        "exclude_module",
+        "patterns",
+        _OUTPUT,
+        help="Skip modules matching this glob (repeatable)",
+        library="exclude_modules",
     ),
     Spec(
         "op",
         "patterns",
         ("scan",),
         help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)",
+        library="ops",
     ),
-    Spec("op", "patterns", ("run",), help="Capture only aten ops matching this glob (repeatable)"),
-    Spec("exclude_op", "patterns", _OUTPUT, help="Skip aten ops matching this glob (repeatable)"),
+    Spec(
+        "op",
+        "patterns",
+        ("run",),
+        help="Capture only aten ops matching this glob (repeatable)",
+        library="ops",
+    ),
+    Spec(
+        "exclude_op",
+        "patterns",
+        _OUTPUT,
+        help="Skip aten ops matching this glob (repeatable)",
+        library="exclude_ops",
+    ),
     # -- scan ------------------------------------------------------------------
     Spec("steps", "int", ("scan",), default=10, help="Training steps to run", short="-n"),
     Spec("device", "str", _LIVE, default="auto", help="auto, cpu, cuda or cuda:N"),
@@ -357,7 +381,9 @@ SPECS: tuple[Spec, ...] = (
         help="Power-of-two scale (4096, 2^12) or 'recommended'",
         short="-s",
     ),
-    Spec("recipe", "recipes", ("scan", "run", "plot", "plan"), help=RECIPES_HELP),
+    Spec(
+        "recipe", "recipes", ("scan", "run", "plot", "plan"), help=RECIPES_HELP, library="recipes"
+    ),
     # -- simulate ----------------------------------------------------------------
     Spec(
         "policy",
