@@ -263,7 +263,7 @@ def write_junit(text: str, path: Path) -> None:
     line) when one cannot be or the file cannot be written.
     """
     data = text.encode("utf-8")
-    write_atomically(path, lambda handle: handle.write(data), option="--junit")
+    write_atomically(path, lambda handle: handle.write(data), option="junit")
 
 
 def escape_data(text: str) -> str:

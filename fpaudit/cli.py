@@ -320,7 +320,7 @@ def _reading_format(name: str | None, report: Report) -> Format:
     return get_format(name)
 
 
-def _scale(text: str | None, what: str = "--scale") -> int | None:
+def _scale(text: str | None, what: str = "scale") -> int | None:
     """log2 of a power-of-two scale given as 1024, 0.5, 2^10 or 2**10; None for 'recommended'."""
     if text is None or text.strip().lower() == "recommended":
         return None
@@ -360,7 +360,7 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
 
     formats = [get_format(name) for name in dict.fromkeys(options.format)]
     headroom = _headroom(options.headroom_bits)
-    log2_loss_scale = config.parse_scale(options.loss_scale, "--loss-scale")
+    log2_loss_scale = config.parse_scale(options.loss_scale, "loss_scale")
     if options.top < 1:
         raise UsageError(f"--top must be at least 1, got {options.top}")
     scan_options = ScanOptions(
@@ -765,9 +765,7 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
     scales = {"init_scale": options.init_scale, "min_scale": options.min_scale,
               "max_scale": options.max_scale, "static_scale": options.static_scale}  # fmt: skip
     numbers = {
-        name: config.parse_number(text, specs.spec("simulate", name).flag)
-        if text is not None
-        else None
+        name: config.parse_number(text, name) if text is not None else None
         for name, text in scales.items()
     }
     overrides = {
