@@ -921,7 +921,7 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
         text = ci.junit_xml(result, modules, report_path=str(report_path))
         ci.write_junit(text, Path(options.junit))
     if options.json:
-        render.print_json(result.to_dict())
+        render.print_json(result.to_dict(flags=True))  # reasons name the flags
     else:
         render.gate(result)
     if os.environ.get("GITHUB_ACTIONS") == "true":
