@@ -5,6 +5,7 @@ message here names the library's parameter; ``as_flag()`` is what the CLI prints
 from __future__ import annotations
 
 import ast
+import pickle
 import re
 from pathlib import Path
 
@@ -150,14 +151,47 @@ def test_scale_text_errors_name_the_option_given() -> None:
     assert caught.value.as_flag().startswith("--loss-scale 3 is not a power of two")
 
 
-def test_an_error_crosses_ranks_with_its_parameters() -> None:
-    # fpaudit.distributed sends an error's parts to the other ranks: they raise it again
-    # with its parameters still parameters, so the CLI still words them as flags.
-    from fpaudit.distributed import _parts
+class _OneRank:
+    """torch.distributed for a world of one rank that pickles what it sends, as gloo does."""
 
-    sent = _parts(UsageError(Named("out"), ": cannot create folder /x"))
-    assert ReportError(*sent).as_flag() == "--out: cannot create folder /x"
-    assert _parts(OSError("disk")) == ("disk",)
+    @staticmethod
+    def get_rank() -> int:
+        return 0
+
+    @staticmethod
+    def get_world_size() -> int:
+        return 1
+
+    @staticmethod
+    def broadcast_object_list(objects: list[object], src: int) -> None:
+        objects[:] = [pickle.loads(pickle.dumps(o)) for o in objects]
+
+    @staticmethod
+    def all_gather_object(gathered: list[object], mine: object) -> None:
+        gathered[:] = [pickle.loads(pickle.dumps(mine))]
+
+
+def test_an_error_crosses_ranks_with_its_parameters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 0 sends an error's parts to the others, which raise it again: its parameters
+    # are still parameters there, so the CLI still words them as flags.
+    from fpaudit import distributed
+
+    monkeypatch.setattr(distributed, "dist", _OneRank())
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError) as caught:
+        distributed._write_parts(report_from({"a": FINE}), tmp_path / "file" / "r", False)
+    assert str(caught.value) == (
+        f"out: cannot create folder {tmp_path / 'file'}: a file is in the way"
+    )
+    assert caught.value.as_flag() == (
+        f"--out: cannot create folder {tmp_path / 'file'}: a file is in the way"
+    )
+    assert distributed._parts(OSError("disk")) == ("disk",)
+    assert ReportError("writing failed: ", *distributed._parts(caught.value)).as_flag() == (
+        f"writing failed: --out: cannot create folder {tmp_path / 'file'}: a file is in the way"
+    )
 
 
 # -- gate verdicts -----------------------------------------------------------------
