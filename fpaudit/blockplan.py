@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fpaudit.errors import OptionError, UsageError
+from fpaudit.errors import Named, OptionError, UsageError
 from fpaudit.recipes import Recipe, as_recipe
 from fpaudit.records import BLOCK_COUNT_COLUMNS, LOSS_MODULE
 from fpaudit.report import Report
@@ -42,7 +42,8 @@ def _blocks(report: Report, recipe: Recipe) -> pd.DataFrame:
         recorded = ", ".join(report.recipes) or "none"
         raise UsageError(
             f"the report has no block statistics for recipe {recipe.name!r} "
-            f"(recorded: {recorded}); scan or run with --recipe {recipe.name}"
+            f"(recorded: {recorded}); scan or run with ",
+            Named("recipes", (recipe.name,)),
         )
     return report.blocks[report.blocks["recipe"] == recipe.name]
 

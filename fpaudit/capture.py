@@ -71,7 +71,6 @@ import difflib
 import fnmatch
 import functools
 import math
-import shlex
 import threading
 import time
 import weakref
@@ -87,7 +86,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpaudit import _signals, histogram
 from fpaudit.blockstats import BlockRecorder
-from fpaudit.errors import UsageError
+from fpaudit.errors import Named, OptionError, UsageError
 from fpaudit.origin_capture import OriginTracker
 from fpaudit.origin_capture import tensors_in as _tensors
 from fpaudit.recipes import Recipe, as_recipe
@@ -658,17 +657,16 @@ class Selection:
         model's modules; ``<loss>`` is always one), with the closest names, or when the
         globs together keep no module at all."""
         known = list(dict.fromkeys([LOSS_MODULE, *names]))
-        flags = (("--module", self.modules), ("--exclude-module", self.exclude_modules))
-        for flag, patterns in flags:
-            for pattern in patterns:
+        for field in ("modules", "exclude_modules"):
+            for pattern in getattr(self, field):
                 if not any(fnmatch.fnmatchcase(name, pattern) for name in known):
-                    raise UsageError(_no_match(flag, pattern, known, "module"))
+                    raise _no_match(field, pattern, known, "module")
         if not any(self.accepts(KIND_GRAD, name, "") for name in known):
-            globs = " ".join(
-                [*(f"--module {shlex.quote(p)}" for p in self.modules),
-                 *(f"--exclude-module {shlex.quote(p)}" for p in self.exclude_modules)]
-            )  # fmt: skip
-            raise UsageError(f"the selection {globs} leaves no module of the model to measure")
+            raise UsageError(
+                "the selection ",
+                *self._globs("modules", "exclude_modules"),
+                " leaves no module of the model to measure",
+            )
 
     def check_ops(self, ops: Iterable[str]) -> None:
         """Raise ``UsageError`` naming an op glob that matches none of ``ops`` (the aten
@@ -676,10 +674,10 @@ class Selection:
         seen = sorted(set(ops))
         if not seen:
             return  # nothing ran in backward: the report says it measured nothing
-        for flag, patterns in (("--op", self.ops), ("--exclude-op", self.exclude_ops)):
-            for pattern in patterns:
+        for field in ("ops", "exclude_ops"):
+            for pattern in getattr(self, field):
                 if not any(fnmatch.fnmatchcase(op, pattern) for op in seen):
-                    raise UsageError(_no_match(flag, pattern, seen, "backward op"))
+                    raise _no_match(field, pattern, seen, "backward op")
         kept = [
             op
             for op in seen
@@ -687,16 +685,25 @@ class Selection:
             and not self._matches(op, self.exclude_ops)
         ]
         if (self.ops or self.exclude_ops) and not kept:
-            globs = " ".join(
-                [
-                    *(f"--op {shlex.quote(p)}" for p in self.ops),
-                    *(f"--exclude-op {shlex.quote(p)}" for p in self.exclude_ops),
-                ]
+            raise UsageError(
+                "the selection ",
+                *self._globs("ops", "exclude_ops"),
+                " leaves no backward op of the model to measure",
             )
-            raise UsageError(f"the selection {globs} leaves no backward op of the model to measure")
+
+    def _globs(self, *fields: str) -> list[str | Named]:
+        """The globs of ``fields`` as a message names them, one parameter after another
+        (``modules=('a',) exclude_modules=('*',)``; ``--module a --exclude-module '*'``)."""
+        parts: list[str | Named] = [
+            part
+            for field in fields
+            if getattr(self, field)
+            for part in (" ", Named(field, getattr(self, field)))
+        ]
+        return parts[1:]
 
 
-def _no_match(flag: str, pattern: str, names: list[str], what: str) -> str:
+def _no_match(field: str, pattern: str, names: list[str], what: str) -> OptionError:
     shown = [n if n else "(root)" for n in names]
     close = difflib.get_close_matches(pattern, shown, n=3, cutoff=0.5)
     if close:
@@ -704,7 +711,7 @@ def _no_match(flag: str, pattern: str, names: list[str], what: str) -> str:
     else:
         listed = ", ".join(shown[:8]) + (", ..." if len(shown) > 8 else "")
         hint = f"{what}s are: {listed}"
-    return f"{flag} {pattern!r} matches no {what} of the model ({hint})"
+    return OptionError(field, f"{pattern!r} matches no {what} of the model ({hint})")
 
 
 # The modes of open audits, told of every optimizer step (see _optimizer_steps_counted).

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fpaudit.errors import flag
 from fpaudit.outputs import write_atomically
 from fpaudit.text import module_label, percent, scale_text
 
@@ -122,7 +123,9 @@ def _failure(failure: Failure, result: GateResult, report_path: str) -> _Failure
         numbers = _numbers_text(_Numbers.of(offender), result) if offender else ""
     # An overflow is the worse failure: a dynamic scaler skips the step, a static one trains on inf.
     kind = gating.OVERFLOW if gating.OVERFLOW in failure.kinds else failure.kinds[0]
-    return _Failure(name, kind, failure.reason, f"report: {report_path}\n{numbers}".rstrip())
+    # The JUnit file and annotations are the command line's output: its flags, not parameters.
+    message = failure.as_flag()
+    return _Failure(name, kind, message, f"report: {report_path}\n{numbers}".rstrip())
 
 
 def _evidence_text(result: GateResult) -> str:
@@ -210,7 +213,9 @@ def junit_xml(
     if EVIDENCE in failures:  # the report measured nothing, or inf/NaN, or no step
         cases.append((EVIDENCE, None))
     if not result.complete:
-        allowed = "allowed by --allow-incomplete" if result.incomplete_allowed else "not allowed"
+        allowed = (
+            f"allowed by {flag('allow_incomplete')}" if result.incomplete_allowed else "not allowed"
+        )
         cases.append((COMPLETE, f"the report's run was interrupted ({allowed})"))
 
     n_failures = sum(1 for name, _ in cases if name in failures)
@@ -263,7 +268,7 @@ def write_junit(text: str, path: Path) -> None:
     line) when one cannot be or the file cannot be written.
     """
     data = text.encode("utf-8")
-    write_atomically(path, lambda handle: handle.write(data), option="--junit")
+    write_atomically(path, lambda handle: handle.write(data), option="junit")
 
 
 def escape_data(text: str) -> str:

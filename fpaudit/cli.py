@@ -29,8 +29,6 @@ from fpaudit.errors import (
     FpauditError,
     Interrupted,
     ModelFileError,
-    OptionError,
-    ReportExists,
     UsageError,
 )
 from fpaudit.formats import FORMATS, Format, get_format
@@ -333,7 +331,7 @@ def _reading_format(name: str | None, report: Report) -> Format:
     return get_format(name)
 
 
-def _scale(text: str | None, what: str = "--scale") -> int | None:
+def _scale(text: str | None, what: str = "scale") -> int | None:
     """log2 of a power-of-two scale given as 1024, 0.5, 2^10 or 2**10; None for 'recommended'."""
     if text is None or text.strip().lower() == "recommended":
         return None
@@ -373,7 +371,7 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
 
     formats = [get_format(name) for name in dict.fromkeys(options.format)]
     headroom = _headroom(options.headroom_bits)
-    log2_loss_scale = config.parse_scale(options.loss_scale, "--loss-scale")
+    log2_loss_scale = config.parse_scale(options.loss_scale, "loss_scale")
     if options.top < 1:
         raise UsageError(f"--top must be at least 1, got {options.top}")
     scan_options = ScanOptions(
@@ -774,9 +772,7 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
     scales = {"init_scale": options.init_scale, "min_scale": options.min_scale,
               "max_scale": options.max_scale, "static_scale": options.static_scale}  # fmt: skip
     numbers = {
-        name: config.parse_number(text, specs.spec("simulate", name).flag)
-        if text is not None
-        else None
+        name: config.parse_number(text, name) if text is not None else None
         for name, text in scales.items()
     }
     overrides = {
@@ -932,7 +928,7 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
         text = ci.junit_xml(result, modules, report_path=str(report_path))
         ci.write_junit(text, Path(options.junit))
     if options.json:
-        render.print_json(result.to_dict())
+        render.print_json(result.to_dict(flags=True))  # reasons name the flags
     else:
         render.gate(result)
     if os.environ.get("GITHUB_ACTIONS") == "true":
@@ -1155,12 +1151,7 @@ def run(argv: list[str] | None = None) -> int:
     except FpauditError as error:
         if _state["debug"]:
             traceback.print_exc()
-        if isinstance(error, ReportExists):  # the library says force=True
-            render.error_line(f"{error.target} already exists; pass --force to overwrite it")
-        elif isinstance(error, OptionError):  # the library names its parameter
-            render.error_line(error.as_flag())
-        else:
-            render.error_line(str(error))
+        render.error_line(error.as_flag())  # the library's words, its parameters as flags
         return error.exit_code
     except typer.TyperException as error:  # usage errors from the parser
         if _state["debug"]:

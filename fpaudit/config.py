@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from fpaudit.errors import ConfigError, UsageError
+from fpaudit.errors import ConfigError, OptionError
 from fpaudit.limits import LOG2_SCALE_MAX, LOG2_SCALE_MIN
 from fpaudit.options import toml_schema
 
@@ -24,24 +24,27 @@ _POWER = re.compile(r"^\s*2\s*(\^|\*\*)\s*([+-]?\d+)\s*$")
 
 
 def parse_number(text: str, what: str) -> float:
-    """A positive finite number written as ``65536``, ``1e4``, ``2^16`` or ``2**-3``."""
+    """A positive finite number written as ``65536``, ``1e4``, ``2^16`` or ``2**-3``;
+    ``what`` names the option it is for (an :class:`~fpaudit.errors.OptionError` names it)."""
     match = _POWER.match(text)
     if match:
         exponent = int(match.group(2))
         if abs(exponent) > 1074:
-            raise UsageError(f"{what} {text} is out of range")
+            raise OptionError(what, f"{text} is out of range")
         return math.ldexp(1.0, exponent)
     try:
         value = float(text)
     except ValueError:
-        raise UsageError(f"{what} {text!r} is not a number; use e.g. 65536 or 2^16") from None
+        raise OptionError(what, f"{text!r} is not a number; use e.g. 65536 or 2^16") from None
     if not (math.isfinite(value) and value > 0):
-        raise UsageError(f"{what} must be a positive number, got {text}")
+        raise OptionError(what, f"must be a positive number, got {text}")
     return value
 
 
-def parse_scale(text: str, what: str = "--scale") -> int:
-    """log2 of a power-of-two scale written as ``1024``, ``0.5``, ``2^10`` or ``2**-3``."""
+def parse_scale(text: str, what: str = "scale") -> int:
+    """log2 of a power-of-two scale written as ``1024``, ``0.5``, ``2^10`` or ``2**-3``;
+    ``what`` names the option it is for (``scale``, ``loss_scale``), as in
+    :func:`parse_number`."""
     match = _POWER.match(text)
     if match:
         log2 = int(match.group(2))
@@ -49,22 +52,24 @@ def parse_scale(text: str, what: str = "--scale") -> int:
         try:
             value = float(text)
         except ValueError:
-            raise UsageError(f"{what} {text!r} is not a number; use e.g. 1024 or 2^10") from None
+            raise OptionError(what, f"{text!r} is not a number; use e.g. 1024 or 2^10") from None
         if not (math.isfinite(value) and value > 0):
-            raise UsageError(f"{what} must be a positive number, got {text}")
+            raise OptionError(what, f"must be a positive number, got {text}")
         mantissa, exponent = math.frexp(value)
         if mantissa != 0.5:
             lower = exponent - 1
-            raise UsageError(
-                f"{what} {text} is not a power of two; the nearest are "
+            raise OptionError(
+                what,
+                f"{text} is not a power of two; the nearest are "
                 f"{math.ldexp(1, lower):g} (2^{lower}) and "
-                f"{math.ldexp(1, lower + 1):g} (2^{lower + 1})"
+                f"{math.ldexp(1, lower + 1):g} (2^{lower + 1})",
             )
         log2 = exponent - 1
     if not LOG2_SCALE_MIN <= log2 <= LOG2_SCALE_MAX:
-        raise UsageError(
-            f"{what} 2^{log2} is outside the range of an fp32 scale "
-            f"(2^{LOG2_SCALE_MIN} to 2^{LOG2_SCALE_MAX})"
+        raise OptionError(
+            what,
+            f"2^{log2} is outside the range of an fp32 scale "
+            f"(2^{LOG2_SCALE_MIN} to 2^{LOG2_SCALE_MAX})",
         )
     return log2
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fpaudit.errors import ReportError, ReportExists, UsageError
+from fpaudit.errors import FpauditError, Named, ReportError, ReportExists, UsageError
 
 if TYPE_CHECKING:  # pandas and pyarrow: only once a report is written
     from fpaudit.report import Report
@@ -118,23 +118,23 @@ def _write_parts(report: Report, target: Path, force: bool) -> Path:
         except ReportExists:
             plan = [("exists", str(target))]
         except UsageError as error:  # a parent folder that cannot be created
-            plan = [("usage", str(error))]
+            plan = [("usage", error.wording.parts)]  # its parts: the CLI words them as flags
         except ReportError as error:
-            plan = [("error", str(error))]
+            plan = [("error", error.wording.parts)]
     dist.broadcast_object_list(plan, src=0)
     status, value = plan[0]
     if status == "exists":
         raise ReportExists(value)
     if status == "usage":
-        raise UsageError(value)
+        raise UsageError(*value)
     if status == "error":
-        raise ReportError(value)
+        raise ReportError(*value)
     staging = Path(value)
     try:
         with output_errors(target):
             mine: tuple[str, Any] = ("ok", report.write_tables(staging, rank_prefix(rank)))
     except Exception as error:  # tell the others before raising
-        mine = ("error", f"rank {rank}: {error}")
+        mine = ("error", (f"rank {rank}: ", *_parts(error)))
     parts: list[Any] = [None] * world
     dist.all_gather_object(parts, (mine, report.complete))
     outcome: list[Any] = [("ok", "")]
@@ -142,7 +142,7 @@ def _write_parts(report: Report, target: Path, force: bool) -> Path:
         errors = [entry[1] for entry, _ in parts if entry[0] == "error"]
         try:
             if errors:
-                raise ReportError(f"writing {target} failed: {errors[0]}")
+                raise ReportError(f"writing {target} failed: ", *errors[0])
             files = {name: e for entry, _ in parts for name, e in entry[1].items()}
             complete = all(done for _, done in parts)
             with output_errors(target):
@@ -150,9 +150,15 @@ def _write_parts(report: Report, target: Path, force: bool) -> Path:
                 finish(staging, target)
         except Exception as error:
             shutil.rmtree(staging, ignore_errors=True)
-            outcome = [("error", str(error))]
+            outcome = [("error", _parts(error))]
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0][0] == "error":
-        raise ReportError(outcome[0][1])
+        raise ReportError(*outcome[0][1])
     report.path = target
     return target
+
+
+def _parts(error: BaseException) -> tuple[str | Named, ...]:
+    """What an error says, as parts another rank can raise again (``Named`` parameters
+    stay parameters, so the CLI still words them as flags)."""
+    return error.wording.parts if isinstance(error, FpauditError) else (str(error),)

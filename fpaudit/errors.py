@@ -3,18 +3,98 @@
 Every one of them becomes exactly one line on stderr and exit code 2 in the
 CLI (see ``cli.main``). Messages name the culprit and, where there is one, the
 fix.
+
+The library words a message in its own terms (``pass force=True``, ``max_steps must
+be at least 1``); the command line says the same with flags (``pass --force``,
+``--max-steps must be at least 1``). A message that names a parameter is built from
+text and :class:`Named` parts (a :class:`Wording`): ``str()`` gives the library's
+words, :meth:`Wording.as_flag` the command line's, and nothing is found again by
+searching the text, so a path or a module that happens to be called ``out`` stays as
+it is. The same wording serves the gate's reasons (:class:`fpaudit.gating.Failure`).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
+import shlex
+from dataclasses import dataclass
+from typing import Literal
+
+
+def flag(name: str) -> str:
+    """The command-line flag of the library parameter ``name``: ``max_steps`` is
+    ``--max-steps``; a parameter whose option is spelled otherwise (``Selection``'s
+    ``modules``, whose flag is ``--module``) says so in its spec (``Spec.library``). A
+    name that is a flag already (``-o``) stays as it is."""
+    from fpaudit.options import SPECS  # options declares every flag; it imports no errors
+
+    if name.startswith("-"):
+        return name
+    for spec in SPECS:
+        if spec.library == name:
+            return spec.flag
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Named:
+    """A library parameter a message names: ``name`` as the library spells it and, where
+    the message shows it, the ``value`` given: one string, the strings of a repeatable
+    option, or ``True`` for a switch turned on.
+
+    The library says ``name``, ``name='value'``, ``name=('a', 'b')``, ``name=True``; the
+    command line ``--name``, ``--name value`` (quoted as a shell needs),
+    ``--name a --name b``, ``--name``."""
+
+    name: str
+    value: str | tuple[str, ...] | Literal[True] | None = None
+
+    def __str__(self) -> str:
+        return self.name if self.value is None else f"{self.name}={self.value!r}"
+
+    def as_flag(self) -> str:
+        spelled = flag(self.name)
+        if self.value is None or self.value is True:
+            return spelled
+        values = (self.value,) if isinstance(self.value, str) else self.value
+        return " ".join(f"{spelled} {shlex.quote(value)}" for value in values)
+
+
+@dataclass(frozen=True, init=False)
+class Wording:
+    """A one-line message of text and :class:`Named` parameters, in two vocabularies:
+    ``str()`` the library's, :meth:`as_flag` the command line's."""
+
+    parts: tuple[str | Named, ...]
+
+    def __init__(self, *parts: str | Named) -> None:
+        object.__setattr__(self, "parts", parts)
+
+    def __str__(self) -> str:
+        return "".join(str(part) for part in self.parts)
+
+    def as_flag(self) -> str:
+        """The message as the command line says it, each parameter as its flag."""
+        return "".join(
+            part.as_flag() if isinstance(part, Named) else str(part) for part in self.parts
+        )
 
 
 class FpauditError(Exception):
-    """Base class: a problem with the user's input, not a bug in fpaudit."""
+    """Base class: a problem with the user's input, not a bug in fpaudit.
+
+    The message is text and :class:`Named` parameters (``UsageError("pass ",
+    Named("force", True), " to overwrite it")``); ``str()`` words it as the library
+    does, :meth:`as_flag` as the command line does."""
 
     exit_code = 2
+
+    def __init__(self, *message: str | Named) -> None:
+        self.wording = Wording(*message)
+        super().__init__(str(self.wording))
+
+    def as_flag(self) -> str:
+        """The message as the command line says it (what ``cli.run`` prints)."""
+        return self.wording.as_flag()
 
 
 class UsageError(FpauditError):
@@ -25,29 +105,15 @@ class OptionError(UsageError):
     """A bad value for a library parameter, named as the library names it
     (``steps must be at least 1, got 0``); the CLI names the flag instead.
 
-    ``mentions`` are the other parameters ``detail`` names, as ``name`` or
-    ``name='value'`` (``hysteresis does not apply to policy='torch'; it takes
-    init_scale``); :meth:`as_flag` words them as flags too."""
+    ``detail`` may name other parameters (``hysteresis does not apply to
+    policy='torch'; it takes init_scale``): give them as :class:`Named` parts, and
+    :meth:`as_flag` words them as flags too (``--hysteresis does not apply to
+    --policy torch; it takes --init-scale``)."""
 
-    def __init__(self, option: str, detail: str, *, mentions: Sequence[str] = ()) -> None:
-        super().__init__(f"{option} {detail}")
+    def __init__(self, option: str, *detail: str | Named) -> None:
+        super().__init__(Named(option), " ", *detail)
         self.option = option
-        self.detail = detail
-        self.mentions = tuple(mentions)
-
-    def as_flag(self) -> str:
-        """The message as the command line says it: ``--steps must be at least 1, got 0``,
-        ``--hysteresis does not apply to --policy torch; it takes --init-scale``."""
-        detail = self.detail
-        for name in self.mentions:
-            flag = _flag(name)
-            detail = re.sub(rf"(?<![-\w]){name}='([^']*)'", rf"{flag} \1", detail)
-            detail = re.sub(rf"(?<![-\w]){name}\b", flag, detail)
-        return f"{_flag(self.option)} {detail}"
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+        self.detail = str(Wording(*detail))
 
 
 class ConfigError(FpauditError):
@@ -71,7 +137,9 @@ class ReportExists(ReportError):
     (the CLI says ``--force``)."""
 
     def __init__(self, target: object) -> None:
-        super().__init__(f"{target} already exists; pass force=True to overwrite it")
+        super().__init__(
+            f"{target} already exists; pass ", Named("force", True), " to overwrite it"
+        )
         self.target = target
 
 

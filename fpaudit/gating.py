@@ -3,7 +3,10 @@ stays under a threshold.
 
 The verdict is decided here, once: :attr:`GateResult.failures` lists every
 reason the gate failed, and every rendering (terminal, JSON, JUnit, GitHub
-annotations) reads it instead of deciding again. The gate fails
+annotations) reads it instead of deciding again. A reason speaks the library's
+terms (``max_underflow``, ``allow_incomplete=True``) and holds the parameters it
+names (a :class:`~fpaudit.errors.Wording`), so the command line's renderings say
+the flags instead (``--max-underflow``, ``--allow-incomplete``). The gate fails
 
 * on **evidence**: when no nonzero finite value in scope was measured (a
   selection that matched nothing, a run that captured nothing, values that
@@ -24,12 +27,13 @@ The scale defaults to the recommended one.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from fpaudit import analysis
+from fpaudit.errors import Named, Wording
 from fpaudit.formats import Format, as_format
 from fpaudit.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.recommendation import recommend
@@ -54,11 +58,27 @@ COMPLETE = "(complete)"
 @dataclass(frozen=True)
 class Failure:
     """One reason the gate failed: what (a module, ``OVERALL``, ``EVIDENCE`` or
-    ``COMPLETE``), which rule (``kinds``) and a one-line reason in plain words."""
+    ``COMPLETE``), which rule (``kinds``) and a one-line reason in plain words
+    (``wording``): :attr:`reason` in the library's terms, :meth:`as_flag` as the
+    command line says it."""
 
     subject: str
     kinds: tuple[str, ...]
-    reason: str
+    wording: Wording
+
+    @property
+    def reason(self) -> str:
+        """The reason in the library's terms (``vs max_underflow 0.001``)."""
+        return str(self.wording)
+
+    def as_flag(self) -> str:
+        """The reason as the command line says it (``vs --max-underflow 0.001``)."""
+        return self.wording.as_flag()
+
+    def to_dict(self, *, flags: bool = False) -> dict[str, Any]:
+        """``subject``, ``kinds`` and ``reason`` (``flags``: as the command line says it)."""
+        reason = self.as_flag() if flags else self.reason
+        return {"subject": self.subject, "kinds": self.kinds, "reason": reason}
 
 
 @dataclass(frozen=True)
@@ -86,12 +106,16 @@ class GateResult:
     lost_fraction: float = 0.0
     failures: list[Failure] = field(default_factory=list)  # empty exactly when passed
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self, *, flags: bool = False) -> dict[str, Any]:
+        """Every field as JSON values; ``flags``: the reasons as the command line says
+        them (what ``gate --json`` prints)."""
+        data = asdict(replace(self, failures=[]))
+        data["failures"] = [failure.to_dict(flags=flags) for failure in self.failures]
+        return data
 
     @property
     def reasons(self) -> list[str]:
-        """Every failure's one-line reason, in order."""
+        """Every failure's one-line reason in the library's terms, in order."""
         return [failure.reason for failure in self.failures]
 
 
@@ -149,8 +173,12 @@ def gate(
             Failure(
                 COMPLETE,
                 (INCOMPLETE,),
-                "the report is incomplete (its run was interrupted), which fails the gate; "
-                "pass --allow-incomplete to judge it anyway",
+                Wording(
+                    "the report is incomplete (its run was interrupted), which fails the gate; "
+                    "pass ",
+                    Named("allow_incomplete", True),
+                    " to judge it anyway",
+                ),
             )
         )
     return GateResult(
@@ -193,7 +221,7 @@ def _range_kinds(numbers: dict[str, Any], max_underflow: float) -> tuple[str, ..
 
 def _range_reason(
     subject: str, numbers: dict[str, Any], kinds: tuple[str, ...], limit: float, where: str
-) -> str:
+) -> Wording:
     parts = []
     if UNDERFLOW in kinds:
         parts.append(
@@ -209,11 +237,13 @@ def _range_reason(
         )
     if OVERFLOW in kinds:
         parts.append(f"{count(numbers['overflow'])} value(s) overflow")
-    return (
+    return Wording(
         f"{subject}: {' and '.join(parts)}; underflow fraction "
-        f"{float(numbers['underflow_fraction']):.6g} vs --max-underflow {limit:g} "
+        f"{float(numbers['underflow_fraction']):.6g} vs ",
+        Named("max_underflow"),
+        f" {limit:g} "
         f"({count(numbers['underflow'])} of {count(numbers['nonzero'])} nonzero backward values), "
-        f"overflow {count(numbers['overflow'])}; {where}"
+        f"overflow {count(numbers['overflow'])}; {where}",
     )
 
 
@@ -261,8 +291,11 @@ def _evidence(
             Failure(
                 EVIDENCE,
                 (NO_STEPS,),
-                "the report holds no completed step: there is nothing to judge "
-                "(--allow-incomplete does not accept an empty report)",
+                Wording(
+                    "the report holds no completed step: there is nothing to judge (",
+                    Named("allow_incomplete", True),
+                    " does not accept an empty report)",
+                ),
             )
         )
     if int(overall["nonzero"]) == 0 and int(overall["shadow_nonzero"]) == 0:
@@ -277,23 +310,23 @@ def _evidence(
             Failure(
                 EVIDENCE,
                 (NONFINITE,),
-                f"{' and '.join(parts)}: counts of the finite values alone do not show the "
-                "run is healthy; pass --allow-nonfinite to judge them anyway",
+                Wording(
+                    f"{' and '.join(parts)}: counts of the finite values alone do not show the "
+                    "run is healthy; pass ",
+                    Named("allow_nonfinite", True),
+                    " to judge them anyway",
+                ),
             )
         )
     return failures
 
 
-def _nothing_reason(report: Report, overall: dict[str, Any]) -> str:
+def _nothing_reason(report: Report, overall: dict[str, Any]) -> Wording:
     """Why the scope holds no nonzero finite value, as far as the report tells."""
+    globs: list[str | Named] = []  # Selection's fields: "modules a b" (--module a b)
+    for key, value in (report.info.selection or {}).items():
+        globs += ["; "] * bool(globs) + [Named(key), f" {' '.join(map(str, value))}"]
     hints = []
-    selection = report.info.selection
-    if selection:
-        globs = "; ".join(
-            f"--{key.replace('_', '-').removesuffix('s')} {' '.join(map(str, value))}"
-            for key, value in selection.items()
-        )
-        hints.append(f"the scan's selection was {globs}")
     if report.records.empty:
         hints.append("the report holds no records: nothing was captured, or no backward ran")
     else:
@@ -303,9 +336,13 @@ def _nothing_reason(report: Report, overall: dict[str, Any]) -> str:
     out_of_range = report.info.out_of_range
     if out_of_range:
         hints.append(f"{out_of_range:,} value(s) lay outside fp32's range and were not binned")
-    return (
+    said: list[str | Named] = ["the scan's selection was ", *globs, "; "] if globs else []
+    return Wording(
         "measured nothing: no nonzero finite backward value in scope, so underflow 0% proves "
-        f"nothing ({'; '.join(hints)})"
+        "nothing (",
+        *said,
+        "; ".join(hints),
+        ")",
     )
 
 

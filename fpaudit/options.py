@@ -69,6 +69,9 @@ class Spec:
     short: str = ""  # a one-letter alias, "-n"
     off: str | None = None  # a flag's off switch; None: "--no-NAME", "": none
     path: bool = False  # a file or folder: the flag takes a PATH
+    # The library's name for it where that differs (Selection's "modules" for --module):
+    # messages the library words with that name are shown with this flag (fpaudit.errors.flag).
+    library: str = ""
 
     @property
     def flag(self) -> str:
@@ -129,6 +132,7 @@ class Option:
     short: str = ""
     off: str | None = None
     path: bool = False
+    library: str = ""  # the library's own name for it, where that differs (see Spec)
 
     def __call__(self) -> Any:
         if self.has_default:
@@ -207,6 +211,7 @@ class CommandOptions:
                     option.short,
                     option.off,
                     option.path,
+                    option.library,
                 )
             )
         return tuple(found)
@@ -241,9 +246,15 @@ REPLACE_PARTIAL = flag(
     "Let an interrupted run's report replace one with more completed steps", off="--keep-complete"
 )
 WINDOW = Option(1, "Merge the records of W consecutive captured steps")
-MODULE = Option(help="Capture only modules matching this glob (repeatable)", kind="patterns")
-EXCLUDE_MODULE = Option(help="Skip modules matching this glob (repeatable)", kind="patterns")
-EXCLUDE_OP = Option(help="Skip aten ops matching this glob (repeatable)", kind="patterns")
+MODULE = Option(
+    help="Capture only modules matching this glob (repeatable)", kind="patterns", library="modules"
+)
+EXCLUDE_MODULE = Option(
+    help="Skip modules matching this glob (repeatable)", kind="patterns", library="exclude_modules"
+)
+EXCLUDE_OP = Option(
+    help="Skip aten ops matching this glob (repeatable)", kind="patterns", library="exclude_ops"
+)
 DEVICE = Option("auto", "auto, cpu, cuda or cuda:N")
 SEED = Option(0, "Seed for torch, numpy and random")
 REPORT_FORMAT = Option(
@@ -256,7 +267,7 @@ INCLUDE_LOSS = flag("Let the loss seed and <loss> ops limit the scale", off="--e
 DRIFT_WINDOW = Option(None, "Steps per window for the drift check", shown="the run in ten windows")
 DRIFT_BINADES = Option(2, "Warn when per-window recommendations span more binades than this")
 JSON = flag("Print JSON instead of a table", default=False)
-RECIPES = Option(help=RECIPES_HELP, kind="recipes")
+RECIPES = Option(help=RECIPES_HELP, kind="recipes", library="recipes")
 
 
 # -- the commands, each option in its help row's place ------------------------------
@@ -284,6 +295,7 @@ class ScanArgs(CommandOptions):
     op: tuple[str, ...] = Option(
         help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)",
         kind="patterns",
+        library="ops",
     )()
     exclude_op: tuple[str, ...] = EXCLUDE_OP()
     amp: str | None = Option(
@@ -314,7 +326,7 @@ class RunArgs(CommandOptions):
     module: tuple[str, ...] = MODULE()
     exclude_module: tuple[str, ...] = EXCLUDE_MODULE()
     op: tuple[str, ...] = Option(
-        help="Capture only aten ops matching this glob (repeatable)", kind="patterns"
+        help="Capture only aten ops matching this glob (repeatable)", kind="patterns", library="ops"
     )()
     exclude_op: tuple[str, ...] = EXCLUDE_OP()
     max_backoffs: int = Option(5, "More consecutive scale back-offs than this is a finding")()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from fpaudit.errors import UsageError
+from fpaudit.errors import Named, UsageError
 
 __all__ = ["STAGING_SUFFIX", "hidden_sibling", "make_parent", "staging_prefix", "write_atomically"]
 
@@ -27,16 +27,19 @@ STAGING_SUFFIX = ".tmp"
 
 
 def make_parent(path: Path, option: str) -> Path:
-    """Create ``path``'s parent folders (like ``mkdir -p``); ``option`` names the flag
-    in the error, e.g. ``--out``. Returns the parent."""
+    """Create ``path``'s parent folders (like ``mkdir -p``); ``option`` names the option
+    that gave ``path`` in the error, e.g. ``out`` (the CLI says ``--out``). Returns the
+    parent."""
     parent = Path(path).parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:  # a file where a folder should be
-        raise UsageError(f"{option}: cannot create folder {parent}: a file is in the way") from None
+        raise UsageError(
+            Named(option), f": cannot create folder {parent}: a file is in the way"
+        ) from None
     except OSError as error:
         raise UsageError(
-            f"{option}: cannot create folder {parent} ({error.strerror or error})"
+            Named(option), f": cannot create folder {parent} ({error.strerror or error})"
         ) from None
     return parent
 
@@ -67,18 +70,19 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
     renamed over ``path`` (any old file stays intact until then, and whatever ``write``
     raises leaves no staging file behind). Missing folders are created; the file gets
     the mode a plain ``open`` would (0666 less the umask). An operating-system error is
-    one :class:`~fpaudit.errors.UsageError` that names ``option`` and the file."""
+    one :class:`~fpaudit.errors.UsageError` that names ``option`` (as :func:`make_parent`)
+    and the file."""
     target = Path(path)
     parent = make_parent(target, option)
     if target.is_dir():
-        raise UsageError(f"{option}: {target} is a directory")
+        raise UsageError(Named(option), f": {target} is a directory")
     try:
         descriptor, staging = tempfile.mkstemp(
             prefix=staging_prefix(target), suffix=STAGING_SUFFIX, dir=parent
         )
     except OSError as error:
         raise UsageError(
-            f"{option}: cannot write in {parent} ({error.strerror or error})"
+            Named(option), f": cannot write in {parent} ({error.strerror or error})"
         ) from None
     try:
         with os.fdopen(descriptor, "wb") as handle:
@@ -91,7 +95,7 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
         Path(staging).unlink(missing_ok=True)
         if isinstance(error, OSError):
             reason = error.strerror or error
-            raise UsageError(f"{option}: cannot write {target} ({reason})") from None
+            raise UsageError(Named(option), f": cannot write {target} ({reason})") from None
         raise
     return target
 

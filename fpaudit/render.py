@@ -316,7 +316,7 @@ def gate(result: GateResult) -> None:
     if (result.nonfinite or result.nonfinite_loss_steps) and result.nonfinite_allowed:
         console.print("  inf/NaN values were judged anyway, allowed by --allow-nonfinite.")
     for failure in result.failures:
-        console.print(f"  {failure.reason}")
+        console.print(f"  {failure.as_flag()}")
 
 
 # -- verify ----------------------------------------------------------------

@@ -59,7 +59,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fpaudit import _signals, layout, limits
-from fpaudit.errors import ReportError, ReportExists
+from fpaudit.errors import Named, ReportError, ReportExists
 from fpaudit.origins import COLUMNS as ORIGIN_COLUMNS
 from fpaudit.origins import TABLE_NAME as ORIGINS_TABLE
 from fpaudit.outputs import STAGING_SUFFIX, hidden_sibling, make_parent, staging_prefix
@@ -483,7 +483,7 @@ def steps_in(target: Path) -> int | None:
 
 def new_staging(target: Path) -> Path:
     """A fresh hidden directory beside ``target`` to write into."""
-    make_parent(target, "--out")
+    make_parent(target, "out")
     return Path(
         tempfile.mkdtemp(prefix=staging_prefix(target), suffix=STAGING_SUFFIX, dir=target.parent)
     )
@@ -570,8 +570,9 @@ class OutputLock:
                     )
                     raise ReportError(
                         f"another fpaudit run ({pid}) is writing {self.target}; wait for it to "
-                        f"finish or stop it, or choose another --out (lock: {self.path}; it is "
-                        "released when that process exits)"
+                        "finish or stop it, or choose another ",
+                        Named("out"),
+                        f" (lock: {self.path}; it is released when that process exits)",
                     ) from None
                 except BaseException:
                     os.close(fd)

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from fpaudit.errors import OptionError
+from fpaudit.errors import Named, OptionError
 
 POLICIES: tuple[str, ...] = ("torch", "apex", "deepspeed", "megatron", "static")
 PARAMETERS: tuple[str, ...] = (
@@ -174,10 +174,13 @@ def settings(policy: str, **overrides: float | int | None) -> PolicySettings:
             continue
         if name not in defaults:
             takes = [_name(policy, p) for p in defaults]
+            takes_named: list[str | Named] = [part for p in takes for part in (", ", Named(p))]
             raise OptionError(
                 _name(policy, name),
-                f"does not apply to policy={policy!r}; it takes {', '.join(takes)}",
-                mentions=("policy", *takes),
+                "does not apply to ",
+                Named("policy", policy),
+                "; it takes ",
+                *takes_named[1:],
             )
         values[name] = value
     _validate(policy, values)
@@ -185,12 +188,8 @@ def settings(policy: str, **overrides: float | int | None) -> PolicySettings:
 
 
 def _validate(policy: str, v: dict[str, Any]) -> None:
-    def bad(name: str, need: str) -> OptionError:
-        return OptionError(
-            _name(policy, name),
-            f"must be {need}, got {v[name]!r}",
-            mentions=("policy", "init_scale", "max_scale"),
-        )
+    def bad(name: str, *need: str | Named) -> OptionError:
+        return OptionError(_name(policy, name), "must be ", *need, f", got {v[name]!r}")
 
     def number(name: str) -> float:
         value = v[name]
@@ -207,7 +206,12 @@ def _validate(policy: str, v: dict[str, Any]) -> None:
     if not (math.isfinite(init) and init > 0):
         raise bad("init_scale", "a finite number > 0")
     if policy in _FLOAT32_POLICIES and not (_f32(init) > 0 and init <= _FP32_MAX):
-        raise bad("init_scale", f"within float32 range, where policy={policy!r} keeps the scale")
+        raise bad(
+            "init_scale",
+            "within float32 range, where ",
+            Named("policy", policy),
+            " keeps the scale",
+        )
     if policy == "static":
         return
     growth = v["growth_factor"] = number("growth_factor")
@@ -225,9 +229,15 @@ def _validate(policy: str, v: dict[str, Any]) -> None:
         if not (math.isfinite(low) and low > 0):
             raise bad("min_scale", "a finite number > 0")
         if v["max_scale"] is not None and low > v["max_scale"]:
-            raise bad("min_scale", f"<= max_scale ({v['max_scale']!r})")
+            raise bad("min_scale", "<= ", Named("max_scale"), f" ({v['max_scale']!r})")
         if policy == "megatron" and low > init:  # DynamicGradScaler asserts this
-            raise bad("min_scale", f"<= init_scale ({init!r}) for policy='megatron'")
+            raise bad(
+                "min_scale",
+                "<= ",
+                Named("init_scale"),
+                f" ({init!r}) for ",
+                Named("policy", policy),
+            )
 
 
 def _f32(x: float) -> float:

@@ -23,7 +23,7 @@ import torch
 
 from fpaudit import distributed, modelfile, options
 from fpaudit.capture import Audit, Selection, StepSummary
-from fpaudit.errors import Interrupted, ModelExit, OptionError, UsageError
+from fpaudit.errors import Interrupted, ModelExit, Named, OptionError, UsageError
 from fpaudit.recipes import get_recipe
 from fpaudit.records import KIND_BACKWARD, LOSS_MODULE
 from fpaudit.runinfo import RunInfo
@@ -61,7 +61,7 @@ class ScanOptions:
             raise OptionError("amp", f"must be one of {', '.join(AMP_DTYPES)}, got {self.amp!r}")
         if self.shadow and self.amp is None:
             raise OptionError(
-                "shadow", "compares low-precision ops with fp32: it needs amp", mentions=("amp",)
+                "shadow", "compares low-precision ops with fp32: it needs ", Named("amp")
             )
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise OptionError("loss_scale", f"must be a positive number, got {self.loss_scale}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fpaudit import config, limits
-from fpaudit.errors import ConfigError, UsageError
+from fpaudit.errors import ConfigError, OptionError, UsageError
 
 
 def _toml(tmp_path: Path, text: str | bytes) -> Path:
@@ -71,12 +71,16 @@ def test_parse_scale_returns_the_exponent_of_a_power_of_two(
 
 
 def test_parse_scale_names_the_nearest_powers_of_two() -> None:
+    # The library names its parameter (scale); the CLI prints the flag (--scale).
     with pytest.raises(
-        UsageError,
-        match=r"^--scale 1e3 is not a power of two; the nearest are 512 \(2\^9\) and "
+        OptionError,
+        match=r"^scale 1e3 is not a power of two; the nearest are 512 \(2\^9\) and "
         r"1024 \(2\^10\)$",
-    ):
+    ) as caught:
         config.parse_scale("1e3")
+    assert caught.value.as_flag() == (
+        "--scale 1e3 is not a power of two; the nearest are 512 (2^9) and 1024 (2^10)"
+    )
 
 
 def test_parse_scale_keeps_to_normal_fp32_scales() -> None:
@@ -88,15 +92,27 @@ def test_parse_scale_keeps_to_normal_fp32_scales() -> None:
     assert math.ldexp(1.0, limits.LOG2_SCALE_MIN) == torch.finfo(torch.float32).tiny
     assert math.ldexp(1.0, limits.LOG2_SCALE_MAX) * 2 > torch.finfo(torch.float32).max
     for outside in (limits.LOG2_SCALE_MIN - 1, limits.LOG2_SCALE_MAX + 1):
-        with pytest.raises(UsageError, match=rf"^--loss-scale 2\^{outside} is outside the range"):
-            config.parse_scale(f"2^{outside}", "--loss-scale")
+        with pytest.raises(OptionError, match=rf"^loss_scale 2\^{outside} is outside the range"):
+            config.parse_scale(f"2^{outside}", "loss_scale")
+        assert caught_flag(f"2^{outside}", "loss_scale").startswith(
+            f"--loss-scale 2^{outside} is outside the range of an fp32 scale"
+        )
 
 
 def test_parse_scale_rejects_what_is_not_a_positive_number() -> None:
-    with pytest.raises(UsageError, match=r"^--scale 'big' is not a number; use e.g. 1024"):
+    with pytest.raises(OptionError, match=r"^scale 'big' is not a number; use e.g. 1024"):
         config.parse_scale("big")
-    with pytest.raises(UsageError, match=r"^--scale must be a positive number, got -2$"):
+    with pytest.raises(OptionError, match=r"^scale must be a positive number, got -2$"):
         config.parse_scale("-2")
+    assert caught_flag("big") == "--scale 'big' is not a number; use e.g. 1024 or 2^10"
+    assert caught_flag("-2") == "--scale must be a positive number, got -2"
+
+
+def caught_flag(text: str, what: str = "scale") -> str:
+    """What the CLI prints for ``parse_scale(text, what)``'s error."""
+    with pytest.raises(OptionError) as caught:
+        config.parse_scale(text, what)
+    return caught.value.as_flag()
 
 
 # -- load: the file itself ---------------------------------------------------
