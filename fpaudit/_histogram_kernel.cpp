@@ -316,6 +316,28 @@ inline v8i load(const uint32_t* p) {
   return v & 0x7FFFFFFF;
 }
 
+// The largest and smallest of 8 lanes by shuffles: a per-lane scalar loop extracts each
+// lane, which cost more than the block's own loads once per (32-value) block.
+__attribute__((always_inline)) inline int32_t lanes_max(v8i v) {
+  v8i s = __builtin_shuffle(v, v8i{4, 5, 6, 7, 0, 1, 2, 3});
+  v = v > s ? v : s;
+  s = __builtin_shuffle(v, v8i{2, 3, 0, 1, 6, 7, 4, 5});
+  v = v > s ? v : s;
+  s = __builtin_shuffle(v, v8i{1, 0, 3, 2, 5, 4, 7, 6});
+  v = v > s ? v : s;
+  return v[0];
+}
+
+__attribute__((always_inline)) inline int32_t lanes_min(v8i v) {
+  v8i s = __builtin_shuffle(v, v8i{4, 5, 6, 7, 0, 1, 2, 3});
+  v = v < s ? v : s;
+  s = __builtin_shuffle(v, v8i{2, 3, 0, 1, 6, 7, 4, 5});
+  v = v < s ? v : s;
+  s = __builtin_shuffle(v, v8i{1, 0, 3, 2, 5, 4, 7, 6});
+  v = v < s ? v : s;
+  return v[0];
+}
+
 struct Extremes {
   int32_t amax = 0;          // largest |x| bits (NaN above inf, as torch's amax)
   int32_t top = 0;           // largest finite nonzero |x| bits
@@ -341,11 +363,8 @@ __attribute__((always_inline)) inline Extremes extremes(const uint32_t* p, int64
     below = b < below ? b : below;
   }
   Extremes e;
-  int32_t smallest = kNoValue;  // of (bits - 1) mod 2**31
-  for (int l = 0; l < kLanes; ++l) {
-    e.amax = std::max(e.amax, amax[l]);
-    smallest = std::min(smallest, below[l]);
-  }
+  e.amax = lanes_max(amax);
+  int32_t smallest = lanes_min(below);  // of (bits - 1) mod 2**31
   for (; j < count; ++j) {
     const int32_t u = int32_t(p[j] & 0x7FFFFFFFu);
     e.amax = std::max(e.amax, u);
