@@ -544,6 +544,10 @@ class BlockRecorder:
         self.recipes = recipes
         self.window = window  # merge this many consecutive closed steps into one row each
         self._expected = any(recipe.expected for recipe in recipes)  # float64 vectors
+        # Each key's running total, zeroed and reused step after step (allocating one per
+        # key per step cost more than a small tensor's statistics); ``_open``: the keys
+        # added in the open step, in the order they came.
+        self._totals: dict[Any, torch.Tensor] = {}
         self._open: dict[Any, torch.Tensor] = {}
         self._pending: dict[Any, np.ndarray] = {}  # the window filling, on the host
         self._pending_first = 0
@@ -558,10 +562,13 @@ class BlockRecorder:
 
         total = self._open.get(key)
         if total is None:
-            # int64 counts stay exact in float64 (below 2**53), beside expected counts
-            dtype = torch.float64 if self._expected else torch.int64
-            shape = (len(self.recipes), WIDTH)
-            total = self._open[key] = torch.zeros(shape, dtype=dtype, device=tensor.device)
+            total = self._totals.get(key)
+            if total is None or total.device != tensor.device:
+                # int64 counts stay exact in float64 (below 2**53), beside expected counts
+                dtype = torch.float64 if self._expected else torch.int64
+                shape = (len(self.recipes), WIDTH)
+                total = self._totals[key] = torch.zeros(shape, dtype=dtype, device=tensor.device)
+            self._open[key] = total
         for row, recipe in enumerate(self.recipes):
             block_stats_add(tensor, recipe, total[row])
 
@@ -582,6 +589,8 @@ class BlockRecorder:
             for keys in by_device.values():  # one transfer per device
                 host = torch.stack([open_rows[key] for key in keys]).cpu().numpy()
                 host_rows.update(zip(keys, host, strict=True))
+        for total in open_rows.values():  # the stack copied them: ready for the next step
+            total.zero_()
         if self.window == 1:
             for key, vectors in host_rows.items():
                 self._add_rows(step, rank, key, vectors)
