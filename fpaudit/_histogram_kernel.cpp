@@ -117,9 +117,7 @@ void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
   int64_t* amax_out = total + kBins;
   std::mutex merge;
   const int64_t n = x.numel();
-  // 2**20 values a thread at least: a region's join can wait a scheduler slice for a
-  // worker on a busy machine (see kSpanGrain below)
-  const int64_t grain = std::max<int64_t>(int64_t(1) << 20, (n + at::get_num_threads() - 1) / at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(int64_t(1) << 16, (n + at::get_num_threads() - 1) / at::get_num_threads());
 
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     // Counter copies live per thread across calls; only the range of bins a call
