@@ -537,11 +537,7 @@ void span_classify(const uint32_t* data, int64_t begin, int64_t end, float m,
   add_lanes(lanes, local);
 }
 
-// Values per thread at least. Each parallel region ends in a join that waits for every
-// thread; with other work on the machine's few cores a worker can wait a scheduler slice
-// (milliseconds) to run, so a region pays only on tensors of a million values or more
-// (the 2-core transformer step: ~100 regions a step at 2**16, 10 at 2**20).
-constexpr int64_t kSpanGrain = int64_t(1) << 20;
+constexpr int64_t kSpanGrain = int64_t(1) << 16;
 
 // The extremes of all values, in parallel.
 Extremes all_extremes(const uint32_t* data, int64_t count) {
