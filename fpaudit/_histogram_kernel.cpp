@@ -316,6 +316,28 @@ inline v8i load(const uint32_t* p) {
   return v & 0x7FFFFFFF;
 }
 
+// The largest and smallest of 8 lanes by shuffles: a per-lane scalar loop extracts each
+// lane, which cost more than the block's own loads once per (32-value) block.
+__attribute__((always_inline)) inline int32_t lanes_max(v8i v) {
+  v8i s = __builtin_shuffle(v, v8i{4, 5, 6, 7, 0, 1, 2, 3});
+  v = v > s ? v : s;
+  s = __builtin_shuffle(v, v8i{2, 3, 0, 1, 6, 7, 4, 5});
+  v = v > s ? v : s;
+  s = __builtin_shuffle(v, v8i{1, 0, 3, 2, 5, 4, 7, 6});
+  v = v > s ? v : s;
+  return v[0];
+}
+
+__attribute__((always_inline)) inline int32_t lanes_min(v8i v) {
+  v8i s = __builtin_shuffle(v, v8i{4, 5, 6, 7, 0, 1, 2, 3});
+  v = v < s ? v : s;
+  s = __builtin_shuffle(v, v8i{2, 3, 0, 1, 6, 7, 4, 5});
+  v = v < s ? v : s;
+  s = __builtin_shuffle(v, v8i{1, 0, 3, 2, 5, 4, 7, 6});
+  v = v < s ? v : s;
+  return v[0];
+}
+
 struct Extremes {
   int32_t amax = 0;          // largest |x| bits (NaN above inf, as torch's amax)
   int32_t top = 0;           // largest finite nonzero |x| bits
@@ -341,11 +363,8 @@ __attribute__((always_inline)) inline Extremes extremes(const uint32_t* p, int64
     below = b < below ? b : below;
   }
   Extremes e;
-  int32_t smallest = kNoValue;  // of (bits - 1) mod 2**31
-  for (int l = 0; l < kLanes; ++l) {
-    e.amax = std::max(e.amax, amax[l]);
-    smallest = std::min(smallest, below[l]);
-  }
+  e.amax = lanes_max(amax);
+  int32_t smallest = lanes_min(below);  // of (bits - 1) mod 2**31
   for (; j < count; ++j) {
     const int32_t u = int32_t(p[j] & 0x7FFFFFFFu);
     e.amax = std::max(e.amax, u);
@@ -534,24 +553,28 @@ Extremes all_extremes(const uint32_t* data, int64_t count) {
 
 }  // namespace
 
-// The whole statistics vector of blockstats (layout: 10 counts, 256 scale codes, 277
+// Adds the whole statistics vector of blockstats (layout: 10 counts, 256 scale codes, 277
 // ranges) of `blocks` (contiguous fp32 [n, k], one block per row) under `rule` (0
-// mx-floor, 1 mx-rceil, 2 pow2-floor and amax-pow2, 3 nvfp4, 4 amax). `padding` zeros
-// are not counted. One pass over the values where a block's scale depends on it
-// alone; nvfp4 and a single block (the per-tensor rules) first find the tensor's
-// maximum in a pass of their own. A single block is split across threads.
-torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double element_max,
-                          int64_t element_max_pow2, double zero_edge, double below_normal,
-                          double overflow_edge, bool inclusive, int64_t padding) {
+// mx-floor, 1 mx-rceil, 2 pow2-floor and amax-pow2, 3 nvfp4, 4 amax) to `out` (a
+// contiguous int64 CPU vector of that width: a recorder's running total, so no output
+// is allocated per call). `padding` zeros are not counted. One pass over the values
+// where a block's scale depends on it alone; nvfp4 and a single block (the per-tensor
+// rules) first find the tensor's maximum in a pass of their own. A single block is
+// split across threads.
+void block_stats_add(const torch::Tensor& blocks, int64_t rule, double element_max,
+                     int64_t element_max_pow2, double zero_edge, double below_normal,
+                     double overflow_edge, bool inclusive, int64_t padding, torch::Tensor& out) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kFloat32 &&
                   blocks.dim() == 2 && blocks.is_contiguous(),
               "block_stats needs a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == torch::kInt64 && out.dim() == 1 &&
+                  out.size(0) == kWidth && out.is_contiguous(),
+              "block_stats_add needs a contiguous int64 CPU vector of ", kWidth, " counts");
   TORCH_CHECK(rule >= kFloor && rule <= kAmax, "unknown rule ", rule);
   const int64_t n = blocks.size(0), k = blocks.size(1);
   const auto* data = reinterpret_cast<const uint32_t*>(blocks.data_ptr<float>());
   const Thresholds t{float(zero_edge), float(below_normal), float(overflow_edge), inclusive};
   Rule r{int(rule), float(element_max), int(element_max_pow2), 0};
-  auto out = torch::zeros({kWidth}, blocks.options().dtype(torch::kInt64));
   int64_t* total = out.data_ptr<int64_t>();
   std::mutex merge;
   if (n == 1) {
@@ -579,11 +602,21 @@ torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double elem
     });
   }
   total[0] -= padding;
-  total[7] = n;
+  total[7] += n;
+}
+
+// The statistics vector of `blocks` alone (see block_stats_add).
+torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double element_max,
+                          int64_t element_max_pow2, double zero_edge, double below_normal,
+                          double overflow_edge, bool inclusive, int64_t padding) {
+  auto out = torch::zeros({kWidth}, blocks.options().dtype(torch::kInt64));
+  block_stats_add(blocks, rule, element_max, element_max_pow2, zero_edge, below_normal,
+                  overflow_edge, inclusive, padding, out);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("histogram_add", &histogram_add, "Exact fp32 magnitude histogram (fpaudit layout)");
   m.def("block_stats", &block_stats, "Block-scaled statistics of every recipe's scale rule");
+  m.def("block_stats_add", &block_stats_add, "block_stats, added to a running total in place");
 }

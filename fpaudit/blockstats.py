@@ -82,6 +82,16 @@ def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
     import torch
     import torch.nn.functional as F
 
+    rows, cols = recipe.block
+    if (
+        rows == 1
+        and recipe.orientation == "rowwise"
+        and tensor.dtype == torch.float32
+        and tensor.dim() > 0
+        and tensor.shape[-1] % cols == 0
+        and tensor.is_contiguous()
+    ):  # the usual case, whole blocks of fp32 rows in place: what the steps below give
+        return tensor.detach().view(-1, cols), 0
     x = tensor.detach().to(torch.float32)
     if recipe.per_tensor:  # any order of the values: the strides' order reads them in place
         return _by_stride(x, x.dim()).reshape(1, -1), 0
@@ -92,7 +102,6 @@ def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
     flat = x.reshape(1, -1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
     if recipe.orientation == "columnwise":
         flat = flat.t()
-    rows, cols = recipe.block
     pad_rows = -flat.shape[0] % rows
     pad_cols = -flat.shape[1] % cols
     if pad_rows or pad_cols:
@@ -240,6 +249,31 @@ def block_stats(
     ).to(torch.int64)
 
 
+def block_stats_add(tensor: torch.Tensor, recipe: Recipe, total: torch.Tensor) -> None:
+    """Add :func:`block_stats` of ``tensor`` to ``total`` (``[WIDTH]``, int64, or float64
+    for expected counts, on the tensor's device) in place.
+
+    On the CPU kernel's path the kernel adds into ``total`` itself: no vector is
+    allocated, converted or added per call (a recorder adds every captured tensor)."""
+    import torch
+
+    if (
+        total.dtype == torch.int64
+        and not recipe.expected
+        and tensor.device.type == "cpu"
+        and recipe.scale_rule in _KERNEL_RULES
+        and tensor.numel() > 0
+    ):
+        from fpaudit import kernels
+
+        kernel = kernels.cpu_kernel()
+        if kernel is not None:
+            blocks, padding = _blocks(tensor, recipe)
+            _compiled_stats(kernel, blocks.contiguous(), recipe, padding, total)
+            return
+    total += block_stats(tensor, recipe).to(total.dtype)
+
+
 def expected_block_stats(
     tensor: torch.Tensor, recipe: Recipe, *, general: bool = False, compiled: bool = True
 ) -> torch.Tensor:
@@ -355,13 +389,18 @@ def _device_stats(blocks: torch.Tensor, recipe: Recipe, padding: int) -> torch.T
 
 
 def _compiled_stats(
-    kernel: Any, blocks: torch.Tensor, recipe: Recipe, padding: int
+    kernel: Any,
+    blocks: torch.Tensor,
+    recipe: Recipe,
+    padding: int,
+    total: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`block_stats` with the CPU kernel, every scale rule: one pass where a
     block's scale depends on that block alone, a first pass for the tensor's maximum
-    where it does not (nvfp4, per-tensor)."""
+    where it does not (nvfp4, per-tensor). Added to ``total`` (int64 ``[WIDTH]``) in
+    place and returned when given, else a new vector."""
     element = recipe.element
-    return kernel.block_stats(  # type: ignore[no-any-return]  # a compiled module
+    arguments = (
         blocks,
         _KERNEL_RULES[recipe.scale_rule],
         element.max_finite,
@@ -372,6 +411,10 @@ def _compiled_stats(
         element.overflow_edge_inclusive,
         padding,
     )
+    if total is None:
+        return kernel.block_stats(*arguments)  # type: ignore[no-any-return]  # compiled
+    kernel.block_stats_add(*arguments, total)
+    return total
 
 
 def _finite_stats(
@@ -501,6 +544,10 @@ class BlockRecorder:
         self.recipes = recipes
         self.window = window  # merge this many consecutive closed steps into one row each
         self._expected = any(recipe.expected for recipe in recipes)  # float64 vectors
+        # Each key's running total, zeroed and reused step after step (allocating one per
+        # key per step cost more than a small tensor's statistics); ``_open``: the keys
+        # added in the open step, in the order they came.
+        self._totals: dict[Any, torch.Tensor] = {}
         self._open: dict[Any, torch.Tensor] = {}
         self._pending: dict[Any, np.ndarray] = {}  # the window filling, on the host
         self._pending_first = 0
@@ -513,14 +560,17 @@ class BlockRecorder:
     def add(self, key: Any, tensor: torch.Tensor) -> None:
         import torch
 
-        # int64 counts stay exact in float64 (below 2**53), beside expected counts
-        dtype = torch.float64 if self._expected else torch.int64
-        vectors = torch.stack([block_stats(tensor, recipe).to(dtype) for recipe in self.recipes])
         total = self._open.get(key)
         if total is None:
-            self._open[key] = vectors
-        else:
-            total += vectors
+            total = self._totals.get(key)
+            if total is None or total.device != tensor.device:
+                # int64 counts stay exact in float64 (below 2**53), beside expected counts
+                dtype = torch.float64 if self._expected else torch.int64
+                shape = (len(self.recipes), WIDTH)
+                total = self._totals[key] = torch.zeros(shape, dtype=dtype, device=tensor.device)
+            self._open[key] = total
+        for row, recipe in enumerate(self.recipes):
+            block_stats_add(tensor, recipe, total[row])
 
     def close_step(self, step: int, rank: int, keep: bool = True) -> None:
         """Move the open step's statistics to host rows (dropped unless ``keep``).
@@ -539,6 +589,8 @@ class BlockRecorder:
             for keys in by_device.values():  # one transfer per device
                 host = torch.stack([open_rows[key] for key in keys]).cpu().numpy()
                 host_rows.update(zip(keys, host, strict=True))
+        for total in open_rows.values():  # the stack copied them: ready for the next step
+            total.zero_()
         if self.window == 1:
             for key, vectors in host_rows.items():
                 self._add_rows(step, rank, key, vectors)
