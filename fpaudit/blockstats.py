@@ -84,7 +84,7 @@ def _blocks(tensor: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, int]:
 
     rows, cols = recipe.block
     if (
-        rows == 1
+        rows == 1  # not per tensor (its block is 0 x 0)
         and recipe.orientation == "rowwise"
         and tensor.dtype == torch.float32
         and tensor.dim() > 0
@@ -571,6 +571,13 @@ class BlockRecorder:
             self._open[key] = total
         for row, recipe in enumerate(self.recipes):
             block_stats_add(tensor, recipe, total[row])
+
+    def discard_open(self) -> None:
+        """Drop the open step's statistics (a step discarded before it closed): nothing
+        of it reaches a row, nor the next step's totals."""
+        open_rows, self._open = self._open, {}
+        for total in open_rows.values():
+            total.zero_()
 
     def close_step(self, step: int, rank: int, keep: bool = True) -> None:
         """Move the open step's statistics to host rows (dropped unless ``keep``).

@@ -879,6 +879,8 @@ class Audit:
             self.step()
         for table in self._tables.values():
             table.reset()
+        if self._blocks is not None:  # a discarded step's block statistics go with it
+            self._blocks.discard_open()
         self._clock.forget()
 
     # -- context manager -------------------------------------------------

@@ -95,3 +95,31 @@ def test_the_context_manager_is_open_and_close_discarding_on_an_exception() -> N
         _backward(model)
         raise ZeroDivisionError
     assert audit.steps == 1 and not audit.is_open
+
+
+def test_a_discarded_step_leaves_no_block_statistics_in_the_next() -> None:
+    """The twin is an audit that never saw the discarded step: the kept step's block
+    statistics (counts, blocks, scale codes) equal its own exactly. The discarded step's
+    values (x 2^-10) land in other scale codes, so a leak would show."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(8, 64)
+
+    def kept_step(audit: Audit) -> None:
+        with audit:
+            model.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            audit.step(loss=loss)
+
+    twin = Audit(model, recipes=["mxfp8-e4m3"])
+    kept_step(twin)
+    audit = Audit(model, recipes=["mxfp8-e4m3"])
+    audit.open()
+    model.zero_grad()
+    model(x * 2.0**-10).pow(2).mean().backward()
+    audit.close(discard=True)
+    kept_step(audit)
+    expected, got = twin.report.blocks, audit.report.blocks
+    assert len(got) == len(expected) > 0 and got["blocks"].sum() > 0
+    assert got.drop(columns="step").equals(expected.drop(columns="step"))
