@@ -118,9 +118,9 @@ def _write_parts(report: Report, target: Path, force: bool) -> Path:
         except ReportExists:
             plan = [("exists", str(target))]
         except UsageError as error:  # a parent folder that cannot be created
-            plan = [("usage", error.wording.parts)]  # its parts: the CLI words them as flags
+            plan = [("usage", _parts(error))]  # its parts: the CLI words them as flags
         except ReportError as error:
-            plan = [("error", error.wording.parts)]
+            plan = [("error", _parts(error))]
     dist.broadcast_object_list(plan, src=0)
     status, value = plan[0]
     if status == "exists":
