@@ -381,12 +381,15 @@ class Report:
         """
         root = Path(path)
         for attempt in range(_READ_ATTEMPTS):
-            before = _identity(root)
-            try:
-                return cls._read_once(root)
-            except ReportError:
-                if attempt + 1 == _READ_ATTEMPTS or _identity(root) == before:
-                    raise
+            with _pinned(root) as pin:
+                try:
+                    report = cls._read_once(pin.base)
+                except ReportError as error:
+                    if attempt + 1 == _READ_ATTEMPTS or pin.still_at(root):
+                        raise pin.renamed(error) from None
+                else:
+                    report.path = root
+                    return report
             # replaced while we read: wait a little longer each time, so that replacements
             # in quick succession still leave a quiet moment to read a whole report in
             time.sleep(min(0.002 * (attempt + 1), 0.05))
@@ -428,6 +431,59 @@ class Report:
 
 
 _READ_ATTEMPTS = 100  # reads while the directory keeps being replaced (at most ~4 s of waits)
+
+
+class _Pin:
+    """One report directory held open while it is read.
+
+    Every file is opened through the held directory (``/proc/self/fd/N/...``), so a
+    read cannot mix the metadata of one report with a table of the report that
+    replaced it. Whether a failed read met a replacement is asked of the held
+    directory itself: is it still the one at the path, and still linked? Comparing
+    inode numbers taken before and after is not enough, because a replacement that
+    deletes the old directory frees its inode for the next one.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.fd: int | None = None
+        self.base = root
+        try:
+            self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            self.start = _identity(root)  # missing or not a directory: said by _read_once
+            return
+        held = Path(f"/proc/self/fd/{self.fd}")
+        if held.is_dir():  # Linux; elsewhere paths go through the name as before
+            self.base = held
+        self.start = _identity(root)
+
+    def still_at(self, root: Path) -> bool:
+        """True when the directory read is still the report at ``root`` (the error is real)."""
+        if self.fd is None:
+            return _identity(root) == self.start
+        held = os.fstat(self.fd)
+        return held.st_nlink > 0 and _identity(root) == (held.st_dev, held.st_ino)
+
+    def renamed(self, error: ReportError) -> ReportError:
+        """``error`` naming the report's path rather than the held directory's."""
+        if self.base == self.root:
+            return error
+        return ReportError(str(error).replace(str(self.base), str(self.root)))
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@contextlib.contextmanager
+def _pinned(root: Path) -> Iterator[_Pin]:
+    pin = _Pin(root)
+    try:
+        yield pin
+    finally:
+        pin.close()
 
 
 def _identity(root: Path) -> tuple[int, int] | None:
