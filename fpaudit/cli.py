@@ -97,7 +97,10 @@ def _main(
 # typer option per field, from the field's Spec (fpaudit.options), in field order.
 ConfigOption = Annotated[
     Path | None,
-    typer.Option("--config", help="TOML file with the same options (see sample_configs/)."),
+    typer.Option(
+        "--config",
+        help="TOML file with the same options (see sample_configs/) [default: none].",
+    ),
 ]
 JsonOption = Annotated[
     bool | None, typer.Option("--json/--no-json", help=specs.help_text("show", "json"))

@@ -104,6 +104,8 @@ class Spec:
         """The default as the help shows it: ``shown``, else the value (``none``, ``0``)."""
         if self.shown:
             return self.shown
+        if self.kind == "bool":
+            return self.flag if self.value_default else (self.off_switch or "off")
         if self.default is None:
             return "none"
         if isinstance(self.default, float) and self.default.is_integer():
@@ -112,10 +114,18 @@ class Spec:
 
     def help_text(self) -> str:
         """The help with its default shown, as rich would otherwise drop it. A flag
-        (``bool``) is off by default; its help says what turning it on does."""
-        if not self.has_default or self.kind == "bool":
-            return f"{self.help}."
+        (``bool``) is off by default: its help says what turning it on does, and its
+        default is the switch that turns it off (``--no-force``), or ``off``."""
+        if not (self.has_default or self.kind == "bool" or self.shown):
+            return f"{self.help}."  # required, or shared help (the command's field says more)
         return f"{self.help} [default: {self.shown_default}]."
+
+    @property
+    def off_switch(self) -> str:
+        """A flag's off switch as the command line spells it; empty where it has none."""
+        if self.kind != "bool" or self.off == "":
+            return ""
+        return self.off or "--no-" + self.flag[2:]
 
 
 @dataclass(frozen=True)
@@ -247,13 +257,22 @@ REPLACE_PARTIAL = flag(
 )
 WINDOW = Option(1, "Merge the records of W consecutive captured steps")
 MODULE = Option(
-    help="Capture only modules matching this glob (repeatable)", kind="patterns", library="modules"
+    help="Capture only modules matching this glob (repeatable)",
+    kind="patterns",
+    library="modules",
+    shown="every module",
 )
 EXCLUDE_MODULE = Option(
-    help="Skip modules matching this glob (repeatable)", kind="patterns", library="exclude_modules"
+    help="Skip modules matching this glob (repeatable)",
+    kind="patterns",
+    library="exclude_modules",
+    shown="none",
 )
 EXCLUDE_OP = Option(
-    help="Skip aten ops matching this glob (repeatable)", kind="patterns", library="exclude_ops"
+    help="Skip aten ops matching this glob (repeatable)",
+    kind="patterns",
+    library="exclude_ops",
+    shown="none",
 )
 DEVICE = Option("auto", "auto, cpu, cuda or cuda:N")
 SEED = Option(0, "Seed for torch, numpy and random")
@@ -267,7 +286,7 @@ INCLUDE_LOSS = flag("Let the loss seed and <loss> ops limit the scale", off="--e
 DRIFT_WINDOW = Option(None, "Steps per window for the drift check", shown="the run in ten windows")
 DRIFT_BINADES = Option(2, "Warn when per-window recommendations span more binades than this")
 JSON = flag("Print JSON instead of a table", default=False)
-RECIPES = Option(help=RECIPES_HELP, kind="recipes", library="recipes")
+RECIPES = Option(help=RECIPES_HELP, kind="recipes", library="recipes", shown="none")
 
 
 # -- the commands, each option in its help row's place ------------------------------
@@ -296,6 +315,7 @@ class ScanArgs(CommandOptions):
         help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)",
         kind="patterns",
         library="ops",
+        shown="every op",
     )()
     exclude_op: tuple[str, ...] = EXCLUDE_OP()
     amp: str | None = Option(
@@ -326,7 +346,10 @@ class RunArgs(CommandOptions):
     module: tuple[str, ...] = MODULE()
     exclude_module: tuple[str, ...] = EXCLUDE_MODULE()
     op: tuple[str, ...] = Option(
-        help="Capture only aten ops matching this glob (repeatable)", kind="patterns", library="ops"
+        help="Capture only aten ops matching this glob (repeatable)",
+        kind="patterns",
+        library="ops",
+        shown="every op",
     )()
     exclude_op: tuple[str, ...] = EXCLUDE_OP()
     max_backoffs: int = Option(5, "More consecutive scale back-offs than this is a finding")()
@@ -364,7 +387,8 @@ class ShowArgs(CommandOptions):
     )()
     recipe: str | None = Option(
         help="Block statistics of this recipe instead (from a scan or run with that recipe), "
-        "per module or op"
+        "per module or op",
+        shown="none: the underflow table",
     )()
     json: bool = JSON()
     config_file: Path | None = None
@@ -466,10 +490,12 @@ class GateArgs(CommandOptions):
         default=False,
     )()
     junit: str | None = Option(
-        help="Also write the verdict as JUnit XML: one test case per module", path=True
+        help="Also write the verdict as JUnit XML: one test case per module",
+        path=True,
+        shown="none",
     )()
     recipe: str | None = Option(
-        help="Judge this block-scaled recipe's statistics with --max-flush"
+        help="Judge this block-scaled recipe's statistics with --max-flush", shown="none"
     )()
     max_flush: float | None = Option(
         help="With --recipe: largest flushed fraction, 0..1 (required with --recipe)"

@@ -17,15 +17,8 @@ from .conftest import ROOT
 
 COMMANDS = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
 # Options with no default to show: given or not (None means "not given"), or required.
-NO_DEFAULT = {
-    "--config",
-    "--module",
-    "--exclude-module",
-    "--op",
-    "--exclude-op",
-    "--junit",
-    "--recipe",
-}
+# Every option shows its default, a flag too (the switch that is on unless given);
+# only a required option has none.
 REQUIRED = {("plot", "--output"), ("gate", "--max-underflow"), ("verify", "--scale")}
 # Required only in one mode of a command (gate --recipe), or checked by the command itself.
 REQUIRED_WHEN = {("gate", "--max-flush"), ("plan", "--max-flush")}
@@ -44,7 +37,7 @@ def _rows(text: str) -> dict[str, str]:
     current = None
     for line in text.splitlines():
         inner = line.strip("│ ").strip()
-        flag = re.match(r"(--[a-z-]+)", inner)
+        flag = re.match(r"│ (?:\* +)?(--[a-z-]+)", line)  # a row starts at the box's edge
         if flag:
             current = flag.group(1)
             rows[current] = inner
@@ -72,10 +65,10 @@ def test_every_option_shows_its_default_and_a_readable_type(
         row = re.sub(r"\s+", " ", rows[flags[0]])
         if getattr(param, "is_flag", False):
             assert re.match(r"--[a-z-]+ (-[a-z] )?(--[a-z-]+ )?[A-Z(]", row), row  # no type
+            off = [o for o in param.secondary_opts if o.startswith("--")]
+            assert row.endswith(f"[default: {off[0] if off else 'off'}]"), f"{name}: {row}"
             continue
         assert re.search(r" (INTEGER|NUMBER|TEXT|PATH)(\.\.\.)? ", row), row
-        if flags[0] in NO_DEFAULT:
-            continue
         if (name, flags[0]) in REQUIRED:
             assert "(required)" in row, row
         elif (name, flags[0]) in REQUIRED_WHEN:
@@ -120,14 +113,13 @@ def test_help_toml_and_library_defaults_come_from_one_declaration(
                 continue
             assert command in group.commands, command  # type: ignore[attr-defined]
             row = re.sub(r"\s+", " ", _rows(_help(cli, monkeypatch, command))[spec.flag])
-            if not spec.has_default:  # the shared groups: one help text wherever they appear
-                assert row.endswith(f"{spec.help}."), row
-                continue
             if spec.kind == "bool":  # a flag: off unless given, its help says what it turns on
-                assert spec.default is False, (command, spec)
-                assert row.endswith(f"{spec.help}."), row
-                assert "[default:" not in row, row
+                assert not spec.value_default, (command, spec)
+                assert row.endswith(f"{spec.help}. [default: {spec.off_switch or 'off'}]"), row
                 checked += 1
+                continue
+            if not spec.has_default and not spec.shown:  # required: the row says so
+                assert row.endswith(f"{spec.help}.") and "required" in spec.help, row
                 continue
             shown = spec.shown or (
                 "none"
