@@ -384,7 +384,8 @@ class Report:
             with _pinned(root) as pin:
                 try:
                     report = cls._read_once(pin.base)
-                except ReportError as error:
+                except (ReportError, OSError) as error:
+                    # a file gone while read (OSError) is a replacement deleting this one
                     if attempt + 1 == _READ_ATTEMPTS or pin.still_at(root):
                         raise pin.renamed(error) from None
                 else:
@@ -465,8 +466,11 @@ class _Pin:
         held = os.fstat(self.fd)
         return held.st_nlink > 0 and _identity(root) == (held.st_dev, held.st_ino)
 
-    def renamed(self, error: ReportError) -> ReportError:
-        """``error`` naming the report's path rather than the held directory's."""
+    def renamed(self, error: ReportError | OSError) -> ReportError:
+        """``error`` as a ``ReportError`` naming the report's path, not the held directory's."""
+        if isinstance(error, OSError):
+            where = error.filename or self.base
+            error = ReportError(f"{where}: cannot read ({error.strerror or error})")
         if self.base == self.root:
             return error
         return ReportError(str(error).replace(str(self.base), str(self.root)))
