@@ -1088,10 +1088,9 @@ class Audit:
         # pandas and pyarrow: only once a report is built
         from fpaudit.report import Report, run_metadata
 
-        meta = run_metadata(self.model)
+        report = Report.from_builder(self._builder, run_metadata(self.model), steps)
         # fp64 values beyond fp32's range, binned as zero or inf (see fpaudit.histogram)
-        meta["out_of_range"] = sum(int(t.out_of_range) for t in self._tables.values())
-        report = Report.from_builder(self._builder, meta, steps)
+        report.update_info(out_of_range=sum(int(t.out_of_range) for t in self._tables.values()))
         if self.origins is not None:
             from fpaudit.origins import table_from_columns
 
@@ -1100,7 +1099,7 @@ class Audit:
             from fpaudit.report import BLOCKS_SCHEMA, frame
 
             report.blocks = frame(self._blocks.columns(), BLOCKS_SCHEMA)
-            report.meta["recipes"] = [r.name for r in self._blocks.recipes]
+            report.update_info(recipes=tuple(r.name for r in self._blocks.recipes))
         return report
 
 

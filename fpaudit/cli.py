@@ -530,7 +530,7 @@ def run_command(
         report = outcome.report
         if fmt is None:
             fmt = get_format(report.info.amp or "fp16")
-        report.meta["formats"] = [fmt.name]
+        report.update_info(formats=(fmt.name,))
         if not report.info.steps_run and outcome.interrupted is None:
             if outcome.failure is not None:
                 raise outcome.failure  # nothing done, nothing to keep
