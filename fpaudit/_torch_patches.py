@@ -250,7 +250,7 @@ def _watch_grad_reads(watcher: Watcher) -> Iterator[None]:
     def delete(tensor: torch.Tensor) -> None:
         _BASE_GRAD.__delete__(tensor)
 
-    torch.Tensor.grad = property(get, set_, delete, _BASE_GRAD.__doc__)  # type: ignore[assignment]
+    torch.Tensor.grad = property(get, set_, delete, _BASE_GRAD.__doc__)  # type: ignore[assignment]  # typed as the tensor it gives, not the descriptor
     try:
         yield
     finally:

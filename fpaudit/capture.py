@@ -498,7 +498,7 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         return False
 
     def __init__(self, audit: Audit) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode untyped
         self._audit = audit
         self._clock = audit._clock
         self._provenance = audit._provenance
@@ -533,7 +533,13 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             op = self._op_names[func] = str(func)
         return op
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         origins = self._origins
         # inputs are read before the op runs: an in-place op overwrites them

@@ -173,7 +173,7 @@ def _options(
             command(*positional, **given, options=args.build(configured, flags))
 
         parameters = [*own, *flags]
-        parsed.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        parsed.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # read by inspect.signature (typer); typeshed's functions lack it
         parsed.__annotations__ = {p.name: p.annotation for p in parameters}
         return parsed
 
