@@ -70,6 +70,7 @@ import bisect
 import difflib
 import fnmatch
 import functools
+import inspect
 import math
 import threading
 import time
@@ -77,7 +78,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -106,6 +107,8 @@ if TYPE_CHECKING:
 _ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes have no sequence number
 
 _aten = torch.ops.aten
+P = ParamSpec("P")
+T = TypeVar("T")
 # Ops that only copy, move or zero-pad values: their outputs hold no value
 # that is not already in an input (when the dtype is kept). ``SplitBackward0``,
 # for one, concatenates gradients that were recorded when they were made.
@@ -1109,16 +1112,24 @@ class Audit:
         return report
 
 
-def audit(
-    model: nn.Module,
-    *,
-    loss_scale: float = 1.0,
-    selection: Selection = Selection(),
-    window: int = 1,
-    shadow: bool = False,
-    origins: bool = False,
-    recipes: Sequence[Recipe | str] = (),
-) -> Audit:
+def _constructor(cls: Callable[P, T], name: str, doc: str) -> Callable[P, T]:
+    """A function ``name`` that calls ``cls`` with the same parameters, declared once
+    (by ``cls``): type checkers and ``inspect.signature`` (so ``help``) read them there."""
+
+    def make(*args: P.args, **kwargs: P.kwargs) -> T:
+        return cls(*args, **kwargs)
+
+    make.__name__ = make.__qualname__ = name
+    make.__doc__ = doc
+    make.__module__ = cls.__module__
+    returns = getattr(cls, "__name__", inspect.Signature.empty)
+    make.__dict__["__signature__"] = inspect.signature(cls).replace(return_annotation=returns)
+    return make
+
+
+audit = _constructor(
+    Audit,
+    "audit",
     """Audit the backward pass of ``model``: see :class:`Audit`.
 
     ``selection`` limits what is recorded; ``window`` merges the records of that
@@ -1128,13 +1139,5 @@ def audit(
     ``forward_pass`` and backward, whether it made inf/NaN (``fpaudit.origin_capture``);
     ``recipes`` (names or :class:`~fpaudit.recipes.Recipe`) adds exact block-scaled
     statistics of every recorded tensor under each (see :mod:`fpaudit.blockstats`).
-    """
-    return Audit(
-        model,
-        loss_scale=loss_scale,
-        selection=selection,
-        window=window,
-        shadow=shadow,
-        origins=origins,
-        recipes=recipes,
-    )
+    """,
+)
