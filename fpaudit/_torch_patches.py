@@ -20,6 +20,10 @@ the calls mean and never touches torch's internals itself.
 * ``torch.Tensor.grad`` (a property over the C descriptor): the script's reads of
   still-scaled gradients.
 
+**Patched by a training framework's callback** (``fpaudit.integrations``) while one
+step is audited (``step_targets``, held by a :class:`Patches`): ``torch.autograd.backward``
+and the clip functions as above, and ``unscale_`` of the step's one scaler object.
+
 Every wrapper (``wrap``) has the original's signature (``functools.wraps``), reads
 its arguments through ``inspect.signature(original).bind`` with the defaults
 applied, calls the original with the very arguments it was given and returns its
@@ -70,15 +74,18 @@ from torch import nn
 __all__ = [
     "Call",
     "MonitorFailure",
+    "Patches",
     "Watcher",
     "amax",
     "found_inf",
     "install",
     "raw_grad",
+    "replace",
     "scaler_enabled",
     "scaler_scale",
     "scaler_settings",
     "scheduler_initial_step",
+    "step_targets",
     "targets",
     "wrap",
 ]
@@ -191,15 +198,31 @@ def targets() -> list[tuple[Any, str, str]]:
         (scaler, "unscale_", "on_unscale"),
         (scaler, "step", "on_scaler_step"),
         (scaler, "update", "on_update"),
-        (torch.autograd, "backward", "on_backward"),
+        *_backward_and_clip(),
     ]
+    found.append((torch.optim.Optimizer, "zero_grad", "on_zero_grad"))
+    found.append((nn.Module, "zero_grad", "on_zero_grad"))
+    found.extend((cls, "step", "on_scheduler_step") for cls in _scheduler_classes())
+    return found
+
+
+def step_targets(scaler: Any) -> list[tuple[Any, str, str]]:
+    """What a framework callback wraps while one step is audited (owner, attribute,
+    handler name): ``torch.autograd.backward`` and the clip functions as ``targets``
+    lists them, and ``unscale_`` of ``scaler`` itself (an attribute of that one object)
+    when it scales."""
+    found = _backward_and_clip()
+    if scaler_enabled(scaler) and callable(getattr(scaler, "unscale_", None)):
+        found.append((scaler, "unscale_", "on_unscale"))
+    return found
+
+
+def _backward_and_clip() -> list[tuple[Any, str, str]]:
+    found: list[tuple[Any, str, str]] = [(torch.autograd, "backward", "on_backward")]
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         for name in ("clip_grad_norm_", "clip_grad_value_"):
             if getattr(module, name, None) is not None:
                 found.append((module, name, "on_clip"))
-    found.append((torch.optim.Optimizer, "zero_grad", "on_zero_grad"))
-    found.append((nn.Module, "zero_grad", "on_zero_grad"))
-    found.extend((cls, "step", "on_scheduler_step") for cls in _scheduler_classes())
     return found
 
 
@@ -208,7 +231,7 @@ def install(stack: ExitStack, watcher: Watcher, *, grad_reads: bool = True) -> N
     for owner, attribute, handler in targets():
         original = vars(owner)[attribute]
         label = f"{getattr(owner, '__name__', owner)}.{attribute}"
-        _replace(stack, owner, attribute, wrap(original, label, getattr(watcher, handler)))
+        stack.callback(replace(owner, attribute, wrap(original, label, getattr(watcher, handler))))
     from torch.nn.modules.module import (
         register_module_forward_hook,
         register_module_forward_pre_hook,
@@ -250,7 +273,7 @@ def _watch_grad_reads(watcher: Watcher) -> Iterator[None]:
     def delete(tensor: torch.Tensor) -> None:
         _BASE_GRAD.__delete__(tensor)
 
-    torch.Tensor.grad = property(get, set_, delete, _BASE_GRAD.__doc__)  # type: ignore[assignment]
+    torch.Tensor.grad = property(get, set_, delete, _BASE_GRAD.__doc__)  # type: ignore[assignment]  # typed as the tensor it gives, not the descriptor
     try:
         yield
     finally:
@@ -265,7 +288,9 @@ def raw_grad(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 def scaler_enabled(scaler: Any) -> bool:
-    return bool(scaler.is_enabled())
+    """Is ``scaler`` a GradScaler that scales (False for None or a disabled one)?"""
+    enabled = getattr(scaler, "is_enabled", None)
+    return callable(enabled) and bool(enabled())
 
 
 def scaler_scale(scaler: Any) -> torch.Tensor | None:
@@ -333,16 +358,44 @@ def _scheduler_classes() -> list[type]:
     return found
 
 
-def _replace(stack: ExitStack, owner: Any, name: str, value: Any) -> None:
-    """Set ``owner.name = value`` until ``stack`` closes."""
-    had = name in vars(owner)
-    previous = vars(owner).get(name)
+def replace(owner: Any, name: str, value: Any, *, keep_newer: bool = False) -> Callable[[], None]:
+    """Set ``owner.name = value``; return the call that puts back what ``owner`` held
+    itself, or deletes the attribute when it was inherited (an instance attribute over
+    its class's method). ``keep_newer``: put nothing back once ``owner.name`` holds
+    something else (a newer replacement, or an outer patch already put back)."""
+    held = getattr(owner, "__dict__", {})
+    own = name in held
+    previous = held.get(name)
     setattr(owner, name, value)
 
     def restore() -> None:
-        if had:
+        if keep_newer and getattr(owner, name, None) is not value:
+            return
+        if own:
             setattr(owner, name, previous)
         else:
             delattr(owner, name)
 
-    stack.callback(restore)
+    return restore
+
+
+class Patches:
+    """A framework callback's wrappers (``step_targets``), put back by :meth:`restore`
+    when the audited step closes, each only if it still holds its wrapper (``keep_newer``:
+    an outer patch of the same name, put back first, is not brought back)."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, owner: Any, name: str, handler: Handler) -> None:
+        """Wrap ``owner.name`` (see :func:`wrap`) with ``handler`` until :meth:`restore`."""
+        label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+        wrapper = wrap(getattr(owner, name), label, handler)
+        self._undo.append(replace(owner, name, wrapper, keep_newer=True))
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def __bool__(self) -> bool:
+        return bool(self._undo)

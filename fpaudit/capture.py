@@ -70,6 +70,7 @@ import bisect
 import difflib
 import fnmatch
 import functools
+import inspect
 import math
 import threading
 import time
@@ -77,7 +78,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -106,6 +107,8 @@ if TYPE_CHECKING:
 _ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes have no sequence number
 
 _aten = torch.ops.aten
+P = ParamSpec("P")
+T = TypeVar("T")
 # Ops that only copy, move or zero-pad values: their outputs hold no value
 # that is not already in an input (when the dtype is kept). ``SplitBackward0``,
 # for one, concatenates gradients that were recorded when they were made.
@@ -498,7 +501,7 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         return False
 
     def __init__(self, audit: Audit) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode untyped
         self._audit = audit
         self._clock = audit._clock
         self._provenance = audit._provenance
@@ -533,7 +536,13 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             op = self._op_names[func] = str(func)
         return op
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         origins = self._origins
         # inputs are read before the op runs: an in-place op overwrites them
@@ -1088,10 +1097,9 @@ class Audit:
         # pandas and pyarrow: only once a report is built
         from fpaudit.report import Report, run_metadata
 
-        meta = run_metadata(self.model)
+        report = Report.from_builder(self._builder, run_metadata(self.model), steps)
         # fp64 values beyond fp32's range, binned as zero or inf (see fpaudit.histogram)
-        meta["out_of_range"] = sum(int(t.out_of_range) for t in self._tables.values())
-        report = Report.from_builder(self._builder, meta, steps)
+        report.update_info(out_of_range=sum(int(t.out_of_range) for t in self._tables.values()))
         if self.origins is not None:
             from fpaudit.origins import table_from_columns
 
@@ -1100,20 +1108,28 @@ class Audit:
             from fpaudit.report import BLOCKS_SCHEMA, frame
 
             report.blocks = frame(self._blocks.columns(), BLOCKS_SCHEMA)
-            report.meta["recipes"] = [r.name for r in self._blocks.recipes]
+            report.update_info(recipes=tuple(r.name for r in self._blocks.recipes))
         return report
 
 
-def audit(
-    model: nn.Module,
-    *,
-    loss_scale: float = 1.0,
-    selection: Selection = Selection(),
-    window: int = 1,
-    shadow: bool = False,
-    origins: bool = False,
-    recipes: Sequence[Recipe | str] = (),
-) -> Audit:
+def _constructor(cls: Callable[P, T], name: str, doc: str) -> Callable[P, T]:
+    """A function ``name`` that calls ``cls`` with the same parameters, declared once
+    (by ``cls``): type checkers and ``inspect.signature`` (so ``help``) read them there."""
+
+    def make(*args: P.args, **kwargs: P.kwargs) -> T:
+        return cls(*args, **kwargs)
+
+    make.__name__ = make.__qualname__ = name
+    make.__doc__ = doc
+    make.__module__ = cls.__module__
+    returns = getattr(cls, "__name__", inspect.Signature.empty)
+    make.__dict__["__signature__"] = inspect.signature(cls).replace(return_annotation=returns)
+    return make
+
+
+audit = _constructor(
+    Audit,
+    "audit",
     """Audit the backward pass of ``model``: see :class:`Audit`.
 
     ``selection`` limits what is recorded; ``window`` merges the records of that
@@ -1123,13 +1139,5 @@ def audit(
     ``forward_pass`` and backward, whether it made inf/NaN (``fpaudit.origin_capture``);
     ``recipes`` (names or :class:`~fpaudit.recipes.Recipe`) adds exact block-scaled
     statistics of every recorded tensor under each (see :mod:`fpaudit.blockstats`).
-    """
-    return Audit(
-        model,
-        loss_scale=loss_scale,
-        selection=selection,
-        window=window,
-        shadow=shadow,
-        origins=origins,
-        recipes=recipes,
-    )
+    """,
+)

@@ -7,6 +7,7 @@ interrupted. Errors are one line on stderr; ``--debug`` adds the traceback.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -19,7 +20,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
 import typer
 
@@ -51,7 +52,8 @@ from fpaudit.recipes import RECIPES
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 
 if TYPE_CHECKING:
-    from fpaudit.capture import Selection
+    from _typeshed import DataclassInstance
+
     from fpaudit.report import Report
 
 # The analysis and report modules are imported inside the commands: pandas and
@@ -124,6 +126,7 @@ _VALUE_TYPES: dict[str, Any] = {
     "format": str,
 }
 _Args = TypeVar("_Args", bound=CommandOptions)
+L = TypeVar("L", bound="DataclassInstance")  # a library options class
 
 
 def _flag(command: str, option: specs.Spec | None) -> Any:
@@ -176,7 +179,7 @@ def _options(
             command(*positional, **given, options=args.build(configured, flags))
 
         parameters = [*own, *flags]
-        parsed.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        parsed.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # read by inspect.signature (typer); typeshed's functions lack it
         parsed.__annotations__ = {p.name: p.annotation for p in parameters}
         return parsed
 
@@ -205,26 +208,25 @@ def _no_progress() -> Iterator[None]:
     yield None
 
 
-class _Captured(TypedDict):
-    window: int
-    selection: Selection
-    recipes: tuple[str, ...]
-
-
-def _captured(options: ScanArgs | RunArgs) -> _Captured:
-    """What scan and run capture alike: the --window, what --module/--exclude-module/
-    --op/--exclude-op keep, and each --recipe once; keywords of ScanOptions/RunOptions."""
+def _library_options(cls: type[L], args: ScanArgs | RunArgs, **parsed: Any) -> L:
+    """``cls`` (``ScanOptions``, ``RunOptions``) built from the command's ``args``: each
+    field from the option of the same name, ``selection`` from what --module/
+    --exclude-module/--op/--exclude-op keep, ``recipes`` from each --recipe once, and
+    ``parsed`` (what the command parses first, scan's loss scale) over them; a field none
+    of these gives keeps its library default. A new option of the same name as its
+    library field needs nothing here (tests/test_options.py checks every field is fed)."""
     from fpaudit.capture import Selection
 
     selection = Selection(
-        modules=tuple(options.module),
-        exclude_modules=tuple(options.exclude_module),
-        ops=tuple(options.op),
-        exclude_ops=tuple(options.exclude_op),
+        modules=tuple(args.module),
+        exclude_modules=tuple(args.exclude_module),
+        ops=tuple(args.op),
+        exclude_ops=tuple(args.exclude_op),
     )
-    return _Captured(
-        window=options.window, selection=selection, recipes=tuple(dict.fromkeys(options.recipe))
-    )
+    wanted = {field.name for field in dataclasses.fields(cls)}
+    same = {name: getattr(args, name) for name in args.option_names() if name in wanted}
+    captured = {"selection": selection, "recipes": tuple(dict.fromkeys(args.recipe))}
+    return cls(**{**same, **captured, **parsed})
 
 
 def _new_report_path(options: ScanArgs | RunArgs) -> Path:
@@ -377,18 +379,8 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
     log2_loss_scale = config.parse_scale(options.loss_scale, "loss_scale")
     if options.top < 1:
         raise UsageError(f"--top must be at least 1, got {options.top}")
-    scan_options = ScanOptions(
-        steps=options.steps,
-        device=options.device,
-        loss_scale=math.ldexp(1.0, log2_loss_scale),
-        seed=options.seed,
-        every=options.every,
-        amp=options.amp,
-        shadow=options.shadow,
-        forward=options.forward,
-        origins=options.origins,
-        **_captured(options),
-    )
+    loss_scale = math.ldexp(1.0, log2_loss_scale)
+    scan_options = _library_options(ScanOptions, options, loss_scale=loss_scale)
     out_path = _new_report_path(options)
     if resolve_device(scan_options.device).type == "cpu":
         _load_cpu_kernel()
@@ -507,13 +499,7 @@ def run_command(
     fmt = get_format(options.format) if options.format is not None else None
     headroom = _headroom(options.headroom_bits)
     drift_options = _drift_options(options)
-    run_options = RunOptions(
-        max_steps=options.max_steps,
-        capture_every=options.capture_every,
-        max_backoffs=options.max_backoffs,
-        max_skip_rate=options.max_skip_rate,
-        **_captured(options),
-    )
+    run_options = _library_options(RunOptions, options)
     out_path = _new_report_path(options)
     import torch
 
@@ -533,7 +519,7 @@ def run_command(
         report = outcome.report
         if fmt is None:
             fmt = get_format(report.info.amp or "fp16")
-        report.meta["formats"] = [fmt.name]
+        report.update_info(formats=(fmt.name,))
         if not report.info.steps_run and outcome.interrupted is None:
             if outcome.failure is not None:
                 raise outcome.failure  # nothing done, nothing to keep

@@ -10,12 +10,13 @@ happened at.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from fpaudit.text import power
 
 __all__ = [
     "FINDINGS",
@@ -219,8 +220,8 @@ def mixed_scale_findings(
                     "mixed-scale-accumulation",
                     site,
                     step,
-                    f"a micro-batch scaled by {_power(values[slot])} was accumulated onto "
-                    f"gradients scaled by {_power(first)}{update if update_site else ''}"
+                    f"a micro-batch scaled by {power(values[slot])} was accumulated onto "
+                    f"gradients scaled by {power(first)}{update if update_site else ''}"
                     ": unscale_ divides the sum by one scale, so micro-batches are weighted "
                     "unequally; update the scaler once per optimizer step",
                 )
@@ -277,7 +278,7 @@ def scale_findings(
             site,
             int(steps[start]),
             f"the scale backed off {end - start} times in a row (steps {steps[start]} to "
-            f"{steps[end - 1]}, {_power(before[start])} to {_power(after[end - 1])}): every "
+            f"{steps[end - 1]}, {power(before[start])} to {power(after[end - 1])}): every "
             "step overflows whatever the scale, which points at inf/NaN from the forward "
             "pass or the data (try `fpaudit scan --amp --forward`), not at a too-large scale",
         )
@@ -288,7 +289,7 @@ def scale_findings(
             "scale-below-one",
             site,
             int(steps[first]),
-            f"the scale fell below 1 ({_power(after[first])} after step {steps[first]}): "
+            f"the scale fell below 1 ({power(after[first])} after step {steps[first]}): "
             "gradients are now held smaller than unscaled, so loss scaling only adds "
             "underflow; something overflows at every scale",
         )
@@ -332,13 +333,6 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     padded = np.concatenate([[False], mask, [False]]).astype(np.int8)
     edges = np.flatnonzero(np.diff(padded))
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
-
-
-def _power(value: float) -> str:
-    """2^k for a power of two, else the number."""
-    if value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5:
-        return f"2^{math.frexp(value)[1] - 1}"
-    return f"{value:g}"
 
 
 def _number(value: Any) -> str:

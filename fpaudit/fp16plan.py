@@ -290,7 +290,7 @@ def fp16_plan(
 
     _check(headroom_bits, max_underflow)
     report = scan(model_path, ScanOptions(steps=steps, device=device, seed=seed, forward=True))
-    report.meta["model_file"] = str(model_path)
+    report.update_info(model_file=str(model_path))
     plan = plan_from_report(report, headroom_bits=headroom_bits, max_underflow=max_underflow)
     if plan.log2_scale is None:
         return plan

@@ -17,7 +17,15 @@ from rich.text import Text
 
 from fpaudit.formats import Format
 from fpaudit.recipes import Recipe, as_recipe
-from fpaudit.text import count, expected_count, module_in_prose, module_label, percent, scale_text
+from fpaudit.text import (
+    count,
+    expected_count,
+    module_in_prose,
+    module_label,
+    percent,
+    power,
+    scale_text,
+)
 
 if TYPE_CHECKING:
     from fpaudit.blockplan import BlockGateResult, Plan
@@ -153,10 +161,8 @@ def formats(formats: Iterable[Format], as_json: bool) -> None:
 
 
 def _power(value: float) -> str:
-    mantissa, exponent = math.frexp(value)
-    if mantissa == 0.5:
-        return f"2^{exponent - 1}"
-    return f"{value:.6g}" if value < 1e6 else f"{value:.4g}"
+    """The formats table's numbers: bf16's maximum as 3.39e+38, not 3.38953e+38."""
+    return power(value, large_digits=4)
 
 
 # -- show ------------------------------------------------------------------
@@ -503,13 +509,6 @@ def sparkline(values: Sequence[float], width: int = 60) -> str:
     if high == low:
         return SPARK[3] * len(points)
     return "".join(SPARK[round((p - low) / (high - low) * (len(SPARK) - 1))] for p in points)
-
-
-def power(value: float) -> str:
-    """2^k for a power of two, else the number."""
-    if value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5:
-        return f"2^{math.frexp(value)[1] - 1}"
-    return f"{value:g}"
 
 
 def _steps_list(steps: Sequence[int], count_: int) -> str:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import datetime as _dt
 import errno
 import fcntl
@@ -196,6 +197,12 @@ class Report:
         """How every writer ends a run: stamp ``run`` on the metadata, then the command's
         own ``settings`` (its options as it ran), then the caller's ``meta``, which wins."""
         self.meta.update({**run.to_meta(), **settings, **(meta or {})})
+
+    def update_info(self, **fields: Any) -> None:
+        """Set the :class:`RunInfo` ``fields`` named (``report.update_info(formats=("fp16",))``)
+        in the metadata, leaving the others as they are; an unknown name is a TypeError."""
+        info = dataclasses.replace(self.info, **fields)
+        self.meta.update(info.entries(*fields))
 
     @property
     def complete(self) -> bool:

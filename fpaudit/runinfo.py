@@ -4,7 +4,9 @@ A report's ``meta.json`` is a JSON object (its format is unchanged, so reports o
 every readable schema version still read). :class:`RunInfo` is the typed view of
 the fields that several modules write or read: commands that write a report
 (``scan``, ``run``, the training integrations) build one and merge
-:meth:`RunInfo.to_meta` into the metadata; readers use ``Report.info``
+:meth:`RunInfo.to_meta` into the metadata (``Report.record_run``); a field set on
+its own later (the capture's ``out_of_range``, ``run``'s ``formats``) goes through
+``Report.update_info`` (:meth:`RunInfo.entries`); readers use ``Report.info``
 (:meth:`RunInfo.from_meta`), never string keys. Fields a report lacks (an older
 report, or one built by the ``Audit`` API without a command) read as their
 defaults. Plain Python: no pandas, no torch.
@@ -35,6 +37,9 @@ _ALWAYS = (
 )  # and "amp", derived from amp_dtype
 
 
+# Not stamped by to_meta (a run's end must not overwrite them with defaults): written
+# with the tables (Report.from_builder, the capture through Report.update_info) or by
+# the command beside the run's fields.
 _READ_ONLY = (
     "steps", "modules", "out_of_range", "recipes", "formats", "headroom_bits", "include_loss",
     "findings",
@@ -52,7 +57,7 @@ class RunInfo:
     amp_dtype: str | None = None  # the dtype autocast held values in ("float16", ...)
     model_file: str | None = None  # scan: the model file
     script: str | None = None  # run: the training script
-    # Recorded with the tables (Report.from_builder, capture); read here, not written.
+    # Recorded with the tables (Report.from_builder, capture); not stamped by to_meta.
     steps: int | None = None  # captured steps
     modules: tuple[str, ...] = ()  # module names in network order
     out_of_range: int = 0  # fp64 values outside fp32's range (binned as zero or inf)
@@ -60,8 +65,8 @@ class RunInfo:
     # run: the loss scaler's settings and skip statistics (fpaudit.training)
     scaler: Mapping[str, Any] | None = None
     training: Mapping[str, Any] | None = None
-    # Written beside these by the command (its settings) and by fpaudit.training (the
-    # findings); read here, not written.
+    # Written beside these by the command (its settings, run's formats) and by
+    # fpaudit.training (the findings); not stamped by to_meta.
     formats: tuple[str, ...] = ()  # the formats the command summarised, first: the default
     headroom_bits: int | None = None  # scan's and run's --headroom-bits
     include_loss: bool | None = None  # scan's --include-loss
@@ -141,19 +146,27 @@ class RunInfo:
 
     def to_meta(self) -> dict[str, Any]:
         """The metadata entries of this run (JSON types), to merge into ``Report.meta``."""
+        names = [
+            item.name
+            for item in dataclasses.fields(self)
+            if item.name not in _READ_ONLY  # written with the tables, or beside these
+            and (item.name in _ALWAYS or getattr(self, item.name) is not None)
+        ]
+        return {**self.entries(*names), "amp": self.amp}
+
+    def entries(self, *names: str) -> dict[str, Any]:
+        """The metadata entries of the fields ``names`` (JSON types: a tuple as a list),
+        whatever their values, under the keys ``from_meta`` reads them from."""
         meta: dict[str, Any] = {}
-        for item in dataclasses.fields(self):
-            value = getattr(self, item.name)
-            if item.name in _READ_ONLY:
-                continue  # written with the tables, or by the command beside these
-            if item.name not in _ALWAYS and value is None:
-                continue
-            if item.name == "selection":
+        for name in names:
+            value = getattr(self, name)
+            if name == "selection":
                 value = {k: list(v) for k, v in value.items()}
             elif isinstance(value, Mapping):
                 value = dict(value)
-            meta[item.name] = value
-        meta["amp"] = self.amp
+            elif isinstance(value, tuple):
+                value = list(value)
+            meta[name] = value
         return meta
 
     @property

@@ -46,3 +46,12 @@ def expected_count(value: float) -> str:
     if float(value).is_integer():
         return count(int(value))
     return f"{float(value):,.2f}"
+
+
+def power(value: float, *, large_digits: int = 6) -> str:
+    """2^k for a power of two, else the number to 6 significant digits, or to
+    ``large_digits`` from 1e6 up (the formats table writes bf16's maximum as 3.39e+38)."""
+    mantissa, exponent = math.frexp(value)
+    if value > 0 and math.isfinite(value) and mantissa == 0.5:
+        return f"2^{exponent - 1}"
+    return f"{value:.{6 if value < 1e6 else large_digits}g}"

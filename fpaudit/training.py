@@ -133,12 +133,12 @@ class RunOptions:
 
 def call_site() -> tuple[str, int]:
     """File and line of the innermost frame outside torch and fpaudit: the script's call."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(_OUTSIDE) and not filename.startswith("<"):
             return filename, frame.f_lineno
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return "<unknown>", 0
 
 

@@ -185,3 +185,38 @@ def test_a_flag_of_a_config_command_given_in_the_config_file_reaches_the_command
     result = cli("plot", str(tmp_path / "no-report"), "--config", str(config_file))
     assert result.code == 2
     assert "x.gif" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_every_library_option_is_fed_from_its_commands_options() -> None:
+    """A field of ScanOptions/RunOptions set on the command reaches the library: each one
+    given a value other than its default comes out with that value, so adding an option
+    under its library name needs no line in cli.py."""
+    from fpaudit.capture import Selection
+    from fpaudit.cli import _library_options
+    from fpaudit.training import RunOptions
+
+    scan_args = ScanArgs(steps=3, device="cpu", seed=7, every=2, window=2, module=("a",),
+                         exclude_module=("b",), op=("aten.mm*",), exclude_op=("aten.add*",),
+                         amp="bf16", shadow=True, forward=True, origins=True,
+                         recipe=("mxfp4", "nvfp4", "mxfp4"))  # fmt: skip
+    built = _library_options(ScanOptions, scan_args, loss_scale=8.0)  # scan parses --loss-scale
+    assert built == ScanOptions(
+        steps=3, device="cpu", loss_scale=8.0, seed=7, every=2, window=2,
+        selection=Selection(("a",), ("b",), ("aten.mm*",), ("aten.add*",)), amp="bf16",
+        shadow=True, forward=True, origins=True, recipes=("mxfp4", "nvfp4"),
+    )  # fmt: skip
+    default = ScanOptions()
+    unfed = [f.name for f in dataclasses.fields(ScanOptions)
+             if getattr(built, f.name) == getattr(default, f.name)]  # fmt: skip
+    assert unfed == []
+
+    run_args = RunArgs(max_steps=4, capture_every=3, window=2, module=("a",), max_backoffs=2,
+                       max_skip_rate=0.5, recipe=("mxfp4",))  # fmt: skip
+    ran = _library_options(RunOptions, run_args)
+    assert ran == RunOptions(max_steps=4, capture_every=3, window=2,
+                             selection=Selection(modules=("a",)), max_backoffs=2,
+                             max_skip_rate=0.5, recipes=("mxfp4",))  # fmt: skip
+    default_run = RunOptions()
+    unfed = [f.name for f in dataclasses.fields(RunOptions)
+             if getattr(ran, f.name) == getattr(default_run, f.name)]  # fmt: skip
+    assert unfed == ["watch_grad_reads"]  # a library switch no command turns off

@@ -59,6 +59,17 @@ def test_power_names_powers_of_two(value: float, text: str) -> None:
     assert render.power(value) == text
 
 
+def test_power_is_one_formatter_with_a_shorter_form_for_the_formats_table() -> None:
+    from fpaudit import findings, text
+
+    assert render.power is text.power is findings.power
+    bf16_max = 3.3895313892515355e38
+    assert text.power(bf16_max) == "3.38953e+38"
+    assert text.power(bf16_max, large_digits=4) == "3.39e+38"
+    assert text.power(65504.0, large_digits=4) == "65504"
+    assert text.power(2.0**128, large_digits=4) == "2^128"
+
+
 def test_short_op() -> None:
     assert render.short_op("aten.mm.default") == "mm"
     assert render.short_op("aten.sum.dim_IntList") == "sum.dim_IntList"

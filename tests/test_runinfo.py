@@ -106,3 +106,20 @@ def test_a_run_ends_complete_unless_something_stopped_it() -> None:
     # run's --max-steps stops a script whose run is complete, and says what stopped it
     capped = RunInfo.ended("run", "max-steps", (5, 5), {}, None, complete=True, script="t.py")
     assert capped.complete and capped.stopped_by == "max-steps" and capped.script == "t.py"
+
+
+def test_update_info_writes_only_the_named_fields_under_their_old_keys() -> None:
+    import pytest
+    import torch
+
+    report = report_from({"a": torch.tensor([1.0])})
+    before = dict(report.meta)
+    report.update_info(formats=("bf16",), model_file="m.py", out_of_range=3, recipes=("mxfp4",))
+    # JSON types, under the keys meta.json has always had
+    assert report.meta == {**before, "formats": ["bf16"], "model_file": "m.py",
+                           "out_of_range": 3, "recipes": ["mxfp4"]}  # fmt: skip
+    info = report.info
+    assert (info.formats, info.model_file, info.out_of_range) == (("bf16",), "m.py", 3)
+    assert report.recipes == ["mxfp4"]
+    with pytest.raises(TypeError):
+        report.update_info(no_such_field=1)

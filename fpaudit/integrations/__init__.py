@@ -25,7 +25,7 @@ audit, the audit of the open step, and the report's metadata.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -40,7 +40,7 @@ from fpaudit.runinfo import AMP_NAMES, RunInfo
 if TYPE_CHECKING:
     from fpaudit.report import Report
 
-__all__ = ["AuditSession", "Patches", "SessionCallback", "scale_tensor", "unscaled"]
+__all__ = ["AuditSession", "SessionCallback", "scale_tensor", "unscaled"]
 
 
 class AuditSession:
@@ -258,14 +258,9 @@ class AuditSession:
 def scale_tensor(scaler: Any) -> torch.Tensor | None:
     """The scale an enabled ``torch.amp.GradScaler`` is in force with (a 0-dim tensor,
     no host sync), or None for no scaler, a disabled one or one not yet used."""
-    if scaler is None:
-        return None
-    enabled = getattr(scaler, "is_enabled", None)
-    if callable(enabled) and not enabled():
-        return None
-    from fpaudit._torch_patches import scaler_scale  # the one reader of GradScaler._scale
+    from fpaudit._torch_patches import scaler_enabled, scaler_scale  # GradScaler's reader
 
-    return scaler_scale(scaler)
+    return scaler_scale(scaler) if scaler_enabled(scaler) else None
 
 
 def unscaled(loss: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -307,35 +302,3 @@ class SessionCallback:
 
     def _reset(self) -> None:
         """The callback's own state before training starts."""
-
-
-class Patches:
-    """Attributes replaced for a while (functions of a module, methods of one object)
-    and put back by :meth:`restore`; one put back only if it still holds the replacement."""
-
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
-
-    def replace(self, owner: Any, name: str, value: Any) -> Any:
-        """Set ``owner.name`` to ``value``; return what it was."""
-        own = name in getattr(owner, "__dict__", {})  # else inherited: deleting restores it
-        original = getattr(owner, name)
-        setattr(owner, name, value)
-
-        def undo() -> None:
-            if getattr(owner, name, None) is not value:
-                return  # replaced again since: leave the newer one alone
-            if own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)  # e.g. an instance attribute shadowing a method
-
-        self._undo.append(undo)
-        return original
-
-    def restore(self) -> None:
-        while self._undo:
-            self._undo.pop()()
-
-    def __bool__(self) -> bool:
-        return bool(self._undo)

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from fpaudit._torch_patches import Call, wrap
-from fpaudit.integrations import Patches, SessionCallback, scale_tensor, unscaled
+from fpaudit._torch_patches import Call, Patches, step_targets
+from fpaudit.integrations import SessionCallback, scale_tensor, unscaled
 
 try:
     import transformers
@@ -41,8 +41,6 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     ) from error
 
 __all__ = ["FpauditTrainerCallback"]
-
-_CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_")
 
 
 class FpauditTrainerCallback(SessionCallback, TrainerCallback):
@@ -198,25 +196,17 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
             self._close_or_drop(ok=True)
 
     def _install(self) -> None:
-        """Wrap (``_torch_patches.wrap``: the originals' signatures, arguments passed on
+        """Wrap (``_torch_patches.Patches``: the originals' signatures, arguments passed on
         untouched) the calls that change the gradients before ``on_pre_optimizer_step``."""
         for owner, name, handler in self.patch_targets():
-            original = getattr(owner, name)
-            label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
-            self._patches.replace(owner, name, wrap(original, label, handler))
+            self._patches.wrap(owner, name, handler)
 
     def patch_targets(self) -> list[tuple[Any, str, Callable[[Call], Any]]]:
         """What :meth:`_install` wraps while a step is audited: (owner, attribute, handler)."""
-        found: list[tuple[Any, str, Callable[[Call], Any]]] = [
-            (torch.autograd, "backward", self._on_backward)
+        return [
+            (owner, name, getattr(self, f"_{handler}"))
+            for owner, name, handler in step_targets(self._scaler)
         ]
-        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-            for name in _CLIP_FUNCTIONS:
-                if getattr(module, name, None) is not None:
-                    found.append((module, name, self._on_clip))
-        if _enabled(self._scaler):
-            found.append((self._scaler, "unscale_", self._on_unscale))  # this scaler only
-        return found
 
     @contextmanager
     def _on_backward(self, call: Call) -> Iterator[None]:
@@ -246,9 +236,3 @@ def _unsupported(args: Any) -> str | None:
     if getattr(args, "torch_compile", False):
         return "FpauditTrainerCallback cannot audit a compiled model (torch_compile=True)"
     return None
-
-
-def _enabled(scaler: Any) -> bool:
-    """Is ``scaler`` a GradScaler that scales (accelerate's, when ``fp16=True`` on GPU)?"""
-    enabled = getattr(scaler, "is_enabled", None)
-    return callable(enabled) and bool(enabled()) and callable(getattr(scaler, "unscale_", None))
