@@ -12,7 +12,8 @@ the calls mean and never touches torch's internals itself.
 * ``torch.autograd.backward`` (what ``Tensor.backward`` calls): backward calls,
   the loss when no scaler sees it;
 * ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (in ``torch.nn.utils``
-  and ``torch.nn.utils.clip_grad``): clipping of still-scaled gradients, the norm;
+  and ``torch.nn.utils.clip_grad``) and ``torch.nn.utils.clip_grads_with_norm_``:
+  clipping of still-scaled gradients, the norm;
 * ``torch.optim.Optimizer.zero_grad`` and ``torch.nn.Module.zero_grad``: a new
   accumulated batch starts;
 * ``step`` of ``LRScheduler`` and of every scheduler class in torch that defines
@@ -223,6 +224,11 @@ def _backward_and_clip() -> list[tuple[Any, str, str]]:
         for name in ("clip_grad_norm_", "clip_grad_value_"):
             if getattr(module, name, None) is not None:
                 found.append((module, name, "on_clip"))
+    # torch >= 2.6's two-part clipping (get_total_norm, then clip_grads_with_norm_), as
+    # accelerate >= 1.16 clips. Only the public name: clip_grad_norm_ calls the module's
+    # private _clip_grads_with_norm_, so one clip is never seen twice.
+    if getattr(torch.nn.utils, "clip_grads_with_norm_", None) is not None:
+        found.append((torch.nn.utils, "clip_grads_with_norm_", "on_clip"))
     return found
 
 

@@ -373,7 +373,7 @@ class TrainingMonitor:
     def on_clip(self, call: Call) -> Iterator[None]:
         name = call.name.rsplit(".", 1)[-1]
         parameters = call.arguments["parameters"]
-        limit = call.arguments["max_norm" if name == "clip_grad_norm_" else "clip_value"]
+        limit = call.arguments["clip_value" if name == "clip_grad_value_" else "max_norm"]
         site = call_site()
         state = self.state
         scaled = state.scaled_pending
@@ -384,8 +384,10 @@ class TrainingMonitor:
         state.log_call("clip", site, f"{name}(..., {_number(limit)})")
         with self._own_calls():
             yield
-        if name == "clip_grad_norm_" and isinstance(call.result, torch.Tensor):
-            state.clipped_norm(call.result, scaled, limit)
+        # the total norm: clip_grad_norm_ returns it, clip_grads_with_norm_ is given it
+        norm = call.arguments.get("total_norm", call.result)
+        if name != "clip_grad_value_" and isinstance(norm, torch.Tensor):
+            state.clipped_norm(norm, scaled, limit)
 
     @contextmanager
     def on_zero_grad(self, call: Call) -> Iterator[None]:

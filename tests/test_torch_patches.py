@@ -110,6 +110,19 @@ def _clip_value(owner: Any) -> list[tuple[str, Callable[[World], Any]]]:
     ]
 
 
+def _clip_with_norm(owner: Any) -> list[tuple[str, Callable[[World], Any]]]:
+    f = lambda: owner.clip_grads_with_norm_  # noqa: E731
+    norm = lambda w: torch.nn.utils.get_total_norm([p.grad for p in w.model.parameters()])  # noqa: E731
+    return [
+        ("positional", lambda w: f()(list(w.model.parameters()), 0.5, norm(w))),
+        (
+            "keywords",
+            lambda w: f()(parameters=w.model.parameters(), max_norm=0.5, total_norm=norm(w)),
+        ),
+        ("mixed", lambda w: f()(w.model.parameters(), 0.5, total_norm=norm(w), foreach=False)),
+    ]
+
+
 def _sched(make: Callable[[torch.optim.Optimizer], Any]) -> Callable[[], World]:
     return lambda: _with_grads(_world(make), scaled=False)
 
@@ -173,6 +186,10 @@ CASES = {
     (torch.nn.utils, "clip_grad_value_"): (
         lambda: _with_grads(_world()),
         _clip_value(torch.nn.utils),
+    ),
+    (torch.nn.utils, "clip_grads_with_norm_"): (
+        lambda: _with_grads(_world()),
+        _clip_with_norm(torch.nn.utils),
     ),
     (torch.nn.utils.clip_grad, "clip_grad_norm_"): (
         lambda: _with_grads(_world()),
@@ -377,7 +394,8 @@ def _hf_callback(tmp_path: Any) -> Any:
 _HF_CASES = [
     (key, label)
     for key, (_, calls) in CASES.items()
-    if key[1] in {"backward", "clip_grad_norm_", "clip_grad_value_", "unscale_"}
+    if key[1]
+    in {"backward", "clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "unscale_"}
     for label, _ in calls
 ]
 

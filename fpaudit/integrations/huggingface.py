@@ -62,7 +62,9 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
     when the step closes, the calls that come first: the scaler's ``unscale_``
     (an attribute of that one scaler object) and
     ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (which
-    accelerate calls even without clipping, to measure the norm). The first
+    accelerate calls even without clipping, to measure the norm) and
+    ``clip_grads_with_norm_`` (accelerate >= 1.16 clips in torch's two parts,
+    ``get_total_norm`` then ``clip_grads_with_norm_``). The first
     of them, or ``on_pre_optimizer_step``, closes the step: parameter
     gradients are recorded accumulated, unclipped and still multiplied by the
     scale, which is the step's loss scale (1 without a scaler). Each backward's

@@ -1,5 +1,6 @@
-"""Keyword calls made in the wrong order: clipping before unscale_ (by keyword), then
-a .grad read while scaled; fpaudit must name each line."""
+"""Keyword calls made in the wrong order: clipping before unscale_ (by keyword, and in
+torch's two parts as accelerate >= 1.16 clips), then a .grad read while scaled;
+fpaudit must name each line."""
 
 import torch
 from _finish import finish
@@ -16,6 +17,9 @@ for step in range(6):
     scaler.scale(outputs=loss).backward()
     torch.nn.utils.clip_grad_norm_(parameters=model.parameters(), max_norm=1.0)  # mark: norm
     torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.5)  # mark: value
+    grads = [p.grad for p in model.parameters()]  # mark: grads
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, total_norm=total)  # mark: parts
     peak = max(p.grad.abs().max().item() for p in model.parameters())  # mark: read
     scaler.step(optimizer=optimizer)
     scaler.update()
