@@ -8,7 +8,7 @@
 # machines carry as a CPU wheel; on a CUDA machine use the build you want, e.g.
 #   make test TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
 # or TORCH_SPEC=torch for whatever pip picks. Users installing fpaudit itself get
-# the torch they already have if it is one the suite ran on (pyproject asks for torch>=2.13).
+# the torch they already have if it is one the suite ran on (pyproject: torch>=2.13,<2.15).
 #   make test-torch TORCH_SPEC='torch==2.11.0 --index-url https://download.pytorch.org/whl/cpu'
 #               the capture, oracle, patch and CLI tests on another torch, in its own venv
 
