@@ -32,6 +32,7 @@ from fpaudit.errors import Named, OptionError, UsageError
 from fpaudit.recipes import Recipe, as_recipe
 from fpaudit.records import BLOCK_COUNT_COLUMNS, LOSS_MODULE
 from fpaudit.report import Report
+from fpaudit.text import percent
 
 KEEP_FORMAT = "bf16"  # what a module no recipe passes stays in
 LIMITS = ("flush_fraction", "saturate_fraction")
@@ -193,7 +194,12 @@ class ModulePlan:
     recipe: str  # the cheapest passing recipe, or KEEP_FORMAT
     flush_fraction: float  # under the chosen recipe (of the cheapest tried when kept)
     saturate_fraction: float
-    limiting: str  # what stopped the next cheaper recipe: "flush 3.1% (mxfp4)", or ""
+    # What stopped the module from being one step cheaper: the statistic that ruled out
+    # the recipe just below the chosen one in cost order ("flush 3.1% (mxfp4)", printed
+    # as the table prints fractions, so a tiny one over a 0 limit does not read 0.00%);
+    # for a module kept in bf16, the most expensive recipe tried (the one just below
+    # bf16); "" when the cheapest recipe passes.
+    limiting: str
     nonzero: int
 
 
@@ -223,7 +229,10 @@ def plan(
     report: Report, recipes: list[Recipe | str], max_flush: float, max_saturate: float = 0.0
 ) -> Plan:
     """Per module, the cheapest of ``recipes`` whose flush and saturation fractions stay
-    within the limits, and the statistic that ruled out the cheaper ones."""
+    within the limits, and the statistic that ruled out the next cheaper recipe (the one
+    just below it in cost order; for a module kept in bf16, the most expensive recipe):
+    what stopped the module from being one step cheaper. A recipe that fails both
+    limits is named by its flush fraction."""
     if not recipes:
         raise UsageError("plan needs at least one recipe")
     _check_fraction(max_flush, "max_flush")
@@ -235,7 +244,7 @@ def plan(
     ]  # every recipe saw the same tensors
     planned = []
     for module in modules:
-        limiting = ""
+        limiting = ""  # the last recipe ruled out so far: the one just below the next
         decided: ModulePlan | None = None
         for recipe in chosen:
             row = tables[recipe.name].loc[module]
@@ -245,14 +254,13 @@ def plan(
                     module, recipe.name, flush, saturate, limiting, int(row["nonzero"])
                 )
                 break
-            if not limiting:
-                expected = "expected " if recipe.expected else ""
-                if int(row["nonzero"]) == 0:
-                    limiting = f"nothing measured ({recipe.name})"
-                elif flush > max_flush:
-                    limiting = f"{expected}flush {flush:.2%} ({recipe.name})"
-                else:
-                    limiting = f"{expected}saturate {saturate:.2%} ({recipe.name})"
+            expected = "expected " if recipe.expected else ""
+            if int(row["nonzero"]) == 0:
+                limiting = f"nothing measured ({recipe.name})"
+            elif flush > max_flush:
+                limiting = f"{expected}flush {percent(flush)} ({recipe.name})"
+            else:
+                limiting = f"{expected}saturate {percent(saturate)} ({recipe.name})"
         if decided is None:
             first = tables[chosen[0].name].loc[module]
             decided = ModulePlan(

@@ -336,7 +336,7 @@ def _heatmap_panel(ax: Axes, panel: _Panel, figure: Figure, height: float) -> No
     )
     every = max(1, math.ceil(n / _MAX_MODULE_LABELS))
     ticks = list(range(0, n, every))
-    ax.set_yticks(ticks, [module_label(panel.modules[i]) for i in ticks], fontsize=7)
+    ax.set_yticks(ticks, [_literal(module_label(panel.modules[i])) for i in ticks], fontsize=7)
     names = ("round-to-zero edge", "smallest normal", "overflow edge")
     for edge, edge_k, colour, name in zip(
         edges_at_1, edges_at_k, _EDGE_COLOURS, names, strict=True
@@ -407,8 +407,9 @@ def build_figure(
     """The figure of ``report`` against ``fmt`` at ``2**log2_scale`` (None: the recommended).
 
     Raises UsageError when matplotlib is missing. Nothing is drawn on screen.
-    Module names and paths are data: no text is parsed as mathtext or TeX, so a
-    name such as ``$\\nocommand$`` is drawn as written.
+    Module names and paths are data: their ``$`` are escaped (:func:`_literal`), so a
+    name such as ``$\\nocommand$`` is drawn as written, while matplotlib's own tick
+    labels (a log axis' ``10^5``) are still rendered as mathtext. Nothing goes to TeX.
     """
     _require_matplotlib()
     from matplotlib import rc_context
@@ -417,8 +418,17 @@ def build_figure(
         return _build_figure(report, fmt, log2_scale, headroom_bits)
 
 
-# Every Text reads these when it is made (tick labels: when drawn): user strings stay literal.
-_PLAIN_TEXT: dict[Any, Any] = {"text.parse_math": False, "text.usetex": False}
+# Every Text reads these when it is made (tick labels: when drawn), whatever the user's
+# matplotlibrc says: mathtext on, so that the tick formatters' ``$\mathdefault{10^{5}}$``
+# renders and an escaped ``\$`` draws a ``$``; TeX off. User strings go through _literal.
+_PLAIN_TEXT: dict[Any, Any] = {"text.parse_math": True, "text.usetex": False}
+
+
+def _literal(text: str) -> str:
+    """``text`` as matplotlib draws it literally: every ``$`` escaped as ``\\$``, so no
+    pair of them starts mathtext; matplotlib turns each ``\\$`` back into ``$`` (its
+    ``Text._preprocess_math``), which undoes this replacement exactly."""
+    return text.replace("$", r"\$")
 
 
 def _build_figure(
@@ -443,7 +453,8 @@ def _build_figure(
         _steps_panel(axes[2], report, panel)
     how = f"recommended with {headroom_bits} bits of headroom" if recommended else "as given"
     figure.suptitle(
-        f"fpaudit: {fmt.name} backward range at {_scale_name(k)} ({how}) — {_source(report)}",
+        f"fpaudit: {fmt.name} backward range at {_scale_name(k)} ({how}) — "
+        + _literal(_source(report)),
         fontsize=11,
     )
     return figure
@@ -529,7 +540,7 @@ def build_block_figure(report: Report, recipes: Sequence[str]) -> Figure:
             continue
         codes = np.arange(used[0], used[-1] + 1)
         offset = 0 if name.startswith("nvfp4") else 127
-        codes_ax.step(codes - offset, counts[codes], where="mid", label=name)
+        codes_ax.step(codes - offset, counts[codes], where="mid", label=_literal(name))
     codes_ax.set_yscale("log")
     codes_ax.set_xlabel("scale code (E8M0: log2 of the block scale; nvfp4: E4M3 bits)")
     codes_ax.set_ylabel("blocks")
@@ -537,15 +548,17 @@ def build_block_figure(report: Report, recipes: Sequence[str]) -> Figure:
     codes_ax.set_title("Scale codes of every block, all steps", fontsize=10, loc="left")
     values = matrix.to_numpy(dtype=np.float64)
     image = heat_ax.imshow(values, aspect="auto", cmap="Reds", vmin=0.0)
-    heat_ax.set_xticks(range(len(names)), names, fontsize=8)
-    heat_ax.set_yticks(range(len(matrix)), [module_label(m) for m in matrix.index], fontsize=7)
+    heat_ax.set_xticks(range(len(names)), [_literal(n) for n in names], fontsize=8)
+    heat_ax.set_yticks(
+        range(len(matrix)), [_literal(module_label(m)) for m in matrix.index], fontsize=7
+    )
     for row in range(values.shape[0]):
         for column in range(values.shape[1]):
             heat_ax.text(column, row, percent(values[row, column]), ha="center", va="center",
                          fontsize=6)  # fmt: skip
     figure.colorbar(image, ax=heat_ax, label="flushed fraction of nonzero values")
     heat_ax.set_title("Flushed (nonzero -> 0) per module and recipe", fontsize=10, loc="left")
-    figure.suptitle(f"fpaudit: block-scaled recipes — {_source(report)}", fontsize=11)
+    figure.suptitle("fpaudit: block-scaled recipes — " + _literal(_source(report)), fontsize=11)
     return figure
 
 

@@ -13,6 +13,7 @@ import fpaudit
 from fpaudit import blockplan, blockstats
 from fpaudit.recipes import RECIPES, get_recipe
 from fpaudit.report import SCHEMA_VERSION, Report
+from fpaudit.text import percent
 from tests.conftest import MODELS, one_error_line
 
 PAIR = MODELS / "block_pair.py"
@@ -92,10 +93,11 @@ def test_show_gate_and_plan_on_the_pair(cli, pair_reports: dict[str, Path]) -> N
     assert kept.code == 0 and kept.stdout == "(root)\n"
     text = cli("plan", interleaved, "--max-flush", "0.1")
     # the root module's records: the pair (grad and MulBackward0 output) and the ones of
-    # SumBackward0's expand, none flushed: the limiting statistic is MXFP8's flush
-    table = blockplan.block_table(Report.read(interleaved), "mxfp8-e4m3")
+    # SumBackward0's expand, none flushed. Kept in bf16, it is limited by the most
+    # expensive recipe tried (just below bf16): per-tensor E4M3's flush, not MXFP8's
+    table = blockplan.block_table(Report.read(interleaved), "fp8-tensor-e4m3")
     root = table[table["module"] == ""].iloc[0]
-    limit = f"flush {100 * root['flush_fraction']:.2f}% (mxfp8-e4m3)"
+    limit = f"flush {percent(root['flush_fraction'])} (fp8-tensor-e4m3)"
     assert limit in text.stdout and "1 of 1 modules must stay in bf16" in text.stdout
 
 
@@ -199,15 +201,23 @@ def test_plot_draws_the_block_statistics(cli, pair_reports: dict[str, Path]) -> 
 
 
 def test_plan_on_a_hand_built_table(pair_reports: dict[str, Path]) -> None:
-    # Two modules, three recipes (cost order mxfp4 < mxfp8-e4m3 < fp8-block-1x128):
-    #   a: mxfp4 flushes 5 of 100 (5%), mxfp8 1 of 100 (1%)       -> mxfp8-e4m3 at 2%
+    # Three modules, three recipes (cost order mxfp4 < mxfp8-e4m3 < fp8-block-1x128),
+    # limits: flush <= 2%, saturate <= 0%. "limited by" is what stopped the module from
+    # being one step cheaper: the recipe just below the chosen one.
+    #   a: mxfp4 flushes 5 of 100 (5% > 2%), mxfp8 1 of 100 (1%)
+    #      -> mxfp8-e4m3, limited by mxfp4 (just below): "flush 5% (mxfp4)"
     #   b: mxfp4 0 flushed but 3 of 100 saturated, mxfp8 flushes 50%, fp8-block 50%
-    #      -> no recipe passes: bf16, limited by "saturate 3.00% (mxfp4)"
+    #      -> no recipe passes: bf16, limited by the most expensive recipe tried (just
+    #      below bf16): "flush 50% (fp8-block-1x128)", not mxfp4's saturation
+    #   c: mxfp4 flushes 10 of 100 (10%), mxfp8 flushes 0 but saturates 1 of 100 (1% > 0%),
+    #      fp8-block 0 and 0 -> fp8-block-1x128, limited by mxfp8-e4m3 (just below):
+    #      "saturate 1% (mxfp8-e4m3)", not mxfp4's 10% flush (the cheapest failure)
     report = Report.read(pair_reports["sorted"])
     rows = []
     for module, recipe, flushed, saturated in [
         ("a", "mxfp4", 5, 0), ("a", "mxfp8-e4m3", 1, 0), ("a", "fp8-block-1x128", 0, 0),
         ("b", "mxfp4", 0, 3), ("b", "mxfp8-e4m3", 50, 0), ("b", "fp8-block-1x128", 50, 0),
+        ("c", "mxfp4", 10, 0), ("c", "mxfp8-e4m3", 0, 1), ("c", "fp8-block-1x128", 0, 0),
     ]:  # fmt: skip
         row = {name: 0 for name in blockstats.COUNT_COLUMNS}
         row.update(flushed=flushed, saturated=saturated, normal=100 - flushed - saturated)
@@ -221,9 +231,23 @@ def test_plan_on_a_hand_built_table(pair_reports: dict[str, Path]) -> None:
     assert result.recipes == ["mxfp4", "mxfp8-e4m3", "fp8-block-1x128"]
     by_module = {m.module: m for m in result.modules}
     assert (by_module["a"].recipe, by_module["a"].flush_fraction) == ("mxfp8-e4m3", 0.01)
-    assert by_module["a"].limiting == "flush 5.00% (mxfp4)"
-    assert (by_module["b"].recipe, by_module["b"].limiting) == ("bf16", "saturate 3.00% (mxfp4)")
+    assert by_module["a"].limiting == "flush 5% (mxfp4)"
+    assert (by_module["b"].recipe, by_module["b"].limiting) == (
+        "bf16",
+        "flush 50% (fp8-block-1x128)",
+    )
+    # a kept module's flushed/saturated columns stay the cheapest recipe's (documented)
+    assert (by_module["b"].flush_fraction, by_module["b"].saturate_fraction) == (0.0, 0.03)
+    assert (by_module["c"].recipe, by_module["c"].limiting) == (
+        "fp8-block-1x128",
+        "saturate 1% (mxfp8-e4m3)",
+    )
     assert result.keep == ["b"]
+    # the cheapest recipe passing leaves nothing to name
+    only_a = blockplan.plan(report, ["mxfp8-e4m3", "fp8-block-1x128"], 0.02, 0.0)
+    assert [(m.recipe, m.limiting) for m in only_a.modules if m.module == "a"] == [
+        ("mxfp8-e4m3", "")
+    ]
 
 
 def test_damaged_block_tables_are_one_line(cli, pair_reports: dict[str, Path]) -> None:

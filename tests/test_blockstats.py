@@ -124,9 +124,11 @@ def test_interleaved_and_sorted_pair() -> None:
 
 
 def cast_classes(x: torch.Tensor, multiplier: torch.Tensor, name: str) -> dict[str, int]:
-    """The oracle for fp32-scaled FP8 recipes (torchao has no eager reference for
-    DeepSeek-style 1x128 / 128x128 tiles or per-tensor current scaling): the scaled
-    fp32 value cast with torch, saturating like Transformer Engine."""
+    """A second oracle for fp32-scaled FP8 recipes: the scaled fp32 value cast with
+    torch, saturating like Transformer Engine. torchao's eager quantizers are the peer
+    oracle (test_blockstats_torchao.py), but its tile scales are not rounded to a power
+    of two, so it agrees with fpaudit's block rule only on tiles whose ``448 / amax`` is
+    one; this oracle takes fpaudit's documented rounded-down multiplier on any tensor."""
     element = get_recipe(name).element
     scaled = x * multiplier
     q = scaled.clamp(-element.max_finite, element.max_finite).to(element.dtype).double()

@@ -402,3 +402,62 @@ def test_the_plot_command(cli, tmp_path: Path) -> None:
         cli("plot", tmp_path / "r", "-o", tmp_path / "r.jpg")
     )
     assert not (tmp_path / "r.jpg").exists()
+
+
+def _markup_report() -> Report:
+    """A one-step audit, block statistics included, of a module named like mathtext."""
+    import fpaudit
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleDict(
+                {"$\\nocommand$": torch.nn.Linear(64, 64), "b": torch.nn.Linear(64, 64)}
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers.values():
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Model()
+    with fpaudit.audit(model, recipes=["mxfp8-e4m3", "mxfp4"]) as audit:
+        loss = model(torch.randn(8, 64)).sum()
+        loss.backward()
+        audit.step(loss=loss)
+    return audit.report
+
+
+@pytest.mark.parametrize("figure", ["fp16", "blocks"])
+def test_log_axis_tick_labels_render_and_module_names_stay_literal(
+    tmp_path: Path, figure: str
+) -> None:
+    # The log axes' tick formatters write mathtext ("$\mathdefault{10^{5}}$"): it must be
+    # rendered, not printed raw, while a module named "$\nocommand$" is drawn as written.
+    from matplotlib.cbook import is_math_text
+
+    from fpaudit.plot import build_block_figure, plot_blocks
+
+    report = _markup_report()
+    recipes = ["mxfp8-e4m3", "mxfp4"]
+    built = build_figure(report, FP16) if figure == "fp16" else build_block_figure(report, recipes)
+    built.canvas.draw()
+    log_axes = [ax for ax in built.axes if ax.get_yscale() == "log"]
+    assert log_axes  # the histogram / the scale-code histogram
+    for ax in log_axes:
+        labels = [label for label in ax.get_yticklabels() if label.get_text()]
+        assert any("mathdefault" in label.get_text() for label in labels)  # mathtext source
+        for label in labels:  # ... parsed when drawn: neither "$" nor "mathdefault" shows
+            assert is_math_text(label.get_text()) and label.get_parse_math(), label
+    # what the file shows (SVG keeps text as text; comments, which hold the mathtext
+    # source, are not drawn): no "mathdefault" anywhere, "$" only in the module's name
+    path = tmp_path / "plot.svg"
+    if figure == "fp16":
+        plot_report(report, path, FP16)
+    else:
+        plot_blocks(report, path, recipes)
+    root = ET.parse(path).getroot()
+    texts = ["".join(e.itertext()).strip() for e in root.iter() if e.tag.endswith("}text")]
+    assert not [t for t in texts if "mathdefault" in t]
+    assert [t for t in texts if "$" in t] == ["layers.$\\nocommand$"]
