@@ -29,6 +29,7 @@ from fpaudit.errors import (
     FpauditError,
     Interrupted,
     ModelFileError,
+    MonitorFailure,
     UsageError,
 )
 from fpaudit.formats import FORMATS, Format, get_format
@@ -1164,13 +1165,14 @@ def run(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except (typer.Abort, KeyboardInterrupt) as error:
         return _interrupted(error.__cause__ if isinstance(error, typer.Abort) else error)
-    except Exception as error:
+    except (Exception, MonitorFailure) as error:  # fpaudit's own code failed: a bug
         if _state["debug"]:
             traceback.print_exc()
-        render.error_line(
-            f"internal error: {type(error).__name__}: {error} "
-            "(please report it; --debug shows the traceback)"
-        )
+        if isinstance(error, MonitorFailure):  # in a hook or the capture, under a user call
+            what = f"fpaudit's own code failed ({error})"
+        else:
+            what = f"{type(error).__name__}: {error}"
+        render.error_line(f"internal error: {what} (please report it; --debug shows the traceback)")
         return EXIT_ERROR
     return result if isinstance(result, int) else EXIT_OK
 
