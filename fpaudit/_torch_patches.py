@@ -72,6 +72,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fpaudit.errors import MonitorFailure
+
 __all__ = [
     "Call",
     "MonitorFailure",
@@ -93,18 +95,6 @@ __all__ = [
 
 _BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the C getset descriptor of Tensor.grad
 _INF = float("inf")
-
-
-class MonitorFailure(BaseException):
-    """fpaudit's own code failed inside a patched call; ``__cause__`` is the error.
-
-    A BaseException, so that the script's ``except Exception`` cannot take it for
-    one of its own errors and carry on with a half-watched run."""
-
-    def __init__(self, where: str, error: BaseException) -> None:
-        super().__init__(f"{where}: {type(error).__name__}: {error}")
-        self.where = where
-        self.error = error
 
 
 @dataclass

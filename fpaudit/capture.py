@@ -72,6 +72,7 @@ import fnmatch
 import functools
 import inspect
 import math
+import sys
 import threading
 import time
 import weakref
@@ -86,8 +87,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpaudit import _signals, histogram
+from fpaudit._torch_patches import guarded
 from fpaudit.blockstats import BlockRecorder
-from fpaudit.errors import Named, OptionError, UsageError
+from fpaudit.errors import MonitorFailure, Named, OptionError, UsageError
 from fpaudit.origin_capture import OriginTracker
 from fpaudit.origin_capture import tensors_in as _tensors
 from fpaudit.recipes import Recipe, as_recipe
@@ -151,6 +153,50 @@ _NOT_VALUES = frozenset({"c10d", "_c10d_functional", "fsdp", "_dtensor"})
 _ENGINE_ENTRY = "_engine_run_backward"
 
 
+# What ``_engine_run_backward(t_outputs, *args, **kwargs)`` passes on to the C engine
+# (``Variable._execution_engine.run_backward``), by the engine's own keyword names.
+_ENGINE_ARGUMENTS = (
+    ("grad_tensors", inspect.Parameter.empty),
+    ("keep_graph", inspect.Parameter.empty),
+    ("create_graph", inspect.Parameter.empty),
+    ("inputs", ()),
+    ("allow_unreachable", False),
+    ("accumulate_grad", True),
+)
+
+
+def _engine_signature(original: Callable[..., Any]) -> inspect.Signature:
+    """The signature of a call of the engine entry ``original``: its own parameters, its
+    ``*args, **kwargs`` spelled out as the C engine's parameters (the ones it passes on)."""
+    signature = inspect.signature(original)
+    named = [
+        p
+        for p in signature.parameters.values()
+        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if "create_graph" in signature.parameters or len(named) == len(signature.parameters):
+        return signature  # spelled out already
+    known = {p.name for p in named}
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    named += [
+        inspect.Parameter(name, kind, default=default)
+        for name, default in _ENGINE_ARGUMENTS
+        if name not in known
+    ]
+    return signature.replace(parameters=named)
+
+
+def _create_graph(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Whether an engine call builds a graph of the backward (``create_graph``)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:  # not a call the engine takes: it raises its own error
+        return bool(kwargs.get("create_graph", False))
+    return bool(bound.arguments.get("create_graph", False))
+
+
 def _activate_during_backward(mode: _BackwardMode) -> Callable[[], None] | None:
     """Make ``mode`` active only while the autograd engine runs; return the undo.
 
@@ -158,21 +204,33 @@ def _activate_during_backward(mode: _BackwardMode) -> Callable[[], None] | None:
     engine through ``torch.autograd._engine_run_backward`` (private). Wrapping
     it keeps forward free of dispatch overhead. Returns None when this torch
     has no such entry point; the caller then keeps the mode on throughout.
+
+    The wrapper has the original's signature (``functools.wraps``), finds
+    ``create_graph`` by binding the call to it (``_engine_signature``), calls the
+    original with the very arguments it was given and returns its value; fpaudit's
+    own errors around the call become ``MonitorFailure``.
     """
     original = getattr(torch.autograd, _ENGINE_ENTRY, None)
     if original is None or not callable(original):
         return None
+    signature = _engine_signature(original)
     depth = threading.local()
 
+    @functools.wraps(original)
     def run_backward(*args: Any, **kwargs: Any) -> Any:
         if getattr(depth, "n", 0):  # nested backward (reentrant checkpoint): already on
-            mode.enter_nested(current_autograd_node())
+            try:
+                mode.enter_nested(current_autograd_node())
+            except Exception as error:
+                raise MonitorFailure(f"entering a nested {_ENGINE_ENTRY}", error) from error
             try:
                 return original(*args, **kwargs)
             finally:
                 mode.exit_nested()
-        # torch.autograd.backward and .grad pass (outputs, grads, retain_graph, create_graph, ...)
-        create_graph = args[3] if len(args) > 3 else kwargs.get("create_graph", False)
+        try:
+            create_graph = _create_graph(signature, args, kwargs)
+        except Exception as error:
+            raise MonitorFailure(f"before {_ENGINE_ENTRY}()", error) from error
         depth.n = 1
         mode.grad_mode_means_recompute = not create_graph
         mode.optimizer_steps = 0  # a step that raised never ran its post hook
@@ -380,6 +438,21 @@ def model_name(qualified: str) -> str:
     return ".".join(part for part in qualified.split(".") if part not in _WRAPPER_NAMES)
 
 
+def _untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` (fpaudit's), run as it is, never traced, where ``torch.compile`` traces
+    a module it is on. Dynamo cannot trace the clock's read of the autograd sequence
+    number: it would warn on the script's stderr and break the graph there anyway, so
+    the compiled graphs (and the values they compute) are the same either way.
+
+    ``torch.compiler.disable`` imports Dynamo (and sympy: ~150 MB), so a hook is only
+    wrapped once something has loaded Dynamo (``torch.compile`` does, before any
+    compiled module runs); without Dynamo nothing traces it."""
+    if "torch._dynamo" not in sys.modules:
+        return hook
+    disabled: Callable[..., Any] = torch.compiler.disable(hook)  # type: ignore[no-untyped-call]
+    return disabled
+
+
 class _ModuleClock:
     """Remembers, by autograd sequence number, which module was innermost in forward."""
 
@@ -440,12 +513,10 @@ class _ModuleClock:
             if self._qualified.get(id(module)) != name:
                 continue  # a shared module keeps its first name
             reported = self.names[id(module)]
-            stack.enter_context(
-                module.register_forward_pre_hook(lambda _m, _a, n=reported: self.enter(n))
-            )
-            stack.enter_context(
-                module.register_forward_hook(lambda _m, _a, _o: self.exit(), always_call=True)
-            )
+            enter = guarded("module clock", lambda _m, _a, n=reported: self.enter(n))
+            stack.enter_context(module.register_forward_pre_hook(_untraced(enter)))
+            exit_ = guarded("module clock", lambda _m, _a, _o: self.exit())
+            stack.enter_context(module.register_forward_hook(_untraced(exit_), always_call=True))
 
     def module_of(self, node: torch.autograd.graph.Node) -> str:
         sequence = node._sequence_nr()
@@ -545,9 +616,30 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
     ) -> Any:
         kwargs = kwargs or {}
         origins = self._origins
-        # inputs are read before the op runs: an in-place op overwrites them
-        before = origins.before(args, kwargs) if origins is not None and not func.is_view else None
-        output = func(*args, **kwargs)
+        try:
+            # inputs are read before the op runs: an in-place op overwrites them
+            before = (
+                origins.before(args, kwargs) if origins is not None and not func.is_view else None
+            )
+        except Exception as error:
+            raise MonitorFailure(f"capturing {func}", error) from error
+        output = func(*args, **kwargs)  # the op itself: its errors are the script's
+        try:
+            self._observe(func, args, kwargs, output, before)
+        except Exception as error:  # fpaudit's recording: never the script's error
+            raise MonitorFailure(f"capturing {func}", error) from error
+        return output
+
+    def _observe(
+        self,
+        func: torch._ops.OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        before: Any,
+    ) -> None:
+        """Record what ``func`` made (``output``), if it is forward or backward work."""
+        origins = self._origins
         node = current_autograd_node()
         if node is None:
             if self._audit._forward_active:
@@ -556,17 +648,17 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                     origins.after(before, KIND_FORWARD, self._clock.current_module(), "",
                                   self._op_name(func), list(_float_tensors(output)),
                                   False)  # fmt: skip
-            return output
+            return
         if self._clock.in_forward() or (self.grad_mode_means_recompute and torch.is_grad_enabled()):
             # Forward work in backward: activation checkpointing recomputing a module, a
             # method or a function (the engine runs backward with grad mode off unless
             # create_graph; checkpointing turns it on to rebuild the graph).
-            return output
+            return
         node_name = node.name()
         if self.optimizer_steps or (
             node_name == _ACCUMULATE_GRAD and not _accumulates(func, args, kwargs, output, node)
         ):
-            return output  # a hook's work (an optimizer step, an EMA): not the model's gradient
+            return  # a hook's work (an optimizer step, an EMA): not the model's gradient
         inputs = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
         fixed = self._provenance.all_fixed(inputs)
         if fixed:
@@ -575,7 +667,7 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             # e.g. buffer[i].copy_(scaled value): the whole storage now carries the scale
             self._provenance.unmark(_written(func, args, kwargs, output))
         if not creates_new_values(func, args, output):
-            return output
+            return
         op = self._op_name(func)
         module = self._module_of(node)
         places = [
@@ -587,7 +679,6 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
                           list(_float_tensors(output)), not fixed)  # fmt: skip
         if self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
             self._compare_with_fp32(func, args, kwargs, places)
-        return output
 
     def _record_forward(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], output: Any

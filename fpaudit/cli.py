@@ -30,6 +30,7 @@ from fpaudit.errors import (
     FpauditError,
     Interrupted,
     ModelFileError,
+    MonitorFailure,
     UsageError,
 )
 from fpaudit.formats import FORMATS, Format, get_format
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
     from fpaudit.report import Report
+    from fpaudit.training import RunOutcome
 
 # The analysis and report modules are imported inside the commands: pandas and
 # pyarrow are not needed while `scan` trains, and torch not to read a report.
@@ -523,12 +525,15 @@ def run_command(
         if not report.info.steps_run and outcome.interrupted is None:
             if outcome.failure is not None:
                 raise outcome.failure  # nothing done, nothing to keep
+            if outcome.exited:  # nothing to audit, and the script's own status
+                render.error_line(f"{script} exited before an optimizer step: nothing to audit")
+                _exit_as_the_script(outcome)
             raise ModelFileError(
                 f"{script} finished without an optimizer step: nothing to audit (fpaudit run "
                 "watches torch.optim optimizers and torch.amp.GradScaler)"
             )
         kept = None
-        if outcome.interrupted is not None or outcome.failure is not None:
+        if outcome.interrupted is not None or outcome.failure is not None or outcome.exited:
             kept = _write_partial(
                 report, out_path, options, stopping=outcome.interrupted is not None
             )
@@ -539,6 +544,9 @@ def run_command(
             render.error_line(f"interrupted by {outcome.interrupted.signal_name} after "
                               f"{report.info.steps_run} step(s); {kept}")  # fmt: skip
             raise typer.Exit(outcome.interrupted.exit_code)
+        if outcome.exited:
+            sys.stderr.write(f"fpaudit: note: {kept}\n")
+            _exit_as_the_script(outcome)
         assert outcome.failure is not None
         raise ModelFileError(f"{outcome.failure}; {kept}")
     from fpaudit.drift import drift
@@ -558,6 +566,17 @@ def run_command(
         raise typer.Exit(outcome.interrupted.exit_code)
     if outcome.failure is not None:
         raise outcome.failure
+    if outcome.exited:
+        _exit_as_the_script(outcome)
+
+
+def _exit_as_the_script(outcome: RunOutcome) -> NoReturn:
+    """End ``fpaudit run`` as ``python script`` ended: the script's ``sys.exit(n)`` status,
+    and for ``sys.exit("text")`` the text on stderr and status 1, as Python does."""
+    if outcome.exit_message is not None:
+        sys.stderr.write(f"{outcome.exit_message}\n")
+        sys.stderr.flush()
+    raise typer.Exit(outcome.exit_status)
 
 
 def _drift_options(options: RunArgs | RecommendArgs) -> dict[str, Any]:
@@ -1153,13 +1172,14 @@ def run(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except (typer.Abort, KeyboardInterrupt) as error:
         return _interrupted(error.__cause__ if isinstance(error, typer.Abort) else error)
-    except Exception as error:
+    except (Exception, MonitorFailure) as error:  # fpaudit's own code failed: a bug
         if _state["debug"]:
             traceback.print_exc()
-        render.error_line(
-            f"internal error: {type(error).__name__}: {error} "
-            "(please report it; --debug shows the traceback)"
-        )
+        if isinstance(error, MonitorFailure):  # in a hook or the capture, under a user call
+            what = f"fpaudit's own code failed ({error})"
+        else:
+            what = f"{type(error).__name__}: {error}"
+        render.error_line(f"internal error: {what} (please report it; --debug shows the traceback)")
         return EXIT_ERROR
     return result if isinstance(result, int) else EXIT_OK
 

@@ -150,3 +150,17 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(signal_name)
         self.signal_name = signal_name
         self.exit_code = exit_code
+
+
+class MonitorFailure(BaseException):
+    """fpaudit's own code failed inside a patched call, a hook or the backward capture
+    (not the user's input, and not the script's error); ``__cause__`` is the error.
+
+    A BaseException, so that the script's ``except Exception`` cannot take it for
+    one of its own errors and carry on with a half-watched run. ``fpaudit run``
+    reports it naming the script's line; the CLI otherwise as an internal error."""
+
+    def __init__(self, where: str, error: BaseException) -> None:
+        super().__init__(f"{where}: {type(error).__name__}: {error}")
+        self.where = where
+        self.error = error

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.machinery
 import importlib.util
+import inspect
 import itertools
+import operator
 import os
 import sys
 import traceback
@@ -116,11 +119,17 @@ def exits_caught() -> Iterator[None]:
     A C extension calling ``_exit(2)`` directly cannot be intercepted.
     """
     owner, real = os.getpid(), os._exit
+    signature = inspect.signature(real)  # (status): by position or keyword, as os._exit takes it
 
-    def fake_exit(status: int) -> NoReturn:
+    @functools.wraps(real)
+    def fake_exit(*args: Any, **kwargs: Any) -> NoReturn:
+        try:
+            status = signature.bind(*args, **kwargs).arguments["status"]
+        except TypeError:
+            real(*args, **kwargs)  # os._exit's own TypeError: a call it rejects never exits
         if os.getpid() != owner:
-            real(status)
-        raise HardExit(status)
+            real(*args, **kwargs)  # a forked child exits for real
+        raise HardExit(operator.index(status))  # os._exit's TypeError for a non-integer
 
     os._exit = fake_exit
     try:

@@ -460,6 +460,8 @@ class RunOutcome:
     failure: FpauditError | None = None  # the script failed; write the report, then say this
     interrupted: Interrupted | None = None
     exit_status: int = 0  # what ``python script`` would have exited with (0, or its exit code)
+    exited: bool = False  # the script ended with a non-zero sys.exit (exit_status is its own)
+    exit_message: str | None = None  # what Python prints for it: sys.exit("text") prints text
 
 
 def run_script(
@@ -486,6 +488,7 @@ def run_script(
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     exit_status = 0
+    exit_message: str | None = None
     try:
         # os._exit(n) from the script ends it like sys.exit(n); a forked child's is real.
         with monitor.installed(), modelfile.exits_caught():
@@ -503,11 +506,13 @@ def run_script(
             f"this is a bug in fpaudit, not in {path.name}"
         ) from broken.error
     except SystemExit as done:
-        if done.code not in (None, 0):
-            detail = f"status {done.code}" if isinstance(done.code, int) else repr(done.code)
-            failure = ModelFileError(f"{path} exited with {detail}")
+        # as Python ends for it: None is 0, an int its status, anything else is printed
+        # and exits 1. A non-zero exit ends the run early (the report says so), not in error.
+        code = done.code
+        exit_status = 0 if code is None else int(code) if isinstance(code, int) else 1
+        exit_message = None if code is None or isinstance(code, int) else str(code)
+        if exit_status:
             stopped_by = "script exit"
-            exit_status = done.code if isinstance(done.code, int) else 1
     except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
         interrupted = error if isinstance(error, Interrupted) else Interrupted()
         stopped_by = interrupted.signal_name
@@ -534,7 +539,8 @@ def run_script(
     amp_dtype = held_dtype(report)
     steps = (options.max_steps, len(monitor.state.steps))
     selection = options.selection.describe()
-    complete = failure is None and interrupted is None  # --max-steps ends a complete run
+    # --max-steps ends a complete run; an error, an interruption or a non-zero exit does not
+    complete = stopped_by in (None, "max-steps")
     run = RunInfo.ended(
         "run", stopped_by, steps, selection, amp_dtype, complete=complete, script=str(path)
     )
@@ -557,4 +563,5 @@ def run_script(
     )
     if interrupted is not None:
         exit_status = interrupted.exit_code
-    return RunOutcome(report, findings, failure, interrupted, exit_status)
+    exited = stopped_by == "script exit"
+    return RunOutcome(report, findings, failure, interrupted, exit_status, exited, exit_message)

@@ -346,7 +346,7 @@ CASES: list[Case] = [
          "the script raised SyntaxError", model("for step in range(3)\n    pass\n", "train.py")),
     Case("training script raises", ["run", "--out", "{tmp}/r", "--", "{tmp}/train.py"], 2,
          "<tmp>/train.py:2: the script raised KeyError: 'lr'", model("config = {}\nlr = config['lr']\n", "train.py")),
-    Case("training script exits 4", ["run", "--out", "{tmp}/r", "--", "{tmp}/train.py"], 2, "exited with status 4",
+    Case("training script exits 4", ["run", "--out", "{tmp}/r", "--", "{tmp}/train.py"], 4, "exited before an optimizer step",
          model("import sys\nsys.exit(4)\n", "train.py")),
     Case("training script without a loop", ["run", "--out", "{tmp}/r", "--", "{tmp}/train.py"], 2,
          "finished without an optimizer step: nothing to audit", model("print('nothing to train')\n", "train.py")),

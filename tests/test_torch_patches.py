@@ -450,3 +450,134 @@ def test_an_hf_wrapped_call_returns_and_does_what_the_original_does(
             assert _same(a, b)
     assert not callback._patches  # every wrapper put back
     assert not hasattr(vars(torch.autograd)["backward"], "__wrapped__")
+
+
+# -- the other replacements: the capture's engine entry, the model file's os._exit ------
+def _engine_calls(create_graph: bool) -> list[tuple[str, Callable[[Any, Any, Any], Any]]]:
+    """Calls of ``torch.autograd._engine_run_backward`` as torch makes them (positional,
+    keywords last) and as the engine's own keyword names allow."""
+    c = create_graph
+    f = lambda: torch.autograd._engine_run_backward  # noqa: E731 (read at call time)
+    return [
+        ("positional", lambda o, g, x: f()((o,), (g,), False, c, (), True, True)),
+        (
+            "as torch.autograd.backward",
+            lambda o, g, x: f()(
+                (o,), (g,), False, c, (), allow_unreachable=True, accumulate_grad=True
+            ),
+        ),
+        (
+            "keywords",
+            lambda o, g, x: f()(
+                t_outputs=(o,),
+                grad_tensors=(g,),
+                keep_graph=False,
+                create_graph=c,
+                inputs=(x,),
+                allow_unreachable=True,
+                accumulate_grad=False,
+            ),
+        ),
+        (
+            "mixed",
+            lambda o, g, x: f()(
+                (o,), (g,), keep_graph=False, create_graph=c, inputs=(x,), accumulate_grad=False
+            ),
+        ),
+    ]
+
+
+ENGINE_CASES = [(c, label) for c in (False, True) for label, _ in _engine_calls(c)]
+
+
+def _engine_world() -> tuple[Any, Any, Any, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(5, 3, requires_grad=True)
+    return model, model(x).pow(2).sum(), torch.tensor(1.0), x
+
+
+@pytest.mark.parametrize(("create_graph", "label"), ENGINE_CASES, ids=str)
+def test_the_capture_finds_create_graph_however_the_engine_is_called(
+    create_graph: bool, label: str
+) -> None:
+    from fpaudit.capture import Audit
+
+    call = dict(_engine_calls(create_graph))[label]
+
+    def outcome(model: Any, out: Any, grad: Any, x: Any) -> tuple[Any, ...]:
+        result = call(out, grad, x)
+        grads = [p.grad for p in model.parameters()] + [x.grad]
+        return result, [g.detach() if g is not None else None for g in grads]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # create_graph=True in backward(): torch's leak warning
+        plain_result, plain_grads = outcome(*_engine_world())
+        model, out, grad, x = _engine_world()
+        seen: list[bool] = []
+        with Audit(model) as audit:
+            patched = torch.autograd._engine_run_backward
+            assert patched.__wrapped__ is not None  # the capture's wrapper is called
+            mode = audit._mode
+            assert mode is not None
+            observe = mode._observe
+
+            def spy(*args: Any) -> None:
+                seen.append(mode.grad_mode_means_recompute)
+                observe(*args)
+
+            mode._observe = spy  # type: ignore[method-assign]
+            watched_result, watched_grads = outcome(model, out, grad, x)
+            recorded = audit.seen_ops()
+    assert seen and set(seen) == {not create_graph}  # create_graph, wherever it was given
+    assert recorded  # with create_graph, backward runs with grad mode on: still recorded
+    plain_items, watched_items = plain_result or (), watched_result or ()  # None: into .grad
+    assert (plain_result is None) == (watched_result is None)
+    for a, b in zip([*plain_items, *plain_grads], [*watched_items, *watched_grads], strict=True):
+        assert (a is None and b is None) or _same(a, b)
+
+
+def test_the_engine_wrapper_keeps_the_originals_signature_and_is_put_back() -> None:
+    from fpaudit.capture import Audit
+
+    original = torch.autograd._engine_run_backward
+    with Audit(nn.Linear(2, 1)):
+        patched = torch.autograd._engine_run_backward
+        assert patched is not original and patched.__wrapped__ is original
+        assert inspect.signature(patched) == inspect.signature(original)
+        assert patched.__name__ == original.__name__ and patched.__doc__ == original.__doc__
+    assert torch.autograd._engine_run_backward is original
+
+
+def test_os_exit_under_a_model_file_takes_the_calls_os_exit_takes() -> None:
+    import os
+
+    from fpaudit.modelfile import HardExit, exits_caught
+
+    def error_of(call: Callable[[], Any]) -> tuple[type, str]:
+        try:
+            call()
+        except TypeError as error:  # a call os._exit rejects never exits, patched or not
+            return type(error), str(error)
+        raise AssertionError("expected a TypeError")
+
+    rejected: list[Callable[[], Any]] = [
+        lambda: os._exit(),
+        lambda: os._exit(state=3),
+        lambda: os._exit(3, 4),
+        lambda: os._exit(3.0),
+        lambda: os._exit("3"),
+    ]
+    plain = [error_of(call) for call in rejected]
+    real = os._exit
+    with exits_caught():
+        assert os._exit is not real and os._exit.__wrapped__ is real  # type: ignore[attr-defined]
+        assert inspect.signature(os._exit) == inspect.signature(real)
+        assert os._exit.__name__ == real.__name__ and os._exit.__doc__ == real.__doc__
+        assert [error_of(call) for call in rejected] == plain
+        # os._exit takes its status by position or by keyword (its signature says so)
+        for call in (lambda: os._exit(3), lambda: os._exit(status=3), lambda: os._exit(True)):
+            with pytest.raises(HardExit) as exited:
+                call()
+            assert exited.value.code in (3, True)
+    assert os._exit is real

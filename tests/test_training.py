@@ -190,11 +190,25 @@ def test_a_script_that_raises_keeps_its_steps_and_says_where(cli, tmp_path: Path
     assert list(report.steps["step"]) == [0, 1]
 
 
-def test_a_script_that_exits_nonzero_keeps_its_steps(cli, tmp_path: Path) -> None:
+def test_a_script_that_exits_nonzero_keeps_its_steps_and_its_status(cli, tmp_path: Path) -> None:
     out = tmp_path / "r"
-    line = one_error_line(cli("run", "--out", out, "--", MISUSE, "--bug", "exit"))
-    assert "exited with status 3" in line
-    assert len(Report.read(out).steps) == 2
+    result = cli("run", "--out", out, "--", MISUSE, "--bug", "exit")
+    assert result.code == 3 and result.stderr == "", result  # as `python script` exits
+    report = Report.read(out)
+    assert len(report.steps) == 2
+    assert report.meta["complete"] is False and report.meta["stopped_by"] == "script exit"
+
+
+def test_a_script_that_exits_before_a_step_says_so_with_its_status(cli, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nsys.exit('no data')\n")
+    result = cli("run", "--out", tmp_path / "r", "--", script)
+    assert result.code == 1  # sys.exit("text"): Python prints it and exits 1
+    assert result.stderr.splitlines() == [
+        f"fpaudit: error: {script} exited before an optimizer step: nothing to audit",
+        "no data",
+    ]
+    assert not (tmp_path / "r").exists()
 
 
 def test_the_script_sees_its_own_argv_and_main(tmp_path: Path) -> None:

@@ -15,6 +15,9 @@ import os
 import runpy
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,22 +34,63 @@ def mark(script: Path, label: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if line.endswith(f"# mark: {label}"))
 
 
-def _plain(script: Path, weights: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """Run ``script`` as ``python script`` would, in this process."""
+def _plain(script: Path, weights: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run ``script`` as ``python script`` would, in this process: exit status, stdout,
+    stderr (with what Python prints for ``sys.exit("text")``)."""
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(script)]
     sys.path.insert(0, str(script.parent))
     os.environ["FPAUDIT_TRANSPARENCY_OUT"] = str(weights)
     capsys.readouterr()
-    code = 0
+    code, told, shown = 0, "", list[str]()
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        with _warnings_to(shown):
+            runpy.run_path(str(script), run_name="__main__")
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        told = "" if done.code is None or isinstance(done.code, int) else f"{done.code}\n"
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
         del os.environ["FPAUDIT_TRANSPARENCY_OUT"]
-    return code, capsys.readouterr().out
+    captured = capsys.readouterr()
+    return code, captured.out, "".join(shown) + captured.err + told
+
+
+# torch.compile warns that global module hooks (fpaudit's) fire once more for the
+# compiled module (README): the one line fpaudit may add to a script's stderr, with
+# the source line Python shows under it.
+_HOOKS_WARNING = "when there are global hooks on modules"
+
+
+@contextmanager
+def _warnings_to(told: list[str]) -> Iterator[None]:
+    """Warnings as Python prints them on stderr, every one (pytest would take them)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    told += [warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught]
+
+
+def _without_hooks_warning(err: str) -> str:
+    lines = err.splitlines(keepends=True)
+    kept: list[str] = []
+    skip_source = False
+    for line in lines:
+        if _HOOKS_WARNING in line:
+            skip_source = True
+            continue
+        if skip_source and line.startswith("  "):
+            skip_source = False
+            continue
+        skip_source = False
+        kept.append(line)
+    return "".join(kept)
+
+
+plain_stderr: dict[str, str] = {}  # each zoo script's stderr in its last plain run
+
+# how each zoo script ends under plain python (the rest end with status 0)
+EXITS = {"exit_status.py": 3, "exit_message.py": 1}
 
 
 @pytest.fixture
@@ -58,14 +102,18 @@ def twice(cli, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     ) -> tuple[tuple[int, str, bytes], tuple[int, str, str, bytes], Path]:
         script = ZOO / name
         plain_weights, watched_weights = tmp_path / "plain.bin", tmp_path / "watched.bin"
-        plain_code, plain_out = _plain(script, plain_weights, capsys)
+        plain_code, plain_out, plain_err = _plain(script, plain_weights, capsys)
+        plain_stderr[name] = plain_err
         monkeypatch.setenv("FPAUDIT_TRANSPARENCY_OUT", str(watched_weights))
         out = tmp_path / "report"
-        result = cli("run", *options, "--out", out, "--", script)
+        shown: list[str] = []
+        with _warnings_to(shown):
+            result = cli("run", *options, "--out", out, "--", script)
         monkeypatch.delenv("FPAUDIT_TRANSPARENCY_OUT")
+        err = "".join(shown) + result.stderr
         return (
             (plain_code, plain_out, plain_weights.read_bytes()),
-            (result.code, result.stdout, result.stderr, watched_weights.read_bytes()),
+            (result.code, result.stdout, err, watched_weights.read_bytes()),
             out,
         )
 
@@ -75,9 +123,10 @@ def twice(cli, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_script_runs_the_same_with_and_without_fpaudit(twice, name: str) -> None:
     (plain_code, plain_out, plain_weights), (code, out, err, weights), report = twice(name)
-    assert plain_code == 0
-    assert code == plain_code, err
+    assert plain_code == EXITS.get(name, 0)
+    assert code == plain_code, err  # sys.exit(n), sys.exit("text"): the script's own status
     assert "Traceback" not in err and "error" not in err, err
+    assert _without_hooks_warning(err) == plain_stderr[name]  # sys.exit("text") prints it
     assert weights == plain_weights  # final weights, bit for bit
     assert plain_out.count("\n") >= 5  # the script printed its steps
     assert out.startswith(plain_out)  # the script's stdout, unchanged, then fpaudit's summary
@@ -86,7 +135,10 @@ def test_a_script_runs_the_same_with_and_without_fpaudit(twice, name: str) -> No
 
     # one printed line per optimizer step: fpaudit counted the same steps
     printed = [line for line in plain_out.splitlines() if line.startswith("step ")]
-    assert Report.read(report).meta["steps_run"] == len(printed)
+    read = Report.read(report)  # written before fpaudit exits as the script did
+    assert read.meta["steps_run"] == len(printed)
+    assert read.meta["complete"] is (code == 0)  # a non-zero exit ends the run early
+    assert (read.meta["stopped_by"] == "script exit") is (code != 0)
 
 
 def test_block_statistics_leave_the_script_alone(twice) -> None:
@@ -153,6 +205,30 @@ def test_a_bug_in_fpaudit_is_reported_as_fpaudits(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["compiled.py", "exit_message.py"])
+def test_a_real_fpaudit_run_process_leaves_stderr_and_status_alone(
+    tmp_path: Path, name: str
+) -> None:
+    # in real processes: Dynamo's own warnings (about code it traces, fpaudit's hooks
+    # included) are printed once per process, and sys.exit("text") prints by Python
+    script = ZOO / name
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FPAUDIT_TRANSPARENCY_OUT": ""}
+    plain, watched = (
+        subprocess.run(
+            [sys.executable, *command, script],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        for command in ([], ["-m", "fpaudit", "run", "--out", tmp_path / "r", "--"])
+    )
+    assert watched.returncode == plain.returncode == EXITS.get(name, 0), watched.stderr
+    assert _without_hooks_warning(watched.stderr) == plain.stderr
+    assert watched.stdout.startswith(plain.stdout) and plain.stdout
+
+
+@pytest.mark.slow
 def test_a_real_fpaudit_run_process_leaves_stdout_and_status_alone(tmp_path: Path) -> None:
     script = ZOO / "gan.py"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FPAUDIT_TRANSPARENCY_OUT": ""}
@@ -168,3 +244,50 @@ def test_a_real_fpaudit_run_process_leaves_stdout_and_status_alone(tmp_path: Pat
     )
     assert plain.returncode == watched.returncode == 0, watched.stderr
     assert watched.stdout.startswith(plain.stdout) and plain.stdout
+
+
+def test_a_bug_in_fpaudits_backward_capture_is_reported_as_fpaudits(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the capture's dispatch mode runs inside the script's backward: its errors are
+    # fpaudit's, the op's own (below) the script's
+    from fpaudit import capture
+
+    def broken(self, func):
+        raise ZeroDivisionError("a bug in the capture")
+
+    monkeypatch.setattr(capture._BackwardMode, "_op_name", broken)
+    monkeypatch.setenv("FPAUDIT_TRANSPARENCY_OUT", str(tmp_path / "w.bin"))
+    script = ZOO / "keywords.py"
+    result = cli("run", "--capture-every", "1", "--out", tmp_path / "r", "--", script)
+    line = one_error_line(result)  # exit 2, as every internal error
+    assert "internal error" in line and "fpaudit's training monitor failed" in line
+    assert "ZeroDivisionError: a bug in the capture" in line
+    assert f"at {script}:{mark(script, 'backward')}" in line
+    assert "not in keywords.py" in line and "the script raised" not in line
+
+
+def test_an_op_that_fails_in_the_scripts_backward_is_the_scripts_error(cli, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "class Bad(torch.autograd.Function):\n"
+        "    @staticmethod\n"
+        "    def forward(ctx, x):\n"
+        "        return x * 2\n"
+        "    @staticmethod\n"
+        "    def backward(ctx, grad):\n"
+        "        return grad @ torch.ones(5, 7)  # a shape error, in an aten op\n"
+        "model = torch.nn.Linear(3, 4)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(3):\n"
+        "    optimizer.zero_grad()\n"
+        "    out = model(torch.randn(2, 3))\n"
+        "    loss = (Bad.apply(out) if step == 2 else out).sum()\n"
+        "    loss.backward()\n"
+        "    optimizer.step()\n"
+    )
+    result = cli("run", "--capture-every", "1", "--out", tmp_path / "r", "--", script)
+    line = one_error_line(result)
+    assert f"{script}:8: the script raised RuntimeError: mat1 and mat2 shapes" in line, line
+    assert "internal error" not in line and "monitor" not in line

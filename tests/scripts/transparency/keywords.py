@@ -16,7 +16,7 @@ for step in range(12):
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
         loss = nn.functional.mse_loss(input=model(x).float(), target=y)
-    scaler.scale(outputs=loss).backward(retain_graph=False)
+    scaler.scale(outputs=loss).backward(retain_graph=False)  # mark: backward
     scaler.unscale_(optimizer=optimizer)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, norm_type=2.0)
     torch.nn.utils.clip_grad_value_(parameters=model.parameters(), clip_value=0.5, foreach=None)
