@@ -876,7 +876,7 @@ def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
     from fpaudit.report import Report
 
     if options.output is None:
-        raise UsageError("plot needs -o FILE.png or -o FILE.svg")
+        raise UsageError("plot needs --output FILE.png or FILE.svg (-o for short)")
     output = Path(options.output)
     image_format(output)  # a bad suffix fails before the report is read
     if options.recipe:

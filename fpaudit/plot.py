@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from fpaudit import analysis, layout, limits
-from fpaudit.errors import OptionError, UsageError
+from fpaudit.errors import Named, OptionError, UsageError
 from fpaudit.formats import Format, as_format
 from fpaudit.outputs import write_atomically
 from fpaudit.report import Report
@@ -467,7 +467,7 @@ def image_format(path: str | os.PathLike[str]) -> str:
     """``png`` or ``svg``, from the suffix of ``path``; anything else is a UsageError."""
     kind = IMAGE_FORMATS.get(Path(path).suffix.lower())
     if kind is None:
-        raise UsageError(f"-o must end in .png or .svg, got {os.fspath(path)}")
+        raise UsageError(Named("output"), f" must end in .png or .svg, got {os.fspath(path)}")
     return kind
 
 
@@ -488,7 +488,9 @@ def plot_report(
     target = Path(path)
     kind = image_format(target)
     if target.is_dir():
-        raise UsageError(f"-o {target} is a directory; give a file name ending in .{kind}")
+        raise UsageError(
+            Named("output"), f" {target} is a directory; give a file name ending in .{kind}"
+        )
     figure = build_figure(report, fmt, log2_scale, headroom_bits=headroom_bits)
     return _save(figure, target, kind)
 
@@ -504,7 +506,7 @@ def _save(figure: Figure, target: Path, kind: str) -> Path:
         with rc_context({"svg.fonttype": "none", "svg.hashsalt": "fpaudit", **_PLAIN_TEXT}):
             figure.savefig(handle, format=kind, dpi=DPI, metadata=metadata)
 
-    return write_atomically(target, draw, option="-o")
+    return write_atomically(target, draw, option="output")
 
 
 # -- block-scaled recipes (--recipe) ------------------------------------------------------------
@@ -567,5 +569,7 @@ def plot_blocks(report: Report, path: str | os.PathLike[str], recipes: Sequence[
     target = Path(path)
     kind = image_format(target)
     if target.is_dir():
-        raise UsageError(f"-o {target} is a directory; give a file name ending in .{kind}")
+        raise UsageError(
+            Named("output"), f" {target} is a directory; give a file name ending in .{kind}"
+        )
     return _save(build_block_figure(report, recipes), target, kind)

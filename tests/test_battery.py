@@ -422,8 +422,8 @@ CASES: list[Case] = [
          report(training={"steps": 1})),
     Case("malformed scaler block", ["simulate", "{tmp}/report"], 2, "meta.json: scaler.init_scale -1 out of range",
          report(scaler={**SCALER, "init_scale": -1.0})),
-    Case("plot without -o", ["plot", "{tmp}/report"], 2, "plot needs -o FILE.png or -o FILE.svg", report()),
-    Case("plot into a .bmp", ["plot", "{tmp}/report", "-o", "{tmp}/r.bmp"], 2, "-o must end in .png or .svg", report()),
+    Case("plot without --output", ["plot", "{tmp}/report"], 2, "plot needs --output FILE.png or FILE.svg (-o for short)", report()),
+    Case("plot into a .bmp", ["plot", "{tmp}/report", "-o", "{tmp}/r.bmp"], 2, "--output must end in .png or .svg", report()),
     Case("plot onto a directory", ["plot", "{tmp}/report", "-o", "{tmp}/d.png"], 2, "d.png is a directory",
          report(lambda root: (root.parent / "d.png").mkdir())),
     # -- where the report goes, and model code that exits --------------------------------

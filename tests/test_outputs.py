@@ -47,7 +47,7 @@ def test_plot_and_gate_junit_create_their_parent_folders(cli, report: Path, tmp_
     [
         (["scan", str(SAMPLES / "quadratic.py"), "--steps", "1", "--out"], "--out"),
         (["run", "--out"], "--out"),
-        (["plot", "{report}", "-o"], "-o"),
+        (["plot", "{report}", "-o"], "--output"),  # named as --help names it
         (["gate", "{report}", "--max-underflow", "1", "--junit"], "--junit"),
     ],
     ids=["scan", "run", "plot", "gate"],

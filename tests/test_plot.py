@@ -307,7 +307,7 @@ def test_an_existing_image_is_replaced_and_a_failed_write_leaves_it_intact(
 def test_a_suffix_other_than_png_or_svg_is_a_usage_error(tmp_path: Path, name: str) -> None:
     with pytest.raises(UsageError) as error:
         plot_report(_report(), tmp_path / name, FP16)
-    assert str(error.value) == f"-o must end in .png or .svg, got {tmp_path / name}"
+    assert str(error.value) == f"output must end in .png or .svg, got {tmp_path / name}"
     assert "\n" not in str(error.value)
     assert list(tmp_path.iterdir()) == []
 
@@ -321,7 +321,7 @@ def test_a_directory_or_unwritable_target_is_a_usage_error(tmp_path: Path) -> No
     with pytest.raises(UsageError, match="is a directory"):
         plot_report(_report(), tmp_path / "dir.png", FP16)
     (tmp_path / "file").write_text("")
-    with pytest.raises(UsageError, match=r"^-o: cannot create folder .*file: a file is in the way"):
+    with pytest.raises(UsageError, match=r"^output: cannot create folder .*file: a file is in the way"):
         plot_report(_report(), tmp_path / "file" / "plot.png", FP16)
 
 
@@ -397,8 +397,8 @@ def test_the_plot_command(cli, tmp_path: Path) -> None:
     assert done.code == 0, done.stderr
     assert done.stdout.strip() == f"Wrote {tmp_path / 'r.svg'}"
     assert ET.parse(tmp_path / "r.svg").getroot().tag.endswith("svg")
-    assert "plot needs -o FILE.png" in one_error_line(cli("plot", tmp_path / "r"))
-    assert "-o must end in .png or .svg" in one_error_line(
+    assert "plot needs --output FILE.png" in one_error_line(cli("plot", tmp_path / "r"))
+    assert "--output must end in .png or .svg" in one_error_line(
         cli("plot", tmp_path / "r", "-o", tmp_path / "r.jpg")
     )
     assert not (tmp_path / "r.jpg").exists()
