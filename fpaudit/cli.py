@@ -397,7 +397,7 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
     from fpaudit import distributed
 
     # Under torchrun every rank runs this command; rank 0 locks, shows progress and sums up.
-    lead = int(os.environ.get("RANK", "0")) == 0 if distributed.launched() else True
+    lead = distributed.leads()
     lock = output_lock(out_path) if lead else contextlib.nullcontext()
     shown = str(options.out)
     with lock:

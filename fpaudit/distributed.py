@@ -52,6 +52,12 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
+def leads() -> bool:
+    """True on the process that locks the report, shows progress and sums up: rank 0
+    of a torchrun launch, or the one process of a plain run."""
+    return int(os.environ.get("RANK", "0")) == 0 if launched() else True
+
+
 def init_from_environment(device: torch.device) -> tuple[int, int]:
     """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); (rank, world)."""
     if not dist.is_initialized():
