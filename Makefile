@@ -46,7 +46,8 @@ test-torch:
 	$(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
 	$(TORCH_VENV)/bin/python -m pip install --quiet --no-deps -e .
-	$(TORCH_VENV)/bin/python -m pip install --quiet numpy pandas pyarrow typer rich ninja pytest hypothesis
+	$(TORCH_VENV)/bin/python -m pip install --quiet numpy pandas pyarrow typer rich ninja pytest hypothesis \
+		transformers accelerate
 	$(TORCH_VENV)/bin/python -c "import torch; print('testing on torch', torch.__version__)"
 	$(TORCH_VENV)/bin/python -m pytest -q -m "not slow" tests/test_capture.py tests/test_histogram.py \
 		tests/test_formats.py tests/test_torch_patches.py tests/test_transparency.py tests/test_cli.py
