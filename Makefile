@@ -35,7 +35,7 @@ demo: setup
 	$(BIN)/fpaudit run --out demo-run --force -- sample_configs/train_loop.py --steps 200 --bugs
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
