@@ -321,7 +321,9 @@ def test_a_directory_or_unwritable_target_is_a_usage_error(tmp_path: Path) -> No
     with pytest.raises(UsageError, match="is a directory"):
         plot_report(_report(), tmp_path / "dir.png", FP16)
     (tmp_path / "file").write_text("")
-    with pytest.raises(UsageError, match=r"^output: cannot create folder .*file: a file is in the way"):
+    with pytest.raises(
+        UsageError, match=r"^output: cannot create folder .*file: a file is in the way"
+    ):
         plot_report(_report(), tmp_path / "file" / "plot.png", FP16)
 
 
