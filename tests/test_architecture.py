@@ -10,6 +10,7 @@ class of a module that depends on this one.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,19 +103,76 @@ LIBRARY = sorted(set(MODULES) - PRESENTATION)
 FRAMEWORK = {"fpaudit.integrations.lightning": "lightning.pytorch"}
 
 
+# One process imports what the library may load (torch, numpy, pandas, pyarrow) and then
+# forks a child per module: each child starts from that state, so what a module loads
+# on top is its own, at the cost of one torch start-up instead of one per module.
+_FORKING_CHECK = """
+import json, os, sys
+import numpy, pandas, pyarrow, pyarrow.parquet, torch
+def cli_stack():
+    return sorted(m for m in sys.modules if m.split('.')[0] in ('rich', 'typer'))
+assert not cli_stack(), cli_stack()  # the allowed stack itself loads neither
+found = {}
+for module, framework in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    if os.fork() == 0:
+        os.close(read)
+        try:
+            if framework:
+                __import__(framework)
+            before = set(cli_stack())
+            __import__(module)
+            answer = sorted(set(cli_stack()) - before)
+        except BaseException as error:
+            answer = f"import failed: {type(error).__name__}: {error}"
+        os.write(write, json.dumps(answer).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        found[module] = json.loads(pipe.read() or '"no answer"')
+    os.wait()
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def cli_stack_loaded() -> dict[str, object]:
+    """What each library module loads of typer and rich (a list), or why it failed."""
+    import json
+
+    wanted = [(m, FRAMEWORK.get(m)) for m in LIBRARY]
+    result = subprocess.run(
+        [sys.executable, "-c", _FORKING_CHECK, json.dumps(wanted)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    found: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+    return found
+
+
 @pytest.mark.parametrize("module", LIBRARY)
-def test_library_module_loads_without_typer_or_rich(module: str) -> None:
+def test_library_module_loads_without_typer_or_rich(
+    module: str, cli_stack_loaded: dict[str, object]
+) -> None:
     framework = FRAMEWORK.get(module)
     if framework is not None:
         pytest.importorskip(framework)
-    code = (
-        "import sys; "
-        + (f"import {framework}; " if framework else "")
-        + "before = set(sys.modules); "
-        + f"import {module}; "
-        + "new = set(sys.modules) - before; "
-        + "loaded = [m for m in new if m.split('.')[0] in ('rich', 'typer')]; "
-        + "assert not loaded, loaded"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr.strip().splitlines()[-1:]
+    assert cli_stack_loaded[module] == [], cli_stack_loaded[module]
+
+
+def test_the_forking_check_sees_a_module_that_loads_rich(tmp_path: Path) -> None:
+    """The check above can fail: a module importing rich is reported, with what it loaded."""
+    import json
+
+    (tmp_path / "loads_rich.py").write_text("import rich.console\n")
+    (tmp_path / "plain.py").write_text("import json\n")
+    result = subprocess.run(
+        [sys.executable, "-c", _FORKING_CHECK,
+         json.dumps([["loads_rich", None], ["plain", None], ["missing_module", None]])],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "rich" in found["loads_rich"] and "rich.console" in found["loads_rich"]
+    assert found["plain"] == []
+    assert found["missing_module"].startswith("import failed: ModuleNotFoundError")
