@@ -226,8 +226,8 @@ def install(stack: ExitStack, watcher: Watcher, *, grad_reads: bool = True) -> N
     """Patch torch for ``watcher`` until ``stack`` closes."""
     for owner, attribute, handler in targets():
         original = vars(owner)[attribute]
-        label = f"{getattr(owner, '__name__', owner)}.{attribute}"
-        stack.callback(replace(owner, attribute, wrap(original, label, getattr(watcher, handler))))
+        wrapper = wrap(original, _label(owner, attribute), getattr(watcher, handler))
+        stack.callback(replace(owner, attribute, wrapper))
     from torch.nn.modules.module import (
         register_module_forward_hook,
         register_module_forward_pre_hook,
@@ -354,6 +354,12 @@ def _scheduler_classes() -> list[type]:
     return found
 
 
+def _label(owner: Any, name: str) -> str:
+    """How a wrapper names what it wraps in a failure (``GradScaler.step``); an object
+    without a ``__name__`` (one scaler) by its class."""
+    return f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+
+
 def replace(owner: Any, name: str, value: Any, *, keep_newer: bool = False) -> Callable[[], None]:
     """Set ``owner.name = value``; return the call that puts back what ``owner`` held
     itself, or deletes the attribute when it was inherited (an instance attribute over
@@ -385,8 +391,7 @@ class Patches:
 
     def wrap(self, owner: Any, name: str, handler: Handler) -> None:
         """Wrap ``owner.name`` (see :func:`wrap`) with ``handler`` until :meth:`restore`."""
-        label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
-        wrapper = wrap(getattr(owner, name), label, handler)
+        wrapper = wrap(getattr(owner, name), _label(owner, name), handler)
         self._undo.append(replace(owner, name, wrapper, keep_newer=True))
 
     def restore(self) -> None:

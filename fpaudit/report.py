@@ -388,7 +388,7 @@ class Report:
         """
         root = Path(path)
         for attempt in range(_READ_ATTEMPTS):
-            with _pinned(root) as pin:
+            with _Pin(root) as pin:
                 try:
                     report = cls._read_once(pin.base)
                 except (ReportError, OSError) as error:
@@ -482,19 +482,13 @@ class _Pin:
             return error
         return ReportError(str(error).replace(str(self.base), str(self.root)))
 
-    def close(self) -> None:
+    def __enter__(self) -> _Pin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-@contextlib.contextmanager
-def _pinned(root: Path) -> Iterator[_Pin]:
-    pin = _Pin(root)
-    try:
-        yield pin
-    finally:
-        pin.close()
 
 
 def _identity(root: Path) -> tuple[int, int] | None:
