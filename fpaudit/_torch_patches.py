@@ -37,22 +37,10 @@ catch as its own (a ``BaseException``) and ``run_script`` reports as fpaudit's.
 hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``) and module
 forward pre/post hooks (``torch.nn.modules.module.register_module_forward_*``).
 
-**Private names read** (each may move between torch releases):
-
-* ``torch._C.TensorBase.__dict__["grad"]``: the C getset descriptor behind
-  ``Tensor.grad``; the patched property and fpaudit's own reads go through it, so
-  fpaudit's reads are never taken for the script's.
-* ``GradScaler._scale``: the scale in force, a 0-dim device tensor; reading it
-  does not sync the host (``get_scale()`` would).
-* ``GradScaler._init_scale``: the configured initial scale (no public getter),
-  recorded in the report.
-* ``GradScaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]``:
-  the inf checks of a step as device tensors (``step`` returns only the optimizer's
-  value).
-* ``LRScheduler._step_count``: 0 during the scheduler's constructor, whose own
-  ``step()`` is not the script's.
-* ``torch._foreach_norm``: the largest ``|grad|`` of many tensors in one kernel
-  per device.
+**Private names read**: none here. The scale in force, the configured initial
+scale, a step's inf checks, a scheduler's step count, the ``Tensor.grad``
+descriptor and ``torch._foreach_norm`` are read through ``torch_internals``, the
+one module that reads private torch (its docstring lists each name).
 
 Known limitations: a scaler subclass that overrides ``scale``/``unscale_``/``step``/
 ``update`` without calling ``GradScaler``'s is not seen; nor is an optimizer or
@@ -72,6 +60,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fpaudit import torch_internals as _internals
 from fpaudit.errors import MonitorFailure
 
 __all__ = [
@@ -93,8 +82,7 @@ __all__ = [
     "wrap",
 ]
 
-_BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the C getset descriptor of Tensor.grad
-_INF = float("inf")
+_BASE_GRAD: Any = _internals.grad_descriptor()  # the C getset descriptor of Tensor.grad
 
 
 @dataclass
@@ -291,14 +279,13 @@ def scaler_enabled(scaler: Any) -> bool:
 
 def scaler_scale(scaler: Any) -> torch.Tensor | None:
     """The scale in force as a 0-dim device tensor (no host sync); None before first use."""
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
+    return _internals.scaler_scale(scaler)
 
 
 def scaler_settings(scaler: Any) -> dict[str, Any]:
     return {
         "class": f"{type(scaler).__module__}.{type(scaler).__qualname__}",
-        "init_scale": float(scaler._init_scale),
+        "init_scale": _internals.scaler_init_scale(scaler),
         "growth_factor": float(scaler.get_growth_factor()),
         "backoff_factor": float(scaler.get_backoff_factor()),
         "growth_interval": int(scaler.get_growth_interval()),
@@ -308,11 +295,9 @@ def scaler_settings(scaler: Any) -> dict[str, Any]:
 def found_inf(scaler: Any, optimizer: Any) -> torch.Tensor | None:
     """The number of devices whose gradients held inf/NaN at ``scaler.step(optimizer)``,
     a 0-dim tensor (no sync); None if the step did not check."""
-    state = scaler._per_optimizer_states.get(id(optimizer), {})
-    found = state.get("found_inf_per_device")
-    if not found:
+    values = _internals.scaler_found_inf(scaler, optimizer)
+    if not values:
         return None
-    values = list(found.values())
     total: torch.Tensor = values[0].reshape(()).float()
     for value in values[1:]:
         total = total + value.to(total.device, non_blocking=True).reshape(()).float()
@@ -321,7 +306,7 @@ def found_inf(scaler: Any, optimizer: Any) -> torch.Tensor | None:
 
 def scheduler_initial_step(scheduler: Any) -> bool:
     """The scheduler's constructor is making its own first ``step()``."""
-    return getattr(scheduler, "_step_count", 1) == 0
+    return _internals.scheduler_step_count(scheduler) == 0
 
 
 def amax(grads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -333,7 +318,7 @@ def amax(grads: list[torch.Tensor]) -> torch.Tensor | None:
     for grad in grads:
         by_device.setdefault(grad.device, []).append(grad)
     maxima = [
-        torch.stack([n.float() for n in torch._foreach_norm(group, _INF)]).max()
+        torch.stack([n.float() for n in _internals.foreach_amax(group)]).max()
         for group in by_device.values()
     ]
     device = maxima[0].device

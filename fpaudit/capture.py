@@ -72,7 +72,6 @@ import fnmatch
 import functools
 import inspect
 import math
-import sys
 import threading
 import time
 import weakref
@@ -84,9 +83,9 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fpaudit import _signals, histogram
+from fpaudit import torch_internals as _internals
 from fpaudit._torch_patches import guarded
 from fpaudit.blockstats import BlockRecorder
 from fpaudit.errors import MonitorFailure, Named, OptionError, UsageError
@@ -102,6 +101,7 @@ from fpaudit.records import (
     ReportBuilder,
     StepRecords,
 )
+from fpaudit.torch_internals import OpOverload, TorchDispatchMode
 
 if TYPE_CHECKING:
     from fpaudit.report import Report
@@ -150,111 +150,58 @@ _UNINITIALISED = frozenset(
 )
 _NOT_VALUES = frozenset({"c10d", "_c10d_functional", "fsdp", "_dtensor"})
 
-_ENGINE_ENTRY = "_engine_run_backward"
-
-
-# What ``_engine_run_backward(t_outputs, *args, **kwargs)`` passes on to the C engine
-# (``Variable._execution_engine.run_backward``), by the engine's own keyword names.
-_ENGINE_ARGUMENTS = (
-    ("grad_tensors", inspect.Parameter.empty),
-    ("keep_graph", inspect.Parameter.empty),
-    ("create_graph", inspect.Parameter.empty),
-    ("inputs", ()),
-    ("allow_unreachable", False),
-    ("accumulate_grad", True),
-)
-
-
-def _engine_signature(original: Callable[..., Any]) -> inspect.Signature:
-    """The signature of a call of the engine entry ``original``: its own parameters, its
-    ``*args, **kwargs`` spelled out as the C engine's parameters (the ones it passes on)."""
-    signature = inspect.signature(original)
-    named = [
-        p
-        for p in signature.parameters.values()
-        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    ]
-    if "create_graph" in signature.parameters or len(named) == len(signature.parameters):
-        return signature  # spelled out already
-    known = {p.name for p in named}
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    named += [
-        inspect.Parameter(name, kind, default=default)
-        for name, default in _ENGINE_ARGUMENTS
-        if name not in known
-    ]
-    return signature.replace(parameters=named)
-
-
-def _create_graph(
-    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> bool:
-    """Whether an engine call builds a graph of the backward (``create_graph``)."""
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError:  # not a call the engine takes: it raises its own error
-        return bool(kwargs.get("create_graph", False))
-    return bool(bound.arguments.get("create_graph", False))
-
 
 def _activate_during_backward(mode: _BackwardMode) -> Callable[[], None] | None:
     """Make ``mode`` active only while the autograd engine runs; return the undo.
 
     ``torch.autograd.backward`` and ``torch.autograd.grad`` both enter the
-    engine through ``torch.autograd._engine_run_backward`` (private). Wrapping
-    it keeps forward free of dispatch overhead. Returns None when this torch
-    has no such entry point; the caller then keeps the mode on throughout.
+    engine through one private entry (``torch_internals.wrap_engine_entry``).
+    Wrapping it keeps forward free of dispatch overhead. Returns None when this
+    torch has no such entry point; the caller then keeps the mode on throughout.
 
-    The wrapper has the original's signature (``functools.wraps``), finds
-    ``create_graph`` by binding the call to it (``_engine_signature``), calls the
-    original with the very arguments it was given and returns its value; fpaudit's
-    own errors around the call become ``MonitorFailure``.
+    The wrapper has the original's signature, finds ``create_graph`` by binding the
+    call to the engine's parameters, calls the original with the very arguments it
+    was given and returns its value; fpaudit's own errors around the call become
+    ``MonitorFailure``.
     """
-    original = getattr(torch.autograd, _ENGINE_ENTRY, None)
-    if original is None or not callable(original):
-        return None
-    signature = _engine_signature(original)
+    entry = _internals.ENGINE_ENTRY
     depth = threading.local()
 
-    @functools.wraps(original)
-    def run_backward(*args: Any, **kwargs: Any) -> Any:
-        if getattr(depth, "n", 0):  # nested backward (reentrant checkpoint): already on
+    def make(original: Callable[..., Any], signature: inspect.Signature) -> Callable[..., Any]:
+        def run_backward(*args: Any, **kwargs: Any) -> Any:
+            if getattr(depth, "n", 0):  # nested backward (reentrant checkpoint): already on
+                try:
+                    mode.enter_nested(current_autograd_node())
+                except Exception as error:
+                    raise MonitorFailure(f"entering a nested {entry}", error) from error
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    mode.exit_nested()
             try:
-                mode.enter_nested(current_autograd_node())
+                create_graph = _internals.create_graph(signature, args, kwargs)
             except Exception as error:
-                raise MonitorFailure(f"entering a nested {_ENGINE_ENTRY}", error) from error
+                raise MonitorFailure(f"before {entry}()", error) from error
+            depth.n = 1
+            mode.grad_mode_means_recompute = not create_graph
+            mode.optimizer_steps = 0  # a step that raised never ran its post hook
             try:
-                return original(*args, **kwargs)
+                with mode:
+                    return original(*args, **kwargs)
             finally:
-                mode.exit_nested()
-        try:
-            create_graph = _create_graph(signature, args, kwargs)
-        except Exception as error:
-            raise MonitorFailure(f"before {_ENGINE_ENTRY}()", error) from error
-        depth.n = 1
-        mode.grad_mode_means_recompute = not create_graph
-        mode.optimizer_steps = 0  # a step that raised never ran its post hook
-        try:
-            with mode:
-                return original(*args, **kwargs)
-        finally:
-            depth.n = 0
-            mode.grad_mode_means_recompute = False
+                depth.n = 0
+                mode.grad_mode_means_recompute = False
 
-    setattr(torch.autograd, _ENGINE_ENTRY, run_backward)
+        return run_backward
 
-    def restore() -> None:
-        if getattr(torch.autograd, _ENGINE_ENTRY, None) is run_backward:
-            setattr(torch.autograd, _ENGINE_ENTRY, original)
-
-    return restore
+    return _internals.wrap_engine_entry(make)
 
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
 
 def _accumulates(
-    func: torch._ops.OpOverload,
+    func: OpOverload,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     output: Any,
@@ -268,33 +215,21 @@ def _accumulates(
     if func.is_view or func in _DATA_MOVEMENT:
         return True  # the first gradient, kept as is: nothing new to record anyway
     variable = getattr(node, "variable", None)
-    if getattr(variable, "_is_flat_param", False):
+    if _internals.is_flat_param(variable):
         return True  # FSDP1's post-backward hook: padding and dividing the flat gradient
     grad = getattr(variable, "grad", None)
     if grad is None:
         return False
     target = _storage(grad)
-    if func._schema.is_mutable:
+    if _internals.is_mutable(func):
         return any(_storage(t) is target for t in _written(func, args, kwargs, output))
     return func is _aten.add.Tensor and any(
         isinstance(a, torch.Tensor) and _storage(a) is target for a in args
     )
 
 
-def current_autograd_node() -> torch.autograd.graph.Node | None:
-    """The autograd node the engine is executing on this thread, or None outside backward.
-
-    Wraps the private ``torch._C._current_autograd_node`` in one tested place.
-    """
-    return torch._C._current_autograd_node()
-
-
-def autograd_sequence_number() -> int:
-    """The sequence number autograd will give the next node created on this thread.
-
-    Wraps the private ``torch._C._autograd._get_sequence_nr``.
-    """
-    return int(torch._C._autograd._get_sequence_nr())
+current_autograd_node = _internals.current_autograd_node
+autograd_sequence_number = _internals.autograd_sequence_number
 
 
 def _float_tensors(output: Any) -> Iterator[tuple[int, torch.Tensor]]:
@@ -310,29 +245,25 @@ def _float_tensors(output: Any) -> Iterator[tuple[int, torch.Tensor]]:
             yield index, torch.view_as_real(tensor.resolve_conj())
 
 
-_IS_VIEW: dict[torch._ops.OpOverload, bool] = {}
-_WRITTEN: dict[torch._ops.OpOverload, tuple[tuple[int, str], ...]] = {}
+_IS_VIEW: dict[OpOverload, bool] = {}
+_WRITTEN: dict[OpOverload, tuple[tuple[int, str], ...]] = {}
 
 
 def _written(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
 ) -> Iterator[torch.Tensor]:
     """The tensors a mutable op wrote: its outputs, and arguments its schema marks as
     written (``_foreach_*_`` ops return nothing)."""
     yield from _tensors(output)
     positions = _WRITTEN.get(func)
     if positions is None:
-        positions = _WRITTEN[func] = tuple(
-            (i, a.name)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
+        positions = _WRITTEN[func] = _internals.written_arguments(func)
     for index, name in positions:
         value = args[index] if index < len(args) else kwargs.get(name)
         yield from _tensors(value)
 
 
-def creates_new_values(func: torch._ops.OpOverload, args: tuple[Any, ...], output: Any) -> bool:
+def creates_new_values(func: OpOverload, args: tuple[Any, ...], output: Any) -> bool:
     """False for ops that only re-present values: views, detach, same-dtype copies and moves."""
     is_view = _IS_VIEW.get(func)
     if is_view is None:
@@ -447,7 +378,7 @@ def _untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
     ``torch.compiler.disable`` imports Dynamo (and sympy: ~150 MB), so a hook is only
     wrapped once something has loaded Dynamo (``torch.compile`` does, before any
     compiled module runs); without Dynamo nothing traces it."""
-    if "torch._dynamo" not in sys.modules:
+    if not _internals.dynamo_loaded():
         return hook
     disabled: Callable[..., Any] = torch.compiler.disable(hook)  # type: ignore[no-untyped-call]
     return disabled
@@ -468,8 +399,8 @@ class _ModuleClock:
             if type(module).__name__ == "FullyShardedDataParallel":
                 # FSDP1 with use_orig_params registers the original parameters only; its
                 # flat parameter (whose gradient FSDP divides and reduces) is the unit's.
-                flat = getattr(module, "_flat_param", None)
-                if isinstance(flat, torch.Tensor):
+                flat = _internals.fsdp_flat_param(module)
+                if flat is not None:
                     self.param_owner.setdefault(id(flat), (model_name(name), "_flat_param"))
         self._stack = threading.local()
         self._starts: list[int] = []
@@ -519,7 +450,7 @@ class _ModuleClock:
             stack.enter_context(module.register_forward_hook(_untraced(exit_), always_call=True))
 
     def module_of(self, node: torch.autograd.graph.Node) -> str:
-        sequence = node._sequence_nr()
+        sequence = _internals.node_sequence_number(node)
         if sequence == _ACCUMULATE_GRAD_SEQUENCE:
             variable = getattr(node, "variable", None)
             owner = self.param_owner.get(id(variable)) if variable is not None else None
@@ -577,8 +508,8 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         self._clock = audit._clock
         self._provenance = audit._provenance
         self._record: Recorder = audit.record
-        self._op_names: dict[torch._ops.OpOverload, str] = {}
-        self._unshadowable: set[torch._ops.OpOverload] = set()
+        self._op_names: dict[OpOverload, str] = {}
+        self._unshadowable: set[OpOverload] = set()
         self._origins = audit.origins  # scan --origins: None unless asked for
         self.grad_mode_means_recompute = False
         self.optimizer_steps = 0  # optimizer steps running now (optimizer in backward)
@@ -601,7 +532,7 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             return self._owners[-1]
         return module
 
-    def _op_name(self, func: torch._ops.OpOverload) -> str:
+    def _op_name(self, func: OpOverload) -> str:
         op = self._op_names.get(func)
         if op is None:
             op = self._op_names[func] = str(func)
@@ -609,7 +540,7 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def __torch_dispatch__(
         self,
-        func: torch._ops.OpOverload,
+        func: OpOverload,
         types: Sequence[type],
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
@@ -632,7 +563,7 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def _observe(
         self,
-        func: torch._ops.OpOverload,
+        func: OpOverload,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: Any,
@@ -663,7 +594,7 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         fixed = self._provenance.all_fixed(inputs)
         if fixed:
             self._provenance.mark(_tensors(output))
-        elif self._provenance.has_fixed() and func._schema.is_mutable:
+        elif self._provenance.has_fixed() and _internals.is_mutable(func):
             # e.g. buffer[i].copy_(scaled value): the whole storage now carries the scale
             self._provenance.unmark(_written(func, args, kwargs, output))
         if not creates_new_values(func, args, output):
@@ -680,9 +611,7 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         if self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
             self._compare_with_fp32(func, args, kwargs, places)
 
-    def _record_forward(
-        self, func: torch._ops.OpOverload, args: tuple[Any, ...], output: Any
-    ) -> None:
+    def _record_forward(self, func: OpOverload, args: tuple[Any, ...], output: Any) -> None:
         if not creates_new_values(func, args, output):
             return
         op = self._op_name(func)
@@ -695,7 +624,7 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
 
     def _compare_with_fp32(
         self,
-        func: torch._ops.OpOverload,
+        func: OpOverload,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         places: list[tuple[Place | None, torch.Tensor]],
@@ -704,7 +633,7 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         if func in _CASTS:  # a cast to low precision: the fp32 value is its own input
             source = args[1] if func is _aten.copy_.default else args[0]
             shadows: list[torch.Tensor] = [source.to(torch.float32)]
-        elif func in self._unshadowable or func._schema.is_mutable:
+        elif func in self._unshadowable or _internals.is_mutable(func):
             return
         else:
             try:

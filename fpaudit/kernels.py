@@ -69,9 +69,9 @@ def is_built() -> bool:
 
 
 def _build_directory() -> Path:
-    from torch.utils.cpp_extension import _get_build_directory
+    from fpaudit.torch_internals import extension_build_directory
 
-    return Path(_get_build_directory(_name(), verbose=False))
+    return Path(extension_build_directory(_name()))
 
 
 WAIT_ENV = "FPAUDIT_KERNEL_WAIT"  # seconds to wait for another process's build [600]
