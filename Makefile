@@ -7,10 +7,11 @@
 # torch is installed first, from TORCH_SPEC. The default pins the release these
 # machines carry as a CPU wheel; on a CUDA machine use the build you want, e.g.
 #   make test TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
-# or TORCH_SPEC=torch for whatever pip picks. Users installing fpaudit itself get
-# the torch they already have if it is one the suite ran on (pyproject: torch>=2.13,<2.15).
+# or TORCH_SPEC=torch for whatever pip picks. Users installing fpaudit itself keep
+# the torch they already have: pyproject admits torch>=2.10,<2.16, each release tested.
+#   make test-release RELEASE=2.10.0   the torch-facing tests on a registry release (cached venv)
 #   make test-torch TORCH_SPEC='torch==2.11.0 --index-url https://download.pytorch.org/whl/cpu'
-#               the capture, oracle, patch and CLI tests on another torch, in its own venv
+#               the same tests on any torch spec, in a venv of its own
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fpaudit-installed
 
-.PHONY: setup demo test test-fast test-torch lint format bench clean
+.PHONY: setup demo test test-fast test-torch test-release lint format bench clean
 
 setup: $(STAMP)
 
@@ -40,17 +41,43 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# The tests that touch torch's internals or lean on its numerics: the capture, the oracles,
+# the patches, the private-torch seam, transparency, the CLI and the cross-release identity.
+TORCH_TESTS := tests/test_capture.py tests/test_histogram.py tests/test_formats.py \
+	tests/test_torch_patches.py tests/test_torch_seam.py tests/test_transparency.py \
+	tests/test_cli.py tests/test_release_identity.py
+TORCH_TEST_DEPS := pytest hypothesis transformers accelerate
+
 # fpaudit installed without its torch pin (--no-deps), so TORCH_SPEC's release is the one tested
 TORCH_VENV ?= .venv-torch
 test-torch:
 	$(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
 	$(TORCH_VENV)/bin/python -m pip install --quiet --no-deps -e .
-	$(TORCH_VENV)/bin/python -m pip install --quiet numpy pandas pyarrow typer rich ninja pytest hypothesis \
-		transformers accelerate
+	$(TORCH_VENV)/bin/python -m pip install --quiet numpy pandas pyarrow typer rich ninja $(TORCH_TEST_DEPS)
 	$(TORCH_VENV)/bin/python -c "import torch; print('testing on torch', torch.__version__)"
-	$(TORCH_VENV)/bin/python -m pytest -q -m "not slow" tests/test_capture.py tests/test_histogram.py \
-		tests/test_formats.py tests/test_torch_patches.py tests/test_transparency.py tests/test_cli.py
+	$(TORCH_VENV)/bin/python -m pytest -q -m "not slow" $(TORCH_TESTS)
+
+# One supported torch release from the registry, as a user has it: a venv kept between runs
+# under RELEASE_CACHE holds torch==RELEASE; fpaudit is installed into it as users install it
+# (`pip install .`, with its dependencies), and the run fails if that changed the torch.
+# pip's configuration files are ignored for these installs only (PIP_CONFIG_FILE=/dev/null):
+# the machines this project is built on cap torch at 2.14.1 there, the registry does not.
+#   make test-release RELEASE=2.10.0     the oldest supported release
+#   make test-release RELEASE=2.15.0     the newest
+RELEASE ?= 2.15.0
+RELEASE_CACHE ?= $(HOME)/.cache/fpaudit
+RELEASE_VENV := $(RELEASE_CACHE)/torch-$(RELEASE)
+RELEASE_PIP := PIP_CONFIG_FILE=/dev/null $(RELEASE_VENV)/bin/python -m pip
+test-release:
+	test -x $(RELEASE_VENV)/bin/python || $(PYTHON) -m venv $(RELEASE_VENV)
+	$(RELEASE_PIP) install --quiet torch==$(RELEASE)
+	$(RELEASE_PIP) uninstall --quiet --yes fpaudit 2>/dev/null || true
+	$(RELEASE_PIP) install --quiet . $(TORCH_TEST_DEPS)
+	$(RELEASE_VENV)/bin/python -c "import sys, torch; v = torch.__version__.split('+')[0]; \
+		print('testing on torch', torch.__version__); \
+		sys.exit(0 if v == '$(RELEASE)' else f'installing fpaudit changed torch $(RELEASE) to {v}')"
+	$(RELEASE_VENV)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider $(TORCH_TESTS)
 
 lint: setup
 	$(BIN)/ruff check .

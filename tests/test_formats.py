@@ -131,3 +131,18 @@ def test_round_is_nearest_even() -> None:
     assert fp16.round(2**11 + 3, -11) == (2**10 + 2, -10)
     assert fp16.round(1, -26) == (0, 0)
     assert fp16.round(1, 16) is None
+
+
+def test_fp8_e4m3fn_overflow_is_overflow_whatever_torch_casts_it_to() -> None:
+    """torch's eager cast ``aten._to_copy`` to float8_e4m3fn past 464 gives NaN up to
+    torch 2.12 (2.10.0, 2.11.0, 2.12.1 checked) and saturates to 448 from 2.13.0
+    (2.13.0, 2.14.1, 2.15.0 checked). fpaudit's count does not lean on either: both
+    are overflow, from its own arithmetic."""
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    cast = torch.tensor([500.0, 1e6]).to(torch.float8_e4m3fn).float()
+    if release < (2, 13):
+        assert torch.isnan(cast).all(), cast
+    else:
+        assert cast.tolist() == [448.0, 448.0]
+    assert fate(FORMATS["fp8_e4m3fn"], *_split(500.0)) == Fate.OVERFLOW
+    assert fate(FORMATS["fp8_e4m3fn"], *_split(1e6)) == Fate.OVERFLOW
