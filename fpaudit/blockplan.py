@@ -50,13 +50,21 @@ def _blocks(report: Report, recipe: Recipe) -> pd.DataFrame:
 
 
 def block_table(
-    report: Report, recipe: Recipe | str, by: tuple[str, ...] = ("module",)
+    report: Report,
+    recipe: Recipe | str,
+    by: tuple[str, ...] = ("module",),
+    kind: str | None = None,
 ) -> pd.DataFrame:
     """Counts and fractions of ``recipe`` summed over steps and ranks, one row per
     group of ``by`` (columns of the blocks table: module, op, kind...), in the
-    report's module order, worst flush fraction first within equal modules."""
+    report's module order, worst flush fraction first within equal modules.
+    ``kind`` keeps only that kind's rows (``backward``, ``grad``, ``forward``): a
+    parameter gradient is recorded both as the backward op's output and as the
+    ``grad`` it becomes, so a sum over both kinds counts it twice."""
     recipe = as_recipe(recipe)
     blocks = _blocks(report, recipe)
+    if kind is not None:
+        blocks = blocks[blocks["kind"] == kind]
     counts = list(BLOCK_COUNT_COLUMNS)
     table = blocks.groupby(list(by), sort=False, as_index=False)[counts].sum()
     nonzero_sum = table[["flushed", "subnormal", "normal", "saturated", "poisoned"]].sum(axis=1)

@@ -693,7 +693,7 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
 
 
 def _show_blocks(report_path: Path, options: ShowArgs, recipe_name: str) -> None:
-    """show --recipe: block statistics per module, or per module, kind and op (all kinds)."""
+    """show --recipe: block statistics of --kind's rows per module, or per module and op."""
     from fpaudit.blockplan import block_table
     from fpaudit.recipes import get_recipe
     from fpaudit.report import Report
@@ -702,14 +702,14 @@ def _show_blocks(report_path: Path, options: ShowArgs, recipe_name: str) -> None
     report = Report.read(report_path)
     render.report_notes(report)
     by = ("module",) if options.by == "module" else ("module", "kind", "op")
-    table = block_table(report, recipe, by)
+    table = block_table(report, recipe, by, kind=options.kind)
     if options.top is not None:
         table = table.sort_values("flush_fraction", ascending=False, kind="stable")
         table = table.head(options.top)
     if options.json:
         render.print_json(render.block_rows(table))
     else:
-        render.block_table(table, recipe.name, options.by)
+        render.block_table(table, recipe.name, options.by, kind=options.kind)
 
 
 @app.command("recommend")

@@ -1020,11 +1020,14 @@ def block_rows(table: pd.DataFrame) -> list[dict[str, Any]]:
 EXPECTED_NOTE = "stochastic rounding: expected counts over its random draws"
 
 
-def block_table(table: pd.DataFrame, recipe: str, by: str, top: int | None = None) -> None:
+def block_table(
+    table: pd.DataFrame, recipe: str, by: str, top: int | None = None, kind: str | None = None
+) -> None:
     expected = as_recipe(recipe).expected
     what = "expected flushed" if expected else "flushed"
+    values = f"{kind} values" if kind is not None else "values"
     grid = Table(
-        title=f"{recipe}: {what} (nonzero -> 0), subnormal and saturated values per {by}, "
+        title=f"{recipe}: {what} (nonzero -> 0), subnormal and saturated {values} per {by}, "
         "all steps" + (f" ({EXPECTED_NOTE})" if expected else ""),
         title_justify="left",
     )

@@ -12,6 +12,7 @@ decoded scales only (see tests/test_blockstats.py: classes_from_quantized).
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -413,3 +414,35 @@ def test_fp8_block_partial_tiles_are_padded_with_zeros(name: str) -> None:
     got, got_codes = fpaudit_counts(visible, name)
     assert got == expected
     assert np.array_equal(got_codes, codes)
+
+
+def test_show_recipe_module_rows_count_one_kind(cli, tmp_path, monkeypatch) -> None:
+    # tests/models/block_pair.py: the backward op output (kind backward) and w's gradient
+    # (kind grad) are the same 64 values, PAIR, each step. show --recipe sums one kind:
+    # 2 steps x torchao's to_mx counts of PAIR, not 4 x (issue 25: nonzero 256, blocks 8).
+    import pandas as pd
+
+    from tests.conftest import MODELS
+    from tests.models.block_pair import PAIR
+
+    monkeypatch.delenv("FPAUDIT_PAIR", raising=False)
+    out = tmp_path / "report"
+    scanned = cli("scan", MODELS / "block_pair.py", "--steps", 2, "--recipe", "mxfp8-e4m3",
+                  "--out", out)  # fmt: skip
+    assert scanned.code == 0, scanned.stderr
+    peer = torchao_mx(PAIR, "mxfp8-e4m3")[0]
+    blocks = pd.read_parquet(out / "blocks.parquet")
+    for kind in ("backward", "grad"):
+        args = ["--kind", kind] if kind != "backward" else []  # backward is the default
+        shown = cli("show", out, "--recipe", "mxfp8-e4m3", *args, "--json")
+        assert shown.code == 0, shown.stderr
+        rows = {row["module"]: row for row in json.loads(shown.stdout)}
+        of_kind = blocks[blocks["kind"] == kind]
+        assert set(rows) == set(of_kind["module"])
+        for module, group in of_kind.groupby("module"):
+            for column in ("flushed", "subnormal", "saturated", "blocks", "blocks_flushed"):
+                assert rows[module][column] == group[column].sum(), (kind, module, column)
+        root = rows[""]
+        assert root["nonzero"] == 2 * (64 - peer["zero"]) == 128
+        assert root["flushed"] == 2 * peer["flushed"] == 64  # 32 of each step's 64
+        assert root["blocks"] == 2 * 2  # 64 values = 2 blocks of 32, per step
