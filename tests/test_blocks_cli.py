@@ -315,7 +315,7 @@ def test_run_records_the_block_statistics_torchao_computes(cli, tmp_path: Path) 
     # 32 x 64 / 32 = 64 blocks -> 1024 per step, 3 steps -> at least 3072
     assert flushed >= 3072
     # the report commands read a run's block statistics as they read a scan's
-    shown = cli("show", out, "--recipe", "mxfp8-e4m3", "--by", "op", "--json")
+    shown = cli("show", out, "--recipe", "mxfp8-e4m3", "--by", "op", "--kind", "grad", "--json")
     assert shown.code == 0, shown.stderr
     weight = [r for r in json.loads(shown.stdout) if r["kind"] == "grad" and r["op"] == "weight"]
     assert {r["module"] for r in weight} == {"0", "2"}
