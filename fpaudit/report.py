@@ -51,6 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -1119,7 +1120,8 @@ def _shown(value: Any) -> str:
     """A value for an error message: short, whatever it is."""
     text = json.dumps(value) if not isinstance(value, float) else f"{value:g}"
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**6:
-        text = f"{float(value):g}"
+        # past float's range (10**400) float() overflows; Decimal keeps every int
+        text = f"{float(value):g}" if abs(value) < 2**1023 else f"{Decimal(value).normalize():.6g}"
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -407,6 +407,10 @@ CASES: list[Case] = [
          report(edit_meta(lambda m: m.update(headroom_bits=10**30)))),
     Case("absurd steps_run in meta.json", ["gate", "{tmp}/report", "--max-underflow", "1"], 2,
          "meta.json: steps_run -1 out of range 0..2147483647", report(edit_meta(lambda m: m.update(steps_run=-1)))),
+    # 10**400 is past float's range: the message must not convert it to a float
+    *(Case(f"steps_run of 10**400 in meta.json ({command})", [command, "{tmp}/report", *extra], 2,
+           "meta.json: steps_run 1e+400 out of range 0..2147483647", report(edit_meta(lambda m: m.update(steps_run=10**400))))
+      for command, extra in (("show", []), ("recommend", []), ("gate", ["--max-underflow", "1"]))),
     Case("meta.json nested 100,000 deep", ["show", "{tmp}/report"], 2, "corrupt metadata (nested too deeply)", report(nest_in_meta(100_000))),
     Case("meta.json nested 100 deep", ["show", "{tmp}/report"], 2, "corrupt metadata (nested deeper than 32 levels)",
          report(nest_in_meta(100))),
