@@ -1046,7 +1046,9 @@ def _check_meta_values(meta: dict[str, Any], meta_file: Path) -> None:
     def number(field: str, value: Any, low: float, high: float) -> None:
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise fail(field, f"must be a number, got {_shown(value)}")
-        if not (math.isfinite(value) and low <= value <= high):
+        # an int compares with the float bounds exactly; math.isfinite(10**400) overflows
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not (finite and low <= value <= high):
             raise fail(field, f"{_shown(value)} out of range {low:g}..{high:g}")
 
     def text(field: str, value: Any) -> None:

@@ -411,6 +411,8 @@ CASES: list[Case] = [
     *(Case(f"steps_run of 10**400 in meta.json ({command})", [command, "{tmp}/report", *extra], 2,
            "meta.json: steps_run 1e+400 out of range 0..2147483647", report(edit_meta(lambda m: m.update(steps_run=10**400))))
       for command, extra in (("show", []), ("recommend", []), ("gate", ["--max-underflow", "1"]))),
+    Case("loss_scale of 10**400 in meta.json", ["show", "{tmp}/report"], 2,
+         "meta.json: loss_scale 1e+400 out of range 1.4013e-45..3.40282e+38", report(edit_meta(lambda m: m.update(loss_scale=10**400)))),
     Case("meta.json nested 100,000 deep", ["show", "{tmp}/report"], 2, "corrupt metadata (nested too deeply)", report(nest_in_meta(100_000))),
     Case("meta.json nested 100 deep", ["show", "{tmp}/report"], 2, "corrupt metadata (nested deeper than 32 levels)",
          report(nest_in_meta(100))),
