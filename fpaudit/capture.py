@@ -91,6 +91,7 @@ from fpaudit.blockstats import BlockRecorder
 from fpaudit.errors import MonitorFailure, Named, OptionError, UsageError
 from fpaudit.origin_capture import OriginTracker
 from fpaudit.origin_capture import tensors_in as _tensors
+from fpaudit.origins import is_constant_op
 from fpaudit.recipes import Recipe, as_recipe
 from fpaudit.records import (
     KIND_BACKWARD,
@@ -261,6 +262,37 @@ def _written(
     for index, name in positions:
         value = args[index] if index < len(args) else kwargs.get(name)
         yield from _tensors(value)
+
+
+@functools.cache
+def _constant_op(op: str) -> bool:
+    return is_constant_op(op)
+
+
+def _inputs_clean(
+    args: tuple[Any, ...], outputs: list[torch.Tensor], device: torch.device
+) -> torch.Tensor | None:
+    """On ``device``, without a sync: does every floating input on it (an in-place op's
+    target aside: it already holds the output) lie strictly inside float32's finite range?
+    False for inf, NaN and ``torch.finfo(float32)`` mask sentinels; None: no such input."""
+    clean: torch.Tensor | None = None
+    for t in _tensors(args):
+        if (
+            not t.is_floating_point()
+            or t.device != device
+            or not t.numel()
+            or t.layout != torch.strided
+            or any(t is out for out in outputs)
+        ):
+            continue
+        values = t.detach() if t.element_size() > 1 else t.detach().float()  # fp8: exact
+        low, high = torch.aminmax(values)  # NaN makes both NaN: not inside
+        inside = (high < _FP32_MAX) & (low > -_FP32_MAX)
+        clean = inside if clean is None else clean & inside
+    return clean
+
+
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def creates_new_values(func: OpOverload, args: tuple[Any, ...], output: Any) -> bool:
@@ -617,10 +649,15 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         op = self._op_name(func)
         module = self._clock.current_module()
         sequence = self._audit._next_forward_op()
-        for index, tensor in _float_tensors(output):
+        outputs = list(_float_tensors(output))
+        # the first op to *make* inf/NaN (fpaudit.origins' rule): not a constant op writing
+        # them by design, nor an op reading inf/NaN or a finfo(float32) mask sentinel
+        computes = not _constant_op(op)
+        for index, tensor in outputs:
             place = self._record(KIND_FORWARD, module, "", op, index, False, tensor)
-            if place is not None:
-                place[0].mark_nonfinite(place[1], tensor, sequence)
+            if place is not None and computes:
+                clean = _inputs_clean(args, [t for _, t in outputs], tensor.device)
+                place[0].mark_nonfinite(place[1], tensor, sequence, clean)
 
     def _compare_with_fp32(
         self,

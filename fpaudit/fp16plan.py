@@ -53,9 +53,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fpaudit import analysis, options
+from fpaudit import analysis, options, origins
 from fpaudit.errors import OptionError, UsageError
-from fpaudit.formats import FP32, Format, get_format
+from fpaudit.formats import Format, get_format
 from fpaudit.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.report import Report
 
@@ -77,7 +77,7 @@ class ModuleRange:
 def module_ranges(report: Report) -> pd.DataFrame:
     """Per module: ``forward_amax`` and unscaled ``backward_amax`` (loss-scaled values)."""
     records = report.records[report.records["module"] != LOSS_MODULE]
-    records = records[records["amax"] != FP32.max_finite]  # finfo sentinels (masks)
+    records = records[~origins.is_sentinel(records["amax"])]  # finfo sentinels (masks)
     forward = records[records["kind"] == KIND_FORWARD].groupby("module")["amax"].max()
     scaled = records[(records["kind"] == KIND_BACKWARD) & records["scales_with_loss"]]
     unscaled = scaled["amax"] / scaled["loss_scale"]

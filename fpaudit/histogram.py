@@ -243,9 +243,14 @@ class HistogramTable:
         self.table[row, SHADOW_CALLS_COLUMN] += 1
         self.table[row, SHADOW_NONZERO_COLUMN : OVERFLOWED_COLUMN + 1] += counts
 
-    def mark_nonfinite(self, row: int, x: torch.Tensor, sequence: int) -> None:
-        """Remember the earliest op number (this step) at which ``x`` held inf or NaN."""
+    def mark_nonfinite(
+        self, row: int, x: torch.Tensor, sequence: int, clean: torch.Tensor | None = None
+    ) -> None:
+        """Remember the earliest op number (this step) at which ``x`` held inf or NaN made
+        from ``clean`` inputs (a 0-dim bool on ``x``'s device; None: no floating input)."""
         bad = ~torch.isfinite(x.detach()).all()
+        if clean is not None:
+            bad = bad & clean
         score = torch.where(bad, NEVER - sequence, 0).to(torch.int64).reshape(1)
         column = self.table[row, FIRST_NONFINITE_COLUMN : FIRST_NONFINITE_COLUMN + 1]
         torch.maximum(column, score, out=column)

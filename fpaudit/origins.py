@@ -9,6 +9,15 @@ values, in execution order; see ``fpaudit.origin_capture``). No torch.
   non-finite elements and largest finite input magnitude. An op whose inputs
   already hold inf/NaN only carries them (propagation): counted, never blamed.
   ``inf - inf = NaN`` downstream of an overflow is propagation.
+* **Deliberate infinity**: an op that writes inf/NaN by design, not by arithmetic,
+  is never an origin (:func:`deliberate`). Two kinds: an op that only writes
+  constants or copies of its inputs (``scalar_tensor``, ``full``, ``fill_``,
+  ``masked_fill``, ``where``, ... in :data:`CONSTANT_OPS`), whose inf can only be
+  one of its constant arguments (Hugging Face's ``-inf`` attention masks); and an
+  op whose largest finite input, or output, is exactly float32's largest value (a
+  ``torch.finfo(float32).min`` mask cast to fp16 becomes ``-inf``). Live, they are
+  listed apart; predicted, they are left out. ``scan``'s first non-finite forward
+  op (``fpaudit.capture``), ``show --origins`` and ``fp16-plan`` apply this rule.
 * **Predicted origin at S** (from an fp32 reference run): an op call whose
   values, at scale S, reach the format's overflow edge (65520 for fp16: under
   round-to-nearest-even 65520 rounds to inf) while its inputs stay below it.
@@ -22,8 +31,8 @@ Known limitations: a predicted origin reads each op in isolation (amax of inputs
 and output), not what the op would compute from already-rounded fp16 inputs; an op
 that autocast runs in fp32 (a norm's backward) is named where its values reach the
 edge, while a live run makes the inf where such a value is first cast to fp16.
-Outputs whose amax is exactly float32's largest value (``torch.finfo`` sentinels of
-attention masks) are not predicted origins.
+A constant op that writes a huge *finite* value is not an origin either way; its
+value reaches the overflow edge only where it is used.
 """
 
 from __future__ import annotations
@@ -58,6 +67,43 @@ COLUMNS: dict[str, str] = {
 }
 TABLE_NAME = "origins"
 
+# Ops whose every output element is a constant argument or a copy of an input element:
+# from finite tensor inputs they make inf/NaN only when told to (an infinite fill value,
+# or a fill value past the output dtype's range: masked_fill(-1e9) on fp16 scores).
+# Casts (_to_copy, copy_ across dtypes) round, so they are not among them.
+CONSTANT_OPS = frozenset(
+    {
+        "scalar_tensor", "full", "full_like", "new_full", "fill", "fill_", "masked_fill",
+        "masked_fill_", "where", "index_fill", "index_fill_", "masked_scatter",
+        "masked_scatter_", "scatter", "scatter_", "index_put", "index_put_", "lift_fresh",
+        "lift_fresh_copy", "cat", "stack", "expand_copy",
+        "repeat", "tril", "triu", "constant_pad_nd", "fill_diagonal_",
+    }
+)  # fmt: skip
+
+
+def is_constant_op(op: str) -> bool:
+    """Is ``op`` (``aten.masked_fill.Scalar`` or a ``torch._ops`` overload) a constant op?"""
+    parts = str(op).split(".")
+    return len(parts) >= 2 and parts[0] == "aten" and parts[1] in CONSTANT_OPS
+
+
+def is_sentinel(values: Any) -> np.ndarray:
+    """Is a magnitude exactly float32's largest value, a ``torch.finfo`` mask sentinel?"""
+    return np.asarray(values, dtype=np.float64) == FP32.max_finite
+
+
+def deliberate(table: pd.DataFrame) -> np.ndarray:
+    """Per op call of an origins table: are its inf/NaN (or huge values) deliberate,
+    written by a constant op or carried from a finfo sentinel, rather than computed?"""
+    constant = np.fromiter((is_constant_op(op) for op in table["op"]), bool, len(table))
+    sentinel = (
+        is_sentinel(table["amax"])
+        | is_sentinel(table["input_amax_scaled"])
+        | is_sentinel(table["input_amax_fixed"])
+    )
+    return constant | sentinel
+
 
 def empty_table() -> pd.DataFrame:
     import pandas as pd
@@ -88,11 +134,13 @@ class Origins:
 
     origins: pd.DataFrame  # the blamed op calls, in (step, sequence) order
     propagation: pd.DataFrame  # per step: op calls that only carried inf/NaN
+    deliberate: pd.DataFrame  # op calls that wrote inf/NaN by design (masks), not blamed
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "origins": _rows(self.origins),
             "propagation": _rows(self.propagation),
+            "deliberate": _rows(self.deliberate),
         }
 
 
@@ -109,19 +157,25 @@ def _with_input(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def live(table: pd.DataFrame) -> Origins:
-    """The op calls that made inf/NaN from finite inputs, and how many carried them on."""
+    """The op calls that made inf/NaN from finite inputs by arithmetic, the ones that
+    wrote them by design, and how many carried them on."""
     import pandas as pd
 
     bad = table[table["nonfinite"] > 0]
-    blamed = _with_input(bad[~bad["inputs_nonfinite"]])
+    made = bad[~bad["inputs_nonfinite"]]
+    by_design = deliberate(made)
+    blamed = _with_input(made[~by_design])
     carried = bad[bad["inputs_nonfinite"]]
     propagation = (
         carried.groupby("step", sort=True).size().rename("op_calls").reset_index()
         if not carried.empty
         else pd.DataFrame({"step": pd.Series(dtype="int32"), "op_calls": pd.Series(dtype="int64")})
     )
-    ordered = blamed.sort_values(["step", "sequence"], kind="stable").reset_index(drop=True)
-    return Origins(ordered[_SHOWN], propagation)
+    return Origins(_ordered(blamed), propagation, _ordered(_with_input(made[by_design])))
+
+
+def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.sort_values(["step", "sequence"], kind="stable").reset_index(drop=True)[_SHOWN]
 
 
 def reaches_overflow(fmt: Format, values: np.ndarray) -> np.ndarray:
@@ -147,9 +201,9 @@ def predicted(table: pd.DataFrame, fmt: Format, scale: float) -> pd.DataFrame:
     # backward values that do not scale with the loss (computed from saved forward values
     # alone, such as a norm's pow(var, -1.5)) do not move with S: left to the live run
     hit &= scales | ~backward
-    # torch.finfo(float32).max/min are sentinels (attention masks), not computed values: an
-    # fp16 run uses fp16's own finfo there
-    hit &= table["amax"].to_numpy(dtype=np.float64) != FP32.max_finite
+    # constants and torch.finfo(float32) sentinels (attention masks) are not computed
+    # values: an fp16 run uses fp16's own finfo there
+    hit &= ~deliberate(table)
     hit &= ~table["inputs_nonfinite"].to_numpy(dtype=bool)
     frame = _with_input(table[hit]).assign(
         value_at_scale=output[hit], largest_input_at_scale=inputs[hit]

@@ -848,6 +848,14 @@ def origins_view(
         )
         if len(found) > top:
             console.print(f"… {len(found) - top} more (--top N, or --json)")
+    by_design = live.deliberate
+    if not by_design.empty:
+        places = sorted({f"{row.module or '(root)'} {row.op}" for row in by_design.itertuples()})
+        shown = ", ".join(places[:3]) + (f", … {len(places) - 3} more" if len(places) > 3 else "")
+        console.print(
+            f"{len(by_design)} op call(s) wrote inf/NaN by design (constants, finfo masks), "
+            f"not blamed: {shown}."
+        )
     first = predicted[predicted["first"]]
     edge = f"{fmt.overflow_edge:g}"
     if first.empty:

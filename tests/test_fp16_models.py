@@ -3,6 +3,7 @@ issue 16): fpaudit names the origin module and op of the first overflow."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,36 @@ def test_attention_backward_underflows_at_scale_one(cli, tmp_path, monkeypatch):
     assert set(worst) == set(attention.index)
     # nothing that scales with the loss comes near 65520 at S = 1: no predicted origin
     assert origins.predicted(report.origins, origins_format(), 1.0).empty  # type: ignore[arg-type]
+
+
+def test_gpt2_mask_constants_are_not_origins_the_mlp_matmul_is(cli, tmp_path):
+    # the issue's Hugging Face GPT-2: every attention's padding mask writes a -inf with
+    # aten.scalar_tensor (by design), and layer 1's MLP down-projection overflows fp16
+    model = MODELS / "gpt2_padded_overflow.py"
+    out = tmp_path / "gpt2"
+    scan = cli("scan", model, "--steps", "1", "--origins", "--amp", "fp16", "--out", out)
+    assert scan.code == 0, scan.stderr
+    expected = ("forward", "transformer.h.1.mlp.c_proj", "aten.addmm.default")
+    assert (
+        "The first forward op to produce inf or NaN: transformer.h.1.mlp.c_proj "
+        "aten.addmm.default." in scan.stdout
+    )
+    report = Report.read(out)
+    assert first_origin(report) == expected
+    found = origins.live(report.origins)  # type: ignore[arg-type]
+    assert not found.origins["module"].str.endswith(".attn").any()
+    first = found.origins.iloc[0]
+    # the oracle: the same addmm in plain fp16 torch, on the model's own weights
+    assert first["largest_finite_input"] > 1e4 and first["nonfinite"] > 0
+    deliberate = list(zip(found.deliberate["module"], found.deliberate["op"], strict=True))
+    assert deliberate == [(f"transformer.h.{i}.attn", "aten.scalar_tensor.default")
+                          for i in range(3)]  # fmt: skip
+    shown = json.loads(cli("show", out, "--origins", "--json").stdout)
+    assert [(o["phase"], o["module"], o["op"]) for o in shown["origins"]][0] == expected
+    assert len(shown["deliberate"]) == 3
+    text = cli("show", out, "--origins").stdout
+    assert "3 op call(s) wrote inf/NaN by design" in text
+    # fp16-plan (an fp32 scan, by the same rule) keeps exactly that module out of fp16
+    plan = cli("fp16-plan", model, "--json")
+    assert plan.code == 0, plan.stderr
+    assert json.loads(plan.stdout)["keep_out"] == ["transformer.h.1.mlp.c_proj"]

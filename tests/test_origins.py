@@ -186,3 +186,105 @@ def test_show_origins_text_json_and_a_report_without_them(cli, tmp_path: Path) -
         session.step()
     session.report.write(tmp_path / "plain")
     assert "--origins" in one_error_line(cli("show", tmp_path / "plain", "--origins"))
+
+
+class MaskedScores(nn.Module):
+    """Attention-like scores masked three ways Hugging Face does, then a matmul that
+    overflows fp16: masked_fill(-inf), where(mask, x, -inf) (aten.scalar_tensor) and a
+    full(-inf) mask made triangular and added."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.proj = MatMul(value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = x @ x.T  # (2, 2)
+        causal = torch.ones(2, 2, dtype=torch.bool).triu(1)
+        masked = scores.masked_fill(causal, float("-inf"))
+        masked = torch.where(causal, float("-inf"), masked)
+        masked = masked + torch.full_like(scores, float("-inf")).triu(1)
+        return self.proj(torch.softmax(masked, dim=-1) @ x)
+
+
+def deliberate_ops(report: Report) -> list[str]:
+    assert report.origins is not None
+    return list(origins.live(report.origins).deliberate["op"])
+
+
+def test_masked_minus_inf_is_deliberate_and_the_overflowing_matmul_is_the_origin() -> None:
+    # scores of x = 1 (2x4): 4 each, masked to -inf above the diagonal; softmax rows are
+    # finite (1, 0) and (0.5, 0.5); @ x = ones; the proj's 4 terms of 1 * 2**14 = 65536
+    # > 65504 -> inf in fp16 (checked with torch below): the only origin
+    x = torch.ones(2, 4, dtype=torch.float16)
+    oracle = torch.ones(2, 4, dtype=torch.float16) @ torch.full((4, 4), 2.0**14).half()
+    assert torch.isinf(oracle).all()
+    report = run_once(MaskedScores(2.0**14).half(), x)
+    forward = [origin for origin in blamed(report) if origin[0] == "forward"]
+    assert forward == [("forward", "proj", "aten.mm.default")] == blamed(report)[:1]
+    assert deliberate_ops(report) == [
+        "aten.masked_fill.Scalar",
+        "aten.scalar_tensor.default",
+        "aten.full_like.default",
+    ]
+    # the step's first non-finite forward op (scan's summary) follows the same rule
+    assert list(report.steps["first_nonfinite"]) == ["proj aten.mm.default"]
+
+
+def test_a_finite_run_with_masks_has_no_origin_and_no_first_nonfinite_op() -> None:
+    # the same masks and a proj of 1s: 4 terms of 1 -> 4, finite; the loss is finite
+    report = run_once(MaskedScores(1.0).half(), torch.ones(2, 4, dtype=torch.float16))
+    assert blamed(report) == [] and len(deliberate_ops(report)) == 3
+    assert list(report.steps["first_nonfinite"]) == [""]
+    assert report.origins is not None
+    assert origins.predicted(report.origins, FP16, 1.0).empty  # masks are never predicted
+
+
+class Cast(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.half().float()
+
+
+def test_a_finfo_sentinel_cast_is_deliberate_a_real_cast_overflow_is_an_origin() -> None:
+    # finfo(float32).min cast to fp16 is -inf by design (a mask); 1e5 cast to fp16 is
+    # inf because 1e5 > 65520 (round to nearest even): a real overflow of the cast
+    sentinel = torch.full((4,), torch.finfo(torch.float32).min)
+    assert torch.isinf(sentinel.half()).all() and torch.isinf(torch.tensor(1e5).half())
+    report = run_once(nn.Sequential(Cast()), sentinel)
+    assert blamed(report) == [] and deliberate_ops(report) == ["aten._to_copy.default"]
+    assert list(report.steps["first_nonfinite"]) == [""]
+    report = run_once(nn.Sequential(Cast()), torch.full((4,), 1e5))
+    assert blamed(report) == [("forward", "0", "aten._to_copy.default")]
+    assert list(report.steps["first_nonfinite"]) == ["0 aten._to_copy.default"]
+
+
+class InPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 1).mul_(1000.0)
+
+
+def test_an_in_place_overflow_is_the_first_nonfinite_op() -> None:
+    # (x * 1) = 100, then in place * 1000 = 1e5 > 65504 -> inf: the in-place mul's target
+    # held 100 before it ran, so the op made the inf from finite inputs
+    report = run_once(nn.Sequential(InPlace()).half(), torch.full((4,), 100.0).half())
+    assert blamed(report) == [("forward", "0", "aten.mul_.Tensor")]
+    assert list(report.steps["first_nonfinite"]) == ["0 aten.mul_.Tensor"]
+
+
+def test_the_rule_on_an_older_table_reads_ops_and_sentinels_only() -> None:
+    # origins tables of every schema version carry op and amax columns: the rule needs
+    # nothing else
+    table = origins.table_from_columns(
+        {
+            "step": [0, 0, 0], "sequence": [1, 2, 3], "phase": ["forward"] * 3,
+            "module": ["a", "a", "b"], "node": [""] * 3,
+            "op": ["aten.full.default", "aten._to_copy.default", "aten.mm.default"],
+            "output": [0] * 3, "dtype": ["float16"] * 3, "scales_with_loss": [False] * 3,
+            "loss_scale": [1.0] * 3, "elements": [4] * 3, "nonfinite": [4, 4, 1],
+            "amax": [0.0, 0.0, 3.0], "inputs_nonfinite": [False] * 3,
+            "input_amax_scaled": [0.0, float(torch.finfo(torch.float32).max), 0.0],
+            "input_amax_fixed": [0.0, 0.0, 300.0],
+        }
+    )  # fmt: skip
+    found = origins.live(table)
+    assert list(found.origins["op"]) == ["aten.mm.default"]
+    assert list(found.deliberate["op"]) == ["aten.full.default", "aten._to_copy.default"]
