@@ -231,6 +231,19 @@ def _library_options(cls: type[L], args: ScanArgs | RunArgs, **parsed: Any) -> L
     return cls(**{**same, **captured, **parsed})
 
 
+# bytes a report adds below --out: its staging sibling's longer name (fpaudit.outputs)
+# and the longest file inside it (rank prefixes, origins.parquet, a lock)
+_INSIDE_REPORT = 96
+
+
+def _path_max() -> int:
+    """The longest path the system opens (PATH_MAX, 4096 on Linux)."""
+    try:
+        return int(os.pathconf("/", "PC_PATH_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 4096
+
+
 def _new_report_path(options: ScanArgs | RunArgs) -> Path:
     """--out as an absolute path (model code may chdir), checked before any work: a name
     for a new directory in an existing directory, and no report there unless --force."""
@@ -241,6 +254,12 @@ def _new_report_path(options: ScanArgs | RunArgs) -> Path:
             "--out fpaudit-report"
         )
     out_path = Path(os.path.abspath(given))
+    length = len(os.fsencode(out_path))
+    if length + _INSIDE_REPORT > _path_max():
+        raise UsageError(
+            f"--out: the path {given[:40]}... is {length} bytes long; with the report's files "
+            f"inside it, this system allows {_path_max() - _INSIDE_REPORT}"
+        )
     for parent in out_path.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -1193,7 +1212,35 @@ def _interrupted(cause: BaseException | None) -> int:
 
 def main() -> None:
     """Console-script entry point."""
-    sys.exit(run())
+    code = run()
+    _leave_model_threads(code)
+    sys.exit(code)
+
+
+def _leave_model_threads(code: int) -> None:
+    """Exit now when model code left non-daemon threads running (a background
+    prefetcher): Python would wait for them forever after the report is written. The
+    command's output is already complete (the report renamed into place, its summary
+    printed), so say so and exit with the command's code. ``fpaudit run`` waits for them
+    as ``python script`` would: exiting early would change what the script does."""
+    if next((a for a in _state.get("argv", []) if not a.startswith("-")), None) == "run":
+        return
+    left = [
+        t
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    if not left:
+        return
+    names = ", ".join(sorted(repr(t.name) for t in left)[:3])
+    more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+    sys.stderr.write(
+        f"fpaudit: note: model code left {len(left)} non-daemon thread(s) running "
+        f"({names}{more}); exiting without waiting for them (start them with daemon=True)\n"
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -89,7 +89,7 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(staging, 0o666 & ~_umask())  # mkstemp makes it 0600
+        os.chmod(staging, 0o666 & ~current_umask())  # mkstemp makes it 0600
         os.replace(staging, target)
     except BaseException as error:
         Path(staging).unlink(missing_ok=True)
@@ -100,7 +100,8 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
     return target
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (read by setting it back at once)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

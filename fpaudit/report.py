@@ -64,7 +64,13 @@ from fpaudit import _signals, layout, limits
 from fpaudit.errors import Named, ReportError, ReportExists
 from fpaudit.origins import COLUMNS as ORIGIN_COLUMNS
 from fpaudit.origins import TABLE_NAME as ORIGINS_TABLE
-from fpaudit.outputs import STAGING_SUFFIX, hidden_sibling, make_parent, staging_prefix
+from fpaudit.outputs import (
+    STAGING_SUFFIX,
+    current_umask,
+    hidden_sibling,
+    make_parent,
+    staging_prefix,
+)
 from fpaudit.records import (
     BIN_COLUMNS,
     BLOCK_COUNT_COLUMNS,
@@ -546,9 +552,11 @@ def steps_in(target: Path) -> int | None:
 def new_staging(target: Path) -> Path:
     """A fresh hidden directory beside ``target`` to write into."""
     make_parent(target, "out")
-    return Path(
+    staging = Path(
         tempfile.mkdtemp(prefix=staging_prefix(target), suffix=STAGING_SUFFIX, dir=target.parent)
     )
+    staging.chmod(0o777 & ~current_umask())  # mkdtemp makes it 0700: mkdir's mode instead
+    return staging
 
 
 def finish(staging: Path, target: Path) -> None:

@@ -636,3 +636,134 @@ def test_out_is_resolved_before_the_model_file_changes_directory(tmp_path: Path)
     assert code == 0, err
     assert Report.read(tmp_path / "rel").complete
     assert list(elsewhere.iterdir()) == []
+
+
+# -- 9. paths, threads, numbers and modes (issue 25) -----------------------------------
+def _path_max() -> int:
+    return int(os.pathconf("/", "PC_PATH_MAX"))
+
+
+def _deep(root: Path, length: int) -> Path:
+    """A path of exactly ``length`` bytes below ``root``, in names of at most 200."""
+    parts: list[str] = []
+    left = length - len(os.fsencode(root))
+    while left > 0:
+        size = min(200, left - 1)  # a "/" and the name
+        parts.append("p" * size)
+        left -= size + 1
+    path = root.joinpath(*parts)
+    assert len(os.fsencode(path)) == length
+    return path
+
+
+@pytest.mark.parametrize("command", ["scan", "run"])
+def test_an_out_path_past_path_max_is_one_line_and_creates_nothing(
+    tmp_path: Path, command: str
+) -> None:
+    # Before: a 4,447-byte --out ended in "internal error: OSError: [Errno 36] File name
+    # too long" (PATH_MAX is 4096 on Linux; every name in it was short enough)
+    out = _deep(tmp_path, 4447)
+    if command == "scan":
+        args: list[object] = ["scan", SAMPLES / "quadratic.py", "--steps", 1, "--out", out]
+    else:
+        args = ["run", "--out", out, "--", SAMPLES / "train_loop.py", "--steps", 1]
+    code, _, err = _fpaudit(args)
+    assert code == 2, err
+    line = _error_line(err)
+    assert "--out: the path" in line and "is 4447 bytes long" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_longest_out_path_allowed_writes_a_report(tmp_path: Path) -> None:
+    # the limit leaves room for the report's files: a path at the limit works
+    code, _, err = _fpaudit(["scan", SAMPLES / "quadratic.py", "--steps", 1, "--out",
+                             _deep(tmp_path, _path_max() - 100)])  # fmt: skip
+    assert code == 0, err
+    written = list(tmp_path.rglob("meta.json"))
+    assert len(written) == 1 and Report.read(written[0].parent).complete
+
+
+THREADED = """import threading, time
+import torch
+from torch import nn
+
+def _prefetch():  # a background prefetcher that never ends, started without daemon=True
+    while True:
+        time.sleep(0.05)
+
+def model():
+    threading.Thread(target=_prefetch, name="prefetcher").start()
+    return nn.Linear(4, 2)
+
+batches = [torch.ones(3, 4)] * 2
+
+def loss(model, batch):
+    return model(batch).square().mean()
+"""
+
+
+def test_a_model_file_thread_that_never_ends_does_not_hang_scan(tmp_path: Path) -> None:
+    # Before: scan wrote the report and printed its summary, then waited forever for the
+    # thread at interpreter exit
+    (tmp_path / "model.py").write_text(THREADED)
+    code, out, err = _fpaudit(
+        ["scan", tmp_path / "model.py", "--steps", 2, "--out", tmp_path / "r"]
+    )
+    assert code == 0, err
+    assert "Recommended static loss scale" in out
+    assert "model code left 1 non-daemon thread(s) running ('prefetcher')" in err
+    report = Report.read(tmp_path / "r")
+    assert report.complete and report.meta["steps_run"] == 2
+
+
+def test_run_waits_for_a_scripts_threads_as_python_does(tmp_path: Path) -> None:
+    # `python script` waits for non-daemon threads; `fpaudit run` must not cut them off
+    done = tmp_path / "done"
+    (tmp_path / "train.py").write_text(
+        "import threading, time, torch\n"
+        "def finish():\n"
+        "    time.sleep(1.0)\n"
+        f"    open({str(done)!r}, 'w').write('saved')\n"
+        "threading.Thread(target=finish).start()\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "m(torch.ones(3, 2)).sum().backward()\n"
+        "opt.step()\n"
+    )
+    code, _, err = _fpaudit(["run", "--out", tmp_path / "r", "--", tmp_path / "train.py"])
+    assert code == 0, err
+    assert done.read_text() == "saved" and "non-daemon" not in err
+
+
+def test_a_huge_steps_run_is_one_line_in_a_real_process(tmp_path: Path) -> None:
+    # Before: show, recommend and gate ended in "internal error: OverflowError"
+    _good_report(tmp_path / "r", steps=1)
+    meta_file = tmp_path / "r" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["steps_run"] = 10**400
+    meta_file.write_text(json.dumps(meta))
+    for args in (["show"], ["recommend"], ["gate", "--max-underflow", "1"]):
+        code, _, err = _fpaudit([args[0], tmp_path / "r", *args[1:]])
+        assert code == 2, err
+        assert "meta.json: steps_run 1e+400 out of range 0..2147483647" in _error_line(err)
+
+
+@pytest.mark.parametrize(("umask", "directory", "file"), [(0o022, 0o755, 0o644),
+                                                          (0o027, 0o750, 0o640)])  # fmt: skip
+def test_a_report_directory_gets_the_mode_mkdir_gives(
+    tmp_path: Path, umask: int, directory: int, file: int
+) -> None:
+    # Before: the directory was 0700 (a mkdtemp renamed into place), its files 0644: a CI
+    # artifact uploader or a teammate could not read it
+    out = tmp_path / "r"
+    environment = {**os.environ, "FPAUDIT_KERNEL": "torch"}
+    environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-m", "fpaudit", "scan", str(SAMPLES / "quadratic.py"), "--steps", "1",
+         "--out", str(out)],
+        env=environment, cwd=ROOT, capture_output=True, text=True, timeout=600,
+        preexec_fn=lambda: os.umask(umask),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_mode & 0o777 == directory
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {file}
