@@ -30,7 +30,7 @@ import pandas as pd
 
 from fpaudit.errors import Named, OptionError, UsageError
 from fpaudit.recipes import Recipe, as_recipe
-from fpaudit.records import BLOCK_COUNT_COLUMNS, LOSS_MODULE
+from fpaudit.records import BLOCK_COUNT_COLUMNS, KIND_BACKWARD, LOSS_MODULE
 from fpaudit.report import Report
 from fpaudit.text import percent
 
@@ -53,14 +53,15 @@ def block_table(
     report: Report,
     recipe: Recipe | str,
     by: tuple[str, ...] = ("module",),
-    kind: str | None = None,
+    kind: str | None = KIND_BACKWARD,
 ) -> pd.DataFrame:
     """Counts and fractions of ``recipe`` summed over steps and ranks, one row per
     group of ``by`` (columns of the blocks table: module, op, kind...), in the
     report's module order, worst flush fraction first within equal modules.
-    ``kind`` keeps only that kind's rows (``backward``, ``grad``, ``forward``): a
-    parameter gradient is recorded both as the backward op's output and as the
-    ``grad`` it becomes, so a sum over both kinds counts it twice."""
+    ``kind`` keeps only that kind's rows (``backward``, the default, as every table
+    of a report; ``grad``; ``forward``; None: all, grouped by kind when ``by`` has
+    it): a parameter gradient is recorded both as the backward op's output and as
+    the ``grad`` it becomes, so a sum over both kinds counts it twice."""
     recipe = as_recipe(recipe)
     blocks = _blocks(report, recipe)
     if kind is not None:

@@ -491,10 +491,10 @@ def _block_summaries(report: Report, top: int) -> None:
     from fpaudit.blockplan import block_table
 
     for name in report.recipes:
-        table = block_table(report, name).sort_values(
+        table = block_table(report, name, kind=KIND_BACKWARD).sort_values(
             "flush_fraction", ascending=False, kind="stable"
         )
-        render.block_table(table, name, "module", top)
+        render.block_table(table, name, "module", top, kind=KIND_BACKWARD)
 
 
 @app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -991,7 +991,10 @@ def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
     from fpaudit.report import Report
 
     if options.max_flush is None:
-        raise UsageError("plan needs --max-flush FRACTION (for example 0.01)")
+        raise UsageError(
+            "plan needs --max-flush FRACTION, the flushed fraction your model tolerates per "
+            "module (0.01 is a common start), or max_flush in --config"
+        )
     report = Report.read(report_path)
     render.report_notes(report)
     wanted = options.recipe or report.recipes

@@ -510,7 +510,8 @@ class PlanArgs(CommandOptions):
     COMMAND: ClassVar[str] = "plan"
     recipe: tuple[str, ...] = RECIPES()
     max_flush: float | None = Option(
-        help="Largest acceptable flushed fraction per module, 0..1 (required)"
+        help="Largest acceptable flushed fraction per module, 0..1; no default fits every "
+        "model, as with gate's --max-underflow: 0.01 is a common start (required)"
     )()
     max_saturate: float = Option(0.0, "Largest saturated fraction per module")()
     names: bool = flag(

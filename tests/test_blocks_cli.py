@@ -36,7 +36,7 @@ def pair_reports(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[s
 
 
 def _grad_row(report: Report, recipe: str) -> dict[str, object]:
-    table = blockplan.block_table(report, recipe, ("module", "kind", "op"))
+    table = blockplan.block_table(report, recipe, ("module", "kind", "op"), kind="grad")
     rows = table[(table["kind"] == "grad") & (table["op"] == "w")]
     assert len(rows) == 1
     return rows.iloc[0].to_dict()
@@ -101,6 +101,30 @@ def test_show_gate_and_plan_on_the_pair(cli, pair_reports: dict[str, Path]) -> N
     root = table[table["module"] == ""].iloc[0]
     limit = f"flush {percent(root['flush_fraction'])} (fp8-tensor-e4m3)"
     assert limit in text.stdout and "1 of 1 modules must stay in bf16" in text.stdout
+
+
+def test_gate_and_plan_count_a_parameter_gradient_once(cli, pair_reports: dict[str, Path]):
+    # the pair is recorded twice: as MulBackward0's output (kind backward) and as w's
+    # gradient (kind grad). gate --recipe and plan judge the backward values, as show
+    # --recipe does by default: their counts are the sums of blocks.parquet's backward rows
+    report = Report.read(pair_reports["interleaved"])
+    assert report.blocks is not None
+    rows = report.blocks[(report.blocks["recipe"] == "mxfp8-e4m3")
+                         & (report.blocks["module"] != "<loss>")]  # fmt: skip
+    backward = rows[rows["kind"] == "backward"]
+    assert set(rows["kind"]) == {"backward", "grad"}
+    counted = ["flushed", "subnormal", "normal", "saturated", "poisoned"]
+    gate = cli("gate", pair_reports["interleaved"], "--recipe", "mxfp8-e4m3",
+               "--max-flush", "1", "--max-saturate", "1", "--json")  # fmt: skip
+    assert gate.code == 0, gate.stderr
+    result = json.loads(gate.stdout)
+    assert result["nonzero"] == int(backward[counted].to_numpy().sum())
+    assert result["flushed"] == int(backward["flushed"].sum())
+    assert result["nonzero"] < int(rows[counted].to_numpy().sum())  # not both kinds
+    plan = json.loads(cli("plan", pair_reports["interleaved"], "--recipe", "mxfp8-e4m3",
+                          "--max-flush", "1", "--json").stdout)  # fmt: skip
+    fractions = [m["flush_fraction"] for m in plan["modules"] if m["module"] == ""]
+    assert fractions == [backward["flushed"].sum() / backward[counted].to_numpy().sum()]
 
 
 def test_bad_block_inputs_are_one_line(cli, pair_reports: dict[str, Path], tmp_path: Path) -> None:

@@ -425,7 +425,7 @@ def test_ranks_merge_block_rows_exactly() -> None:
         parts.append(part)
         grads.append(layer.weight.grad)
     merged = _merge_ranks(parts, parts[0].meta, parts[0].path)
-    table = blockplan.block_table(merged, recipe, ("module", "kind", "op"))
+    table = blockplan.block_table(merged, recipe, ("module", "kind", "op"), kind="grad")
     row = table[(table["kind"] == "grad") & (table["op"] == "weight")].iloc[0]
     expected = blockstats.summary(sum(blockstats.block_stats(g, recipe) for g in grads).numpy())
     assert {k: int(row[k]) for k in expected} == expected
