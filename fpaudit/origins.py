@@ -90,7 +90,8 @@ def is_constant_op(op: str) -> bool:
 
 def is_sentinel(values: Any) -> np.ndarray:
     """Is a magnitude exactly float32's largest value, a ``torch.finfo`` mask sentinel?"""
-    return np.asarray(values, dtype=np.float64) == FP32.max_finite
+    same: np.ndarray = np.asarray(values, dtype=np.float64) == FP32.max_finite
+    return same
 
 
 def deliberate(table: pd.DataFrame) -> np.ndarray:
@@ -102,7 +103,8 @@ def deliberate(table: pd.DataFrame) -> np.ndarray:
         | is_sentinel(table["input_amax_scaled"])
         | is_sentinel(table["input_amax_fixed"])
     )
-    return constant | sentinel
+    either: np.ndarray = constant | sentinel
+    return either
 
 
 def empty_table() -> pd.DataFrame:
