@@ -89,6 +89,7 @@ from fpaudit import torch_internals as _internals
 from fpaudit._torch_patches import guarded
 from fpaudit.blockstats import BlockRecorder
 from fpaudit.errors import MonitorFailure, Named, OptionError, UsageError
+from fpaudit.formats import FP32
 from fpaudit.origin_capture import OriginTracker
 from fpaudit.origin_capture import tensors_in as _tensors
 from fpaudit.origins import is_constant_op
@@ -287,12 +288,9 @@ def _inputs_clean(
             continue
         values = t.detach() if t.element_size() > 1 else t.detach().float()  # fp8: exact
         low, high = torch.aminmax(values)  # NaN makes both NaN: not inside
-        inside = (high < _FP32_MAX) & (low > -_FP32_MAX)
+        inside = (high < FP32.max_finite) & (low > -FP32.max_finite)
         clean = inside if clean is None else clean & inside
     return clean
-
-
-_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def creates_new_values(func: OpOverload, args: tuple[Any, ...], output: Any) -> bool:
