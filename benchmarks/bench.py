@@ -113,7 +113,7 @@ def step_variants(
     one_recipe = fpaudit.audit(model, recipes=["mxfp8-e4m3"])
     variants["fpaudit --recipe mxfp8-e4m3"] = lambda: audited(one_recipe)
     if knobs and all_recipes:  # every recipe: about 50x a plain step, not in --quick
-        from fpaudit.recipes import RECIPES
+        from fpaudit.numerics.recipes import RECIPES
 
         all_recipes = fpaudit.audit(model, recipes=list(RECIPES))
         variants[f"fpaudit --recipe (all {len(RECIPES)})"] = lambda: audited(all_recipes)
@@ -294,7 +294,7 @@ def measure_read(rows: int, runs: int, tmp: Path) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
     from big_report import build as build_big
 
-    from fpaudit.report import Report
+    from fpaudit.report.store import Report
 
     out = tmp / "big-report"
     report = Report.from_builder(build_big(rows), {"formats": ["fp16"], "headroom_bits": 4})

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fpaudit import histogram
-from fpaudit.records import KIND_BACKWARD, KIND_GRAD, RecordKey, ReportBuilder, StepRecords
-from fpaudit.report import Report
+from fpaudit.kernels import histogram
+from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD, RecordKey, ReportBuilder, StepRecords
+from fpaudit.report.store import Report
 
 RECORDS_PER_STEP = 64
 BINS_PER_RECORD = 80

@@ -18,7 +18,7 @@ import bench
 import torch
 
 import fpaudit
-from fpaudit.recipes import RECIPES
+from fpaudit.numerics.recipes import RECIPES
 
 quick = "--quick" in sys.argv
 reps = int(sys.argv[1])

@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 import fpaudit
-from fpaudit import histogram, kernels
+from fpaudit.kernels import build as kernels
+from fpaudit.kernels import histogram
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,7 +134,7 @@ def block_edge_values() -> torch.Tensor:
     """Signed zeros, inf, NaN, fp32 subnormals, and each element format's thresholds
     (scaled by a few powers of two, so they land in blocks of every scale) with their
     fp32 neighbours."""
-    from fpaudit.recipes import E2M1, E4M3, E5M2
+    from fpaudit.numerics.recipes import E2M1, E4M3, E5M2
 
     values = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 2.0**-149, 2.0**-127]
     for element in (E2M1, E4M3, E5M2):
@@ -158,8 +159,8 @@ def check_block_stats(device: torch.device, n: int, reps: int) -> dict[str, Any]
     transposed view and partial blocks, under ``set_sync_debug_mode("error")``. Then each
     covered recipe is timed (median of ``reps``) through the kernel and through the
     pure-torch path, against the histogram kernel on the same values."""
-    from fpaudit import _triton_blocks, blockstats
-    from fpaudit.recipes import RECIPES, get_recipe
+    from fpaudit.kernels import _triton_blocks, blockstats
+    from fpaudit.numerics.recipes import RECIPES, get_recipe
 
     generator = torch.Generator().manual_seed(1)
     patterns = torch.randint(-(2**31), 2**31 - 1, (64, 512), generator=generator)
@@ -275,7 +276,7 @@ def count_syncs(device: torch.device, run: Any) -> int:
 
 
 def check_run(device: torch.device, steps: int) -> dict[str, Any]:
-    from fpaudit.training import RunOptions, run_script
+    from fpaudit.run.training import RunOptions, run_script
 
     script = ROOT / "sample_configs" / "train_loop.py"
     args = ["--steps", str(steps), "--device", str(device), "--bugs"]
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     synchronize(device)
 
-    from fpaudit.verify import verify
+    from fpaudit.run.verify import verify
 
     sample_file = ROOT / "sample_configs" / "transformer.py"
     verified = {}

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from fpaudit.training import RunOptions, run_script
+from fpaudit.run.training import RunOptions, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "sample_configs" / "train_loop.py"

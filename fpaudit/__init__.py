@@ -22,45 +22,45 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fpaudit.analysis import Scope, module_table, range_loss
-    from fpaudit.blockplan import block_gate, block_table, plan
-    from fpaudit.blockstats import block_stats
-    from fpaudit.capture import Audit, Selection, audit
-    from fpaudit.formats import FORMATS, Fate, Format, get_format
-    from fpaudit.gating import GateResult, gate
-    from fpaudit.recipes import RECIPES, Recipe, get_recipe
-    from fpaudit.recommendation import Recommendation, recommend
-    from fpaudit.records import LOSS_MODULE
-    from fpaudit.report import Report
+    from fpaudit.capture.audit import Audit, Selection, audit
+    from fpaudit.kernels.blockstats import block_stats
+    from fpaudit.numerics.formats import FORMATS, Fate, Format, get_format
+    from fpaudit.numerics.recipes import RECIPES, Recipe, get_recipe
+    from fpaudit.report.records import LOSS_MODULE
+    from fpaudit.report.store import Report
+    from fpaudit.rules.analysis import Scope, module_table, range_loss
+    from fpaudit.rules.blockplan import block_gate, block_table, plan
+    from fpaudit.rules.gating import GateResult, gate
+    from fpaudit.rules.recommendation import Recommendation, recommend
 
 # Names load on first use (no module of the package shares a name with one of these, or
 # importing it would shadow the name): capturing needs torch but not pandas or pyarrow
 # (about 70 MB a training process need not carry); reading a report needs
 # pandas and pyarrow but not torch (1.6 s of start-up).
 _WHERE = {
-    "Scope": "analysis",
-    "module_table": "analysis",
-    "range_loss": "analysis",
-    "block_gate": "blockplan",
-    "block_table": "blockplan",
-    "plan": "blockplan",
-    "block_stats": "blockstats",
-    "RECIPES": "recipes",
-    "Recipe": "recipes",
-    "get_recipe": "recipes",
-    "Audit": "capture",
-    "Selection": "capture",
-    "audit": "capture",
-    "FORMATS": "formats",
-    "Fate": "formats",
-    "Format": "formats",
-    "get_format": "formats",
-    "GateResult": "gating",
-    "gate": "gating",
-    "Recommendation": "recommendation",
-    "recommend": "recommendation",
-    "LOSS_MODULE": "records",
-    "Report": "report",
+    "Scope": "rules.analysis",
+    "module_table": "rules.analysis",
+    "range_loss": "rules.analysis",
+    "block_gate": "rules.blockplan",
+    "block_table": "rules.blockplan",
+    "plan": "rules.blockplan",
+    "block_stats": "kernels.blockstats",
+    "RECIPES": "numerics.recipes",
+    "Recipe": "numerics.recipes",
+    "get_recipe": "numerics.recipes",
+    "Audit": "capture.audit",
+    "Selection": "capture.audit",
+    "audit": "capture.audit",
+    "FORMATS": "numerics.formats",
+    "Fate": "numerics.formats",
+    "Format": "numerics.formats",
+    "get_format": "numerics.formats",
+    "GateResult": "rules.gating",
+    "gate": "rules.gating",
+    "Recommendation": "rules.recommendation",
+    "recommend": "rules.recommendation",
+    "LOSS_MODULE": "report.records",
+    "Report": "report.store",
 }
 
 

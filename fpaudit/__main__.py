@@ -1,5 +1,5 @@
 """``python -m fpaudit``: the same as the ``fpaudit`` command."""
 
-from fpaudit.cli import main
+from fpaudit.cli.commands import main
 
 main()

@@ -10,7 +10,7 @@ be at least 1``); the command line says the same with flags (``pass --force``,
 text and :class:`Named` parts (a :class:`Wording`): ``str()`` gives the library's
 words, :meth:`Wording.as_flag` the command line's, and nothing is found again by
 searching the text, so a path or a module that happens to be called ``out`` stays as
-it is. The same wording serves the gate's reasons (:class:`fpaudit.gating.Failure`).
+it is. The same wording serves the gate's reasons (:class:`fpaudit.rules.gating.Failure`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def flag(name: str) -> str:
     ``--max-steps``; a parameter whose option is spelled otherwise (``Selection``'s
     ``modules``, whose flag is ``--module``) says so in its spec (``Spec.library``). A
     name that is a flag already (``-o``) stays as it is."""
-    from fpaudit.options import SPECS  # options declares every flag; it imports no errors
+    from fpaudit.cli.options import SPECS  # options declares every flag; it imports no errors
 
     if name.startswith("-"):
         return name

@@ -41,7 +41,7 @@ class CliResult:
 @pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str]):
     """Run ``fpaudit ARGS`` in-process; returns exit code, stdout and stderr."""
-    from fpaudit.cli import run
+    from fpaudit.cli.commands import run
 
     def invoke(*args: object) -> CliResult:
         capsys.readouterr()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from fpaudit.formats import Format
+from fpaudit.numerics.formats import Format
 
 # float8_e4m3fn has no inf and torch saturates out-of-range casts to 448, so
 # the cast cannot show an overflow. By hand: 448 = 1.75 * 2**8 (mantissa 110,

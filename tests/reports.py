@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fpaudit import histogram
-from fpaudit.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
-from fpaudit.report import Report
+from fpaudit.kernels import histogram
+from fpaudit.report.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
+from fpaudit.report.store import Report
 
 
 def report_from(

@@ -12,11 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fpaudit import analysis, histogram
-from fpaudit.formats import FORMATS
-from fpaudit.gating import gate
-from fpaudit.recommendation import largest_log2_scale, recommend
-from fpaudit.report import Report
+from fpaudit.kernels import histogram
+from fpaudit.numerics.formats import FORMATS
+from fpaudit.report.store import Report
+from fpaudit.rules import analysis
+from fpaudit.rules.gating import gate
+from fpaudit.rules.recommendation import largest_log2_scale, recommend
 
 from .oracle import edge_values, oracle_counts
 from .reports import report_from

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from fpaudit.capture import Audit
+from fpaudit.capture.audit import Audit
 
 
 def _model() -> nn.Module:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fpaudit
-from fpaudit.modelfile import move_to
+from fpaudit.run.modelfile import move_to
 
 from .conftest import one_error_line
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fpaudit.cli import run
-from fpaudit.report import output_lock
+from fpaudit.cli.commands import run
+from fpaudit.report.store import output_lock
 
 from .conftest import ROOT, SAMPLES
 from .reports import report_from

@@ -60,10 +60,10 @@ def test_benchmark_runs_quick(tmp_path: Path) -> None:
     [
         # Reading reports must not pay torch's start-up (1.6 s); capturing must not carry
         # pandas and pyarrow (about 70 MB) in the training process.
-        ("import fpaudit.cli", ("torch",)),
+        ("import fpaudit.cli.commands", ("torch",)),
         ("import fpaudit; fpaudit.Report; fpaudit.recommend; fpaudit.gate", ("torch",)),
         ("import fpaudit; fpaudit.audit; fpaudit.Selection", ("pandas", "pyarrow")),
-        ("import fpaudit.scan", ("pandas", "pyarrow")),
+        ("import fpaudit.run.scan", ("pandas", "pyarrow")),
     ],
 )
 def test_import_weight(code: str, absent: tuple[str, ...]) -> None:
@@ -78,7 +78,7 @@ def test_package_names_are_not_shadowed_by_submodules() -> None:
     # A lazily loaded name that is also a submodule would turn into the module as soon
     # as something imports the submodule.
     code = (
-        "import fpaudit, fpaudit.cli, fpaudit.recommendation, fpaudit.gating, fpaudit.capture\n"
+        "import fpaudit, fpaudit.cli.commands, fpaudit.rules.recommendation, fpaudit.rules.gating, fpaudit.capture.audit\n"
         "import types\n"
         "bad = [n for n in fpaudit.__all__ if isinstance(getattr(fpaudit, n), types.ModuleType)]\n"
         "print(bad)"

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 import fpaudit
-from fpaudit import blockplan, blockstats
-from fpaudit.recipes import RECIPES, get_recipe
-from fpaudit.report import SCHEMA_VERSION, Report
+from fpaudit.kernels import blockstats
+from fpaudit.numerics.recipes import RECIPES, get_recipe
+from fpaudit.report.store import SCHEMA_VERSION, Report
+from fpaudit.rules import blockplan
 from fpaudit.text import percent
 from tests.conftest import MODELS, one_error_line
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from fpaudit import blockstats
-from fpaudit.recipes import E2M1, E4M3, E5M2, RECIPES, get_recipe
+from fpaudit.kernels import blockstats
+from fpaudit.numerics.recipes import E2M1, E4M3, E5M2, RECIPES, get_recipe
 
 
 def classes_from_quantized(
@@ -230,7 +230,7 @@ def test_finite_path_equals_general_path(name: str) -> None:
 
 def _three_paths(x: torch.Tensor, name: str) -> None:
     """The compiled CPU kernel, the pure-torch finite path and the general path agree."""
-    from fpaudit import kernels
+    from fpaudit.kernels import build as kernels
 
     if kernels.cpu_kernel() is None:
         pytest.skip(f"the CPU kernel is not built: {kernels.failure()}")
@@ -338,7 +338,7 @@ def test_gate_and_plan_judge_saturation_alike_by_default() -> None:
     from torch import nn
 
     import fpaudit
-    from fpaudit import blockplan
+    from fpaudit.rules import blockplan
 
     gate_default = inspect.signature(blockplan.block_gate).parameters["max_saturate"].default
     plan_default = inspect.signature(blockplan.plan).parameters["max_saturate"].default
@@ -405,8 +405,8 @@ def test_ranks_merge_block_rows_exactly() -> None:
     from torch import nn
 
     import fpaudit
-    from fpaudit import blockplan
-    from fpaudit.report import _merge_ranks
+    from fpaudit.report.store import _merge_ranks
+    from fpaudit.rules import blockplan
 
     recipe = get_recipe("mxfp8-e4m3")
     parts, grads = [], []

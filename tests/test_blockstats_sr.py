@@ -2,7 +2,7 @@
 built from torchao's NVFP4 scales and an enumerated E2M1 value table, and against many
 seeded draws of the rounding itself.
 
-The oracles share no code with fpaudit.blockstats: the scaled value of each element is
+The oracles share no code with fpaudit.kernels.blockstats: the scaled value of each element is
 torchao's (``x * ((1 / tensor_scale) / block_scale)`` in fp32, its scales), its
 neighbours ``lo <= |v| <= hi`` come from the table of E2M1 magnitudes, and the
 expectation is summed in ``fractions.Fraction`` (exact).
@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 import fpaudit
-from fpaudit import blockplan, blockstats
-from fpaudit.recipes import RECIPES, get_recipe
-from fpaudit.report import Report
+from fpaudit.kernels import blockstats
+from fpaudit.numerics.recipes import RECIPES, get_recipe
+from fpaudit.report.store import Report
+from fpaudit.rules import blockplan
 
 # E2M1's magnitudes, and 8: the next value the format would have, past the clamp at 6
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)

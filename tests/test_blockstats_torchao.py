@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from fpaudit.recipes import get_recipe
+from fpaudit.numerics.recipes import get_recipe
 from tests.test_blockstats import classes_from_quantized, edge_values, fpaudit_counts
 
 pytest.importorskip(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fpaudit.formats import FORMATS
+from fpaudit.numerics.formats import FORMATS
 
 from .conftest import MODELS, SAMPLES, one_error_line
 from .oracle import oracle_counts
@@ -21,7 +21,7 @@ RECOMMEND_KEYS = {"format", "headroom_bits", "scale", "log2_scale", "underflow_f
 
 @pytest.fixture(scope="module")
 def known_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fpaudit.cli import run
+    from fpaudit.cli.commands import run
 
     out = tmp_path_factory.mktemp("known") / "report"
     assert run(["scan", str(MODELS / "known_grads.py"), "--steps", "1", "--loss-scale", "2^10",
@@ -31,7 +31,7 @@ def known_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def mlp_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fpaudit.cli import run
+    from fpaudit.cli.commands import run
 
     out = tmp_path_factory.mktemp("mlp") / "report"
     assert run(["scan", str(SAMPLES / "mlp.py"), "--steps", "2", "--out", str(out),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fpaudit import config
+from fpaudit.cli import config
 from fpaudit.errors import ConfigError
 
 

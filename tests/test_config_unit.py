@@ -1,4 +1,4 @@
-"""fpaudit.config called directly: number parsing, the TOML type checks, unknown keys,
+"""fpaudit.cli.config called directly: number parsing, the TOML type checks, unknown keys,
 top-level keys against command tables, and precedence within the file."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fpaudit import config, limits
+from fpaudit.cli import config
 from fpaudit.errors import ConfigError, OptionError, UsageError
+from fpaudit.numerics import limits
 
 
 def _toml(tmp_path: Path, text: str | bytes) -> Path:
@@ -249,8 +250,8 @@ def test_a_table_value_is_not_a_top_level_key(tmp_path: Path) -> None:
 
 def test_library_option_errors_name_the_parameter_and_the_cli_the_flag() -> None:
     from fpaudit.errors import OptionError
-    from fpaudit.scan import ScanOptions
-    from fpaudit.training import RunOptions
+    from fpaudit.run.scan import ScanOptions
+    from fpaudit.run.training import RunOptions
 
     with pytest.raises(OptionError) as caught:
         ScanOptions(steps=0)

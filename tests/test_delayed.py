@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from fpaudit import delayed
-from fpaudit.formats import Fate, fate, get_format
-from fpaudit.report import Report
+from fpaudit.numerics.formats import Fate, fate, get_format
+from fpaudit.report.store import Report
+from fpaudit.rules import delayed
 
 from .conftest import one_error_line
 from .reports import report_of_steps

@@ -14,10 +14,10 @@ import pandas as pd
 import pytest
 
 import fpaudit
-from fpaudit import analysis
-from fpaudit.formats import get_format
-from fpaudit.recommendation import recommend
-from fpaudit.report import Report
+from fpaudit.numerics.formats import get_format
+from fpaudit.report.store import Report
+from fpaudit.rules import analysis
+from fpaudit.rules.recommendation import recommend
 
 from .conftest import ROOT, SAMPLES
 

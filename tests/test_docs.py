@@ -7,7 +7,7 @@ import re
 import pytest
 import typer
 
-from fpaudit.cli import app
+from fpaudit.cli.commands import app
 
 from .conftest import ROOT
 

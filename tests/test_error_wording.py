@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fpaudit import ci, outputs
-from fpaudit.capture import Selection
+from fpaudit.capture.audit import Selection
+from fpaudit.cli import ci
 from fpaudit.errors import (
     FpauditError,
     Named,
@@ -24,7 +24,8 @@ from fpaudit.errors import (
     Wording,
     flag,
 )
-from fpaudit.gating import gate
+from fpaudit.report import outputs
+from fpaudit.rules.gating import gate
 
 from .conftest import ROOT
 from .reports import report_from
@@ -56,7 +57,7 @@ def test_only_named_parts_become_flags() -> None:
 
 
 def test_a_parameter_whose_flag_is_spelled_otherwise_takes_its_spec_flag() -> None:
-    # Selection's fields are plural, their repeatable flags singular (fpaudit.options).
+    # Selection's fields are plural, their repeatable flags singular (fpaudit.cli.options).
     assert [flag(n) for n in ("modules", "exclude_modules", "ops", "exclude_ops")] == [
         "--module",
         "--exclude-module",
@@ -131,7 +132,7 @@ def test_an_output_that_cannot_be_made_names_the_option_that_gave_it(tmp_path: P
 
 
 def test_a_missing_recipe_names_the_recipes_parameter() -> None:
-    from fpaudit.blockplan import block_table
+    from fpaudit.rules.blockplan import block_table
 
     with pytest.raises(UsageError) as caught:
         block_table(report_from({"a": FINE}), "mxfp4")
@@ -143,7 +144,7 @@ def test_a_missing_recipe_names_the_recipes_parameter() -> None:
 
 
 def test_scale_text_errors_name_the_option_given() -> None:
-    from fpaudit import config
+    from fpaudit.cli import config
 
     with pytest.raises(OptionError) as caught:
         config.parse_scale("3", "loss_scale")
@@ -176,7 +177,7 @@ def test_an_error_crosses_ranks_with_its_parameters(
 ) -> None:
     # Rank 0 sends an error's parts to the others, which raise it again: its parameters
     # are still parameters there, so the CLI still words them as flags.
-    from fpaudit import distributed
+    from fpaudit.run import distributed
 
     monkeypatch.setattr(distributed, "dist", _OneRank())
     (tmp_path / "file").write_text("")

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fpaudit import histogram
-from fpaudit.report import Report
+from fpaudit.kernels import histogram
+from fpaudit.report.store import Report
 
 from .conftest import MODELS, ROOT
 

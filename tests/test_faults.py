@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fpaudit.report import Report
+from fpaudit.report.store import Report
 
 from .conftest import MODELS, ROOT, SAMPLES, one_error_line
 
@@ -205,9 +205,9 @@ def test_a_reader_racing_force_replacements_sees_old_or_new_never_corrupt(
 
 READER = """
 import json, sys
-from fpaudit import report
+from fpaudit.report import store as report
 from fpaudit.errors import ReportError
-from fpaudit.report import Report
+from fpaudit.report.store import Report
 if len(sys.argv) > 2:  # the check before this fix: no second read
     report._READ_ATTEMPTS = 1
 reads, errors, steps = 0, [], set()
@@ -381,7 +381,7 @@ def test_dataloader_workers_forked_by_a_model_file_never_write(tmp_path: Path) -
 
 HOLDER = """
 import sys, time
-from fpaudit.report import output_lock
+from fpaudit.report.store import output_lock
 with output_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(120)
@@ -457,7 +457,7 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_the_kernel_loads(
 def test_a_lock_is_judged_stale_only_while_no_compiler_works_there(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fpaudit import kernels
+    from fpaudit.kernels import build as kernels
 
     monkeypatch.setattr(kernels, "SETTLE", 0.3)
     baton = tmp_path / "lock"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fpaudit.errors import UsageError
-from fpaudit.formats import FORMATS, FP32, Fate, Format, fate, get_format
+from fpaudit.numerics.formats import FORMATS, FP32, Fate, Format, fate, get_format
 
 
 def test_spellings_are_exactly_the_cli_ones() -> None:

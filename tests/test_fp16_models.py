@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fpaudit import origins
-from fpaudit.formats import FP32
-from fpaudit.report import Report
+from fpaudit.numerics.formats import FP32
+from fpaudit.report.store import Report
+from fpaudit.rules import origins
 
 from .conftest import MODELS
 
@@ -63,13 +63,13 @@ def test_backward_overflow_with_a_quiet_forward(cli, tmp_path, monkeypatch):
 
 
 def origins_format():  # type: ignore[no-untyped-def]
-    from fpaudit.formats import get_format
+    from fpaudit.numerics.formats import get_format
 
     return get_format("fp16")
 
 
 def test_attention_backward_underflows_at_scale_one(cli, tmp_path, monkeypatch):
-    from fpaudit import analysis
+    from fpaudit.rules import analysis
 
     report = scan_origins(cli, tmp_path, monkeypatch, "attention")
     assert origins.live(report.origins).origins.empty  # type: ignore[arg-type]

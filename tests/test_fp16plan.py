@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fpaudit import fp16plan, histogram, verify
-from fpaudit.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
-from fpaudit.report import Report
+from fpaudit.kernels import histogram
+from fpaudit.report.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
+from fpaudit.report.store import Report
+from fpaudit.run import fp16plan, verify
 
 from .conftest import MODELS, one_error_line
 

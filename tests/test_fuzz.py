@@ -31,7 +31,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fpaudit.cli import run
+from fpaudit.cli.commands import run
 
 from .reports import report_from
 

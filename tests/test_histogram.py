@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fpaudit import histogram as H
-from fpaudit import kernels
-from fpaudit.formats import FORMATS, fate
+from fpaudit.kernels import build as kernels
+from fpaudit.kernels import histogram as H
+from fpaudit.numerics.formats import FORMATS, fate
 
 from .oracle import edge_values
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from fpaudit.errors import ModelFileError, UsageError
-from fpaudit.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE
-from fpaudit.report import Report
+from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE
+from fpaudit.report.store import Report
 
 from .conftest import SAMPLES
 
@@ -339,7 +339,7 @@ def test_huggingface_exception_then_finish_writes_an_incomplete_report(tmp_path:
 )  # fmt: skip
 def test_hf_samples_scan_with_the_models_own_names(sample: str, expected: set[str]) -> None:
     _transformers()
-    from fpaudit.scan import ScanOptions, scan
+    from fpaudit.run.scan import ScanOptions, scan
 
     report = scan(SAMPLES / sample, ScanOptions(steps=2))
     assert len(report.steps) == 2 and report.steps["loss_finite"].all()
@@ -350,7 +350,7 @@ def test_hf_samples_scan_with_the_models_own_names(sample: str, expected: set[st
 
 def test_hf_gpt2_sample_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _transformers()
-    from fpaudit.cli import run
+    from fpaudit.cli.commands import run
 
     out = tmp_path / "report"
     assert run(["scan", str(SAMPLES / "hf_gpt2.py"), "--steps", "1", "--out", str(out)]) == 0
@@ -361,7 +361,7 @@ def test_hf_gpt2_sample_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFi
 def test_hf_samples_without_transformers_say_what_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from fpaudit import modelfile
+    from fpaudit.run import modelfile
 
     for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
         monkeypatch.delitem(sys.modules, name)

@@ -1,4 +1,4 @@
-"""fpaudit/layout.py on its own: bin indices, class bounds and value bounds, exactly.
+"""fpaudit/numerics/layout.py on its own: bin indices, class bounds and value bounds, exactly.
 
 The oracle is the IEEE fp32 bit layout itself (numpy's float32 view of an integer):
 a normal value's binade is its biased exponent - 127 and its mantissa class is where
@@ -13,8 +13,8 @@ import itertools
 import numpy as np
 import pytest
 
-from fpaudit import layout
-from fpaudit.layout import (
+from fpaudit.numerics import layout
+from fpaudit.numerics.layout import (
     BINADE_MAX,
     BINADE_MIN,
     CLASS_LOWER_BOUNDS,

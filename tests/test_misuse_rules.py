@@ -1,4 +1,4 @@
-"""fpaudit.findings and fpaudit.steps on hand-built inputs: each rule fired and not fired,
+"""fpaudit.rules.findings and fpaudit.run.steps on hand-built inputs: each rule fired and not fired,
 with its exact site, steps and message (the arithmetic of each threshold shown)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fpaudit.findings import (
+from fpaudit.report.records import STEP_COLUMNS
+from fpaudit.rules.findings import (
     CallLog,
     GradCall,
     SchedulerCall,
@@ -21,8 +22,7 @@ from fpaudit.findings import (
     skip_statistics,
     sorted_findings,
 )
-from fpaudit.records import STEP_COLUMNS
-from fpaudit.steps import Step, steps_table
+from fpaudit.run.steps import Step, steps_table
 
 SITE = ("train.py", 42)
 

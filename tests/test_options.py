@@ -12,10 +12,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from fpaudit import options
-from fpaudit.cli import _options, app
-from fpaudit.limits import DEFAULT_HEADROOM_BITS
-from fpaudit.options import (
+from fpaudit.cli import options
+from fpaudit.cli.commands import _options, app
+from fpaudit.cli.options import (
     COMMAND_ARGS,
     CONFIG_FIELD,
     CommandOptions,
@@ -24,7 +23,8 @@ from fpaudit.options import (
     ScanArgs,
     SimulateArgs,
 )
-from fpaudit.scan import ScanOptions
+from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
+from fpaudit.run.scan import ScanOptions
 
 IDS = [args.COMMAND for args in COMMAND_ARGS]
 
@@ -191,9 +191,9 @@ def test_every_library_option_is_fed_from_its_commands_options() -> None:
     """A field of ScanOptions/RunOptions set on the command reaches the library: each one
     given a value other than its default comes out with that value, so adding an option
     under its library name needs no line in cli.py."""
-    from fpaudit.capture import Selection
-    from fpaudit.cli import _library_options
-    from fpaudit.training import RunOptions
+    from fpaudit.capture.audit import Selection
+    from fpaudit.cli.commands import _library_options
+    from fpaudit.run.training import RunOptions
 
     scan_args = ScanArgs(steps=3, device="cpu", seed=7, every=2, window=2, module=("a",),
                          exclude_module=("b",), op=("aten.mm*",), exclude_op=("aten.add*",),

@@ -9,10 +9,10 @@ import pandas as pd
 import torch
 from torch import nn
 
-from fpaudit import origins
-from fpaudit.capture import audit
-from fpaudit.formats import get_format
-from fpaudit.report import Report
+from fpaudit.capture.audit import audit
+from fpaudit.numerics.formats import get_format
+from fpaudit.report.store import Report
+from fpaudit.rules import origins
 
 FP16 = get_format("fp16")
 

@@ -14,7 +14,7 @@ ZOO = Path(__file__).resolve().parent / "scripts" / "transparency"
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fpaudit.cli import run
+    from fpaudit.cli.commands import run
 
     out = tmp_path_factory.mktemp("outputs") / "deep" / "er" / "report"
     assert run(["scan", str(SAMPLES / "quadratic.py"), "--steps", "1", "--out", str(out)]) == 0
@@ -69,7 +69,7 @@ def test_a_parent_that_cannot_be_created_is_one_line(
 
 # -- the one atomic writer (reports stage a directory the same way) ---------------------------
 def test_write_atomically_replaces_and_leaves_only_the_target(tmp_path: Path) -> None:
-    from fpaudit.outputs import write_atomically
+    from fpaudit.report.outputs import write_atomically
 
     target = tmp_path / "a" / "b.txt"  # the folder is created, like mkdir -p
     write_atomically(target, lambda handle: handle.write(b"old"), option="-o")
@@ -85,7 +85,7 @@ def test_an_interrupted_write_keeps_the_old_file_and_no_staging(
     tmp_path: Path, interruption: BaseException | type[BaseException]
 ) -> None:
     from fpaudit.errors import UsageError
-    from fpaudit.outputs import write_atomically
+    from fpaudit.report.outputs import write_atomically
 
     target = tmp_path / "junit.xml"
     target.write_bytes(b"old")
@@ -105,7 +105,12 @@ def test_an_interrupted_write_keeps_the_old_file_and_no_staging(
 
 @pytest.mark.parametrize("length", [200, 255])
 def test_staging_names_fit_a_long_target_name(tmp_path: Path, length: int) -> None:
-    from fpaudit.outputs import STAGING_SUFFIX, hidden_sibling, staging_prefix, write_atomically
+    from fpaudit.report.outputs import (
+        STAGING_SUFFIX,
+        hidden_sibling,
+        staging_prefix,
+        write_atomically,
+    )
 
     target = tmp_path / ("n" * length)
     # mkstemp adds 8 random characters between prefix and suffix

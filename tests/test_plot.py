@@ -1,4 +1,4 @@
-"""fpaudit.plot: the figures are drawn from the exact counts, and the files are real images."""
+"""fpaudit.cli.plot: the figures are drawn from the exact counts, and the files are real images."""
 
 from __future__ import annotations
 
@@ -19,10 +19,7 @@ pytest.importorskip("matplotlib")
 
 from matplotlib.figure import Figure
 
-from fpaudit import analysis
-from fpaudit.errors import UsageError
-from fpaudit.formats import FORMATS
-from fpaudit.plot import (
+from fpaudit.cli.plot import (
     AXIS_LOW,
     BAND_LABELS,
     DPI,
@@ -33,8 +30,11 @@ from fpaudit.plot import (
     image_format,
     plot_report,
 )
-from fpaudit.recommendation import recommend
-from fpaudit.report import Report
+from fpaudit.errors import UsageError
+from fpaudit.numerics.formats import FORMATS
+from fpaudit.report.store import Report
+from fpaudit.rules import analysis
+from fpaudit.rules.recommendation import recommend
 
 from .conftest import ROOT, SAMPLES
 from .reports import report_from
@@ -346,7 +346,7 @@ def test_missing_matplotlib_is_a_usage_error_with_the_install_hint(
 
 
 def test_importing_the_module_does_not_import_matplotlib() -> None:
-    code = "import sys, fpaudit.plot; assert 'matplotlib' not in sys.modules, 'imported'"
+    code = "import sys, fpaudit.cli.plot; assert 'matplotlib' not in sys.modules, 'imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -357,7 +357,7 @@ def test_importing_the_module_does_not_import_matplotlib() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SAMPLE_MODELS)
 def test_every_sample_model_plots(tmp_path: Path, name: str) -> None:
-    from fpaudit.scan import ScanOptions, scan
+    from fpaudit.run.scan import ScanOptions, scan
 
     steps = 1 if name == "transformer.py" else 2  # the transformer takes seconds a step
     report = scan(SAMPLES / name, ScanOptions(steps=steps))
@@ -439,7 +439,7 @@ def test_log_axis_tick_labels_render_and_module_names_stay_literal(
     # rendered, not printed raw, while a module named "$\nocommand$" is drawn as written.
     from matplotlib.cbook import is_math_text
 
-    from fpaudit.plot import build_block_figure, plot_blocks
+    from fpaudit.cli.plot import build_block_figure, plot_blocks
 
     report = _markup_report()
     recipes = ["mxfp8-e4m3", "mxfp4"]

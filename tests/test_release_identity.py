@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-from fpaudit.report import Report
-from fpaudit.scan import ScanOptions, scan
+from fpaudit.report.store import Report
+from fpaudit.run.scan import ScanOptions, scan
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "data" / "release_identity.json"

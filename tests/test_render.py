@@ -1,4 +1,4 @@
-"""fpaudit/render.py's public helpers called directly, with exact expected output.
+"""fpaudit/cli/render.py's public helpers called directly, with exact expected output.
 
 (``origins_view``, ``drift_lines`` and ``recommendation_lines`` are tested elsewhere:
 test_origins.py, test_render_wording.py.)
@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fpaudit import render
-from fpaudit.formats import FORMATS
+from fpaudit.cli import render
+from fpaudit.numerics.formats import FORMATS
 
 
 def test_error_line_is_one_line_whatever_the_message(capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,7 +60,8 @@ def test_power_names_powers_of_two(value: float, text: str) -> None:
 
 
 def test_power_is_one_formatter_with_a_shorter_form_for_the_formats_table() -> None:
-    from fpaudit import findings, text
+    from fpaudit import text
+    from fpaudit.rules import findings
 
     assert render.power is text.power is findings.power
     bf16_max = 3.3895313892515355e38

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from fpaudit.drift import Drift, Window
-from fpaudit.recommendation import Recommendation
-from fpaudit.render import drift_lines, recommendation_lines
+from fpaudit.cli.render import drift_lines, recommendation_lines
+from fpaudit.rules.drift import Drift, Window
+from fpaudit.rules.recommendation import Recommendation
 from fpaudit.text import ROOT_LABEL, module_in_prose
 
 

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from fpaudit import histogram
 from fpaudit.errors import ReportError
-from fpaudit.report import BINS_SCHEMA, RECORDS_SCHEMA, SCHEMA_VERSION, STEPS_SCHEMA, Report
+from fpaudit.kernels import histogram
+from fpaudit.report.store import BINS_SCHEMA, RECORDS_SCHEMA, SCHEMA_VERSION, STEPS_SCHEMA, Report
 
 from .reports import report_from
 
@@ -168,7 +168,7 @@ def test_builder_keeps_no_view_of_a_step_matrix() -> None:
     # A stored column that is a view would keep each step's whole gathered matrix
     # (records x 2219 int64) alive: memory growing with every captured step.
 
-    from fpaudit.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
+    from fpaudit.report.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
 
     counts = np.ones((3, histogram.N_BINS), dtype=np.int64)
     keys = [
@@ -193,8 +193,8 @@ def test_builder_keeps_no_view_of_a_step_matrix() -> None:
 
 def test_window_merges_steps_exactly() -> None:
     # Four steps of the same two tensors: per step, and merged two by two.
-    from fpaudit import analysis
-    from fpaudit.formats import FORMATS
+    from fpaudit.numerics.formats import FORMATS
+    from fpaudit.rules import analysis
 
     tensors = {"a": torch.tensor([2.0**-30, 1.0, 0.0, float("inf")]), "b": torch.randn(100) * 1e-6}
     per_step = report_from(tensors, steps=4)
@@ -212,7 +212,7 @@ def test_window_merges_steps_exactly() -> None:
 
 def test_window_keeps_loss_scales_apart_and_reports_an_open_window() -> None:
 
-    from fpaudit.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
+    from fpaudit.report.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
 
     key = RecordKey(KIND_BACKWARD, "m", "n", "aten.mul.Tensor", 0, "float32", True)
     builder = ReportBuilder(modules=["m"], window=3)
@@ -270,7 +270,7 @@ def test_a_version_1_report_reads_with_the_new_step_columns_at_their_defaults(
 @pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("records", [1, 7, 50])
 def test_bins_are_summed_per_record_exactly_in_or_out_of_order(records: int, ordered: bool) -> None:
-    from fpaudit.report import _sum_by_record
+    from fpaudit.report.store import _sum_by_record
 
     generator = np.random.default_rng(records)
     refs = generator.integers(0, records, 400).astype(np.int32)
@@ -297,8 +297,8 @@ def _origin_rows(module: str, steps: list[int]) -> dict[str, list[Any]]:
 
 
 def _block_rows(rank: int, module: str) -> dict[str, list[Any]]:
-    from fpaudit import blockstats
-    from fpaudit.records import BLOCK_COUNT_COLUMNS
+    from fpaudit.kernels import blockstats
+    from fpaudit.report.records import BLOCK_COUNT_COLUMNS
 
     return {
         "rank": [rank], "step": [0], "kind": ["backward"], "module": [module],
@@ -311,8 +311,8 @@ def _block_rows(rank: int, module: str) -> dict[str, list[Any]]:
 
 
 def test_for_rank_keeps_that_ranks_rows_of_every_optional_table(tmp_path: Path) -> None:
-    from fpaudit.origins import table_from_columns
-    from fpaudit.report import BLOCKS_SCHEMA, OPTIONAL_TABLES, _merge_ranks, frame
+    from fpaudit.report.store import BLOCKS_SCHEMA, OPTIONAL_TABLES, _merge_ranks, frame
+    from fpaudit.rules.origins import table_from_columns
 
     # Two ranks' parts as a reader finds them: rank 0 has 2 origin rows, rank 1 has 1.
     parts = []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fpaudit.report import Report
-from fpaudit.runinfo import RunInfo
+from fpaudit.report.runinfo import RunInfo
+from fpaudit.report.store import Report
 
 from .conftest import SAMPLES
 from .reports import report_from

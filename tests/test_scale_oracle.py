@@ -35,10 +35,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fpaudit
-from fpaudit import analysis
-from fpaudit.formats import as_format
-from fpaudit.recommendation import recommend
-from fpaudit.records import KIND_BACKWARD
+from fpaudit.numerics.formats import as_format
+from fpaudit.report.records import KIND_BACKWARD
+from fpaudit.rules import analysis
+from fpaudit.rules.recommendation import recommend
 
 ROOT = Path(__file__).resolve().parent.parent
 FP16 = as_format("fp16")

@@ -1,4 +1,4 @@
-"""The loss-scaler rules in fpaudit.scalers: against torch's real GradScaler, and hand-worked traces."""
+"""The loss-scaler rules in fpaudit.rules.scalers: against torch's real GradScaler, and hand-worked traces."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fpaudit.errors import OptionError
-from fpaudit.scalers import (
+from fpaudit.rules.scalers import (
     PARAMETERS,
     POLICIES,
     PolicySettings,

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from fpaudit import scalers
-from fpaudit.analysis import totals
-from fpaudit.drift import drift, window_report
-from fpaudit.formats import get_format
-from fpaudit.recommendation import recommend
-from fpaudit.report import Report
-from fpaudit.simulation import SOURCE_AMAX, SOURCE_OBSERVED, simulate, thresholds
+from fpaudit.numerics.formats import get_format
+from fpaudit.report.store import Report
+from fpaudit.rules import scalers
+from fpaudit.rules.analysis import totals
+from fpaudit.rules.drift import drift, window_report
+from fpaudit.rules.recommendation import recommend
+from fpaudit.rules.simulation import SOURCE_AMAX, SOURCE_OBSERVED, simulate, thresholds
 
 from .conftest import one_error_line
 from .reports import report_of_steps
@@ -36,7 +36,7 @@ def test_threshold_from_amax_matches_a_torch_cast() -> None:
 
 
 def scope_of(report: Report):  # type: ignore[no-untyped-def]
-    from fpaudit import analysis
+    from fpaudit.rules import analysis
 
     return analysis.default_scope(report)
 
@@ -75,7 +75,7 @@ def test_underflow_per_step_at_the_replayed_scale() -> None:
 
 @pytest.fixture(scope="module")
 def run_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from fpaudit.cli import run
+    from fpaudit.cli.commands import run
 
     out = tmp_path_factory.mktemp("sim") / "report"
     code = run(["run", "--out", str(out), "--capture-every", "5", "--", str(AMP), "--steps",
@@ -116,7 +116,7 @@ def test_simulate_other_policies_replay_the_same_thresholds(cli, run_report: Pat
 
 
 def test_simulate_static_defaults_to_the_recommended_scale(cli, run_report: Path) -> None:
-    from fpaudit.recommendation import recommend
+    from fpaudit.rules.recommendation import recommend
 
     data = json.loads(cli("simulate", run_report, "--json").stdout)
     assert (
@@ -125,7 +125,7 @@ def test_simulate_static_defaults_to_the_recommended_scale(cli, run_report: Path
 
 
 def test_policy_static_replays_one_static_scale_in_one_row(cli, run_report: Path) -> None:
-    from fpaudit.recommendation import recommend
+    from fpaudit.rules.recommendation import recommend
 
     recommended = recommend(Report.read(run_report), FP16).scale
     data = json.loads(cli("simulate", run_report, "--policy", "static", "--json").stdout)
@@ -198,7 +198,7 @@ def test_each_window_is_what_recommend_says_of_that_window_alone() -> None:
 
 
 def test_the_scale_rule_on_one_number() -> None:
-    from fpaudit.recommendation import log2_scale_for
+    from fpaudit.rules.recommendation import log2_scale_for
 
     # fp16: limit 65504 / 2^4 = 4094; amax 1 -> 2^11 (2048 <= 4094 < 4096)
     assert log2_scale_for(1.0, FP16, 4) == (11, "amax")

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
-from fpaudit import _torch_patches as patches
-from fpaudit.training import RunOptions, TrainingMonitor
+from fpaudit.capture import _torch_patches as patches
+from fpaudit.run.training import RunOptions, TrainingMonitor
 
 GradScaler = torch.amp.GradScaler
 
@@ -354,7 +354,7 @@ def test_an_error_in_fpaudits_own_handler_is_reported_as_fpaudits(
 ) -> None:
     from contextlib import contextmanager
 
-    from fpaudit.training import run_script
+    from fpaudit.run.training import run_script
 
     script = tmp_path / "train.py"
     script.write_text(
@@ -501,7 +501,7 @@ def _engine_world() -> tuple[Any, Any, Any, Any]:
 def test_the_capture_finds_create_graph_however_the_engine_is_called(
     create_graph: bool, label: str
 ) -> None:
-    from fpaudit.capture import Audit
+    from fpaudit.capture.audit import Audit
 
     call = dict(_engine_calls(create_graph))[label]
 
@@ -538,7 +538,7 @@ def test_the_capture_finds_create_graph_however_the_engine_is_called(
 
 
 def test_the_engine_wrapper_keeps_the_originals_signature_and_is_put_back() -> None:
-    from fpaudit.capture import Audit
+    from fpaudit.capture.audit import Audit
 
     original = torch.autograd._engine_run_backward
     with Audit(nn.Linear(2, 1)):
@@ -552,7 +552,7 @@ def test_the_engine_wrapper_keeps_the_originals_signature_and_is_put_back() -> N
 def test_os_exit_under_a_model_file_takes_the_calls_os_exit_takes() -> None:
     import os
 
-    from fpaudit.modelfile import HardExit, exits_caught
+    from fpaudit.run.modelfile import HardExit, exits_caught
 
     def error_of(call: Callable[[], Any]) -> tuple[type, str]:
         try:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from fpaudit.report import Report
-from fpaudit.training import RunOptions, run_script, skip_statistics
+from fpaudit.report.store import Report
+from fpaudit.run.training import RunOptions, run_script, skip_statistics
 
 from .conftest import ROOT, default_signals, one_error_line
 
@@ -40,7 +40,7 @@ def findings(report: Report) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def amp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, list[dict], str]:
     """train_amp.py through the CLI: overflows at steps 3 and 7, clipping before unscale_."""
-    from fpaudit.cli import run
+    from fpaudit.cli.commands import run
 
     tmp = tmp_path_factory.mktemp("amp")
     trace, out = tmp / "trace.json", tmp / "report"
@@ -296,7 +296,7 @@ def test_show_steps_renders_the_table_skip_rate_and_findings(
 
 
 def test_the_deprecated_cuda_alias_is_instrumented_through_its_base_class() -> None:
-    from fpaudit.training import TrainingMonitor
+    from fpaudit.run.training import TrainingMonitor
 
     originals = {
         name: vars(torch.amp.GradScaler)[name] for name in ("scale", "unscale_", "step", "update")

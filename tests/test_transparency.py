@@ -131,7 +131,7 @@ def test_a_script_runs_the_same_with_and_without_fpaudit(twice, name: str) -> No
     assert plain_out.count("\n") >= 5  # the script printed its steps
     assert out.startswith(plain_out)  # the script's stdout, unchanged, then fpaudit's summary
     assert out[len(plain_out) :].startswith(f"Ran {ZOO / name}: ")
-    from fpaudit.report import Report
+    from fpaudit.report.store import Report
 
     # one printed line per optimizer step: fpaudit counted the same steps
     printed = [line for line in plain_out.splitlines() if line.startswith("step ")]
@@ -144,7 +144,7 @@ def test_a_script_runs_the_same_with_and_without_fpaudit(twice, name: str) -> No
 def test_block_statistics_leave_the_script_alone(twice) -> None:
     # --recipe quantizes every captured tensor (a copy, on the side): the weights the
     # script trains are bit for bit those of the plain run, on every step captured
-    from fpaudit.report import Report
+    from fpaudit.report.store import Report
 
     (plain_code, plain_out, plain_weights), (code, out, err, weights), report = twice(
         "adamw_groups.py", "--recipe", "mxfp8-e4m3", "--recipe", "nvfp4", "--capture-every", "1"
@@ -158,7 +158,7 @@ def test_block_statistics_leave_the_script_alone(twice) -> None:
 
 
 def test_keyword_calls_are_judged_at_their_lines(twice) -> None:
-    from fpaudit.report import Report
+    from fpaudit.report.store import Report
 
     script = ZOO / "keywords_misuse.py"
     _, (code, _out, err, _), path = twice(script.name)
@@ -178,7 +178,7 @@ def test_keyword_calls_are_judged_at_their_lines(twice) -> None:
 
 
 def test_the_correct_keyword_loop_has_no_findings(twice) -> None:
-    from fpaudit.report import Report
+    from fpaudit.report.store import Report
 
     _, (code, _, err, _), path = twice("keywords.py")
     assert code == 0, err
@@ -190,7 +190,7 @@ def test_a_bug_in_fpaudit_is_reported_as_fpaudits(
 ) -> None:
     from contextlib import contextmanager
 
-    from fpaudit.training import TrainingMonitor
+    from fpaudit.run.training import TrainingMonitor
 
     @contextmanager
     def broken(self, call):
@@ -251,7 +251,7 @@ def test_a_bug_in_fpaudits_backward_capture_is_reported_as_fpaudits(
 ) -> None:
     # the capture's dispatch mode runs inside the script's backward: its errors are
     # fpaudit's, the op's own (below) the script's
-    from fpaudit import capture
+    from fpaudit.capture import audit as capture
 
     def broken(self, func):
         raise ZeroDivisionError("a bug in the capture")

@@ -25,9 +25,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fpaudit import histogram as H
-from fpaudit import kernels
 from fpaudit.errors import UsageError
+from fpaudit.kernels import build as kernels
+from fpaudit.kernels import histogram as H
 
 from .oracle import edge_values
 
@@ -51,8 +51,8 @@ def test_in_the_interpreter() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> ModuleType:
-    """fpaudit._triton_kernel, built for the interpreter (TRITON_INTERPRET=1)."""
-    from fpaudit import _triton_kernel
+    """fpaudit.kernels._triton_kernel, built for the interpreter (TRITON_INTERPRET=1)."""
+    from fpaudit.kernels import _triton_kernel
 
     return _triton_kernel
 
@@ -169,7 +169,7 @@ def test_torch_mode_never_loads_the_gpu_kernel(monkeypatch: pytest.MonkeyPatch) 
         assert kernels.device_kernel() is None
 
 
-# ---- the block-statistics kernel (fpaudit/_triton_blocks.py) ----
+# ---- the block-statistics kernel (fpaudit/kernels/_triton_blocks.py) ----
 
 BLOCK_BASES = ("mxfp4", "mxfp4-rceil", "mxfp8-e4m3", "mxfp8-e4m3-rceil", "mxfp8-e5m2",
                "mxfp8-e5m2-rceil", "fp8-block-1x128", "fp8-block-128x128")  # fmt: skip
@@ -178,8 +178,8 @@ BLOCK_RECIPES = [name for base in BLOCK_BASES for name in (base, base + ":col")]
 
 def _block_vectors(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel's vector (through blockstats' dispatch) and the torch reference's."""
-    from fpaudit import blockstats as B
-    from fpaudit.recipes import get_recipe
+    from fpaudit.kernels import blockstats as B
+    from fpaudit.numerics.recipes import get_recipe
 
     recipe = get_recipe(name)
     blocks, padding = B._blocks(tensor, recipe)
@@ -189,8 +189,8 @@ def _block_vectors(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch
 
 
 def _same_blocks(tensor: torch.Tensor, name: str) -> None:
-    from fpaudit import blockstats as B
-    from fpaudit.recipes import get_recipe
+    from fpaudit.kernels import blockstats as B
+    from fpaudit.numerics.recipes import get_recipe
 
     got, expected = _block_vectors(tensor, name)
     assert torch.equal(got, expected), (name, (got - expected).nonzero().flatten().tolist())
@@ -268,9 +268,9 @@ def test_block_kernel_on_low_precision_and_strided_inputs(name: str) -> None:
 def test_uncovered_recipes_and_the_torch_mode_keep_the_torch_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from fpaudit import _triton_blocks
-    from fpaudit import blockstats as B
-    from fpaudit.recipes import RECIPES, get_recipe
+    from fpaudit.kernels import _triton_blocks
+    from fpaudit.kernels import blockstats as B
+    from fpaudit.numerics.recipes import RECIPES, get_recipe
 
     covered = {name for name, recipe in RECIPES.items() if _triton_blocks.covers(recipe)}
     assert covered == {name.removesuffix(":col") for name in BLOCK_RECIPES}
@@ -283,8 +283,8 @@ def test_uncovered_recipes_and_the_torch_mode_keep_the_torch_path(
 def test_a_failing_block_kernel_falls_back_to_torch_with_one_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from fpaudit import blockstats as B
-    from fpaudit.recipes import get_recipe
+    from fpaudit.kernels import blockstats as B
+    from fpaudit.numerics.recipes import get_recipe
 
     def broken(*args: object) -> None:
         raise RuntimeError("out of resources\nmore")

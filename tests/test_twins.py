@@ -15,9 +15,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fpaudit
-from fpaudit import analysis
-from fpaudit.recommendation import recommend
-from fpaudit.report import Report
+from fpaudit.report.store import Report
+from fpaudit.rules import analysis
+from fpaudit.rules.recommendation import recommend
 
 Mode = str  # what is checkpointed: "module", "method" or "function"; "plain": nothing
 

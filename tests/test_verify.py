@@ -1,4 +1,4 @@
-"""fpaudit/verify.py called directly, on a model whose fp16 gradients are known exactly.
+"""fpaudit/run/verify.py called directly, on a model whose fp16 gradients are known exactly.
 
 One bias-free ``Linear(4, 1)`` with weight 1 and input ``x``; the loss is
 ``2**-10 * sum(model(x))``, so the fp32 weight gradient is exactly ``2**-10 * x``. Under
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fpaudit.errors import OptionError
-from fpaudit.verify import verify
+from fpaudit.run.verify import verify
 
 MODEL = """import torch
 from torch import nn

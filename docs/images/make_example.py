@@ -24,8 +24,8 @@ TARGET = HERE / "transformer-fp16.png"
 
 def main() -> None:
     sys.path.insert(0, str(ROOT))
-    from fpaudit.plot import plot_report
-    from fpaudit.scan import ScanOptions, scan
+    from fpaudit.cli.plot import plot_report
+    from fpaudit.run.scan import ScanOptions, scan
 
     report = scan(ROOT / "sample_configs" / "transformer.py", ScanOptions(steps=2, device="cpu"))
     with tempfile.TemporaryDirectory() as scratch:

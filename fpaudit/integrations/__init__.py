@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from fpaudit.capture import Audit, Selection, StepSummary
+from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.errors import UsageError
-from fpaudit.formats import get_format
-from fpaudit.runinfo import AMP_NAMES, RunInfo
+from fpaudit.numerics.formats import get_format
+from fpaudit.report.runinfo import AMP_NAMES, RunInfo
 
 if TYPE_CHECKING:
-    from fpaudit.report import Report
+    from fpaudit.report.store import Report
 
 __all__ = ["AuditSession", "SessionCallback", "scale_tensor", "unscaled"]
 
@@ -204,7 +204,7 @@ class AuditSession:
         self._finished = True
         self.abort()
         report = self.audit.report
-        from fpaudit.analysis import held_dtype
+        from fpaudit.rules.analysis import held_dtype
 
         amp_dtype = held_dtype(report)
         formats = self.formats or (AMP_NAMES.get(amp_dtype or "", "fp16"),)
@@ -238,7 +238,7 @@ class AuditSession:
         a rank that stops on an exception writes its own steps alone, to ``OUT.rankN``:
         the other ranks may never reach a collective write, and waiting for them would
         hang this one."""
-        from fpaudit import distributed
+        from fpaudit.run import distributed
 
         if not distributed.active():
             return report.write(self.out, force=self.force)
@@ -258,7 +258,7 @@ class AuditSession:
 def scale_tensor(scaler: Any) -> torch.Tensor | None:
     """The scale an enabled ``torch.amp.GradScaler`` is in force with (a 0-dim tensor,
     no host sync), or None for no scaler, a disabled one or one not yet used."""
-    from fpaudit._torch_patches import scaler_enabled, scaler_scale  # GradScaler's reader
+    from fpaudit.capture._torch_patches import scaler_enabled, scaler_scale  # GradScaler's reader
 
     return scaler_scale(scaler) if scaler_enabled(scaler) else None
 

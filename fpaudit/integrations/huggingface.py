@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fpaudit._torch_patches import Call, Patches, step_targets
+from fpaudit.capture._torch_patches import Call, Patches, step_targets
 from fpaudit.integrations import SessionCallback, scale_tensor, unscaled
 
 try:

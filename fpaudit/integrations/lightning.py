@@ -66,7 +66,7 @@ class FpauditCallback(SessionCallback, Callback):
     ``accumulate_grad_batches`` (one audited step per optimizer step); gradient
     clipping. DDP-style strategies: every rank audits its own backward pass and
     writes its part of one report, as ``fpaudit scan`` does under torchrun (see
-    ``fpaudit.distributed``); a rank that stops on an exception writes its steps
+    ``fpaudit.run.distributed``); a rank that stops on an exception writes its steps
     alone to ``OUT.rankN``.
 
     Not supported (the callback warns and records nothing): manual optimization

@@ -47,7 +47,7 @@ def fault(marker: Path = MARKER) -> None:
 if "import" in AT:
     fault()
 if "write" in AT:
-    from fpaudit import report as _report
+    from fpaudit.report import store as _report
 
     _write_tables = _report.Report.write_tables
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fpaudit
-from fpaudit.distributed import write_report
+from fpaudit.run.distributed import write_report
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

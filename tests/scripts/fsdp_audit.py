@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
 import fpaudit
-from fpaudit.distributed import write_report
+from fpaudit.run.distributed import write_report
 
 mode = sys.argv[2] if len(sys.argv) > 2 else "fsdp2"
 dist.init_process_group("gloo")

@@ -10,8 +10,8 @@ import warnings
 import torch
 import transformers
 
-from fpaudit.distributed import shutdown
 from fpaudit.integrations.huggingface import FpauditTrainerCallback
+from fpaudit.run.distributed import shutdown
 
 out = sys.argv[1]
 config = transformers.GPT2Config(

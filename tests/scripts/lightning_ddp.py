@@ -11,8 +11,8 @@ import lightning as L
 import torch
 from torch import nn
 
-from fpaudit.distributed import shutdown
 from fpaudit.integrations.lightning import FpauditCallback
+from fpaudit.run.distributed import shutdown
 
 out = sys.argv[1]
 fail_on_rank = int(sys.argv[2]) if len(sys.argv) > 2 else None

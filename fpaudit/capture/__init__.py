@@ -1,0 +1,3 @@
+"""Autograd and modules: the audit, the dispatch mode, the origin probe, and the patches of
+fpaudit run.
+"""

@@ -1,0 +1,3 @@
+"""The command line: options, config files, rendering (terminal, JUnit/GitHub, images); the
+only room that loads typer or rich.
+"""

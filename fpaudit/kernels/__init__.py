@@ -1,0 +1,3 @@
+"""Tensors to exact counts: the histogram, the block statistics, and the compiled kernels
+that count them.
+"""

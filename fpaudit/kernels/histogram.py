@@ -1,0 +1,371 @@
+"""Exact magnitude histograms of tensors, on the tensors' own device.
+
+The layout (which bin a value goes to, and why the mantissa classes make every
+count exact at every power-of-two scale) is in ``fpaudit.numerics.layout``; this module
+turns tensors into counts. It knows tensors and bits, nothing about modules or
+formats.
+
+Known limitations: float64 values are rounded to fp32 before binning, so
+their histogram is that of ``x.float()`` (magnitudes beyond fp32's range
+become inf or zero). Such values are not lost silently: each table counts
+them (:attr:`HistogramTable.out_of_range`) and reports carry the total.
+Complex, sparse and integer tensors are not binned.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from fpaudit.kernels import build as kernels
+from fpaudit.numerics.layout import (
+    AMAX_COLUMN,
+    BINADE_MAX,
+    BINADE_MIN,
+    CLASS_LOWER_BOUNDS,
+    FIRST_FINITE_BIN,
+    FIRST_NONFINITE_COLUMN,
+    FRACTION_BITS,
+    FRACTION_MASK,
+    INF_BIN,
+    N_BINADES,
+    N_BINS,
+    N_CLASSES,
+    NAN_BIN,
+    NEVER,
+    OVERFLOWED_COLUMN,
+    SHADOW_CALLS_COLUMN,
+    SHADOW_COLUMNS,
+    SHADOW_NONZERO_COLUMN,
+    WIDTH,
+    ZERO_BIN,
+    amax_from_bits,
+    bin_binade_and_class,
+    bin_value_bounds,
+    class_bounds,
+    finite_bin,
+)
+
+__all__ = [
+    "AMAX_COLUMN",
+    "BINADE_MAX",
+    "BINADE_MIN",
+    "CLASS_LOWER_BOUNDS",
+    "FIRST_FINITE_BIN",
+    "FIRST_NONFINITE_COLUMN",
+    "FRACTION_BITS",
+    "INF_BIN",
+    "NAN_BIN",
+    "N_BINADES",
+    "N_BINS",
+    "N_CLASSES",
+    "SHADOW_COLUMNS",
+    "WIDTH",
+    "ZERO_BIN",
+    "Histogram",
+    "HistogramTable",
+    "HostHistogram",
+    "amax_from_bits",
+    "bin_binade_and_class",
+    "bin_indices",
+    "bin_value_bounds",
+    "class_bounds",
+    "dense_flat",
+    "finite_amax_bits",
+    "finite_bin",
+]
+
+_ABS_MASK = 0x7FFFFFFF
+_INF_BITS = 0x7F800000
+_FRACTION_MASK = FRACTION_MASK
+
+
+def _abs_bits(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 bit pattern of |x| as int32 (fp16/bf16/fp8 widen exactly)."""
+    x = x.detach()
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    return x.reshape(-1).view(torch.int32) & _ABS_MASK
+
+
+_class_bounds_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def _class_bounds_on(device: torch.device) -> torch.Tensor:
+    bounds = _class_bounds_cache.get(device)
+    if bounds is None:
+        bounds = torch.tensor(CLASS_LOWER_BOUNDS, dtype=torch.int32, device=device)
+        _class_bounds_cache[device] = bounds
+    return bounds
+
+
+def bin_indices(x: torch.Tensor) -> torch.Tensor:
+    """Bin index (int32) of every element of ``x``; pure torch, any device.
+
+    This is the reference implementation every faster path is tested against.
+    """
+    bits = _abs_bits(x)
+    exponent = bits >> FRACTION_BITS
+    fraction = bits & _FRACTION_MASK
+    # A subnormal is fraction * 2**-149. Converting the integer fraction to
+    # fp32 is exact and normalises it: float(fraction) = (1 + g/2**23) * 2**j.
+    normalised = fraction.to(torch.float32).view(torch.int32)
+    subnormal = exponent == 0
+    fraction = torch.where(subnormal, normalised & _FRACTION_MASK, fraction)
+    # binade - BINADE_MIN: exponent - 127 + 149 for normals, j for subnormals.
+    binade_offset = torch.where(subnormal, (normalised >> FRACTION_BITS) - 127, exponent + 22)
+    cls = torch.bucketize(fraction, _class_bounds_on(bits.device), out_int32=True, right=True) - 1
+    index = FIRST_FINITE_BIN + binade_offset * N_CLASSES + cls
+    index = torch.where(bits == 0, ZERO_BIN, index)
+    index = torch.where(bits == _INF_BITS, INF_BIN, index)
+    return torch.where(bits > _INF_BITS, NAN_BIN, index)
+
+
+def dense_flat(x: torch.Tensor) -> torch.Tensor:
+    """The elements of ``x`` as a contiguous 1-D tensor, without a copy where possible.
+
+    A histogram does not depend on the order of the elements, so a tensor whose
+    elements fill a block of memory exactly once (contiguous in some order of its
+    dimensions: transposed, permuted, channels-last; many backward ops return such
+    outputs) is read in memory order, as the block itself. Other layouts (gaps,
+    broadcast strides) are copied.
+    """
+    if x.is_contiguous():
+        return x.reshape(-1)
+    expected = 1
+    dims = sorted((stride, size) for size, stride in zip(x.shape, x.stride(), strict=True))
+    for stride, size in dims:
+        if size == 1:
+            continue  # a size-1 dimension may have any stride
+        if stride != expected:
+            return x.contiguous().reshape(-1)
+        expected *= size
+    return x.as_strided((x.numel(),), (1,), x.storage_offset())
+
+
+def finite_amax_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Bit pattern (int32, 0-dim, on device) of the largest finite |x|; 0 if none."""
+    return torch.where(bits < _INF_BITS, bits, 0).amax()
+
+
+# The pure-torch CPU path bins by the raw exponent field first: raw bin
+# (e + 22) * 8 + cls for exponent field e, which for normal numbers (e in
+# 1..254) is exactly the finite bin offset, puts zero at (22, 0), inf at
+# (277, 0), NaN at (277, 1..7) and unnormalised subnormals at (22, 1..7).
+# Subnormals are rare, so they are re-binned exactly only when there are any.
+_RAW_BINS = (255 + 23) * N_CLASSES
+_RAW_ZERO = 22 * N_CLASSES
+_RAW_INF = 277 * N_CLASSES
+_FIRST_NORMAL_OFFSET = 23  # offset of binade -126, fp32's smallest normal
+_NORMAL = slice(_FIRST_NORMAL_OFFSET * N_CLASSES, _RAW_INF)
+_CLASS_BOUNDS = list(CLASS_LOWER_BOUNDS)
+
+
+class HistogramTable:
+    """The histograms of many records on one device, one row each.
+
+    Columns are the ``N_BINS`` counts and the bit pattern of the finite amax
+    (as int64). Rows are handed out once and reused step after step: one
+    ``zero_()`` resets them all and one transfer (``collect``) brings them all
+    to the host, the only host sync a step needs. Adding never syncs off the
+    CPU. On the CPU the compiled kernel (``kernels``) bins in one pass; its
+    pure-torch fallback gives identical counts.
+    """
+
+    def __init__(self, device: torch.device, capacity: int = 64) -> None:
+        self.device = device
+        self.table = torch.zeros((capacity, WIDTH), dtype=torch.int64, device=device)
+        self.calls: list[int] = []  # tensors added to each row since the last reset
+        # fp64 values that fp32 (the binned range) cannot hold: nonzero finite values
+        # that round to zero or to inf. Cumulative: reset() keeps it.
+        self.out_of_range = torch.zeros((), dtype=torch.int64, device=device)
+
+    @property
+    def rows(self) -> int:
+        return len(self.calls)
+
+    def new_row(self) -> int:
+        if self.rows == self.table.shape[0]:
+            grown = torch.zeros((2 * self.rows, WIDTH), dtype=torch.int64, device=self.device)
+            grown[: self.rows] = self.table
+            self.table = grown
+        self.calls.append(0)
+        return self.rows - 1
+
+    def add(self, row: int, x: torch.Tensor) -> None:
+        self.calls[row] += 1
+        if x.numel() == 0:
+            return
+        if x.dtype == torch.float64:
+            self._count_out_of_range(x)
+        if x.device.type == "cpu":
+            kernel = kernels.cpu_kernel(on_build=_warn_build)
+            if kernel is None:
+                self._add_cpu_torch(row, x)
+            else:
+                values = x.detach()
+                if values.dtype != torch.float32:
+                    values = values.to(torch.float32)  # exact for fp16, bf16, fp8
+                kernel.histogram_add(dense_flat(values), self.table, row, _CLASS_BOUNDS)
+        else:
+            self._add_device(row, x)
+
+    def _count_out_of_range(self, x: torch.Tensor) -> None:
+        """Count the nonzero finite fp64 values that fp32 turns into zero or inf (no sync)."""
+        values = x.detach()
+        narrowed = values.to(torch.float32)
+        lost = ((values != 0) & (narrowed == 0)) | (torch.isfinite(values) & torch.isinf(narrowed))
+        self.out_of_range += lost.sum()
+
+    def _raise_amax(self, row: int, amax_bits: torch.Tensor) -> None:
+        column = self.table[row, AMAX_COLUMN : AMAX_COLUMN + 1]
+        torch.maximum(column, amax_bits.to(torch.int64), out=column)
+
+    def add_shadow(self, row: int, real: torch.Tensor, shadow: torch.Tensor) -> None:
+        """Compare an op's real output with its fp32 re-run: lost and overflowed values.
+
+        Device ops only, no sync: counted into the row's shadow columns.
+        """
+        real = real.detach().to(torch.float32)
+        shadow = shadow.detach().to(torch.float32)
+        nonzero = shadow != 0
+        counts = torch.stack(
+            [
+                nonzero.sum(),
+                (nonzero & (real == 0)).sum(),
+                (torch.isfinite(shadow) & ~torch.isfinite(real)).sum(),
+            ]
+        )
+        self.table[row, SHADOW_CALLS_COLUMN] += 1
+        self.table[row, SHADOW_NONZERO_COLUMN : OVERFLOWED_COLUMN + 1] += counts
+
+    def mark_nonfinite(
+        self, row: int, x: torch.Tensor, sequence: int, clean: torch.Tensor | None = None
+    ) -> None:
+        """Remember the earliest op number (this step) at which ``x`` held inf or NaN made
+        from ``clean`` inputs (a 0-dim bool on ``x``'s device; None: no floating input)."""
+        bad = ~torch.isfinite(x.detach()).all()
+        if clean is not None:
+            bad = bad & clean
+        score = torch.where(bad, NEVER - sequence, 0).to(torch.int64).reshape(1)
+        column = self.table[row, FIRST_NONFINITE_COLUMN : FIRST_NONFINITE_COLUMN + 1]
+        torch.maximum(column, score, out=column)
+
+    def _add_device(self, row: int, x: torch.Tensor) -> None:
+        kernel = kernels.device_kernel() if x.device.type == "cuda" else None
+        if kernel is None or not self._add_compiled(kernel, row, x):
+            self._add_device_torch(row, x)
+
+    def _add_compiled(self, kernel: ModuleType, row: int, x: torch.Tensor) -> bool:
+        """Bin ``x`` with the Triton kernel; False (and a warning, once) if it fails."""
+        values = x.detach()
+        if values.dtype not in kernel.NATIVE:
+            values = values.to(torch.float32)  # exact for fp8; fp64 rounds (see above)
+        try:
+            kernel.histogram_add(dense_flat(values), self.table, row)
+        except Exception as error:  # Triton too old for the kernel, no compiler, ...
+            kernels.device_kernel_failed(error)
+            warnings.warn(
+                f"fpaudit: the Triton histogram kernel failed ({kernels.device_failure()}); "
+                "using the pure-torch path",
+                stacklevel=3,
+            )
+            return False
+        return True
+
+    def _add_device_torch(self, row: int, x: torch.Tensor) -> None:
+        """The pure-torch device path (several passes, no host sync)."""
+        # torch.bincount syncs with the host on CUDA (it sizes its output from
+        # the max); index_add_ accumulates in place without a sync.
+        index = bin_indices(x)
+        ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
+        self.table[row, :N_BINS].index_add_(0, index, ones)
+        self._raise_amax(row, finite_amax_bits(_abs_bits(x)))
+
+    def _add_cpu_torch(self, row: int, x: torch.Tensor) -> None:
+        """The pure-torch CPU path: the fallback when the compiled kernel is unavailable."""
+        bits = _abs_bits(x)
+        raw_index = (bits >> FRACTION_BITS) << 3
+        raw_index += torch.bucketize(
+            bits & _FRACTION_MASK, _class_bounds_on(bits.device), out_int32=True, right=True
+        )
+        raw_index += _RAW_ZERO - 1  # bucketize(right=True) returns class + 1
+        raw = torch.bincount(raw_index, minlength=_RAW_BINS)
+        counts = self.table[row, :N_BINS]
+        counts[FIRST_FINITE_BIN + _NORMAL.start : FIRST_FINITE_BIN + _NORMAL.stop] += raw[_NORMAL]
+        counts[ZERO_BIN] += raw[_RAW_ZERO]
+        counts[INF_BIN] += raw[_RAW_INF]
+        counts[NAN_BIN] += raw[_RAW_INF + 1 :].sum()
+        if int(raw[_RAW_ZERO + 1 : _RAW_ZERO + N_CLASSES].sum()):
+            subnormal = bits[(bits < (1 << FRACTION_BITS)) & (bits != 0)]
+            counts += torch.bincount(bin_indices(subnormal.view(torch.float32)), minlength=N_BINS)
+        self._raise_amax(row, finite_amax_bits(bits) if int(raw[_RAW_INF:].sum()) else bits.amax())
+
+    def collect(self, scalars: tuple[torch.Tensor, ...] = ()) -> tuple[np.ndarray, list[float]]:
+        """All rows (and a few 0-dim float tensors on this device) in one host transfer."""
+        parts = [self.table[: self.rows].reshape(-1)]
+        parts += [s.detach().reshape(1).to(torch.float64).view(torch.int64) for s in scalars]
+        packed = torch.cat(parts).cpu().numpy()  # the one sync
+        rows = packed[: self.rows * WIDTH].reshape(self.rows, WIDTH)
+        return rows, [float(v) for v in packed[self.rows * WIDTH :].view(np.float64)]
+
+    def reset(self) -> None:
+        self.table[: self.rows].zero_()
+        self.calls = [0] * self.rows
+
+
+def _warn_build() -> None:
+    warnings.warn(
+        "fpaudit: building the CPU histogram kernel (once per machine and torch version, "
+        "about a minute; FPAUDIT_KERNEL=torch skips it)",
+        stacklevel=2,
+    )
+
+
+@dataclass(frozen=True)
+class HostHistogram:
+    """A histogram brought to the host: dense counts, the finite amax, tensors added."""
+
+    counts: np.ndarray  # int64, N_BINS
+    amax: float
+    calls: int = 1
+
+    @classmethod
+    def from_row(cls, row: np.ndarray, calls: int) -> HostHistogram:
+        amax = float(amax_from_bits(np.array([row[AMAX_COLUMN]]))[0])
+        return cls(row[:N_BINS].copy(), amax, calls)
+
+    @property
+    def elements(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def zeros(self) -> int:
+        return int(self.counts[ZERO_BIN])
+
+    @property
+    def infs(self) -> int:
+        return int(self.counts[INF_BIN])
+
+    @property
+    def nans(self) -> int:
+        return int(self.counts[NAN_BIN])
+
+
+class Histogram:
+    """One histogram with a table of its own: for one-off use (the tests, small tools)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.table = HistogramTable(device, capacity=1)
+        self.row = self.table.new_row()
+
+    def add(self, x: torch.Tensor) -> None:
+        self.table.add(self.row, x)
+
+    def host(self) -> HostHistogram:
+        rows, _ = self.table.collect()
+        return HostHistogram.from_row(rows[self.row], self.table.calls[self.row])

@@ -1,0 +1,3 @@
+"""A run's numbers as data: the records a capture accumulates, the report tables, its
+metadata, and the one writer.
+"""

@@ -1,0 +1,107 @@
+"""How fpaudit writes: one rule for folders, one for names, one atomic writer.
+
+Every output (a report of ``scan`` or ``run``, a lock beside it, ``plot -o``,
+``gate --junit``) has its parent folders created as ``mkdir -p`` would; one that
+cannot be is one line naming the folder and why (:func:`make_parent`). What is
+being written is staged under a hidden name beside the target
+(:func:`hidden_sibling`, within any filesystem's 255-byte limit), synced, and
+renamed over it: a reader sees the old file or the new one, never half of one.
+A file is written by :func:`write_atomically`; a report, a directory, stages the
+same way (``fpaudit.report.store``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from fpaudit.errors import Named, UsageError
+
+__all__ = ["STAGING_SUFFIX", "hidden_sibling", "make_parent", "staging_prefix", "write_atomically"]
+
+STAGING_SUFFIX = ".tmp"
+
+
+def make_parent(path: Path, option: str) -> Path:
+    """Create ``path``'s parent folders (like ``mkdir -p``); ``option`` names the option
+    that gave ``path`` in the error, e.g. ``out`` (the CLI says ``--out``). Returns the
+    parent."""
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where a folder should be
+        raise UsageError(
+            Named(option), f": cannot create folder {parent}: a file is in the way"
+        ) from None
+    except OSError as error:
+        raise UsageError(
+            Named(option), f": cannot create folder {parent} ({error.strerror or error})"
+        ) from None
+    return parent
+
+
+def hidden_sibling(target: Path, suffix: str) -> Path:
+    """A hidden name beside ``target`` within any filesystem's 255-byte name limit.
+
+    ``.<name><suffix>`` when that is short; long names keep a readable head and a
+    hash of the whole, so two targets never share a sibling.
+    """
+    name = f".{target.name}{suffix}"
+    if len(os.fsencode(name)) <= 200:
+        return target.with_name(name)
+    digest = hashlib.sha256(os.fsencode(target.name)).hexdigest()[:16]
+    head = os.fsencode(target.name)[:100].decode(errors="ignore")
+    return target.with_name(f".{head}-{digest}{suffix}")
+
+
+def staging_prefix(target: Path) -> str:
+    """The prefix of a staging name for ``target`` (``mkstemp``/``mkdtemp`` add a random
+    part and :data:`STAGING_SUFFIX`): ``.<name>.XXXXXXXX.tmp``."""
+    return hidden_sibling(target, ".").name
+
+
+def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], object],
+                     *, option: str) -> Path:  # fmt: skip
+    """Write a file: ``write`` fills a staging file beside ``path``, which is synced and
+    renamed over ``path`` (any old file stays intact until then, and whatever ``write``
+    raises leaves no staging file behind). Missing folders are created; the file gets
+    the mode a plain ``open`` would (0666 less the umask). An operating-system error is
+    one :class:`~fpaudit.errors.UsageError` that names ``option`` (as :func:`make_parent`)
+    and the file."""
+    target = Path(path)
+    parent = make_parent(target, option)
+    if target.is_dir():
+        raise UsageError(Named(option), f": {target} is a directory")
+    try:
+        descriptor, staging = tempfile.mkstemp(
+            prefix=staging_prefix(target), suffix=STAGING_SUFFIX, dir=parent
+        )
+    except OSError as error:
+        raise UsageError(
+            Named(option), f": cannot write in {parent} ({error.strerror or error})"
+        ) from None
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(staging, 0o666 & ~current_umask())  # mkstemp makes it 0600
+        os.replace(staging, target)
+    except BaseException as error:
+        Path(staging).unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            reason = error.strerror or error
+            raise UsageError(Named(option), f": cannot write {target} ({reason})") from None
+        raise
+    return target
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,371 @@
+"""What a capture accumulates, step by step, before it becomes a report.
+
+Plain numpy: a training process that captures never imports pandas or pyarrow
+(about 70 MB of memory) until it builds the report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from fpaudit.numerics import layout
+
+if TYPE_CHECKING:
+    from fpaudit.kernels.histogram import HostHistogram
+
+# The columns of the records and steps tables (report.py turns them into the
+# versioned Parquet schema; the order is the order in the files).
+RECORD_COLUMNS = {
+    "record_id": "int32",  # numbers the records of one rank: 0, 1, 2, ...
+    "rank": "int16",  # the torch.distributed rank that recorded it (0 in one process)
+    "step": "int32",  # the (first) step the record covers
+    "steps": "int32",  # how many captured steps it covers (--window)
+    "kind": "string",
+    "module": "string",
+    "node": "string",
+    "op": "string",
+    "output": "int16",
+    "dtype": "string",
+    "scales_with_loss": "bool",
+    "calls": "int64",
+    "elements": "int64",
+    "zeros": "int64",
+    "infs": "int64",
+    "nans": "int64",
+    "amax": "float64",
+    "loss_scale": "float64",
+    # --shadow: the op re-run in fp32 on the same inputs, upcast
+    "shadow_calls": "int64",  # outputs compared with their fp32 re-run (0: not shadowed)
+    "shadow_nonzero": "int64",  # nonzero elements of the fp32 re-runs
+    "lost": "int64",  # nonzero in the fp32 re-run, zero in the real output
+    "overflowed": "int64",  # finite in the fp32 re-run, inf or NaN in the real output
+}
+STEP_COLUMNS = {
+    "step": "int32",
+    "rank": "int16",
+    "loss": "float64",  # fpaudit run: the sum of the losses backpropagated in the step
+    "loss_finite": "bool",
+    "loss_scale": "float64",  # the scale in force during the step
+    "scale_after": "float64",  # the scale after the scaler's update (static: the same)
+    "skipped": "bool",  # the optimizer step was skipped: inf/NaN gradients
+    "optimizer_step": "bool",  # an optimizer step was taken
+    "grad_norm": "float64",  # clip_grad_norm_'s total norm, unscaled (NaN: not clipped by norm)
+    "clip_max_norm": "float64",  # its max_norm (NaN: none)
+    "clipped": "bool",  # clip_grad_norm_ scaled the gradients down
+    "grad_amax": "float64",  # largest |parameter gradient|, unscaled (inf/NaN: overflowed;
+    # NaN also: not measured)
+    "backward_calls": "int32",
+    "captured": "bool",  # backward ops were recorded in this step (records exist)
+    "records": "int32",
+    "nonfinite_grads": "int64",
+    "first_nonfinite": "string",  # --forward: the module and op that first produced inf/NaN
+    "seconds": "float64",
+}
+STEP_DEFAULTS: dict[str, Any] = {
+    "rank": 0,
+    "scale_after": None,  # None: the step's loss_scale
+    "skipped": False,
+    "optimizer_step": False,
+    "grad_norm": math.nan,
+    "clip_max_norm": math.nan,
+    "clipped": False,
+    "grad_amax": math.nan,
+    "backward_calls": 1,
+    "captured": True,
+    "records": 0,
+    "nonfinite_grads": 0,
+    "first_nonfinite": "",
+}
+"""Values of the step columns that a report of schema version 1 lacks, and that a
+step without records (``fpaudit run`` between captures) starts from."""
+# Block-scaled statistics (--recipe): one row per (step, record key, recipe); the
+# counts are fpaudit.kernels.blockstats.COUNT_COLUMNS, the histograms lists of counts.
+BLOCK_KEY_COLUMNS = {
+    "rank": "int16",
+    "step": "int32",
+    "kind": "string",
+    "module": "string",
+    "node": "string",
+    "op": "string",
+    "output": "int16",
+    "dtype": "string",
+    "recipe": "string",
+}
+BLOCK_COUNT_COLUMNS = (
+    "zero",
+    "flushed",
+    "subnormal",
+    "normal",
+    "saturated",
+    "nonfinite",
+    "poisoned",
+    "blocks",
+    "blocks_flushed",
+    "scales_out_of_range",
+)
+BLOCK_HISTOGRAM_COLUMNS = ("scale_codes", "dynamic_range")
+# In memory, bins keep what analysis needs; lower and upper are derived from
+# (binade, cls) when a report is written, for users of the plain Parquet files.
+BIN_COLUMNS = ("record_id", "binade", "cls", "count")
+
+KIND_BACKWARD = "backward"  # an output of an op that ran in backward
+KIND_GRAD = "grad"  # a parameter's final .grad, as a GradScaler sees it
+KIND_FORWARD = "forward"  # an output of an op in forward (--forward)
+LOSS_MODULE = "<loss>"
+"""Pseudo-module for backward ops of nodes created outside every module of the model."""
+
+
+class RecordKey(NamedTuple):
+    kind: str
+    module: str
+    node: str
+    op: str
+    output: int
+    dtype: str
+    scales_with_loss: bool
+
+
+@dataclass
+class StepRecords:
+    """The records of one closed step: keys and, row for row, their histograms."""
+
+    keys: list[RecordKey]
+    counts: np.ndarray  # int64 [records, layout.N_BINS]
+    amax: np.ndarray  # float64 [records], finite amax as recorded
+    calls: np.ndarray  # int64 [records], tensors added
+    shadow: np.ndarray | None = None  # int64 [records, 4]: layout.SHADOW_COLUMNS
+
+    def __post_init__(self) -> None:
+        if self.shadow is None:
+            self.shadow = np.zeros((len(self.keys), 4), dtype=np.int64)
+
+    @classmethod
+    def from_histograms(cls, records: dict[RecordKey, HostHistogram]) -> StepRecords:
+        hosts = list(records.values())
+        return cls(
+            keys=list(records),
+            counts=np.array([h.counts for h in hosts], dtype=np.int64).reshape(-1, layout.N_BINS),
+            amax=np.array([h.amax for h in hosts], dtype=np.float64),
+            calls=np.array([h.calls for h in hosts], dtype=np.int64),
+        )
+
+    def grad_amax(self, loss_scale: float) -> float:
+        """The largest finite parameter gradient magnitude, unscaled (NaN: none recorded)."""
+        mask = np.array([key.kind == KIND_GRAD for key in self.keys], dtype=bool)
+        if not mask.any():
+            return math.nan
+        return float(self.amax[mask].max()) / loss_scale
+
+    def nonfinite(self, kind: str) -> int:
+        """inf and NaN elements in the records of ``kind``."""
+        mask = np.array([key.kind == kind for key in self.keys], dtype=bool)
+        special = self.counts[:, layout.INF_BIN] + self.counts[:, layout.NAN_BIN]
+        return int(special[mask].sum()) if len(mask) else 0
+
+
+class ReportBuilder:
+    """Collects closed steps, for ``Report.from_builder`` to turn into a report.
+
+    With ``window=W`` the records of W consecutive captured steps are merged
+    (counts add, amax is the max; only records captured under the same loss
+    scale merge): exact, and W times fewer rows for long runs. The steps table
+    keeps one row per step either way.
+    """
+
+    def __init__(self, modules: list[str], window: int = 1, rank: int = 0) -> None:
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self.modules = modules
+        self.window = window
+        self.rank = rank
+        self._records: dict[str, list[np.ndarray]] = {name: [] for name in RECORD_COLUMNS}
+        self._bins: dict[str, list[np.ndarray]] = {"record_id": [], "offset": [], "count": []}
+        self._steps: dict[str, list[Any]] = {name: [] for name in STEP_COLUMNS}
+        self._next_record = 0
+        self._pending: dict[tuple[RecordKey, float], list[Any]] = {}
+        self._pending_first = -1
+        self._pending_steps = 0
+        self.steps = 0  # steps closed
+        self.last_index = -1  # training-step number of the last closed step
+
+    def add_step(
+        self,
+        records: StepRecords,
+        *,
+        loss: float | None,
+        loss_scale: float,
+        seconds: float,
+        index: int | None = None,
+        first_nonfinite: str = "",
+    ) -> None:
+        """Add one closed step (vectorised over its records). A non-finite loss drops
+        the step's records: it is a forward problem, never backward overflow.
+        ``index`` numbers the step (default: one after the last); it must increase.
+        ``first_nonfinite`` names the forward op that first made inf or NaN (--forward)."""
+        step = self.last_index + 1 if index is None else index
+        if step <= self.last_index:
+            raise ValueError(f"step index {step} does not follow {self.last_index}")
+        self.last_index = step
+        self.steps += 1
+        loss_finite = loss is None or math.isfinite(loss)
+        kept = len(records.keys) if loss_finite else 0
+        if self.window == 1:
+            if kept:
+                n = kept
+                self._emit(
+                    records.keys,
+                    records.counts,
+                    records.amax,
+                    records.calls,
+                    records.shadow,
+                    np.full(n, loss_scale),
+                    np.full(n, step, dtype=np.int32),
+                    np.ones(n, dtype=np.int32),
+                )
+        else:
+            if self._pending_steps == 0:
+                self._pending_first = step
+            self._pending_steps += 1
+            assert records.shadow is not None
+            for row, key in enumerate(records.keys[:kept]):
+                merged = self._pending.get((key, loss_scale))
+                if merged is None:
+                    self._pending[(key, loss_scale)] = [
+                        records.counts[row].copy(),
+                        records.amax[row],
+                        records.calls[row],
+                        1,
+                        records.shadow[row].copy(),
+                    ]
+                else:
+                    merged[0] += records.counts[row]
+                    merged[1] = max(merged[1], records.amax[row])
+                    merged[2] += records.calls[row]
+                    merged[3] += 1
+                    merged[4] += records.shadow[row]
+            if self._pending_steps == self.window:
+                self._emit(*self._pending_block())
+                self._pending.clear()
+                self._pending_steps = 0
+        step_row = {
+            **STEP_DEFAULTS,
+            "step": step,
+            "rank": self.rank,
+            "loss": math.nan if loss is None else loss,
+            "loss_finite": loss_finite,
+            "loss_scale": loss_scale,
+            "scale_after": loss_scale,
+            "grad_amax": records.grad_amax(loss_scale),
+            "records": kept,
+            "nonfinite_grads": records.nonfinite(KIND_GRAD),
+            "first_nonfinite": first_nonfinite,
+            "seconds": seconds,
+        }
+        for name in STEP_COLUMNS:
+            self._steps[name].append(step_row[name])
+
+    def _pending_block(self) -> tuple[Any, ...]:
+        entries = list(self._pending.items())
+        n = len(entries)
+        return (
+            [key for (key, _), _ in entries],
+            np.array([v[0] for _, v in entries], dtype=np.int64).reshape(n, layout.N_BINS),
+            np.array([v[1] for _, v in entries], dtype=np.float64),
+            np.array([v[2] for _, v in entries], dtype=np.int64),
+            np.array([v[4] for _, v in entries], dtype=np.int64).reshape(n, 4),
+            np.array([scale for (_, scale), _ in entries], dtype=np.float64),
+            np.full(n, self._pending_first, dtype=np.int32),
+            np.array([v[3] for _, v in entries], dtype=np.int32),
+        )
+
+    def _emit(
+        self,
+        keys: list[RecordKey],
+        counts: np.ndarray,
+        amax: np.ndarray,
+        calls: np.ndarray,
+        shadow: np.ndarray | None,
+        loss_scale: np.ndarray,
+        step: np.ndarray,
+        steps: np.ndarray,
+    ) -> None:
+        n = len(keys)
+        if not n:
+            return
+        ids = np.arange(self._next_record, self._next_record + n, dtype=np.int32)
+        self._next_record += n
+        columns: dict[str, Any] = {
+            "record_id": ids,
+            "rank": np.full(n, self.rank, dtype=np.int16),
+            "step": step,
+            "steps": steps,
+            "calls": calls,
+            "elements": counts.sum(axis=1),
+            # copies, not views: a view would keep the step's whole matrix alive
+            "zeros": counts[:, layout.ZERO_BIN].copy(),
+            "infs": counts[:, layout.INF_BIN].copy(),
+            "nans": counts[:, layout.NAN_BIN].copy(),
+            "amax": amax,
+            "loss_scale": loss_scale,
+        }
+        shadow = np.zeros((n, 4), dtype=np.int64) if shadow is None else shadow
+        for column, name in enumerate(("shadow_calls", "shadow_nonzero", "lost", "overflowed")):
+            columns[name] = shadow[:, column].copy()
+        for field_name in RecordKey._fields:
+            columns[field_name] = np.array([getattr(k, field_name) for k in keys])
+        for name in RECORD_COLUMNS:
+            self._records[name].append(np.asarray(columns[name]))
+        finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
+        rows, offsets = np.nonzero(finite)
+        self._bins["record_id"].append(ids[rows])
+        self._bins["offset"].append(offsets)
+        self._bins["count"].append(finite[rows, offsets])
+
+    def mark_optimizer_step(self, stepped: bool, skipped: bool = False) -> None:
+        """Whether the last closed step was followed by an optimizer step, or skipped one."""
+        if self._steps["optimizer_step"]:
+            self._steps["optimizer_step"][-1] = stepped
+            self._steps["skipped"][-1] = skipped
+
+    def step_rows(self) -> dict[str, list[Any]]:
+        """The steps table so far, column by column (copies)."""
+        return {name: list(values) for name, values in self._steps.items()}
+
+    def columns(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[Any]]]:
+        """The records, bins and steps tables so far, column by column (numpy arrays;
+        bins as ``record_id``, ``offset`` into the finite bins and ``count``); a window
+        still filling is included as it stands. ``Report.from_builder`` makes the
+        report of them: this module stays free of pandas and pyarrow."""
+        if not self._pending:
+            return self._columns()
+        pending_next = self._next_record
+        records_before = {k: len(v) for k, v in self._records.items()}
+        bins_before = {k: len(v) for k, v in self._bins.items()}
+        self._emit(*self._pending_block())
+        try:
+            return self._columns()
+        finally:  # leave the window open: later steps still merge into it
+            self._next_record = pending_next
+            for name, length in records_before.items():
+                del self._records[name][length:]
+            for name, length in bins_before.items():
+                del self._bins[name][length:]
+
+    def _columns(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[Any]]]:
+        def joined(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+        bins = {
+            "record_id": joined(self._bins["record_id"], np.int32),
+            "offset": joined(self._bins["offset"], np.int64),
+            "count": joined(self._bins["count"], np.int64),
+        }
+        records = {
+            name: joined(self._records[name], object if dtype == "string" else dtype)
+            for name, dtype in RECORD_COLUMNS.items()
+        }
+        return records, bins, self.step_rows()

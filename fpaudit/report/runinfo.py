@@ -1,0 +1,180 @@
+"""What a report says about its run: one frozen dataclass, one schema.
+
+A report's ``meta.json`` is a JSON object (its format is unchanged, so reports of
+every readable schema version still read). :class:`RunInfo` is the typed view of
+the fields that several modules write or read: commands that write a report
+(``scan``, ``run``, the training integrations) build one and merge
+:meth:`RunInfo.to_meta` into the metadata (``Report.record_run``); a field set on
+its own later (the capture's ``out_of_range``, ``run``'s ``formats``) goes through
+``Report.update_info`` (:meth:`RunInfo.entries`); readers use ``Report.info``
+(:meth:`RunInfo.from_meta`), never string keys. Fields a report lacks (an older
+report, or one built by the ``Audit`` API without a command) read as their
+defaults. Plain Python: no pandas, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["AMP_NAMES", "RunInfo"]
+
+AMP_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
+"""The name of the format autocast held values in, by dtype (``--amp fp16`` / ``bf16``)."""
+
+# Written by every command that writes a report, None included (readers have always
+# found them there); the other fields are written only when set.
+_ALWAYS = (
+    "command",
+    "steps_requested",
+    "steps_run",
+    "complete",
+    "stopped_by",
+    "selection",
+    "amp_dtype",
+)  # and "amp", derived from amp_dtype
+
+
+# Not stamped by to_meta (a run's end must not overwrite them with defaults): written
+# with the tables (Report.from_builder, the capture through Report.update_info) or by
+# the command beside the run's fields.
+_READ_ONLY = (
+    "steps", "modules", "out_of_range", "recipes", "formats", "headroom_bits", "include_loss",
+    "findings",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    command: str | None = None  # "scan", "run", or an integration's name
+    steps_requested: int | None = None  # None: run until the script ends
+    steps_run: int | None = None  # completed steps (None: no command recorded any)
+    complete: bool = True  # False: the run was interrupted
+    stopped_by: str | None = None  # what interrupted it, in words
+    selection: Mapping[str, Sequence[str]] = field(default_factory=dict)  # option -> globs
+    amp_dtype: str | None = None  # the dtype autocast held values in ("float16", ...)
+    model_file: str | None = None  # scan: the model file
+    script: str | None = None  # run: the training script
+    # Recorded with the tables (Report.from_builder, capture); not stamped by to_meta.
+    steps: int | None = None  # captured steps
+    modules: tuple[str, ...] = ()  # module names in network order
+    out_of_range: int = 0  # fp64 values outside fp32's range (binned as zero or inf)
+    recipes: tuple[str, ...] = ()  # block-scaled recipes audited (--recipe)
+    # run: the loss scaler's settings and skip statistics (fpaudit.run.training)
+    scaler: Mapping[str, Any] | None = None
+    training: Mapping[str, Any] | None = None
+    # Written beside these by the command (its settings, run's formats) and by
+    # fpaudit.run.training (the findings); not stamped by to_meta.
+    formats: tuple[str, ...] = ()  # the formats the command summarised, first: the default
+    headroom_bits: int | None = None  # scan's and run's --headroom-bits
+    include_loss: bool | None = None  # scan's --include-loss
+    findings: tuple[dict[str, Any], ...] = ()  # run: the misuse findings, as dicts
+
+    @classmethod
+    def ended(
+        cls,
+        command: str | None,
+        stopped_by: str | None,
+        steps: tuple[int | None, int],
+        selection: Mapping[str, Sequence[str]],
+        amp_dtype: str | None,
+        *,
+        complete: bool | None = None,
+        **where: str,
+    ) -> RunInfo:
+        """A run as the command that wrote it ends it: ``steps`` requested and run, and
+        complete when nothing ``stopped_by`` it (an interruption, an exit or an error, in
+        words) unless ``complete`` says otherwise (``run``'s --max-steps stops a run that
+        is complete); ``where``: the ``model_file`` or ``script`` it ran."""
+        requested, run = steps
+        return cls(
+            command=command,
+            steps_requested=requested,
+            steps_run=run,
+            complete=stopped_by is None if complete is None else complete,
+            stopped_by=stopped_by,
+            selection=selection,
+            amp_dtype=amp_dtype,
+            **where,  # type: ignore[arg-type]  # model_file or script: str fields
+        )
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> RunInfo:
+        """The typed view of ``meta`` (checked on read by ``fpaudit.report.store``); a field
+        of the wrong type reads as its default."""
+
+        def of(name: str, *types: type) -> Any:
+            value = meta.get(name)
+            ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+            return value if ok else None
+
+        def strings(name: str) -> tuple[str, ...]:
+            value = meta.get(name)
+            return tuple(str(v) for v in value) if isinstance(value, list | tuple) else ()
+
+        selection = meta.get("selection")
+        complete = meta.get("complete", True)
+        return cls(
+            command=of("command", str),
+            steps_requested=of("steps_requested", int),
+            steps_run=of("steps_run", int),
+            complete=complete is not False,
+            stopped_by=of("stopped_by", str),
+            selection={
+                str(k): tuple(str(p) for p in v)
+                for k, v in (selection.items() if isinstance(selection, dict) else ())
+                if isinstance(v, list | tuple)
+            },
+            amp_dtype=of("amp_dtype", str),
+            model_file=of("model_file", str),
+            script=of("script", str),
+            steps=of("steps", int),
+            modules=strings("modules"),
+            out_of_range=of("out_of_range", int) or 0,
+            recipes=strings("recipes"),
+            scaler=of("scaler", dict),
+            training=of("training", dict),
+            formats=strings("formats"),
+            headroom_bits=of("headroom_bits", int),
+            include_loss=of("include_loss", bool),
+            findings=tuple(item for item in (meta.get("findings") or ()) if isinstance(item, dict))
+            if isinstance(meta.get("findings"), list)
+            else (),
+        )
+
+    def to_meta(self) -> dict[str, Any]:
+        """The metadata entries of this run (JSON types), to merge into ``Report.meta``."""
+        names = [
+            item.name
+            for item in dataclasses.fields(self)
+            if item.name not in _READ_ONLY  # written with the tables, or beside these
+            and (item.name in _ALWAYS or getattr(self, item.name) is not None)
+        ]
+        return {**self.entries(*names), "amp": self.amp}
+
+    def entries(self, *names: str) -> dict[str, Any]:
+        """The metadata entries of the fields ``names`` (JSON types: a tuple as a list),
+        whatever their values, under the keys ``from_meta`` reads them from."""
+        meta: dict[str, Any] = {}
+        for name in names:
+            value = getattr(self, name)
+            if name == "selection":
+                value = {k: list(v) for k, v in value.items()}
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            meta[name] = value
+        return meta
+
+    @property
+    def amp(self) -> str | None:
+        """ "fp16" or "bf16" when autocast ran (from ``amp_dtype``), else None."""
+        return AMP_NAMES.get(self.amp_dtype or "")
+
+    @property
+    def source(self) -> str:
+        """The model file or training script the run audited ("" when neither)."""
+        return self.model_file or self.script or ""

@@ -1,0 +1,366 @@
+"""Range loss at a power-of-two scale: pure arithmetic on histogram counts.
+
+Scaling by ``S = 2**k`` moves a value from binade ``b`` to ``b + k`` and keeps
+its mantissa class, so "what happens at scale S" is a table lookup per bin:
+``fate_table(fmt)[b + k, cls]``. Values recorded under a loss scale ``S0``
+(a power of two) are first brought back to unscaled units: binade
+``b - log2(S0)``. Records that do not scale with the loss (backward
+intermediates computed from forward values alone, ``scales_with_loss``
+false) keep their values at every scale. No torch, no autograd, no I/O.
+
+A report's bins are first *condensed* (:func:`condense`): summed per group
+(module, or module/node/op, or everything) into a small array indexed by
+unscaled binade and class. Any number of scales is then cheap to evaluate,
+however many rows the report has.
+
+Definitions (fractions are of nonzero finite elements):
+
+* ``underflow``: nonzero x whose scaled value rounds to zero;
+* ``flushed``: nonzero x whose scaled value is below the smallest normal
+  (what flush-to-zero hardware zeroes), ``underflow`` included;
+* ``subnormal`` = ``flushed - underflow``;
+* ``overflow``: finite x whose scaled value rounds past the largest finite
+  value. All four counts are exact, not bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fpaudit.numerics import layout
+from fpaudit.numerics.formats import Fate, Format, as_format, fate
+from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
+from fpaudit.report.store import Report
+
+# Below _T_MIN every value underflows, above _T_MAX every value overflows, for
+# every format (bf16's round-to-zero edge is 2**-134; fp32 overflows at 2**128).
+_T_MIN = -160
+_T_MAX = 130
+
+# Loss scales are fp32 numbers (2**-149 .. 2**127), so unscaled binades span this
+# (public: the plot draws on the same axis):
+UNSCALED_MIN = layout.BINADE_MIN - 127
+UNSCALED_MAX = layout.BINADE_MAX + 149
+N_UNSCALED = UNSCALED_MAX - UNSCALED_MIN + 1
+
+SHADOW_COLUMNS = ("shadow_calls", "shadow_nonzero", "lost", "overflowed")
+COUNT_COLUMNS = (
+    "elements",
+    "zeros",
+    "infs",
+    "nans",
+    "nonfinite",
+    "nonzero",
+    "underflow",
+    "flushed",
+    "subnormal",
+    "overflow",
+)
+
+
+@functools.cache
+def fate_table(fmt: Format) -> np.ndarray:
+    """``table[t - _T_MIN, cls]``: the fate of a value in binade t (after scaling), class cls."""
+    table = np.empty((_T_MAX - _T_MIN + 1, layout.N_CLASSES), dtype=np.int8)
+    for t in range(_T_MIN, _T_MAX + 1):
+        for cls in range(layout.N_CLASSES):
+            table[t - _T_MIN, cls] = fate(fmt, t, layout.CLASS_LOWER_BOUNDS[cls])
+    assert (table[0] == Fate.UNDERFLOW).all() and (table[-1] == Fate.OVERFLOW).all()
+    return table
+
+
+def bin_fates(
+    fmt: Format, binade: np.ndarray, cls: np.ndarray, shift: np.ndarray | int
+) -> np.ndarray:
+    """Fate of every bin after shifting its binade by ``shift`` (vectorised)."""
+    t = np.clip(np.asarray(binade, dtype=np.int64) + shift, _T_MIN, _T_MAX) - _T_MIN
+    fates: np.ndarray = fate_table(fmt)[t, np.asarray(cls, dtype=np.int64)]
+    return fates
+
+
+def _fate_masks(fmt: Format, binades: np.ndarray, shift: int) -> dict[Fate, np.ndarray]:
+    """Per (binade, class) cell of a condensed array, whether it lands in each fate."""
+    fates = bin_fates(fmt, binades[:, None], np.arange(layout.N_CLASSES)[None, :], shift)
+    return {f: fates == f for f in (Fate.UNDERFLOW, Fate.SUBNORMAL, Fate.OVERFLOW)}
+
+
+def histogram_counts(counts: np.ndarray, fmt: Format, log2_scale: int) -> dict[str, int]:
+    """Range loss of one dense histogram (``layout`` order) at ``2**log2_scale``."""
+    finite_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
+    binade, cls = layout.bin_binade_and_class(finite_bins)
+    fates = bin_fates(fmt, binade, cls, log2_scale)
+    finite = np.asarray(counts, dtype=np.int64)[finite_bins]
+    underflow = int(finite[fates == Fate.UNDERFLOW].sum())
+    subnormal = int(finite[fates == Fate.SUBNORMAL].sum())
+    nonfinite = int(counts[layout.INF_BIN] + counts[layout.NAN_BIN])
+    return {
+        "elements": int(np.sum(counts)),
+        "zeros": int(counts[layout.ZERO_BIN]),
+        "nonfinite": nonfinite,
+        "nonzero": int(finite.sum()),
+        "underflow": underflow,
+        "flushed": underflow + subnormal,
+        "subnormal": subnormal,
+        "overflow": int(finite[fates == Fate.OVERFLOW].sum()),
+    }
+
+
+def log2_exact(value: float) -> int:
+    """log2 of a positive power of two; raises ValueError for anything else."""
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{value!r} is not a positive finite number")
+    mantissa, exponent = math.frexp(value)
+    if mantissa != 0.5:
+        raise ValueError(f"{value!r} is not a power of two")
+    return exponent - 1
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which records an analysis covers.
+
+    By default: backward-op outputs of every module, but not the ``<loss>``
+    pseudo-module (the loss seed and top-level ops run in fp32 under autocast).
+    """
+
+    kinds: tuple[str, ...] = (KIND_BACKWARD,)
+    include_loss: bool = False
+    dtypes: tuple[str, ...] = ()  # only records of these dtypes (live mode); empty: all
+
+    def mask(self, records: pd.DataFrame) -> np.ndarray:
+        mask = records["kind"].isin(self.kinds).to_numpy(copy=True)
+        if not self.include_loss:
+            mask &= (records["module"] != LOSS_MODULE).to_numpy()
+        if self.dtypes:
+            mask &= records["dtype"].isin(self.dtypes).to_numpy()
+        selected: np.ndarray = mask
+        return selected
+
+    def select(self, records: pd.DataFrame) -> pd.DataFrame:
+        return records[self.mask(records)]
+
+
+LOW_PRECISION_DTYPES = ("float16", "bfloat16")
+
+
+def held_dtype(report: Report) -> str | None:
+    """The low-precision dtype most backward values were held in (autocast or a
+    ``.half()`` model), or None when backward ran in fp32."""
+    records = report.records
+    low = records[(records["kind"] == KIND_BACKWARD) & records["dtype"].isin(LOW_PRECISION_DTYPES)]
+    if low.empty:
+        return None
+    return str(low.groupby("dtype")["elements"].sum().idxmax())
+
+
+def live_dtypes(report: Report) -> tuple[str, ...]:
+    """In a live (--amp) report, the low-precision dtype the recommendation is about."""
+    dtype = report.info.amp_dtype
+    return (dtype,) if dtype is not None else ()
+
+
+def default_scope(report: Report, include_loss: bool = False) -> Scope:
+    """What recommendations and gates judge: backward values inside the model, and in a
+    live report only the values the device really held in the low-precision dtype."""
+    return Scope(include_loss=include_loss, dtypes=live_dtypes(report))
+
+
+@dataclass(frozen=True)
+class Condensed:
+    """A report's histograms summed per group, in unscaled units: all any scale needs.
+
+    ``groups`` has one row per group (its key columns, then ``elements``,
+    ``zeros``, ``infs``, ``nans`` and the unscaled finite ``amax``);
+    ``scaled[g, b - UNSCALED_MIN, cls]`` counts values of group g that scale
+    with the loss by unscaled binade; ``fixed[g, b - BINADE_MIN, cls]`` the
+    values that do not, by recorded binade.
+    """
+
+    groups: pd.DataFrame
+    scaled: np.ndarray
+    fixed: np.ndarray
+
+    def at(self, fmt: Format, log2_scale: int) -> pd.DataFrame:
+        """Counts and fractions per group at ``2**log2_scale``."""
+        unscaled = np.arange(UNSCALED_MIN, UNSCALED_MAX + 1)
+        recorded = np.arange(layout.BINADE_MIN, layout.BINADE_MAX + 1)
+        scaled_masks = _fate_masks(fmt, unscaled, log2_scale)
+        fixed_masks = _fate_masks(fmt, recorded, 0)
+
+        def count(fate_: Fate) -> np.ndarray:
+            in_scaled = np.einsum("gbc,bc->g", self.scaled, scaled_masks[fate_].astype(np.int64))
+            in_fixed = np.einsum("gbc,bc->g", self.fixed, fixed_masks[fate_].astype(np.int64))
+            return np.asarray(in_scaled + in_fixed, dtype=np.int64)
+
+        table = self.groups.copy()
+        underflow, subnormal = count(Fate.UNDERFLOW), count(Fate.SUBNORMAL)
+        nonzero = self.scaled.sum(axis=(1, 2)) + self.fixed.sum(axis=(1, 2))
+        table["nonfinite"] = table["infs"] + table["nans"]
+        table["nonzero"] = nonzero
+        table["underflow"] = underflow
+        table["flushed"] = underflow + subnormal
+        table["subnormal"] = subnormal
+        table["overflow"] = count(Fate.OVERFLOW)
+        denominator = np.maximum(nonzero, 1)
+        for name in ("underflow", "flushed", "overflow"):
+            table[f"{name}_fraction"] = np.where(nonzero > 0, table[name] / denominator, 0.0)
+        shadow_nonzero = table["shadow_nonzero"].to_numpy()
+        table["lost_fraction"] = np.where(
+            shadow_nonzero > 0, table["lost"] / np.maximum(shadow_nonzero, 1), 0.0
+        )
+        fractions = ["underflow_fraction", "flushed_fraction", "overflow_fraction"]
+        shadow = [*SHADOW_COLUMNS, "lost_fraction"]
+        keys = [
+            c for c in self.groups.columns if c not in (*COUNT_COLUMNS, *shadow, "amax", "dtype")
+        ]
+        return table[[*keys, "dtype", *COUNT_COLUMNS, "amax", *fractions, *shadow]]
+
+    def total(self) -> Condensed:
+        """Everything in one group."""
+        sums = self.groups[["elements", "zeros", "infs", "nans", *SHADOW_COLUMNS]].sum()
+        dtypes = sorted({d for joined in self.groups["dtype"] for d in joined.split(",") if d})
+        groups = pd.DataFrame(
+            {
+                **{name: [int(sums[name])] for name in sums.index},
+                "amax": [float(self.groups["amax"].max()) if len(self.groups) else 0.0],
+                "dtype": [",".join(dtypes)],
+            }
+        )
+        return Condensed(
+            groups, self.scaled.sum(axis=0, keepdims=True), self.fixed.sum(axis=0, keepdims=True)
+        )
+
+
+def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("module",)) -> Condensed:
+    """Sum the in-scope bins of ``report`` per group of ``by`` (one pass over the bins).
+
+    Results are cached on the report, so several scales and formats cost one pass.
+    """
+    return report.cached(("condense", scope, tuple(by)), lambda: _condense(report, scope, by))
+
+
+def _condense(report: Report, scope: Scope, by: Sequence[str]) -> Condensed:
+    records = report.records
+    in_scope = scope.mask(records)
+    selected = records[in_scope]
+    by = list(by)
+    if by:
+        grouped = selected.groupby(by, sort=False, dropna=False)
+        group_of_selected = grouped.ngroup().to_numpy()
+        groups = grouped.size().reset_index()[by]
+        n_groups = len(groups)
+    else:
+        group_of_selected = np.zeros(len(selected), dtype=np.int64)
+        groups = pd.DataFrame(index=range(1))
+        n_groups = 1
+    group_of_record = np.full(len(records), -1, dtype=np.int64)
+    group_of_record[np.flatnonzero(in_scope)] = group_of_selected
+
+    scales = records["scales_with_loss"].to_numpy(dtype=bool)
+    loss_scale = records["loss_scale"].to_numpy(dtype=np.float64)
+    log2_loss_scale = np.frexp(loss_scale)[1].astype(np.int64) - 1
+
+    def per_group(column: str) -> np.ndarray:
+        values = selected[column].to_numpy(dtype=np.int64)
+        return np.bincount(group_of_selected, weights=values, minlength=n_groups).astype(np.int64)
+
+    for column in ("elements", "zeros", "infs", "nans", *SHADOW_COLUMNS):
+        groups[column] = per_group(column)
+    dtype_sets: list[set[str]] = [set() for _ in range(n_groups)]
+    for group, dtype in zip(group_of_selected, selected["dtype"].to_numpy(), strict=True):
+        dtype_sets[group].add(str(dtype))
+    groups["dtype"] = [",".join(sorted(d)) for d in dtype_sets]
+    amax = np.zeros(n_groups)
+    unscaled_amax = selected["amax"].to_numpy(dtype=np.float64) / np.where(
+        selected["scales_with_loss"].to_numpy(dtype=bool), selected["loss_scale"].to_numpy(), 1.0
+    )
+    np.maximum.at(amax, group_of_selected, unscaled_amax)
+    groups["amax"] = amax
+
+    # One pass over the bins, in chunks so that temporaries stay small and reused
+    # (fresh 80 MB arrays cost more in page faults than the arithmetic).
+    # Record ids number the records (checked on read).
+    bins = report.bins
+    all_records = bins["record_id"].to_numpy()
+    all_binades = bins["binade"].to_numpy()
+    all_classes = bins["cls"].to_numpy()
+    all_counts = bins["count"].to_numpy()
+    scaled_cells = n_groups * N_UNSCALED * layout.N_CLASSES
+    fixed_cells = n_groups * layout.N_BINADES * layout.N_CLASSES
+    # One index space: the scaled cube, then the fixed one. Per record, the offset
+    # of its cell block, with its shift to unscaled units folded in; -1 out of scope.
+    scaled_base = (group_of_record * N_UNSCALED - log2_loss_scale - UNSCALED_MIN) * layout.N_CLASSES
+    fixed_base = (
+        scaled_cells + (group_of_record * layout.N_BINADES - layout.BINADE_MIN) * layout.N_CLASSES
+    )
+    base = np.where(group_of_record >= 0, np.where(scales, scaled_base, fixed_base), -1)
+    cells = np.zeros(scaled_cells + fixed_cells)
+    chunk = 1 << 20
+    for start in range(0, len(all_records), chunk):
+        offset = base[all_records[start : start + chunk]]
+        index = offset + all_binades[start : start + chunk] * layout.N_CLASSES  # int64
+        index += all_classes[start : start + chunk]
+        weight = all_counts[start : start + chunk].astype(np.float64)  # exact below 2**53
+        if (offset < 0).any():  # out-of-scope records (the <loss> pseudo-module, grads)
+            keep = offset >= 0
+            index, weight = index[keep], weight[keep]
+        cells += np.bincount(index, weights=weight, minlength=len(cells))
+    scaled, fixed = cells[:scaled_cells], cells[scaled_cells:]
+    result = Condensed(
+        groups,
+        scaled.astype(np.int64).reshape(n_groups, N_UNSCALED, layout.N_CLASSES),
+        fixed.astype(np.int64).reshape(n_groups, layout.N_BINADES, layout.N_CLASSES),
+    )
+    if "module" in by:
+        order = {name: i for i, name in enumerate(report.info.modules)}
+        rank = result.groups["module"].map(lambda m: order.get(m, len(order))).to_numpy()
+        permutation = np.argsort(rank, kind="stable")
+        result = Condensed(
+            result.groups.iloc[permutation].reset_index(drop=True),
+            result.scaled[permutation],
+            result.fixed[permutation],
+        )
+    return result
+
+
+def range_loss(
+    report: Report,
+    fmt: Format | str,
+    log2_scale: int,
+    *,
+    scope: Scope = Scope(),
+    by: Sequence[str] = ("module",),
+) -> pd.DataFrame:
+    """Counts and fractions at scale ``2**log2_scale``, one row per group of ``by``.
+
+    ``by=()`` gives one row for everything in scope. Rows follow the model's
+    module order when grouped by module. ``amax`` is the finite amax in unscaled
+    units (at loss scale 1).
+    """
+    return condense(report, scope, by).at(as_format(fmt), log2_scale)
+
+
+def totals(
+    report: Report, fmt: Format | str, log2_scale: int, *, scope: Scope = Scope()
+) -> dict[str, Any]:
+    """One row of :func:`range_loss` for everything in scope, as a dict."""
+    condensed = condense(report, scope, ("module",)).total()
+    row = condensed.at(as_format(fmt), log2_scale).iloc[0].to_dict()
+    counted = (*COUNT_COLUMNS, *SHADOW_COLUMNS)
+    return {
+        k: (int(v) if k in counted else v if k == "dtype" else float(v)) for k, v in row.items()
+    }
+
+
+def module_table(
+    report: Report, fmt: Format | str, log2_scale: int, *, scope: Scope = Scope()
+) -> pd.DataFrame:
+    """Per-module range loss at ``2**log2_scale``, in network order."""
+    return range_loss(report, fmt, log2_scale, scope=scope, by=("module",))

@@ -1,0 +1,358 @@
+"""The CI gate: pass when the report measured something, and the underflow at a scale
+stays under a threshold.
+
+The verdict is decided here, once: :attr:`GateResult.failures` lists every
+reason the gate failed, and every rendering (terminal, JSON, JUnit, GitHub
+annotations) reads it instead of deciding again. A reason speaks the library's
+terms (``max_underflow``, ``allow_incomplete=True``) and holds the parameters it
+names (a :class:`~fpaudit.errors.Wording`), so the command line's renderings say
+the flags instead (``--max-underflow``, ``--allow-incomplete``). The gate fails
+
+* on **evidence**: when no nonzero finite value in scope was measured (a
+  selection that matched nothing, a run that captured nothing, values that
+  were all zero, inf or NaN), when backward values in scope or the loss hold
+  inf or NaN (unless ``allow_nonfinite``; the values of a step whose optimizer
+  step a loss scaler skipped are excused: skipping them is the scaler's job),
+  and when the report holds no completed step (even with ``allow_incomplete``);
+* on **range**: when the underflow fraction (overall, or of any module with
+  ``per_module``) exceeds ``max_underflow``, when a live ``--shadow`` report's
+  lost fraction (values the device really zeroed) exceeds it, or when any value
+  overflows at the scale (a dynamic scaler would skip the step, a static one
+  train on inf);
+* on an interrupted run, unless ``allow_incomplete``.
+
+The scale defaults to the recommended one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from fpaudit.errors import Named, Wording
+from fpaudit.numerics.formats import Format, as_format
+from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
+from fpaudit.report.store import Report
+from fpaudit.rules import analysis
+from fpaudit.rules.recommendation import recommend
+from fpaudit.text import count, module_label, percent, scale_text
+
+# Failure kinds, in the order a rendering lists them.
+UNDERFLOW = "underflow"
+OVERFLOW = "overflow"
+LOST = "lost"
+NOTHING_MEASURED = "nothing-measured"
+NONFINITE = "nonfinite"
+NO_STEPS = "no-steps"
+INCOMPLETE = "incomplete"
+
+# Subjects that are not modules.
+OVERALL = "(all modules)"
+EVIDENCE = "(evidence)"
+COMPLETE = "(complete)"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One reason the gate failed: what (a module, ``OVERALL``, ``EVIDENCE`` or
+    ``COMPLETE``), which rule (``kinds``) and a one-line reason in plain words
+    (``wording``): :attr:`reason` in the library's terms, :meth:`as_flag` as the
+    command line says it."""
+
+    subject: str
+    kinds: tuple[str, ...]
+    wording: Wording
+
+    @property
+    def reason(self) -> str:
+        """The reason in the library's terms (``vs max_underflow 0.001``)."""
+        return str(self.wording)
+
+    def as_flag(self) -> str:
+        """The reason as the command line says it (``vs --max-underflow 0.001``)."""
+        return self.wording.as_flag()
+
+    def to_dict(self, *, flags: bool = False) -> dict[str, Any]:
+        """``subject``, ``kinds`` and ``reason`` (``flags``: as the command line says it)."""
+        reason = self.as_flag() if flags else self.reason
+        return {"subject": self.subject, "kinds": self.kinds, "reason": reason}
+
+
+@dataclass(frozen=True)
+class GateResult:
+    passed: bool
+    format: str
+    log2_scale: int
+    scale: float
+    scale_source: str  # "recommended" or "given"
+    max_underflow: float
+    underflow_fraction: float
+    underflow: int
+    nonzero: int
+    overflow: int
+    per_module: bool
+    offenders: list[dict[str, Any]] = field(default_factory=list)
+    complete: bool = True  # False: the report's run was interrupted
+    incomplete_allowed: bool = False
+    steps_run: int = 0  # completed steps
+    nonfinite: int = 0  # inf/NaN backward values in scope (scaler-skipped steps excused)
+    nonfinite_loss_steps: int = 0  # steps whose loss was inf or NaN (skipped steps excused)
+    nonfinite_allowed: bool = False
+    shadow_nonzero: int = 0  # live --shadow: nonzero values of the fp32 re-runs
+    lost: int = 0  # live --shadow: of those, zero on the device
+    lost_fraction: float = 0.0
+    failures: list[Failure] = field(default_factory=list)  # empty exactly when passed
+
+    def to_dict(self, *, flags: bool = False) -> dict[str, Any]:
+        """Every field as JSON values; ``flags``: the reasons as the command line says
+        them (what ``gate --json`` prints)."""
+        data = asdict(replace(self, failures=[]))
+        data["failures"] = [failure.to_dict(flags=flags) for failure in self.failures]
+        return data
+
+    @property
+    def reasons(self) -> list[str]:
+        """Every failure's one-line reason in the library's terms, in order."""
+        return [failure.reason for failure in self.failures]
+
+
+def gate(
+    report: Report,
+    fmt: Format | str,
+    max_underflow: float,
+    *,
+    log2_scale: int | None = None,
+    per_module: bool = False,
+    headroom_bits: int = DEFAULT_HEADROOM_BITS,
+    include_loss: bool = False,
+    allow_incomplete: bool = False,
+    allow_nonfinite: bool = False,
+) -> GateResult:
+    """Judge ``report`` at ``2**log2_scale`` (default: the recommended scale)."""
+    fmt = as_format(fmt)
+    if not 0.0 <= max_underflow <= 1.0:
+        raise ValueError("max_underflow must be a fraction between 0 and 1")
+    scale_source = "given"
+    if log2_scale is None:
+        recommended = recommend(report, fmt, headroom_bits, include_loss=include_loss)
+        log2_scale = recommended.log2_scale if recommended.log2_scale is not None else 0
+        scale_source = "recommended"
+    scope = analysis.default_scope(report, include_loss)
+    overall = analysis.totals(report, fmt, log2_scale, scope=scope)
+    where = f"{fmt.name} at S = {scale_text(log2_scale)} ({scale_source})"
+
+    failures: list[Failure] = []
+    offenders: list[dict[str, Any]] = []
+    if per_module:
+        for row in analysis.module_table(report, fmt, log2_scale, scope=scope).itertuples():
+            numbers = row._asdict()
+            kinds = _range_kinds(numbers, max_underflow)
+            if kinds:
+                module = str(row.module)
+                offenders.append(_offender(module, numbers))
+                subject = f"module {module_label(module)}"
+                reason = _range_reason(subject, numbers, kinds, max_underflow, where)
+                failures.append(Failure(module, kinds, reason))
+    overall_kinds = _range_kinds(overall, max_underflow)
+    if overall_kinds:
+        if not per_module:
+            offenders.append(_offender(OVERALL, overall))
+        reason = _range_reason("overall", overall, overall_kinds, max_underflow, where)
+        failures.append(Failure(OVERALL, overall_kinds, reason))
+
+    steps_run = _steps_run(report)
+    nonfinite, loss_steps = _nonfinite(report, scope)
+    failures += _evidence(
+        report, overall, steps_run, nonfinite, loss_steps, allow_nonfinite, include_loss
+    )
+    if not report.complete and not allow_incomplete:
+        failures.append(
+            Failure(
+                COMPLETE,
+                (INCOMPLETE,),
+                Wording(
+                    "the report is incomplete (its run was interrupted), which fails the gate; "
+                    "pass ",
+                    Named("allow_incomplete", True),
+                    " to judge it anyway",
+                ),
+            )
+        )
+    return GateResult(
+        passed=not failures,
+        format=fmt.name,
+        log2_scale=log2_scale,
+        scale=math.ldexp(1.0, log2_scale),
+        scale_source=scale_source,
+        max_underflow=max_underflow,
+        underflow_fraction=float(overall["underflow_fraction"]),
+        underflow=int(overall["underflow"]),
+        nonzero=int(overall["nonzero"]),
+        overflow=int(overall["overflow"]),
+        per_module=per_module,
+        offenders=offenders,
+        complete=report.complete,
+        incomplete_allowed=allow_incomplete,
+        steps_run=steps_run,
+        nonfinite=nonfinite,
+        nonfinite_loss_steps=loss_steps,
+        nonfinite_allowed=allow_nonfinite,
+        shadow_nonzero=int(overall["shadow_nonzero"]),
+        lost=int(overall["lost"]),
+        lost_fraction=float(overall["lost_fraction"]),
+        failures=failures,
+    )
+
+
+def _range_kinds(numbers: dict[str, Any], max_underflow: float) -> tuple[str, ...]:
+    """Which range rules a module's (or the whole model's) numbers break."""
+    kinds = []
+    if float(numbers["underflow_fraction"]) > max_underflow:
+        kinds.append(UNDERFLOW)
+    if float(numbers["lost_fraction"]) > max_underflow:
+        kinds.append(LOST)
+    if int(numbers["overflow"]) > 0:
+        kinds.append(OVERFLOW)
+    return tuple(kinds)
+
+
+def _range_reason(
+    subject: str, numbers: dict[str, Any], kinds: tuple[str, ...], limit: float, where: str
+) -> Wording:
+    parts = []
+    if UNDERFLOW in kinds:
+        parts.append(
+            f"underflow {percent(float(numbers['underflow_fraction']))} exceeds the limit "
+            f"{percent(limit)}"
+        )
+    if LOST in kinds:
+        parts.append(
+            f"the device lost {percent(float(numbers['lost_fraction']))} of its values at the "
+            f"run's loss scale "
+            f"({count(numbers['lost'])} of {count(numbers['shadow_nonzero'])} nonzero in the "
+            f"fp32 re-run), over the limit {percent(limit)}"
+        )
+    if OVERFLOW in kinds:
+        parts.append(f"{count(numbers['overflow'])} value(s) overflow")
+    return Wording(
+        f"{subject}: {' and '.join(parts)}; underflow fraction "
+        f"{float(numbers['underflow_fraction']):.6g} vs ",
+        Named("max_underflow"),
+        f" {limit:g} "
+        f"({count(numbers['underflow'])} of {count(numbers['nonzero'])} nonzero backward values), "
+        f"overflow {count(numbers['overflow'])}; {where}",
+    )
+
+
+def _steps_run(report: Report) -> int:
+    done = report.info.steps_run
+    if done is not None:
+        return done
+    return int(report.steps["step"].nunique()) if len(report.steps) else 0
+
+
+def _nonfinite(report: Report, scope: analysis.Scope) -> tuple[int, int]:
+    """Inf/NaN backward values in scope and steps with an inf/NaN loss, leaving out
+    the steps whose optimizer step a loss scaler skipped (what a scaler is for). Only a
+    report with a loss scaler (``fpaudit run`` with a GradScaler) excuses skipped steps:
+    a scan skips the optimizer on inf/NaN because the run is broken."""
+    steps = report.steps
+    excused = steps["skipped"].to_numpy(dtype=bool)
+    if report.info.scaler is None:
+        excused = np.zeros(len(steps), dtype=bool)
+    skipped = set(steps.loc[excused, "step"].astype(int))
+    records = scope.select(report.records)
+    counted = np.ones(len(records), dtype=bool)
+    if skipped:
+        single = records["steps"].to_numpy() == 1
+        in_skipped = records["step"].astype(int).isin(skipped).to_numpy()
+        counted &= ~(single & in_skipped)
+    values = records["infs"].to_numpy()[counted].sum() + records["nans"].to_numpy()[counted].sum()
+    bad_loss = ~steps["loss_finite"].to_numpy(dtype=bool) & ~excused
+    return int(values), int(bad_loss.sum())
+
+
+def _evidence(
+    report: Report,
+    overall: dict[str, Any],
+    steps_run: int,
+    nonfinite: int,
+    loss_steps: int,
+    allow_nonfinite: bool,
+    include_loss: bool,
+) -> list[Failure]:
+    """The failures that say the report is not evidence of anything."""
+    failures = []
+    if steps_run == 0:
+        failures.append(
+            Failure(
+                EVIDENCE,
+                (NO_STEPS,),
+                Wording(
+                    "the report holds no completed step: there is nothing to judge (",
+                    Named("allow_incomplete", True),
+                    " does not accept an empty report)",
+                ),
+            )
+        )
+    if int(overall["nonzero"]) == 0 and int(overall["shadow_nonzero"]) == 0:
+        failures.append(Failure(EVIDENCE, (NOTHING_MEASURED,), _nothing_reason(report, overall)))
+    if (nonfinite or loss_steps) and not allow_nonfinite:
+        parts = []
+        if nonfinite:
+            parts.append(f"{nonfinite:,} backward value(s) in scope are inf or NaN")
+        if loss_steps:
+            parts.append(f"the loss is inf or NaN in {loss_steps:,} step(s)")
+        failures.append(
+            Failure(
+                EVIDENCE,
+                (NONFINITE,),
+                Wording(
+                    f"{' and '.join(parts)}: counts of the finite values alone do not show the "
+                    "run is healthy; pass ",
+                    Named("allow_nonfinite", True),
+                    " to judge them anyway",
+                ),
+            )
+        )
+    return failures
+
+
+def _nothing_reason(report: Report, overall: dict[str, Any]) -> Wording:
+    """Why the scope holds no nonzero finite value, as far as the report tells."""
+    globs: list[str | Named] = []  # Selection's fields: "modules a b" (--module a b)
+    for key, value in (report.info.selection or {}).items():
+        globs += ["; "] * bool(globs) + [Named(key), f" {' '.join(map(str, value))}"]
+    hints = []
+    if report.records.empty:
+        hints.append("the report holds no records: nothing was captured, or no backward ran")
+    else:
+        elements, zeros = int(overall["elements"]), int(overall["zeros"])
+        special = int(overall["nonfinite"])
+        hints.append(f"{elements:,} value(s) in scope: {zeros:,} zero, {special:,} inf or NaN")
+    out_of_range = report.info.out_of_range
+    if out_of_range:
+        hints.append(f"{out_of_range:,} value(s) lay outside fp32's range and were not binned")
+    said: list[str | Named] = ["the scan's selection was ", *globs, "; "] if globs else []
+    return Wording(
+        "measured nothing: no nonzero finite backward value in scope, so underflow 0% proves "
+        "nothing (",
+        *said,
+        "; ".join(hints),
+        ")",
+    )
+
+
+def _offender(module: str, row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "module": module,
+        "underflow_fraction": float(row["underflow_fraction"]),
+        "underflow": int(row["underflow"]),
+        "nonzero": int(row["nonzero"]),
+        "overflow": int(row["overflow"]),
+        "lost": int(row["lost"]),
+        "lost_fraction": float(row["lost_fraction"]),
+    }

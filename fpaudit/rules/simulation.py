@@ -1,0 +1,265 @@
+"""Replay a loss-scaler policy over the steps of a report: ``fpaudit simulate``.
+
+Each step ``i`` gets an *overflow threshold* ``T[i]``: the step overflows at
+any scale ``S >= T[i]``. It comes from two sources:
+
+* **amax**: the largest unscaled backward value in scope (captured steps) or
+  the largest unscaled parameter gradient (``grad_amax``, every step of an
+  ``fpaudit run``). A value ``x`` overflows the format when ``|x| * S``
+  reaches the format's overflow edge (65520 for fp16), so the estimate is
+  ``edge / amax``. A parameter gradient is a lower bound of the backward
+  values, so this estimate can only be too high (too optimistic).
+* **what the run saw**: an ``fpaudit run`` (or a live ``scan --amp``) knows
+  whether each step really overflowed at the scale it ran under, ``S_real``.
+  A skipped step has ``T <= S_real``; a clean one ``T > S_real``. The
+  estimate is clamped to agree, so at the real scales the replay sees exactly
+  the real overflow events; replaying the run's own policy reproduces its
+  scale trajectory step for step.
+
+Underflow per step is measured on captured steps only: the fraction of
+nonzero in-scope values that round to zero at the step's scale (at a scale
+that is not a power of two, at the power of two below it: an upper bound).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fpaudit.numerics.formats import Format
+from fpaudit.report.store import Report
+from fpaudit.rules import analysis, scalers
+from fpaudit.rules.recommendation import recommend
+
+SOURCE_OBSERVED = "observed"  # the threshold was pinned by what the run saw
+SOURCE_AMAX = "amax"  # estimated from the step's amax
+SOURCE_NONE = "unknown"  # neither: the step never overflows in the replay
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    steps: np.ndarray  # int: the report's step numbers
+    threshold: np.ndarray  # float64: overflow at any scale >= this (inf: never)
+    source: list[str]
+    real_scale: np.ndarray  # float64: the scale the step ran under
+    real_skipped: np.ndarray  # bool
+
+
+def observed(report: Report) -> bool:
+    """Do the report's skips tell real overflow in low precision? (run, or a live scan)"""
+    info = report.info
+    return info.command == "run" or bool(info.amp_dtype)
+
+
+def thresholds(report: Report, fmt: Format, scope: analysis.Scope) -> Thresholds:
+    """The overflow threshold of every step of ``report`` (see the module docstring)."""
+    steps = report.steps  # several ranks share one scaler trajectory (DDP): take the first's
+    steps = steps[steps["rank"] == steps["rank"].min()].sort_values("step", kind="stable")
+    index = steps["step"].to_numpy(dtype=np.int64)
+    real_scale = steps["loss_scale"].to_numpy(dtype=np.float64)
+    skipped = steps["skipped"].to_numpy(dtype=bool) | (
+        steps["nonfinite_grads"].to_numpy(dtype=np.int64) > 0
+    )
+    amax = steps["grad_amax"].to_numpy(dtype=np.float64).copy()
+    amax[~np.isfinite(amax)] = np.nan
+    records = scope.select(report.records)
+    records = records[records["scales_with_loss"]]
+    if not records.empty:
+        unscaled = records["amax"] / records["loss_scale"]
+        per_step = unscaled.groupby(records["step"]).max()
+        position = {step: i for i, step in enumerate(index)}
+        for step, value in per_step.items():
+            i = position.get(int(step))
+            if i is not None and value > 0:
+                amax[i] = max(value, amax[i]) if not math.isnan(amax[i]) else value
+    edge = fmt.overflow_edge
+    with np.errstate(divide="ignore", invalid="ignore"):
+        estimate = np.where(amax > 0, edge / amax, np.inf)
+    estimate[np.isnan(amax)] = np.nan
+    threshold = np.empty(len(index))
+    source: list[str] = []
+    seen = observed(report)
+    for i in range(len(index)):
+        guess = estimate[i]
+        if seen and skipped[i]:
+            threshold[i] = real_scale[i] if math.isnan(guess) else min(guess, real_scale[i])
+            source.append(SOURCE_OBSERVED)
+        elif seen:
+            above = math.nextafter(real_scale[i], math.inf)
+            if math.isnan(guess):
+                threshold[i] = math.inf
+                source.append(SOURCE_NONE)
+            else:
+                threshold[i] = max(guess, above)
+                source.append(SOURCE_AMAX if guess >= above else SOURCE_OBSERVED)
+        elif math.isnan(guess):
+            threshold[i] = math.inf
+            source.append(SOURCE_NONE)
+        else:
+            threshold[i] = guess
+            source.append(SOURCE_AMAX)
+    return Thresholds(index, threshold, source, real_scale, skipped)
+
+
+@dataclass
+class Run:
+    """One policy's replay: scales, skips and underflow per step."""
+
+    name: str
+    settings: dict[str, Any]
+    trajectory: scalers.Trajectory
+    underflow: np.ndarray  # float64 per step: underflow fraction at its scale (NaN: not captured)
+    underflow_count: int = 0  # over captured steps, at their scales
+    nonzero: int = 0
+
+    @property
+    def underflow_fraction(self) -> float:
+        return self.underflow_count / self.nonzero if self.nonzero else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        t = self.trajectory
+        skipped = np.flatnonzero(t.skipped)
+        return {
+            "policy": self.name,
+            "settings": self.settings,
+            "skipped": len(skipped),
+            "skipped_steps": [int(s) for s in skipped],
+            "final_scale": float(t.scale_after[-1]) if len(t.scale_after) else None,
+            "min_scale": float(t.scale.min()) if len(t.scale) else None,
+            "max_scale": float(t.scale.max()) if len(t.scale) else None,
+            "underflow_fraction": self.underflow_fraction,
+            "aborted_at": t.aborted_at,
+        }
+
+
+@dataclass
+class Simulation:
+    format: str
+    thresholds: Thresholds
+    policy: Run
+    static: Run
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        t = self.thresholds
+        rows = []
+        for i, step in enumerate(t.steps):
+            rows.append(
+                {
+                    "step": int(step),
+                    "threshold": _json_float(t.threshold[i]),
+                    "threshold_source": t.source[i],
+                    "real_scale": float(t.real_scale[i]),
+                    "real_skipped": bool(t.real_skipped[i]),
+                    "scale": float(self.policy.trajectory.scale[i]),
+                    "skipped": bool(self.policy.trajectory.skipped[i]),
+                    "underflow_fraction": _json_float(self.policy.underflow[i]),
+                    "static_skipped": bool(self.static.trajectory.skipped[i]),
+                    "static_underflow_fraction": _json_float(self.static.underflow[i]),
+                }
+            )
+        return {
+            "format": self.format,
+            "policy": self.policy.summary(),
+            "static": self.static.summary(),
+            "notes": self.notes,
+            "steps": rows,
+        }
+
+
+def _json_float(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def _underflow(
+    report: Report, fmt: Format, scope: analysis.Scope, steps: np.ndarray, scale: np.ndarray
+) -> tuple[np.ndarray, int, int]:
+    """Per step, the underflow fraction at its scale (captured steps; NaN elsewhere)."""
+    fractions = np.full(len(steps), np.nan)
+    if report.records.empty:
+        return fractions, 0, 0
+    condensed = analysis.condense(report, scope, ("step",))
+    if condensed.groups.empty:
+        return fractions, 0, 0
+    row_of = {int(s): i for i, s in enumerate(condensed.groups["step"])}
+    log2 = np.array([math.floor(math.log2(s)) if s > 0 else -150 for s in scale])
+    log2 = np.clip(log2, -149, 127)
+    underflow = nonzero = 0
+    for k in np.unique(log2):
+        table = condensed.at(fmt, int(k))
+        for i in np.flatnonzero(log2 == k):
+            row = row_of.get(int(steps[i]))
+            if row is None:
+                continue
+            n = int(table["nonzero"].iloc[row])
+            u = int(table["underflow"].iloc[row])
+            fractions[i] = u / n if n else 0.0
+            underflow += u
+            nonzero += n
+    return fractions, underflow, nonzero
+
+
+def default_settings(report: Report, policy: str) -> dict[str, Any]:
+    """The real scaler's settings where the report recorded them (torch policy only)."""
+    recorded = report.info.scaler
+    if policy != "torch" or recorded is None:
+        return {}
+    keys = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    return {k: recorded[k] for k in keys if isinstance(recorded.get(k), int | float)}
+
+
+def simulate(
+    report: Report,
+    fmt: Format,
+    policy: str = "torch",
+    overrides: dict[str, Any] | None = None,
+    static_scale: float | None = None,
+    *,
+    headroom_bits: int = 4,
+) -> Simulation:
+    """Replay ``policy`` (with ``overrides``) and a static scale over ``report``'s steps."""
+    if report.steps.empty:
+        from fpaudit.errors import ReportError
+
+        raise ReportError("the report has no steps to replay")
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    resolved = scalers.settings(policy, **{**default_settings(report, policy), **given})
+    scope = analysis.default_scope(report)
+    limits = thresholds(report, fmt, scope)
+    notes: list[str] = []
+    if static_scale is None:
+        rec = recommend(report, fmt, headroom_bits)
+        static_scale = rec.scale if rec.scale is not None else resolved.init_scale
+        if policy == "static" and "init_scale" not in given:  # one static scale, not two
+            resolved = scalers.settings(policy, init_scale=static_scale)
+        notes.append(
+            f"static scale: the recommended one for {fmt.name} ({headroom_bits} headroom bits)"
+            if rec.scale is not None
+            else "static scale: the policy's initial scale (no recommendation: no values)"
+        )
+    static = scalers.settings("static", init_scale=static_scale)
+    runs = []
+    for name, chosen in ((policy, resolved), ("static", static)):
+        trajectory = scalers.replay_thresholds(chosen, limits.threshold)
+        fractions, under, nonzero = _underflow(report, fmt, scope, limits.steps, trajectory.scale)
+        runs.append(Run(name, chosen.to_dict(), trajectory, fractions, under, nonzero))
+    unknown = limits.source.count(SOURCE_NONE)
+    if unknown:
+        notes.append(
+            f"{unknown} step(s) had no amax and no observed overflow: they never overflow here"
+        )
+    if not observed(report):
+        notes.append(
+            "overflow is estimated from amax (the report did not run in low precision): "
+            "values that would overflow only inside a low-precision op are not seen"
+        )
+    return Simulation(fmt.name, limits, runs[0], runs[1], notes)
+
+
+def steps_frame(simulation: Simulation) -> pd.DataFrame:
+    """The per-step comparison as a DataFrame."""
+    return pd.DataFrame(simulation.to_dict()["steps"])

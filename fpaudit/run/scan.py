@@ -1,0 +1,275 @@
+"""Run a model file for some steps under the audit: what ``fpaudit scan`` does.
+
+Each step: zero the gradients, take the next batch, compute ``loss(model,
+batch)``, run backward seeded with the loss scale ``S`` (so every gradient
+is multiplied by ``S``, exactly as backward on ``S * loss``), close the audit
+step (the one host sync), then take an optimizer step if the model file
+defines an optimizer and the step's loss and gradients are finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fpaudit.capture.audit import Audit, Selection, StepSummary
+from fpaudit.cli import options
+from fpaudit.errors import Interrupted, ModelExit, Named, OptionError, UsageError
+from fpaudit.numerics.recipes import get_recipe
+from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
+from fpaudit.report.runinfo import RunInfo
+from fpaudit.run import distributed, modelfile
+
+if TYPE_CHECKING:
+    from fpaudit.report.store import Report
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    # defaults: the one declaration of each option, fpaudit.cli.options
+    steps: int = options.default_int("scan", "steps")
+    device: str = options.default_str("scan", "device")
+    loss_scale: float = 1.0
+    seed: int | None = options.default_int("scan", "seed")
+    every: int = options.default_int("scan", "every")  # capture steps 0, K, 2K, ...
+    window: int = options.default_int("scan", "window")  # merge W consecutive captured steps
+    selection: Selection = field(default_factory=Selection)
+    amp: str | None = None  # live mode: "fp16" or "bf16", forward under torch.autocast
+    shadow: bool = False  # re-run low-precision backward ops in fp32 to count lost values
+    forward: bool = False  # also record forward op outputs
+    origins: bool = False  # per op call, did it make inf/NaN (implies forward)
+    recipes: tuple[
+        str, ...
+    ] = ()  # block-scaled recipes to audit (--recipe), see fpaudit.numerics.recipes
+
+    def __post_init__(self) -> None:
+        for name in self.recipes:
+            get_recipe(name)  # an unknown name is a one-line UsageError
+        if self.steps < 1:
+            raise OptionError("steps", f"must be at least 1, got {self.steps}")
+        if self.every < 1:
+            raise OptionError("every", f"must be at least 1, got {self.every}")
+        if self.window < 1:
+            raise OptionError("window", f"must be at least 1, got {self.window}")
+        if self.amp is not None and self.amp not in AMP_DTYPES:
+            raise OptionError("amp", f"must be one of {', '.join(AMP_DTYPES)}, got {self.amp!r}")
+        if self.shadow and self.amp is None:
+            raise OptionError(
+                "shadow", "compares low-precision ops with fp32: it needs ", Named("amp")
+            )
+        if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise OptionError("loss_scale", f"must be a positive number, got {self.loss_scale}")
+        if math.frexp(self.loss_scale)[0] != 0.5:
+            raise OptionError("loss_scale", f"must be a power of two, got {self.loss_scale:g}")
+
+
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``, checked against what this machine has."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or spec.startswith("cuda:"):
+        index_text = spec.partition(":")[2]
+        if index_text and not index_text.isdigit():
+            raise UsageError(f"invalid device {spec!r}; use auto, cpu, cuda or cuda:N")
+        if not torch.cuda.is_available():
+            raise OptionError("device", f"{spec}: CUDA is not available on this machine")
+        if index_text and int(index_text) >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise OptionError("device", f"{spec}: this machine has {count} CUDA device(s)")
+        return torch.device(spec)
+    raise UsageError(f"invalid device {spec!r}; use auto, cpu, cuda or cuda:N")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class ScanInterrupted(Interrupted):
+    """The scan was interrupted; ``report`` holds the completed steps, marked incomplete."""
+
+    def __init__(self, report: Report, cause: Interrupted) -> None:
+        super().__init__(cause.signal_name, cause.exit_code)
+        self.report = report
+
+
+class ScanExited(ModelExit):
+    """Model code called ``sys.exit``/``os._exit`` after some steps: ``report`` holds them,
+    marked incomplete; the error stands (exit 2)."""
+
+    def __init__(self, report: Report, cause: ModelExit) -> None:
+        super().__init__(str(cause))
+        self.report = report
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    step: int  # 1-based count of steps done
+    steps: int
+    summary: StepSummary | None  # None for a step that was not captured
+    optimizer_step: bool
+    loss: float | None
+
+
+def scan(
+    model_path: str | Path,
+    options: ScanOptions = ScanOptions(),
+    *,
+    on_step: Callable[[StepProgress], None] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Report:
+    """Scan ``model_path`` for ``options.steps`` steps and return the report (not written).
+
+    Raises :class:`ScanInterrupted` on SIGINT/SIGTERM and :class:`ScanExited` when model
+    code calls ``sys.exit`` or ``os._exit`` after a completed step; both carry the
+    completed steps as a report marked incomplete.
+    """
+    with modelfile.exits_caught():
+        return _scan(Path(model_path), options, on_step, meta)
+
+
+def _scan(
+    path: Path,
+    options: ScanOptions,
+    on_step: Callable[[StepProgress], None] | None,
+    meta: dict[str, Any] | None,
+) -> Report:
+    rank, world = 0, 1
+    if distributed.launched():  # torchrun: this rank's device, the process group
+        device = resolve_device(distributed.local_device(options.device))
+        rank, world = distributed.init_from_environment(device)
+    else:
+        device = resolve_device(options.device)
+    if options.seed is not None:
+        seed_everything(options.seed)
+    spec = modelfile.load(path)
+    with modelfile.user_code(path, f"moving the model to {device}"):
+        model = spec.model.to(device)
+    model.train()
+    trained: torch.nn.Module = model  # what forward runs through (DDP under torchrun)
+    if world > 1 and any(p.requires_grad for p in model.parameters()):
+        ids = [device.index] if device.type == "cuda" else None
+        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    optimizer = spec.optimizer(model.parameters())
+
+    audit = Audit(
+        model,
+        loss_scale=options.loss_scale,
+        selection=options.selection,
+        window=options.window,
+        shadow=options.shadow,
+        origins=options.origins,
+        recipes=options.recipes,
+    )
+    options.selection.check_modules(audit.module_names)  # a typo fails before any step
+    amp_dtype = AMP_DTYPES[options.amp] if options.amp is not None else None
+
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        if amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=amp_dtype)
+
+    steps_run = 0
+    interrupted: Interrupted | None = None
+    exited: ModelExit | None = None
+    # Under torchrun each rank takes every world-th batch: its own shard of the data.
+    batches = itertools.islice(spec.batches(options.steps * world), rank, None, world)
+    try:
+        for step, batch in enumerate(batches):
+            captured = step % options.every == 0
+            with audit if captured else contextlib.nullcontext():
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                else:
+                    model.zero_grad(set_to_none=True)
+                batch = modelfile.move_to(batch, device)
+                forward = (
+                    audit.forward_pass()
+                    if captured and (options.forward or options.origins)
+                    else contextlib.nullcontext()
+                )
+                with forward, autocast(), modelfile.user_code(path, "loss(model, batch)"):
+                    loss = spec.loss(trained, batch)
+                loss = modelfile.check_loss(loss, path)
+                seed = torch.full_like(loss, options.loss_scale)
+                if captured:
+                    audit.record(KIND_BACKWARD, LOSS_MODULE, "seed", "seed", 0, True, seed)
+                with modelfile.user_code(path, "backward"):
+                    torch.autograd.backward(loss, grad_tensors=seed)
+                summary = audit.step(loss=loss, index=step) if captured else None
+                if captured and step == 0:  # the ops are known once a backward ran
+                    options.selection.check_ops(audit.seen_ops())
+            if summary is not None:
+                loss_value, healthy = (
+                    summary.loss,
+                    summary.loss_finite and not summary.nonfinite_grads,
+                )
+            else:  # an unaudited step: its one sync reads the loss
+                loss_value = float(loss.detach())
+                healthy = math.isfinite(loss_value)
+            stepped = False
+            if optimizer is not None and healthy:
+                with modelfile.user_code(path, "optimizer.step()"):
+                    optimizer.step()
+                stepped = True
+            if captured:
+                audit.mark_optimizer_step(stepped, skipped=optimizer is not None and not stepped)
+            steps_run = step + 1
+            if on_step is not None:
+                on_step(StepProgress(step + 1, options.steps, summary, stepped, loss_value))
+    except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
+        interrupted = error if isinstance(error, Interrupted) else Interrupted()
+    except ModelExit as error:  # sys.exit/os._exit in model code: keep what was done
+        if steps_run == 0:
+            raise
+        exited = error
+
+    report = audit.report
+    held = str(AMP_DTYPES[options.amp]).removeprefix("torch.") if options.amp else None
+    stopped_by = (
+        interrupted.signal_name
+        if interrupted is not None
+        else ("an exit in model code" if exited is not None else None)
+    )
+    steps = (options.steps, steps_run)
+    run = RunInfo.ended("scan", stopped_by, steps, options.selection.describe(), held,
+                        model_file=str(path))  # fmt: skip
+    report.record_run(
+        run,
+        {
+            "loss_scale": options.loss_scale,
+            "seed": options.seed,
+            "device": str(device),
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "every": options.every,
+            "shadow": options.shadow,
+            "forward": options.forward or options.origins,
+            "origins": options.origins,
+            "capture_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "world_size": world,
+            **(
+                {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
+            ),
+        },
+        meta,
+    )
+    if interrupted is not None:
+        raise ScanInterrupted(report, interrupted)
+    if exited is not None:
+        raise ScanExited(report, exited)
+    return report

@@ -1,0 +1,570 @@
+"""Audit an unmodified training script: what ``fpaudit run SCRIPT.py`` does.
+
+The script runs in this process as ``python SCRIPT.py ARGS`` would run it
+(``__name__ == "__main__"``, ``sys.argv``, the script's folder first on
+``sys.path``), while fpaudit watches the calls a mixed-precision loop makes:
+
+* ``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` is a subclass):
+  ``scale``, ``unscale_``, ``step`` and ``update``;
+* every optimizer's ``step`` (torch's global optimizer hooks) and ``zero_grad``;
+* ``lr_scheduler.step``, ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``;
+* ``torch.autograd.backward`` (what ``loss.backward()`` calls);
+* reads of ``.grad`` by the script while the gradients are still scaled;
+* top-level module calls: the first one with trainable parameters is the model.
+
+A *step* is one optimizer step of the first optimizer that steps; when an
+enabled ``GradScaler`` takes part, the step ends at ``scaler.update()``, which
+comes after every optimizer of the iteration.
+
+Nothing here reads a device value while the script runs: the scale in force,
+the inf checks, norms and losses stay 0-dim device tensors (``ScalarLog``)
+and are read in one transfer per device at the end, so the run has no host
+syncs beyond the one ``GradScaler.step`` makes anyway. Every K-th step
+(``capture_every``) the core audit records every backward op under the scale
+in force; a captured step costs one more sync, as in ``fpaudit scan``. With
+``recipes`` (``--recipe``) the captured tensors (backward op outputs and parameter
+gradients) also get exact block-scaled statistics, as ``scan --recipe`` records them.
+
+The monitor translates each patched call into an update of its state
+(``steps.RunState``); misuse is judged after the run, from that state's log of
+calls and those values (``findings``): each finding names the file and line of
+the call, the first frame outside torch and fpaudit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import fpaudit
+from fpaudit.capture import _torch_patches as patches
+from fpaudit.capture._torch_patches import Call
+from fpaudit.capture.audit import Audit, Selection
+from fpaudit.cli import options
+from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionError
+from fpaudit.numerics.recipes import get_recipe
+from fpaudit.report.records import LOSS_MODULE, ReportBuilder
+from fpaudit.report.runinfo import RunInfo
+from fpaudit.rules.findings import (
+    FINDINGS,
+    Finding,
+    _number,
+    grad_call_findings,
+    mixed_scale_findings,
+    scale_findings,
+    scheduler_findings,
+    skip_statistics,
+    sorted_findings,
+)
+from fpaudit.run import modelfile
+from fpaudit.run.steps import RunState, ScalarLog, Step, steps_table
+
+if TYPE_CHECKING:
+    from fpaudit.report.store import Report
+
+__all__ = [  # the findings and the step state live in fpaudit.rules.findings and fpaudit.run.steps
+    "FINDINGS",
+    "Finding",
+    "RunOptions",
+    "RunOutcome",
+    "ScalarLog",
+    "StopRun",
+    "TrainingMonitor",
+    "call_site",
+    "run_script",
+    "scale_findings",
+    "scheduler_findings",
+    "skip_statistics",
+]
+
+# Frames that are never the script's: torch, fpaudit, and contextlib (fpaudit's
+# handlers of patched calls are context managers).
+_OUTSIDE = (
+    *(os.path.dirname(m.__file__) + os.sep for m in (torch, fpaudit) if m.__file__),
+    contextlib.__file__,
+)
+
+
+class StopRun(BaseException):
+    """``--max-steps`` reached: unwinds the script (a BaseException, so that a script's
+    ``except Exception`` does not swallow it)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    # defaults: the one declaration of each option, fpaudit.cli.options
+    max_steps: int | None = None  # stop after this many optimizer steps
+    capture_every: int = options.default_int("run", "capture_every")  # 0: never
+    window: int = options.default_int("run", "window")  # merge W consecutive captured steps
+    selection: Selection = field(default_factory=Selection)
+    max_backoffs: int = options.default_int("run", "max_backoffs")  # more is a finding
+    max_skip_rate: float = options.default_float("run", "max_skip_rate")  # more is a finding
+    watch_grad_reads: bool = True  # find .grad reads while the gradients are scaled
+    recipes: tuple[
+        str, ...
+    ] = ()  # block-scaled recipes to audit (--recipe), see fpaudit.numerics.recipes
+
+    def __post_init__(self) -> None:
+        for name in self.recipes:
+            get_recipe(name)  # an unknown name is a one-line UsageError, before the script runs
+        if self.max_steps is not None and self.max_steps < 1:
+            raise OptionError("max_steps", f"must be at least 1, got {self.max_steps}")
+        if self.capture_every < 0:
+            raise OptionError(
+                "capture_every", f"must be 0 (never) or more, got {self.capture_every}"
+            )
+        if self.window < 1:
+            raise OptionError("window", f"must be at least 1, got {self.window}")
+        if self.max_backoffs < 1:
+            raise OptionError("max_backoffs", f"must be at least 1, got {self.max_backoffs}")
+        if not 0.0 <= self.max_skip_rate <= 1.0:
+            raise OptionError("max_skip_rate", f"must be between 0 and 1, got {self.max_skip_rate}")
+
+
+def call_site() -> tuple[str, int]:
+    """File and line of the innermost frame outside torch and fpaudit: the script's call."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_OUTSIDE) and not filename.startswith("<"):
+            return filename, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
+
+
+@contextmanager
+def _warnings_told_at(site: tuple[str, int]) -> Iterator[None]:
+    """Warnings raised inside (torch's own), told at ``site``, the script's line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, *site, module="__main__")
+
+
+class BackwardCapture:
+    """Capture of every backward op of a step, every K-th step (``capture_every``), by
+    the core audit of the first model with trainable parameters the script calls."""
+
+    def __init__(self, options: RunOptions) -> None:
+        self.options = options
+        self.audit: Audit | None = None
+        self.audited_model: nn.Module | None = None
+        self.models: list[str] = []  # class names of top-level modules with trainable parameters
+        self.open = False
+        self._trainable: dict[int, bool] = {}
+
+    def trainable(self, module: nn.Module) -> bool:
+        known = self._trainable.get(id(module))
+        if known is None:
+            known = any(p.requires_grad for p in module.parameters())
+            self._trainable[id(module)] = known
+            if known:
+                self.models.append(type(module).__name__)
+        return known
+
+    def start(self, module: nn.Module) -> None:
+        """A top-level call of ``module`` begins a step to capture."""
+        if self.open or not self.trainable(module):
+            return
+        if self.audit is None:
+            self.audited_model = module
+            self.audit = Audit(
+                module,
+                selection=self.options.selection,
+                window=self.options.window,
+                recipes=self.options.recipes,
+            )
+            self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
+        elif module is not self.audited_model:
+            return  # another model: only the first is audited
+        self.audit.open()
+        self.audit.entered_by(module)
+        self.open = True
+
+    def close(self, step: Step) -> None:
+        """Gradients are complete (unscale_ or an optimizer step is next): close ``step``."""
+        assert self.audit is not None
+        self.open = False
+        if step.backward_calls == 0:  # forward only so far (evaluation): try again later
+            self.audit.close(discard=True)
+            return
+        scale = patches.scaler_scale(step.scaler) if step.scaler is not None else None
+        try:
+            self.audit.step(
+                loss=step.loss, index=step.index, loss_scale=1.0 if scale is None else scale
+            )
+        finally:
+            self.audit.close()
+        step.captured = True
+        step.capture = False
+
+    def discard(self) -> None:
+        """The run ended inside a step: drop it."""
+        if self.open and self.audit is not None:
+            self.open = False
+            self.audit.close(discard=True)
+
+
+class TrainingMonitor:
+    """Instruments torch's training APIs while installed (see the module docstring):
+    translates the patched calls into updates of its :class:`RunState`."""
+
+    def __init__(self, options: RunOptions = RunOptions()) -> None:
+        self.options = options
+        self.state = RunState(options.capture_every, options.max_steps)
+        self.capture = BackwardCapture(options)
+        self.update_site: tuple[str, int] | None = None
+        self._depth = 0  # module call depth
+        self._optimizer_depth = 0
+        self._scheduler_depth = 0
+        self._in_scaler_step = 0
+        self._internal = 0  # inside a call whose own .grad reads are not the script's
+        self._in_backward = 0
+
+    # -- installation --------------------------------------------------------
+    @contextmanager
+    def installed(self) -> Iterator[TrainingMonitor]:
+        """Patch torch's training APIs for the duration of the block."""
+        with ExitStack() as stack:
+            patches.install(stack, self, grad_reads=self.options.watch_grad_reads)
+            try:
+                yield self
+            finally:
+                self.capture.discard()
+
+    def on_grad_read(self, caller: FrameType) -> None:
+        """The script (or torch, or fpaudit) read a ``.grad`` in frame ``caller``."""
+        if not self.state.scaled_pending or self._internal or self._in_backward:
+            return  # unscaled reads are not logged: no concern, and many
+        filename = caller.f_code.co_filename
+        if not filename.startswith(_OUTSIDE) and not filename.startswith("<"):
+            self.state.log_call("read", (filename, caller.f_lineno))
+
+    def _maybe_stop(self) -> None:
+        if self.state.done:
+            raise StopRun
+
+    def _close_capture(self) -> None:
+        if self.capture.open:
+            with self._own_calls():
+                self.capture.close(self.state.step)
+
+    def _end_step(self) -> None:
+        self._close_capture()
+        self.state.end_step()
+
+    def _attempt(self, optimizer: torch.optim.Optimizer) -> None:
+        self._close_capture()
+        self.state.attempt(optimizer)
+
+    # -- hooks -----------------------------------------------------------------
+    def forward_pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self._maybe_stop()
+            self.state.note_root(module)
+            if self.state.step.capture and not self._in_backward:
+                self.capture.start(module)
+        self._depth += 1
+
+    def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(self._depth - 1, 0)
+
+    def optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth += 1
+        if self._optimizer_depth > 1:
+            return
+        self.state.step.stepped = True
+        if self._in_scaler_step:
+            return
+        self._maybe_stop()
+        self.state.log_call("step", call_site(), type(optimizer).__name__)
+        self._attempt(optimizer)
+        with self._own_calls():
+            self.state.note_grad_amax(optimizer)
+
+    def optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_depth -= 1
+        if self._optimizer_depth or self._in_scaler_step:
+            return
+        if self.state.ends_on_optimizer(optimizer):
+            self._end_step()
+
+    # -- handlers of the patched calls (see _torch_patches) --------------------------
+    @contextmanager
+    def on_scale(self, call: Call) -> Iterator[None]:
+        scaler, outputs = call.arguments["self"], call.arguments["outputs"]
+        if not patches.scaler_enabled(scaler):
+            yield
+            return
+        self._maybe_stop()
+        self.state.probe_span()
+        site = call_site()
+        yield  # the original initialises the scaler's scale on first use
+        self.state.scaled(scaler, outputs, site)
+
+    @contextmanager
+    def on_unscale(self, call: Call) -> Iterator[None]:
+        scaler, optimizer = call.arguments["self"], call.arguments["optimizer"]
+        if not patches.scaler_enabled(scaler):
+            yield
+            return
+        site = call_site()
+        self._close_capture()
+        self.state.unscaling(scaler, optimizer, site)
+        with self._own_calls():
+            self.state.note_grad_amax(optimizer)  # still scaled: divided by the scale later
+            yield
+        self.state.unscaled()
+
+    @contextmanager
+    def on_scaler_step(self, call: Call) -> Iterator[None]:
+        scaler, optimizer = call.arguments["self"], call.arguments["optimizer"]
+        if not patches.scaler_enabled(scaler):
+            yield
+            return
+        self._maybe_stop()
+        self.state.scaler_stepping(scaler, optimizer)
+        self._close_capture()
+        self._in_scaler_step += 1
+        try:  # unscale_ (patched too) runs inside unless the script called it
+            with self._own_calls():
+                yield
+        finally:
+            self._in_scaler_step -= 1
+        self.state.scaler_stepped(scaler, optimizer)
+
+    @contextmanager
+    def on_update(self, call: Call) -> Iterator[None]:
+        scaler = call.arguments["self"]
+        if not patches.scaler_enabled(scaler):
+            yield
+            return
+        if self.update_site is None:
+            self.update_site = call_site()
+        if patches.scaler_scale(scaler) is not None:
+            self.state.use_scaler(scaler)
+        yield
+        if self.state.updated():
+            self._end_step()
+
+    @contextmanager
+    def on_backward(self, call: Call) -> Iterator[None]:
+        self._maybe_stop()
+        self.state.backward_starts(call.arguments["tensors"])
+        self._in_backward += 1
+        try:
+            yield
+        finally:
+            self._in_backward -= 1
+        self.state.backward_done()
+
+    @contextmanager
+    def on_clip(self, call: Call) -> Iterator[None]:
+        name = call.name.rsplit(".", 1)[-1]
+        parameters = call.arguments["parameters"]
+        limit = call.arguments["clip_value" if name == "clip_grad_value_" else "max_norm"]
+        site = call_site()
+        state = self.state
+        scaled = state.scaled_pending
+        if scaled:
+            # Measure before clipping shrinks them: unscale_ will only see the result.
+            with self._own_calls():
+                state.note_amax_of(state.clipped_grads(parameters))
+        state.log_call("clip", site, f"{name}(..., {_number(limit)})")
+        with self._own_calls():
+            yield
+        # the total norm: clip_grad_norm_ returns it, clip_grads_with_norm_ is given it
+        norm = call.arguments.get("total_norm", call.result)
+        if name != "clip_grad_value_" and isinstance(norm, torch.Tensor):
+            state.clipped_norm(norm, scaled, limit)
+
+    @contextmanager
+    def on_zero_grad(self, call: Call) -> Iterator[None]:
+        self.state.zeroed(call.arguments["self"])
+        with self._own_calls():
+            yield
+
+    @contextmanager
+    def on_scheduler_step(self, call: Call) -> Iterator[None]:
+        scheduler = call.arguments["self"]
+        site = call_site()
+        if self._scheduler_depth == 0 and not patches.scheduler_initial_step(scheduler):
+            self.state.scheduler_step(scheduler, site)
+        self._scheduler_depth += 1
+        try:
+            with _warnings_told_at(site):
+                yield
+        finally:
+            self._scheduler_depth -= 1
+
+    @contextmanager
+    def _own_calls(self) -> Iterator[None]:
+        """fpaudit's (or torch's) own .grad reads inside, not the script's."""
+        self._internal += 1
+        try:
+            yield
+        finally:
+            self._internal -= 1
+
+    # -- after the run ---------------------------------------------------------
+    def steps_table(self) -> tuple[dict[str, list[Any]], np.ndarray]:
+        """The steps table (every column of STEP_COLUMNS) and the scalar log's values."""
+        values = self.state.log.read()
+        audit = self.capture.audit
+        rows = audit.step_rows() if audit is not None else None
+        return steps_table(self.state.steps, values, rows), values
+
+    def judge(self, table: dict[str, list[Any]], values: np.ndarray) -> list[Finding]:
+        """The findings: calls on scaled gradients, scales, skips, schedulers, accumulation."""
+        found = grad_call_findings(self.state.calls)
+        found += scheduler_findings(table, self.state.scheduler_calls)
+        found += mixed_scale_findings(self.state.spans(), values, self.update_site)
+        if self.state.scaler_settings is not None:
+            site = self.update_site or ("<script>", 0)
+            options = self.options
+            found += scale_findings(table, site, options.max_backoffs, options.max_skip_rate)
+        unique = {(finding.code, finding.file, finding.line): finding for finding in found}
+        return sorted_findings(list(unique.values()))
+
+
+def _script_line(error: BaseException, script: Path) -> str:
+    """The script's line where ``error`` surfaced (the innermost frame in ``script``)."""
+    found = "an unknown line"
+    target = str(script.resolve())
+    traceback = error.__traceback__
+    while traceback is not None:
+        if os.path.abspath(traceback.tb_frame.f_code.co_filename) == target:
+            found = f"{script}:{traceback.tb_lineno}"
+        traceback = traceback.tb_next
+    return found
+
+
+# -- running a script -----------------------------------------------------------
+@dataclass
+class RunOutcome:
+    """A finished run: the report (not yet written) and how the script ended."""
+
+    report: Report
+    findings: list[Finding]
+    failure: FpauditError | None = None  # the script failed; write the report, then say this
+    interrupted: Interrupted | None = None
+    exit_status: int = 0  # what ``python script`` would have exited with (0, or its exit code)
+    exited: bool = False  # the script ended with a non-zero sys.exit (exit_status is its own)
+    exit_message: str | None = None  # what Python prints for it: sys.exit("text") prints text
+
+
+def run_script(
+    script: str | os.PathLike[str],
+    args: list[str] | tuple[str, ...] = (),
+    options: RunOptions = RunOptions(),
+    *,
+    meta: dict[str, Any] | None = None,
+) -> RunOutcome:
+    """Run ``script`` with ``args`` as ``python script args`` would, under a monitor.
+
+    Whatever way the script ends (finishes, reaches ``max_steps``, raises,
+    exits, is interrupted) the steps done so far come back as a report.
+    """
+    path = Path(script)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ModelFileError(f"training script {path} {what}")
+    monitor = TrainingMonitor(options)
+    failure: FpauditError | None = None
+    interrupted: Interrupted | None = None
+    stopped_by: str | None = None
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    exit_status = 0
+    exit_message: str | None = None
+    try:
+        # os._exit(n) from the script ends it like sys.exit(n); a forked child's is real.
+        with monitor.installed(), modelfile.exits_caught():
+            runpy.run_path(str(path), run_name="__main__")
+    except StopRun:
+        stopped_by = "max-steps"
+    except patches.MonitorFailure as broken:
+        if isinstance(broken.error, FpauditError):
+            # the user's input, found once the model was seen (a --module glob that
+            # matches no module): their error, one line, not a bug
+            raise broken.error from None
+        # fpaudit's own code failed, not the script: no report of a half-watched run
+        raise RuntimeError(
+            f"fpaudit's training monitor failed ({broken}) at {_script_line(broken, path)}; "
+            f"this is a bug in fpaudit, not in {path.name}"
+        ) from broken.error
+    except SystemExit as done:
+        # as Python ends for it: None is 0, an int its status, anything else is printed
+        # and exits 1. A non-zero exit ends the run early (the report says so), not in error.
+        code = done.code
+        exit_status = 0 if code is None else int(code) if isinstance(code, int) else 1
+        exit_message = None if code is None or isinstance(code, int) else str(code)
+        if exit_status:
+            stopped_by = "script exit"
+    except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
+        interrupted = error if isinstance(error, Interrupted) else Interrupted()
+        stopped_by = interrupted.signal_name
+    except Exception as error:
+        failure = ModelFileError(
+            f"{modelfile.where(error, path)}: the script raised {modelfile.describe(error)}"
+        )
+        stopped_by = "script error"
+        exit_status = 1
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+
+    table, values = monitor.steps_table()
+    findings = monitor.judge(table, values)
+    if monitor.capture.audit is not None:
+        report = monitor.capture.audit.build_report(table)
+    else:
+        from fpaudit.report.store import Report, run_metadata
+
+        report = Report.from_builder(ReportBuilder(modules=[LOSS_MODULE]), run_metadata(), table)
+    from fpaudit.rules.analysis import held_dtype
+
+    amp_dtype = held_dtype(report)
+    steps = (options.max_steps, len(monitor.state.steps))
+    selection = options.selection.describe()
+    # --max-steps ends a complete run; an error, an interruption or a non-zero exit does not
+    complete = stopped_by in (None, "max-steps")
+    run = RunInfo.ended(
+        "run", stopped_by, steps, selection, amp_dtype, complete=complete, script=str(path)
+    )
+    report.record_run(
+        run,
+        {
+            "script_args": list(args),
+            "capture_every": options.capture_every,
+            "scaler": monitor.state.scaler_settings,
+            "optimizers": monitor.state.optimizers,
+            "schedulers": monitor.state.schedulers,
+            "models": monitor.capture.models,
+            "audited_model": type(monitor.capture.audited_model).__name__
+            if monitor.capture.audited_model is not None
+            else None,
+            "findings": [f.to_dict() for f in findings],
+            "training": skip_statistics(np.array(table["skipped"], dtype=bool)),
+        },
+        meta,
+    )
+    if interrupted is not None:
+        exit_status = interrupted.exit_code
+    exited = stopped_by == "script exit"
+    return RunOutcome(report, findings, failure, interrupted, exit_status, exited, exit_message)
