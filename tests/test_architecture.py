@@ -100,6 +100,66 @@ def test_no_import_cycle_among_fpaudit_modules() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+# The rooms, lowest first: a module imports modules of its own room or of rooms below it
+# (docs/architecture.md draws them). "fpaudit" is the package's top level: the base every
+# room may use (errors, text, defaults, the private-torch seam, signal handling).
+LAYERS = (
+    "fpaudit",
+    "numerics",
+    "report",
+    "kernels",
+    "rules",
+    "capture",
+    "run",
+    "integrations",
+    "cli",
+    "__main__",
+)
+# Upward imports that stay, each for a reason; the test fails when one disappears too,
+# so this list is the whole story.
+ALLOWED_UPWARD = {
+    # A message is worded for the command line (``Named.as_flag``) with the flag the CLI
+    # declares; the declarations are read when a message is worded, never at import.
+    ("fpaudit.errors", "fpaudit.cli.options"),
+}
+
+
+def room(module: str) -> str:
+    """``fpaudit.rules.gating`` -> ``rules``; a top-level module -> ``fpaudit``."""
+    parts = module.split(".")
+    if len(parts) == 2 and MODULES[module].name != "__init__.py" and parts[1] != "__main__":
+        return "fpaudit"
+    return parts[1] if len(parts) > 1 else "fpaudit"
+
+
+def layer(module: str) -> int:
+    name = room(module)
+    assert name in LAYERS, f"{module} is in no declared room ({name}): declare it in LAYERS"
+    return LAYERS.index(name)
+
+
+def test_every_module_is_in_a_declared_room() -> None:
+    for module in MODULES:
+        layer(module)
+    assert room("fpaudit.errors") == "fpaudit" and room("fpaudit.rules.gating") == "rules"
+    assert layer("fpaudit.numerics.formats") < layer("fpaudit.cli.commands")
+
+
+def test_imports_run_down_the_rooms() -> None:
+    upward = {
+        (module, target)
+        for module in MODULES
+        for target in imported(module)
+        if target != "fpaudit" and layer(target) > layer(module)
+    }
+    assert upward - ALLOWED_UPWARD == set(), "imports up the rooms: " + ", ".join(
+        f"{a} -> {b}" for a, b in sorted(upward - ALLOWED_UPWARD)
+    )
+    assert upward >= ALLOWED_UPWARD, (
+        f"no longer imported, drop from ALLOWED_UPWARD: {ALLOWED_UPWARD - upward}"
+    )
+
+
 LIBRARY = sorted(set(MODULES) - PRESENTATION)
 # The framework an integration plugs into is the user's, with its own imports
 # (Lightning loads rich for its progress bars): it is imported first, and the module

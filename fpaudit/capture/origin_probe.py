@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fpaudit.rules.origins import COLUMNS
+from fpaudit.report.records import ORIGIN_COLUMNS as COLUMNS
 
 _WIDTH = 5  # nonfinite, amax, inputs_nonfinite, input_amax_scaled, input_amax_fixed
 
@@ -162,5 +162,5 @@ class OriginTracker:
         self._sequence = 0
 
     def columns(self) -> dict[str, list[Any]]:
-        """Every collected row, column by column (``fpaudit.rules.origins.COLUMNS``)."""
+        """Every collected row, column by column (``fpaudit.report.records.ORIGIN_COLUMNS``)."""
         return {name: list(values) for name, values in self._columns.items()}

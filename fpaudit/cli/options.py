@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+from fpaudit import defaults
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.report.records import KIND_BACKWARD
 
@@ -255,7 +256,7 @@ FORCE = flag("Overwrite an existing report")
 REPLACE_PARTIAL = flag(
     "Let an interrupted run's report replace one with more completed steps", off="--keep-complete"
 )
-WINDOW = Option(1, "Merge the records of W consecutive captured steps")
+WINDOW = Option(defaults.WINDOW, "Merge the records of W consecutive captured steps")
 MODULE = Option(
     help="Capture only modules matching this glob (repeatable)",
     kind="patterns",
@@ -274,8 +275,8 @@ EXCLUDE_OP = Option(
     library="exclude_ops",
     shown="none",
 )
-DEVICE = Option("auto", "auto, cpu, cuda or cuda:N")
-SEED = Option(0, "Seed for torch, numpy and random")
+DEVICE = Option(defaults.DEVICE, "auto, cpu, cuda or cuda:N")
+SEED = Option(defaults.SEED, "Seed for torch, numpy and random")
 REPORT_FORMAT = Option(
     None, "fp16, bf16, fp8_e4m3fn or fp8_e5m2", kind="format", shown="the report's first",
     short="-f",
@@ -284,7 +285,9 @@ HEADROOM_BITS = Option(DEFAULT_HEADROOM_BITS, "Binades kept free below the forma
 # recommend and gate: unset, the report's own setting (scan --include-loss) holds
 INCLUDE_LOSS = flag("Let the loss seed and <loss> ops limit the scale", off="--exclude-loss")
 DRIFT_WINDOW = Option(None, "Steps per window for the drift check", shown="the run in ten windows")
-DRIFT_BINADES = Option(2, "Warn when per-window recommendations span more binades than this")
+DRIFT_BINADES = Option(
+    defaults.DRIFT_BINADES, "Warn when per-window recommendations span more binades than this"
+)
 JSON = flag("Print JSON instead of a table", default=False)
 RECIPES = Option(help=RECIPES_HELP, kind="recipes", library="recipes", shown="none")
 
@@ -293,7 +296,7 @@ RECIPES = Option(help=RECIPES_HELP, kind="recipes", library="recipes", shown="no
 @dataclass(frozen=True, kw_only=True)
 class ScanArgs(CommandOptions):
     COMMAND: ClassVar[str] = "scan"
-    steps: int = Option(10, "Training steps to run", short="-n")()
+    steps: int = Option(defaults.SCAN_STEPS, "Training steps to run", short="-n")()
     device: str = DEVICE()
     format: tuple[str, ...] = Option(
         ("fp16",), "Format(s) to summarise; repeat for several", kind="formats", shown="fp16",
@@ -307,7 +310,9 @@ class ScanArgs(CommandOptions):
     loss_scale: str = Option("1", "Run backward with this power-of-two loss scale", kind="scale")()
     top: int = Option(8, "Modules in the summary table")()
     force: bool = FORCE()
-    every: int = Option(1, "Capture every K-th step only; the others run unaudited")()
+    every: int = Option(
+        defaults.SCAN_EVERY, "Capture every K-th step only; the others run unaudited"
+    )()
     window: int = WINDOW()
     module: tuple[str, ...] = MODULE()
     exclude_module: tuple[str, ...] = EXCLUDE_MODULE()
@@ -339,7 +344,9 @@ class RunArgs(CommandOptions):
     out: str = Option("fpaudit-run", "Report directory", short="-o", path=True)()
     force: bool = FORCE()
     max_steps: int | None = Option(None, "Stop the script after N optimizer steps")()
-    capture_every: int = Option(10, "Record every backward op on every K-th step; 0: never")()
+    capture_every: int = Option(
+        defaults.RUN_CAPTURE_EVERY, "Record every backward op on every K-th step; 0: never"
+    )()
     window: int = WINDOW()
     format: str | None = REPORT_FORMAT()
     headroom_bits: int = HEADROOM_BITS()
@@ -352,8 +359,12 @@ class RunArgs(CommandOptions):
         shown="every op",
     )()
     exclude_op: tuple[str, ...] = EXCLUDE_OP()
-    max_backoffs: int = Option(5, "More consecutive scale back-offs than this is a finding")()
-    max_skip_rate: float = Option(0.02, "A higher skip rate after calibration is a finding, 0..1")()
+    max_backoffs: int = Option(
+        defaults.RUN_MAX_BACKOFFS, "More consecutive scale back-offs than this is a finding"
+    )()
+    max_skip_rate: float = Option(
+        defaults.RUN_MAX_SKIP_RATE, "A higher skip rate after calibration is a finding, 0..1"
+    )()
     drift_window: int | None = DRIFT_WINDOW()
     drift_binades: int = DRIFT_BINADES()
     replace_partial: bool = REPLACE_PARTIAL()
@@ -434,9 +445,13 @@ class SimulateArgs(CommandOptions):
     )()
     headroom_bits: int = HEADROOM_BITS()
     # FP8 delayed scaling: fpaudit.rules.delayed reads its defaults from these
-    amax_history_len: int = Option(1024, "FP8 delayed scaling: amax history length H")()
-    margin: int = Option(0, "FP8 delayed scaling: margin in binades")()
-    amax_compute_algo: str = Option("max", "FP8 delayed scaling: max or most_recent")()
+    amax_history_len: int = Option(
+        defaults.DELAYED_HISTORY_LENGTH, "FP8 delayed scaling: amax history length H"
+    )()
+    margin: int = Option(defaults.DELAYED_MARGIN, "FP8 delayed scaling: margin in binades")()
+    amax_compute_algo: str = Option(
+        defaults.DELAYED_AMAX_COMPUTE_ALGO, "FP8 delayed scaling: max or most_recent"
+    )()
     sweep: bool = flag(
         "FP8 delayed scaling: replay H in 1..1024 x margin 0..2, recommend",
         off="",
@@ -541,9 +556,13 @@ class VerifyArgs(CommandOptions):  # no config file
 @dataclass(frozen=True, kw_only=True)
 class Fp16PlanArgs(CommandOptions):  # no config file
     COMMAND: ClassVar[str] = "fp16-plan"
-    steps: int = Option(4, "fp32 steps to scan")()
-    headroom_bits: int = Option(1, "Keep amax * S at most 65504 / 2^H")()
-    max_underflow: float = Option(0.001, "Largest backward underflow fraction at S")()
+    steps: int = Option(defaults.FP16_PLAN_STEPS, "fp32 steps to scan")()
+    headroom_bits: int = Option(
+        defaults.FP16_PLAN_HEADROOM_BITS, "Keep amax * S at most 65504 / 2^H"
+    )()
+    max_underflow: float = Option(
+        defaults.FP16_PLAN_MAX_UNDERFLOW, "Largest backward underflow fraction at S"
+    )()
     device: str = DEVICE()
     seed: int = SEED()
     json: bool = JSON()

@@ -43,7 +43,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fpaudit.numerics.recipes import E8M0_BIAS, Recipe
-from fpaudit.report.records import BLOCK_COUNT_COLUMNS, BLOCK_HISTOGRAM_COLUMNS, BLOCK_KEY_COLUMNS
+from fpaudit.report.records import (
+    BLOCK_COUNT_COLUMNS,
+    BLOCK_HISTOGRAM_COLUMNS,
+    BLOCK_HISTOGRAM_WIDTHS,
+    BLOCK_KEY_COLUMNS,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -51,8 +56,8 @@ if TYPE_CHECKING:
 COUNT_COLUMNS = BLOCK_COUNT_COLUMNS  # the report's columns, in this order
 CLASSES = COUNT_COLUMNS[:7]  # zero, flushed, subnormal, normal, saturated, nonfinite, poisoned
 BLOCK_COUNTS = COUNT_COLUMNS[7:]  # blocks, blocks_flushed, scales_out_of_range
-N_SCALE_CODES = 256
-N_RANGES = 277  # floor(log2(fp32 max / smallest fp32 subnormal)) = 127 + 149 = 276
+N_SCALE_CODES = BLOCK_HISTOGRAM_WIDTHS["scale_codes"]
+N_RANGES = BLOCK_HISTOGRAM_WIDTHS["dynamic_range"]
 SCALE_OFFSET = len(COUNT_COLUMNS)
 RANGE_OFFSET = SCALE_OFFSET + N_SCALE_CODES
 WIDTH = RANGE_OFFSET + N_RANGES

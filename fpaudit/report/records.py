@@ -107,7 +107,31 @@ BLOCK_COUNT_COLUMNS = (
     "blocks_flushed",
     "scales_out_of_range",
 )
+# The origins table (`scan --origins`): one row per op call that may make inf/NaN.
+ORIGIN_COLUMNS: dict[str, str] = {
+    "step": "int32",
+    "sequence": "int32",  # execution order within the step (1, 2, ...), forward then backward
+    "phase": "string",  # forward or backward
+    "module": "string",
+    "node": "string",  # the autograd node (backward)
+    "op": "string",
+    "output": "int16",
+    "dtype": "string",
+    "scales_with_loss": "bool",
+    "loss_scale": "float64",  # the scale the step ran under
+    "elements": "int64",
+    "nonfinite": "int64",  # inf or NaN elements of the output
+    "amax": "float64",  # largest finite output magnitude
+    "inputs_nonfinite": "bool",  # some floating input held inf or NaN
+    "input_amax_scaled": "float64",  # largest finite magnitude of inputs scaled with the loss
+    "input_amax_fixed": "float64",  # ... of inputs that require grad (not scaled)
+}
+ORIGINS_TABLE = "origins"
+
 BLOCK_HISTOGRAM_COLUMNS = ("scale_codes", "dynamic_range")
+# Their lengths: one bin per E8M0 scale code; one per binade of a block's max/min ratio,
+# floor(log2(fp32 max / smallest fp32 subnormal)) = 127 + 149 = 276, so 277 bins.
+BLOCK_HISTOGRAM_WIDTHS = {"scale_codes": 256, "dynamic_range": 277}
 # In memory, bins keep what analysis needs; lower and upper are derived from
 # (binade, cls) when a report is written, for users of the plain Parquet files.
 BIN_COLUMNS = ("record_id", "binade", "cls", "count")

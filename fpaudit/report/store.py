@@ -74,15 +74,16 @@ from fpaudit.report.records import (
     BIN_COLUMNS,
     BLOCK_COUNT_COLUMNS,
     BLOCK_HISTOGRAM_COLUMNS,
+    BLOCK_HISTOGRAM_WIDTHS,
     BLOCK_KEY_COLUMNS,
+    ORIGIN_COLUMNS,
+    ORIGINS_TABLE,
     RECORD_COLUMNS,
     STEP_COLUMNS,
     STEP_DEFAULTS,
     ReportBuilder,
 )
 from fpaudit.report.runinfo import RunInfo
-from fpaudit.rules.origins import COLUMNS as ORIGIN_COLUMNS
-from fpaudit.rules.origins import TABLE_NAME as ORIGINS_TABLE
 
 __all__ = [
     "BINS_SCHEMA",
@@ -869,13 +870,10 @@ def _merge_ranks(parts: list[Report], meta: dict[str, Any], root: Path) -> Repor
 
 def _check_blocks(blocks: pd.DataFrame, file: Path) -> None:
     """The block statistics table as read: counts not negative, histograms full width."""
-    from fpaudit.kernels import blockstats
-
     counts = blocks[list(BLOCK_COUNT_COLUMNS)].to_numpy()
     if len(counts) and not (np.isfinite(counts).all() and counts.min() >= 0):
         raise ReportError(f"{file}: counts must be finite and not negative")
-    widths = {"scale_codes": blockstats.N_SCALE_CODES, "dynamic_range": blockstats.N_RANGES}
-    for column, width in widths.items():
+    for column, width in BLOCK_HISTOGRAM_WIDTHS.items():
         if not all(len(v) == width for v in blocks[column]):
             raise ReportError(f"{file}: {column} must hold {width} counts per row")
 

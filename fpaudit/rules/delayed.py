@@ -80,7 +80,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fpaudit.cli import options
+from fpaudit import defaults
 from fpaudit.errors import OptionError, ReportError
 from fpaudit.numerics import layout
 from fpaudit.numerics.formats import Format, get_format
@@ -91,10 +91,10 @@ POLICIES: tuple[str, ...] = ("te-delayed", "msamp-delayed")
 AMAX_ALGORITHMS: tuple[str, ...] = ("max", "most_recent")
 SWEEP_HISTORY_LENGTHS: tuple[int, ...] = (1, 16, 64, 256, 1024)
 SWEEP_MARGINS: tuple[int, ...] = (0, 1, 2)
-# DelayedScaling's amax_history_len (1024) and margin (0), declared with their options
-DEFAULT_HISTORY_LENGTH = options.default_int("simulate", "amax_history_len")
-DEFAULT_MARGIN = options.default_int("simulate", "margin")
-DEFAULT_AMAX_COMPUTE_ALGO = options.default_str("simulate", "amax_compute_algo")
+# DelayedScaling's amax_history_len (1024) and margin (0), declared once in fpaudit.defaults
+DEFAULT_HISTORY_LENGTH = defaults.DELAYED_HISTORY_LENGTH
+DEFAULT_MARGIN = defaults.DELAYED_MARGIN
+DEFAULT_AMAX_COMPUTE_ALGO = defaults.DELAYED_AMAX_COMPUTE_ALGO
 HYBRID = {KIND_FORWARD: "fp8_e4m3fn", KIND_BACKWARD: "fp8_e5m2"}
 KEY_COLUMNS = ("kind", "module", "node", "op", "output")
 _FP32_MAX = np.float32(np.finfo(np.float32).max)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from fpaudit.cli import options
+from fpaudit import defaults
 from fpaudit.numerics import limits
 from fpaudit.numerics.formats import Format
 from fpaudit.report.store import Report
@@ -30,7 +30,7 @@ from fpaudit.rules.recommendation import log2_scale_for
 
 DEFAULT_WINDOWS = 10  # windows per run when --drift-window is not given
 # warn when per-window recommendations span more binades than this (declared with --drift-binades)
-DEFAULT_DRIFT_BINADES = options.default_int("recommend", "drift_binades")
+DEFAULT_DRIFT_BINADES = defaults.DRIFT_BINADES
 
 
 @dataclass(frozen=True)

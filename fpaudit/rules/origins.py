@@ -43,29 +43,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fpaudit.numerics.formats import FP32, Format
+from fpaudit.report.records import ORIGIN_COLUMNS as COLUMNS
 
 if TYPE_CHECKING:  # pandas only where a table is built or read, not in capture
     import pandas as pd
 
-COLUMNS: dict[str, str] = {
-    "step": "int32",
-    "sequence": "int32",  # execution order within the step (1, 2, ...), forward then backward
-    "phase": "string",  # forward or backward
-    "module": "string",
-    "node": "string",  # the autograd node (backward)
-    "op": "string",
-    "output": "int16",
-    "dtype": "string",
-    "scales_with_loss": "bool",
-    "loss_scale": "float64",  # the scale the step ran under
-    "elements": "int64",
-    "nonfinite": "int64",  # inf or NaN elements of the output
-    "amax": "float64",  # largest finite output magnitude
-    "inputs_nonfinite": "bool",  # some floating input held inf or NaN
-    "input_amax_scaled": "float64",  # largest finite magnitude of inputs scaled with the loss
-    "input_amax_fixed": "float64",  # ... of inputs that require grad (not scaled)
-}
-TABLE_NAME = "origins"
 
 # Ops whose every output element is a constant argument or a copy of an input element:
 # from finite tensor inputs they make inf/NaN only when told to (an infinite fill value,

@@ -53,17 +53,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fpaudit.cli import options
+from fpaudit import defaults
 from fpaudit.errors import OptionError, UsageError
 from fpaudit.numerics.formats import Format, get_format
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis, origins
 
-# declared with fp16-plan's options (4 steps, 1 bit of headroom, 0.001)
-DEFAULT_STEPS = options.default_int("fp16-plan", "steps")
-DEFAULT_HEADROOM_BITS = options.default_int("fp16-plan", "headroom_bits")
-DEFAULT_MAX_UNDERFLOW = options.default_float("fp16-plan", "max_underflow")
+# declared once in fpaudit.defaults (4 steps, 1 bit of headroom, 0.001)
+DEFAULT_STEPS = defaults.FP16_PLAN_STEPS
+DEFAULT_HEADROOM_BITS = defaults.FP16_PLAN_HEADROOM_BITS
+DEFAULT_MAX_UNDERFLOW = defaults.FP16_PLAN_MAX_UNDERFLOW
 MAX_GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default
 _LOG2_RANGE = range(-24, 64)
 

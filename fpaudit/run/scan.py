@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from fpaudit import defaults
 from fpaudit.capture.audit import Audit, Selection, StepSummary
-from fpaudit.cli import options
 from fpaudit.errors import Interrupted, ModelExit, Named, OptionError, UsageError
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
@@ -35,21 +35,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ScanOptions:
-    # defaults: the one declaration of each option, fpaudit.cli.options
-    steps: int = options.default_int("scan", "steps")
-    device: str = options.default_str("scan", "device")
+    # defaults: declared once in fpaudit.defaults, which the CLI options read too
+    steps: int = defaults.SCAN_STEPS
+    device: str = defaults.DEVICE
     loss_scale: float = 1.0
-    seed: int | None = options.default_int("scan", "seed")
-    every: int = options.default_int("scan", "every")  # capture steps 0, K, 2K, ...
-    window: int = options.default_int("scan", "window")  # merge W consecutive captured steps
+    seed: int | None = defaults.SEED
+    every: int = defaults.SCAN_EVERY  # capture steps 0, K, 2K, ...
+    window: int = defaults.WINDOW  # merge W consecutive captured steps
     selection: Selection = field(default_factory=Selection)
     amp: str | None = None  # live mode: "fp16" or "bf16", forward under torch.autocast
     shadow: bool = False  # re-run low-precision backward ops in fp32 to count lost values
     forward: bool = False  # also record forward op outputs
     origins: bool = False  # per op call, did it make inf/NaN (implies forward)
-    recipes: tuple[
-        str, ...
-    ] = ()  # block-scaled recipes to audit (--recipe), see fpaudit.numerics.recipes
+    recipes: tuple[str, ...] = ()  # block-scaled recipes to audit (--recipe)
 
     def __post_init__(self) -> None:
         for name in self.recipes:

@@ -50,10 +50,10 @@ import torch
 from torch import nn
 
 import fpaudit
+from fpaudit import defaults
 from fpaudit.capture import _torch_patches as patches
 from fpaudit.capture._torch_patches import Call
 from fpaudit.capture.audit import Audit, Selection
-from fpaudit.cli import options
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionError
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import LOSS_MODULE, ReportBuilder
@@ -105,17 +105,15 @@ class StopRun(BaseException):
 
 @dataclass(frozen=True)
 class RunOptions:
-    # defaults: the one declaration of each option, fpaudit.cli.options
+    # defaults: declared once in fpaudit.defaults, which the CLI options read too
     max_steps: int | None = None  # stop after this many optimizer steps
-    capture_every: int = options.default_int("run", "capture_every")  # 0: never
-    window: int = options.default_int("run", "window")  # merge W consecutive captured steps
+    capture_every: int = defaults.RUN_CAPTURE_EVERY  # 0: never
+    window: int = defaults.WINDOW  # merge W consecutive captured steps
     selection: Selection = field(default_factory=Selection)
-    max_backoffs: int = options.default_int("run", "max_backoffs")  # more is a finding
-    max_skip_rate: float = options.default_float("run", "max_skip_rate")  # more is a finding
+    max_backoffs: int = defaults.RUN_MAX_BACKOFFS  # more is a finding
+    max_skip_rate: float = defaults.RUN_MAX_SKIP_RATE  # more is a finding
     watch_grad_reads: bool = True  # find .grad reads while the gradients are scaled
-    recipes: tuple[
-        str, ...
-    ] = ()  # block-scaled recipes to audit (--recipe), see fpaudit.numerics.recipes
+    recipes: tuple[str, ...] = ()  # block-scaled recipes to audit (--recipe)
 
     def __post_init__(self) -> None:
         for name in self.recipes:
