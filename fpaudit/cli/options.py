@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Self
 from fpaudit import defaults
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.report.records import KIND_BACKWARD
+from fpaudit.rules import scalers
 
 # The commands a config file may have a table for, in the order messages list them.
 CONFIG_COMMANDS = ("scan", "run", "show", "recommend", "plot", "simulate", "gate", "plan")
@@ -252,6 +253,8 @@ class CommandOptions:
 # -- options several commands share with one meaning --------------------------------
 RECIPES_HELP = "Block-scaled recipe, e.g. mxfp8-e4m3, mxfp4, nvfp4 (repeatable; fpaudit recipes)"
 _POLICYS = "the policy's"
+# "torch, apex, deepspeed, megatron or static": the scaler registry's names, in order
+_POLICY_CHOICES = ", ".join(scalers.POLICIES[:-1]) + " or " + scalers.POLICIES[-1]
 FORCE = flag("Overwrite an existing report")
 REPLACE_PARTIAL = flag(
     "Let an interrupted run's report replace one with more completed steps", off="--keep-complete"
@@ -425,7 +428,7 @@ class RecommendArgs(CommandOptions):
 @dataclass(frozen=True, kw_only=True)
 class SimulateArgs(CommandOptions):
     COMMAND: ClassVar[str] = "simulate"
-    policy: str = Option("torch", "torch, apex, deepspeed, megatron or static")()
+    policy: str = Option("torch", _POLICY_CHOICES)()
     format: str | None = REPORT_FORMAT()
     # the loss-scaler settings: unset, the policy's own
     init_scale: str | None = Option(

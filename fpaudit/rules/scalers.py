@@ -54,7 +54,7 @@ hysteresis delays the back-off). Nothing here imports torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,6 @@ import numpy as np
 
 from fpaudit.errors import Named, OptionError
 
-POLICIES: tuple[str, ...] = ("torch", "apex", "deepspeed", "megatron", "static")
 PARAMETERS: tuple[str, ...] = (
     "init_scale",
     "growth_factor",
@@ -73,41 +72,6 @@ PARAMETERS: tuple[str, ...] = (
     "max_scale",
 )
 
-# The parameters each policy takes, and their defaults.
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "torch": {
-        "init_scale": 2.0**16,
-        "growth_factor": 2.0,
-        "backoff_factor": 0.5,
-        "growth_interval": 2000,
-    },
-    "apex": {
-        "init_scale": 2.0**16,
-        "growth_factor": 2.0,
-        "backoff_factor": 0.5,
-        "growth_interval": 2000,
-        "min_scale": None,
-        "max_scale": 2.0**24,
-    },
-    "deepspeed": {
-        "init_scale": 2.0**16,
-        "growth_factor": 2.0,
-        "backoff_factor": 0.5,
-        "growth_interval": 1000,
-        "hysteresis": 2,
-        "min_scale": 1.0,
-    },
-    "megatron": {
-        "init_scale": 2.0**32,
-        "growth_factor": 2.0,
-        "backoff_factor": 0.5,
-        "growth_interval": 1000,
-        "hysteresis": 2,
-        "min_scale": 1.0,
-    },
-    "static": {"init_scale": 2.0**16},
-}
-POLICY_PARAMETERS: dict[str, tuple[str, ...]] = {p: tuple(d) for p, d in _DEFAULTS.items()}
 
 # What a policy that lacks a parameter behaves as if it had: a scaler that never changes.
 _INERT: dict[str, Any] = {
@@ -118,7 +82,6 @@ _INERT: dict[str, Any] = {
     "min_scale": None,
     "max_scale": None,
 }
-_FLOAT32_POLICIES = ("torch", "megatron")
 _FP32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -149,7 +112,7 @@ class PolicySettings:
 
         ``settings(d["policy"], **rest)`` rebuilds the same settings.
         """
-        applies = POLICY_PARAMETERS[self.policy]
+        applies = REGISTRY[self.policy].defaults
         out: dict[str, Any] = {"policy": self.policy}
         for name in PARAMETERS:
             out[name] = getattr(self, name) if name in applies else None
@@ -162,12 +125,12 @@ def settings(policy: str, **overrides: float | int | None) -> PolicySettings:
     Raises OptionError, one line naming the parameter, for a parameter the policy
     does not take or a value out of range.
     """
-    if policy not in _DEFAULTS:
+    if policy not in REGISTRY:
         raise OptionError("policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
     unknown = sorted(set(overrides) - set(PARAMETERS))
     if unknown:
         raise TypeError(f"settings() got unknown parameter(s) {', '.join(unknown)}")
-    defaults = _DEFAULTS[policy]
+    defaults = REGISTRY[policy].defaults
     values: dict[str, Any] = {**_INERT, **defaults}
     for name, value in overrides.items():
         if value is None:
@@ -205,7 +168,7 @@ def _validate(policy: str, v: dict[str, Any]) -> None:
     init = v["init_scale"] = number("init_scale")
     if not (math.isfinite(init) and init > 0):
         raise bad("init_scale", "a finite number > 0")
-    if policy in _FLOAT32_POLICIES and not (_f32(init) > 0 and init <= _FP32_MAX):
+    if REGISTRY[policy].float32_scale and not (_f32(init) > 0 and init <= _FP32_MAX):
         raise bad(
             "init_scale",
             "within float32 range, where ",
@@ -354,18 +317,86 @@ class _MegatronScaler(Scaler):
                 self.scale = _f32(self.scale * self.growth)
 
 
-_SCALERS: dict[str, type[Scaler]] = {
-    "torch": _TorchScaler,
-    "apex": _ApexScaler,
-    "deepspeed": _DeepSpeedScaler,
-    "megatron": _MegatronScaler,
-    "static": Scaler,
+@dataclass(frozen=True)
+class Policy:
+    """A loss-scaler policy, declared once: the parameters it takes with their defaults
+    (those it lacks hold inert values, see ``_INERT``), the class that replays its update
+    rule, and whether it keeps its scale in a float32 (then ``init_scale`` must fit one).
+    Adding a policy is one entry in ``REGISTRY``; ``simulate --help`` lists it."""
+
+    name: str
+    defaults: Mapping[str, Any]
+    scaler: type[Scaler]
+    float32_scale: bool = False
+
+
+REGISTRY: dict[str, Policy] = {
+    policy.name: policy
+    for policy in (
+        Policy(
+            "torch",
+            {
+                "init_scale": 2.0**16,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 2000,
+            },
+            _TorchScaler,
+            float32_scale=True,
+        ),
+        Policy(
+            "apex",
+            {
+                "init_scale": 2.0**16,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 2000,
+                "min_scale": None,
+                "max_scale": 2.0**24,
+            },
+            _ApexScaler,
+        ),
+        Policy(
+            "deepspeed",
+            {
+                "init_scale": 2.0**16,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 1000,
+                "hysteresis": 2,
+                "min_scale": 1.0,
+            },
+            _DeepSpeedScaler,
+        ),
+        Policy(
+            "megatron",
+            {
+                "init_scale": 2.0**32,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 1000,
+                "hysteresis": 2,
+                "min_scale": 1.0,
+            },
+            _MegatronScaler,
+            float32_scale=True,
+        ),
+        Policy(
+            "static",
+            {"init_scale": 2.0**16},
+            Scaler,
+        ),
+    )
+}
+POLICIES: tuple[str, ...] = tuple(REGISTRY)
+POLICY_PARAMETERS: dict[str, tuple[str, ...]] = {
+    name: tuple(policy.defaults) for name, policy in REGISTRY.items()
 }
 
 
 def make_scaler(s: PolicySettings) -> Scaler:
     """A fresh scaler in its initial state."""
-    return _SCALERS[s.policy](s)
+    return REGISTRY[s.policy].scaler(s)
 
 
 @dataclass(frozen=True)
