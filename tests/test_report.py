@@ -337,3 +337,21 @@ def test_for_rank_keeps_that_ranks_rows_of_every_optional_table(tmp_path: Path) 
     # a one-rank report keeps its whole optional tables
     single = parts[0].for_rank(0)
     assert single.origins is not None and len(single.origins) == 2
+
+
+def test_the_record_key_is_declared_once_and_every_table_lays_it_out_in_order() -> None:
+    from fpaudit.report.records import (
+        BLOCK_KEY_COLUMNS,
+        KEY_COLUMNS,
+        OP_KEY_COLUMNS,
+        RECORD_COLUMNS,
+        RecordKey,
+    )
+
+    assert RecordKey._fields == (*KEY_COLUMNS, "scales_with_loss")
+    assert OP_KEY_COLUMNS == ("kind", "module", "node", "op", "output")
+    for table in (RECORD_COLUMNS, BLOCK_KEY_COLUMNS):
+        names = list(table)
+        start = names.index("kind")
+        assert names[start : start + len(KEY_COLUMNS)] == list(KEY_COLUMNS)
+        assert all(table[name] == KEY_COLUMNS[name] for name in KEY_COLUMNS)

@@ -19,17 +19,25 @@ if TYPE_CHECKING:
 
 # The columns of the records and steps tables (report.py turns them into the
 # versioned Parquet schema; the order is the order in the files).
-RECORD_COLUMNS = {
-    "record_id": "int32",  # numbers the records of one rank: 0, 1, 2, ...
-    "rank": "int16",  # the torch.distributed rank that recorded it (0 in one process)
-    "step": "int32",  # the (first) step the record covers
-    "steps": "int32",  # how many captured steps it covers (--window)
+# What names a record, declared once: the op output a value is (kind, module, autograd
+# node, op, output index) and the dtype it was stored in. RecordKey adds whether the value
+# scales with the loss; the records and block tables lay these columns out in this order.
+KEY_COLUMNS = {
     "kind": "string",
     "module": "string",
     "node": "string",
     "op": "string",
     "output": "int16",
     "dtype": "string",
+}
+OP_KEY_COLUMNS = tuple(name for name in KEY_COLUMNS if name != "dtype")  # an op, any dtype
+
+RECORD_COLUMNS = {
+    "record_id": "int32",  # numbers the records of one rank: 0, 1, 2, ...
+    "rank": "int16",  # the torch.distributed rank that recorded it (0 in one process)
+    "step": "int32",  # the (first) step the record covers
+    "steps": "int32",  # how many captured steps it covers (--window)
+    **KEY_COLUMNS,
     "scales_with_loss": "bool",
     "calls": "int64",
     "elements": "int64",
@@ -87,12 +95,7 @@ step without records (``fpaudit run`` between captures) starts from."""
 BLOCK_KEY_COLUMNS = {
     "rank": "int16",
     "step": "int32",
-    "kind": "string",
-    "module": "string",
-    "node": "string",
-    "op": "string",
-    "output": "int16",
-    "dtype": "string",
+    **KEY_COLUMNS,
     "recipe": "string",
 }
 BLOCK_COUNT_COLUMNS = (
@@ -144,6 +147,8 @@ LOSS_MODULE = "<loss>"
 
 
 class RecordKey(NamedTuple):
+    """KEY_COLUMNS (tests/test_report.py checks the two agree) and scales_with_loss."""
+
     kind: str
     module: str
     node: str

@@ -84,7 +84,7 @@ from fpaudit import defaults
 from fpaudit.errors import OptionError, ReportError
 from fpaudit.numerics import layout
 from fpaudit.numerics.formats import Format, get_format
-from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
+from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE, OP_KEY_COLUMNS
 from fpaudit.report.store import Report
 
 POLICIES: tuple[str, ...] = ("te-delayed", "msamp-delayed")
@@ -96,7 +96,6 @@ DEFAULT_HISTORY_LENGTH = defaults.DELAYED_HISTORY_LENGTH
 DEFAULT_MARGIN = defaults.DELAYED_MARGIN
 DEFAULT_AMAX_COMPUTE_ALGO = defaults.DELAYED_AMAX_COMPUTE_ALGO
 HYBRID = {KIND_FORWARD: "fp8_e4m3fn", KIND_BACKWARD: "fp8_e5m2"}
-KEY_COLUMNS = ("kind", "module", "node", "op", "output")
 _FP32_MAX = np.float32(np.finfo(np.float32).max)
 
 
@@ -214,7 +213,7 @@ class Replay:
 
     settings: Settings
     steps: np.ndarray  # the report's step numbers, in order
-    ops: pd.DataFrame  # one row per op: KEY_COLUMNS and its format
+    ops: pd.DataFrame  # one row per op: OP_KEY_COLUMNS and its format
     scale: np.ndarray  # float32 [op, step]
     amax: np.ndarray  # float32 [op, step], unscaled (0: not recorded)
     counts: dict[str, np.ndarray]  # COUNT_COLUMNS -> int64 [op, step]
@@ -360,9 +359,9 @@ def _series(report: Report, fmt: Format | None) -> _Series:
         notes.append(
             "some steps were not captured: their ops enter the histories as amax 0 (scale kept)"
         )
-    grouped = selected.groupby(list(KEY_COLUMNS), sort=False, dropna=False)
+    grouped = selected.groupby(list(OP_KEY_COLUMNS), sort=False, dropna=False)
     op_of_record = grouped.ngroup().to_numpy()
-    ops = grouped.size().reset_index()[list(KEY_COLUMNS)]
+    ops = grouped.size().reset_index()[list(OP_KEY_COLUMNS)]
     if fmt is None:
         formats = [get_format(HYBRID[str(kind)]) for kind in ops["kind"]]
     else:
