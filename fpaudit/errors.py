@@ -19,20 +19,27 @@ import shlex
 from dataclasses import dataclass
 from typing import Literal
 
+# The options whose library parameter is named otherwise, by option name: a repeatable
+# flag is singular where the parameter is plural (``--module`` is Selection's ``modules``).
+# Declared once, here: fpaudit.cli.options words these parameters with these flags too.
+LIBRARY_NAMES: dict[str, str] = {
+    "module": "modules",
+    "exclude_module": "exclude_modules",
+    "op": "ops",
+    "exclude_op": "exclude_ops",
+    "recipe": "recipes",
+}
+_FLAGS = {library: "--" + option.replace("_", "-") for option, library in LIBRARY_NAMES.items()}
+
 
 def flag(name: str) -> str:
     """The command-line flag of the library parameter ``name``: ``max_steps`` is
     ``--max-steps``; a parameter whose option is spelled otherwise (``Selection``'s
-    ``modules``, whose flag is ``--module``) says so in its spec (``Spec.library``). A
-    name that is a flag already (``-o``) stays as it is."""
-    from fpaudit.cli.options import SPECS  # options declares every flag; it imports no errors
-
+    ``modules``, whose flag is ``--module``) is in ``LIBRARY_NAMES``. A name that is a
+    flag already (``-o``) stays as it is."""
     if name.startswith("-"):
         return name
-    for spec in SPECS:
-        if spec.library == name:
-            return spec.flag
-    return "--" + name.replace("_", "-")
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 @dataclass(frozen=True)

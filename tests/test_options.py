@@ -220,3 +220,15 @@ def test_every_library_option_is_fed_from_its_commands_options() -> None:
     unfed = [f.name for f in dataclasses.fields(RunOptions)
              if getattr(ran, f.name) == getattr(default_run, f.name)]  # fmt: skip
     assert unfed == ["watch_grad_reads"]  # a library switch no command turns off
+
+
+def test_every_option_spelled_otherwise_is_a_declared_flag() -> None:
+    # errors.LIBRARY_NAMES words a library parameter (modules) as its flag (--module):
+    # each entry must be an option some command declares, or a message names no flag.
+    from fpaudit.cli.options import SPECS
+    from fpaudit.errors import LIBRARY_NAMES, flag
+
+    declared = {spec.name for spec in SPECS}
+    assert set(LIBRARY_NAMES) <= declared, set(LIBRARY_NAMES) - declared
+    assert flag("modules") == "--module" and flag("exclude_ops") == "--exclude-op"
+    assert flag("max_steps") == "--max-steps" and flag("-o") == "-o"

@@ -21,7 +21,7 @@ Adding an option to a command is one edit: a field in its class, here, e.g.
 ``max_backoffs: int = Option(5, "More consecutive scale back-offs than this is a
 finding")()``; then the command reads ``options.max_backoffs``. tests/test_options.py
 and tests/test_help.py check that fields, flags, help, TOML and library agree. No typer
-here: library modules read their defaults from this module.
+here: the defaults the library shares live in fpaudit.defaults.
 """
 
 from __future__ import annotations
@@ -71,9 +71,6 @@ class Spec:
     short: str = ""  # a one-letter alias, "-n"
     off: str | None = None  # a flag's off switch; None: "--no-NAME", "": none
     path: bool = False  # a file or folder: the flag takes a PATH
-    # The library's name for it where that differs (Selection's "modules" for --module):
-    # messages the library words with that name are shown with this flag (fpaudit.errors.flag).
-    library: str = ""
 
     @property
     def flag(self) -> str:
@@ -144,7 +141,6 @@ class Option:
     short: str = ""
     off: str | None = None
     path: bool = False
-    library: str = ""  # the library's own name for it, where that differs (see Spec)
 
     def __call__(self) -> Any:
         if self.has_default:
@@ -223,7 +219,6 @@ class CommandOptions:
                     option.short,
                     option.off,
                     option.path,
-                    option.library,
                 )
             )
         return tuple(found)
@@ -263,19 +258,16 @@ WINDOW = Option(defaults.WINDOW, "Merge the records of W consecutive captured st
 MODULE = Option(
     help="Capture only modules matching this glob (repeatable)",
     kind="patterns",
-    library="modules",
     shown="every module",
 )
 EXCLUDE_MODULE = Option(
     help="Skip modules matching this glob (repeatable)",
     kind="patterns",
-    library="exclude_modules",
     shown="none",
 )
 EXCLUDE_OP = Option(
     help="Skip aten ops matching this glob (repeatable)",
     kind="patterns",
-    library="exclude_ops",
     shown="none",
 )
 DEVICE = Option(defaults.DEVICE, "auto, cpu, cuda or cuda:N")
@@ -292,7 +284,7 @@ DRIFT_BINADES = Option(
     defaults.DRIFT_BINADES, "Warn when per-window recommendations span more binades than this"
 )
 JSON = flag("Print JSON instead of a table", default=False)
-RECIPES = Option(help=RECIPES_HELP, kind="recipes", library="recipes", shown="none")
+RECIPES = Option(help=RECIPES_HELP, kind="recipes", shown="none")
 
 
 # -- the commands, each option in its help row's place ------------------------------
@@ -322,7 +314,6 @@ class ScanArgs(CommandOptions):
     op: tuple[str, ...] = Option(
         help="Capture only aten ops matching this glob, e.g. 'aten.mm.*' (repeatable)",
         kind="patterns",
-        library="ops",
         shown="every op",
     )()
     exclude_op: tuple[str, ...] = EXCLUDE_OP()
@@ -358,7 +349,6 @@ class RunArgs(CommandOptions):
     op: tuple[str, ...] = Option(
         help="Capture only aten ops matching this glob (repeatable)",
         kind="patterns",
-        library="ops",
         shown="every op",
     )()
     exclude_op: tuple[str, ...] = EXCLUDE_OP()
