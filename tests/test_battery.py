@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fpaudit.cli.commands import run
-from fpaudit.report.store import output_lock
+from fpaudit.report.files import output_lock
 
 from .conftest import ROOT, SAMPLES
 from .reports import report_from

@@ -12,7 +12,8 @@ from torch import nn
 import fpaudit
 from fpaudit.kernels import blockstats
 from fpaudit.numerics.recipes import RECIPES, get_recipe
-from fpaudit.report.store import SCHEMA_VERSION, Report
+from fpaudit.report.schema import SCHEMA_VERSION
+from fpaudit.report.store import Report
 from fpaudit.rules import blockplan
 from fpaudit.text import percent
 from tests.conftest import MODELS, one_error_line

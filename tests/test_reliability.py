@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 
 from fpaudit.errors import ReportError
-from fpaudit.report.store import Report, output_lock
+from fpaudit.report.files import output_lock
+from fpaudit.report.store import Report
 
 from .conftest import MODELS, ROOT, SAMPLES, default_signals, one_error_line
 

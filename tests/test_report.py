@@ -14,7 +14,8 @@ import torch
 
 from fpaudit.errors import ReportError
 from fpaudit.kernels import histogram
-from fpaudit.report.store import BINS_SCHEMA, RECORDS_SCHEMA, SCHEMA_VERSION, STEPS_SCHEMA, Report
+from fpaudit.report.schema import BINS_SCHEMA, RECORDS_SCHEMA, SCHEMA_VERSION, STEPS_SCHEMA
+from fpaudit.report.store import Report
 
 from .reports import report_from
 
@@ -270,7 +271,7 @@ def test_a_version_1_report_reads_with_the_new_step_columns_at_their_defaults(
 @pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("records", [1, 7, 50])
 def test_bins_are_summed_per_record_exactly_in_or_out_of_order(records: int, ordered: bool) -> None:
-    from fpaudit.report.store import _sum_by_record
+    from fpaudit.report.checks import sum_by_record
 
     generator = np.random.default_rng(records)
     refs = generator.integers(0, records, 400).astype(np.int32)
@@ -280,8 +281,8 @@ def test_bins_are_summed_per_record_exactly_in_or_out_of_order(records: int, ord
     expected = [
         sum(int(c) for r, c in zip(refs, counts, strict=True) if r == i) for i in range(records)
     ]
-    assert _sum_by_record(refs, counts, records).tolist() == expected
-    assert _sum_by_record(refs[:0], counts[:0], records).tolist() == [0] * records
+    assert sum_by_record(refs, counts, records).tolist() == expected
+    assert sum_by_record(refs[:0], counts[:0], records).tolist() == [0] * records
 
 
 def _origin_rows(module: str, steps: list[int]) -> dict[str, list[Any]]:
@@ -311,7 +312,8 @@ def _block_rows(rank: int, module: str) -> dict[str, list[Any]]:
 
 
 def test_for_rank_keeps_that_ranks_rows_of_every_optional_table(tmp_path: Path) -> None:
-    from fpaudit.report.store import BLOCKS_SCHEMA, OPTIONAL_TABLES, _merge_ranks, frame
+    from fpaudit.report.schema import BLOCKS_SCHEMA, OPTIONAL_TABLES, frame
+    from fpaudit.report.store import _merge_ranks
     from fpaudit.rules.origins import table_from_columns
 
     # Two ranks' parts as a reader finds them: rank 0 has 2 origin rows, rank 1 has 1.

@@ -1161,7 +1161,7 @@ class Audit:
 
             report.origins = table_from_columns(self.origins.columns())
         if self._blocks is not None:
-            from fpaudit.report.store import BLOCKS_SCHEMA, frame
+            from fpaudit.report.schema import BLOCKS_SCHEMA, frame
 
             report.blocks = frame(self._blocks.columns(), BLOCKS_SCHEMA)
             report.update_info(recipes=tuple(r.name for r in self._blocks.recipes))

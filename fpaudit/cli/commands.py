@@ -298,7 +298,7 @@ def _write_partial(
     """Write a report of an interrupted or failed run, unless it would replace a report
     that completed more steps (--replace-partial allows it). None when written, else
     why the existing report was kept."""
-    from fpaudit.report.store import steps_in
+    from fpaudit.report.files import steps_in
     from fpaudit.run import distributed
 
     done = report.info.steps_run or 0
@@ -394,7 +394,7 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
 
     Example: fpaudit scan sample_configs/transformer.py --steps 8 --format fp16 --out report
     """
-    from fpaudit.report.store import output_lock
+    from fpaudit.report.files import output_lock
     from fpaudit.run.scan import ScanExited, ScanInterrupted, ScanOptions, resolve_device, scan
 
     formats = [get_format(name) for name in dict.fromkeys(options.format)]
@@ -516,7 +516,7 @@ def run_command(
 
     Example: fpaudit run --max-steps 200 --out run-report -- train.py --lr 3e-4
     """
-    from fpaudit.report.store import output_lock
+    from fpaudit.report.files import output_lock
     from fpaudit.run.training import RunOptions, run_script
 
     fmt = get_format(options.format) if options.format is not None else None

@@ -113,7 +113,8 @@ def write_report(report: Report, path: str | os.PathLike[str], *, force: bool = 
 
 
 def _write_parts(report: Report, target: Path, force: bool) -> Path:
-    from fpaudit.report.store import check_target, finish, new_staging, output_errors, rank_prefix
+    from fpaudit.report.files import check_target, finish, new_staging, output_errors
+    from fpaudit.report.store import rank_prefix
 
     rank, world = dist.get_rank(), dist.get_world_size()
     plan: list[Any] = [None]
