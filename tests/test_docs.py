@@ -92,11 +92,11 @@ def test_changelog_mentions_every_command() -> None:
 
 MANUAL = [README, *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCED = re.compile(r"^```.*?^```", re.M | re.S)  # a code block, fences included
 
 
 def _without_code(text: str) -> str:
-    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
-    return re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"`[^`\n]*`", "", FENCED.sub("", text))
 
 
 def anchors(page: Path) -> set[str]:
@@ -104,8 +104,7 @@ def anchors(page: Path) -> set[str]:
     spaces to `-`, a repeated anchor numbered."""
     seen: dict[str, int] = {}
     out = set()
-    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
-    for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
+    for heading in re.findall(r"^#{1,6} (.+)$", FENCED.sub("", page.read_text()), re.M):
         slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
         count = seen.get(slug, 0)
         seen[slug] = count + 1
@@ -139,7 +138,7 @@ def transcripts(page: Path) -> Iterator[tuple[list[str], str]]:
     """Each `$ fpaudit ...` line of the page's console blocks, with the lines it printed."""
     for block in re.findall(r"^```console\n(.*?)\n```", page.read_text(), re.M | re.S):
         for part in re.split(r"^\$ ", block, flags=re.M)[1:]:
-            command, _, output = part.partition("\n")
+            command, _, output = part.replace("\\\n", " ").partition("\n")  # \ continues
             yield shlex.split(command), output.rstrip("\n")
 
 
@@ -161,3 +160,20 @@ def test_the_worked_example_is_what_fpaudit_prints(cli, tmp_path: Path, monkeypa
                 assert done.stdout.rstrip("\n") == output, (page.name, args)
                 checked.append((page.name, args[1]))
     assert sorted(set(checked)) == [("README.md", "gate"), ("gate.md", "gate"), ("show.md", "show")]
+
+
+def test_the_verify_page_quotes_what_fpaudit_prints(cli, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)  # the page's paths are relative to the repository
+    quoted = [t for t in transcripts(COMMAND_PAGES / "verify.md") if "|" not in t[0]]
+    assert [args[1] for args, _ in quoted] == ["verify"]
+    for args, output in quoted:
+        assert cli(*args[1:]).stdout.rstrip("\n") == output
+
+
+def test_the_formats_and_recipes_pages_quote_what_fpaudit_prints(cli) -> None:
+    (formats,) = [t for t in transcripts(COMMAND_PAGES / "formats.md") if t[0][1] == "formats"]
+    (recipes,) = [t for t in transcripts(COMMAND_PAGES / "recipes.md") if t[0][1] == "recipes"]
+    printed = cli("recipes").stdout.rstrip("\n")
+    assert printed == recipes[1]
+    # formats prints its own table and note, then the recipes table (the page says so)
+    assert cli("formats").stdout.rstrip("\n") == f"{formats[1]}\n{printed}"
