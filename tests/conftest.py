@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -14,6 +17,40 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_configs"
 MODELS = Path(__file__).resolve().parent / "models"
+
+# `make test` and .ci/run set it (and CI systems set CI): there a compiled kernel that does
+# not build, or FPAUDIT_KERNEL=torch, fails the kernel-equality tests instead of skipping them.
+REQUIRE_KERNEL_ENV = "FPAUDIT_REQUIRE_KERNEL"
+
+
+def kernel_required() -> bool:
+    return os.environ.get(REQUIRE_KERNEL_ENV) == "1" or bool(os.environ.get("CI"))
+
+
+def missing_kernel(kernel: str, why: str) -> NoReturn:
+    """Fail where the compiled kernels are required (CI, `make test`); skip elsewhere,
+    saying what went untested and why."""
+    if kernel_required():
+        pytest.fail(
+            f"{kernel} is required here ({REQUIRE_KERNEL_ENV}=1 or CI set) but {why}",
+            pytrace=False,
+        )
+    pytest.skip(
+        f"{kernel} untested: {why} (with {REQUIRE_KERNEL_ENV}=1 this fails)",
+        allow_module_level=True,
+    )
+
+
+def compiled_cpu_kernel() -> ModuleType:
+    """The compiled CPU kernel, for a test comparing it with the pure-torch paths."""
+    from fpaudit.kernels import build as kernels
+
+    if kernels.mode() == "torch":
+        missing_kernel("the compiled CPU kernel", "FPAUDIT_KERNEL=torch turns it off")
+    module = kernels.cpu_kernel()
+    if module is None:
+        missing_kernel("the compiled CPU kernel", f"it did not build: {kernels.failure()}")
+    return module
 
 
 def default_signals() -> None:

@@ -1,5 +1,5 @@
 """`--help` helps: every default shown, readable types, one example, and the
-README's excerpt is what `fpaudit scan --help` prints."""
+scan page's excerpt (docs/commands/scan.md) is what `fpaudit scan --help` prints."""
 
 from __future__ import annotations
 
@@ -83,10 +83,10 @@ def test_report_readers_say_run_reports_work_too(cli, monkeypatch: pytest.Monkey
         assert "written by `fpaudit scan` or `fpaudit run`" in text, name
 
 
-def test_the_readme_excerpt_is_what_scan_help_prints(cli, monkeypatch: pytest.MonkeyPatch) -> None:
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(r"```text\n\$ fpaudit scan --help\n(.*?)\n```", readme, re.S)
-    assert match, "README has no `$ fpaudit scan --help` excerpt"
+def test_the_docs_excerpt_is_what_scan_help_prints(cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    page = (ROOT / "docs" / "commands" / "scan.md").read_text()
+    match = re.search(r"```text\n\$ fpaudit scan --help\n(.*?)\n```", page, re.S)
+    assert match, "docs/commands/scan.md has no `$ fpaudit scan --help` excerpt"
     assert match.group(1) == _help(cli, monkeypatch, "scan")
     assert "[default: 10]" in match.group(1)
 

@@ -15,6 +15,7 @@ from fpaudit.kernels import build as kernels
 from fpaudit.kernels import histogram as H
 from fpaudit.numerics.formats import FORMATS, fate
 
+from .conftest import compiled_cpu_kernel, kernel_required
 from .oracle import edge_values
 
 
@@ -88,7 +89,10 @@ def test_fate_is_constant_within_every_class() -> None:
 
 def _all_paths(x: torch.Tensor) -> list[np.ndarray]:
     """Dense counts from the reference, the compiled kernel, the pure-torch CPU path and
-    the no-sync device path (the one CUDA takes, run on the CPU)."""
+    the no-sync device path (the one CUDA takes, run on the CPU). Without the compiled
+    kernel the second is the pure-torch path again: that fails where it is required."""
+    if kernel_required():
+        compiled_cpu_kernel()
     reference = torch.bincount(H.bin_indices(x), minlength=H.N_BINS).numpy()
     table = H.HistogramTable(torch.device("cpu"), capacity=1)  # also exercises growing
     kernel, fallback, device = (table.new_row() for _ in range(3))
@@ -103,10 +107,9 @@ def _all_paths(x: torch.Tensor) -> list[np.ndarray]:
 
 def test_the_compiled_kernel_builds_here() -> None:
     # This machine kind has a C++ compiler: a broken build must fail the suite, not
-    # silently fall back to the 17x slower path.
-    if kernels.mode() == "torch":
-        pytest.skip("FPAUDIT_KERNEL=torch")
-    assert kernels.cpu_kernel() is not None, kernels.failure()
+    # silently fall back to the 17x slower path (compiled_cpu_kernel fails in CI, skips
+    # with the reason elsewhere).
+    assert compiled_cpu_kernel() is kernels.cpu_kernel()
 
 
 def _exact_amax(x: torch.Tensor) -> float:
@@ -257,3 +260,19 @@ def test_merging_histograms_is_associative_and_commutative(
     assert np.array_equal(one_table.host().counts, whole.host().counts)
     assert np.array_equal(summed, whole.host().counts)
     assert max(h.host().amax for h in separate) == whole.host().amax == one_table.host().amax
+
+
+def test_a_missing_kernel_fails_where_required_and_skips_with_its_reason_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FPAUDIT_KERNEL", "torch")
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("FPAUDIT_REQUIRE_KERNEL", "1")
+    with pytest.raises(pytest.fail.Exception, match="FPAUDIT_KERNEL=torch turns it off"):
+        compiled_cpu_kernel()
+    monkeypatch.delenv("FPAUDIT_REQUIRE_KERNEL")
+    with pytest.raises(pytest.skip.Exception, match="untested: FPAUDIT_KERNEL=torch"):
+        compiled_cpu_kernel()
+    monkeypatch.setenv("CI", "true")  # CI systems set it
+    with pytest.raises(pytest.fail.Exception):
+        compiled_cpu_kernel()

@@ -29,9 +29,15 @@ from fpaudit.errors import UsageError
 from fpaudit.kernels import build as kernels
 from fpaudit.kernels import histogram as H
 
+from .conftest import compiled_cpu_kernel, kernel_required, missing_kernel
 from .oracle import edge_values
 
-pytest.importorskip("triton", reason="Triton is not installed (pip install 'fpaudit[test]')")
+try:
+    import triton  # noqa: F401
+except ImportError as error:  # the dev extras install it on Linux x86_64
+    missing_kernel(
+        "the Triton kernels", f"Triton does not import ({error}; pip install 'fpaudit[test]')"
+    )
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 in_the_interpreter = pytest.mark.skipif(not INTERPRETED, reason="run by test_in_the_interpreter")
 
@@ -181,6 +187,8 @@ def _block_vectors(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, torch
     from fpaudit.kernels import blockstats as B
     from fpaudit.numerics.recipes import get_recipe
 
+    if kernels.mode() == "torch":
+        missing_kernel("the Triton block kernel", "FPAUDIT_KERNEL=torch turns it off")
     recipe = get_recipe(name)
     blocks, padding = B._blocks(tensor, recipe)
     got = B._device_stats(blocks, recipe, padding)
@@ -194,7 +202,10 @@ def _same_blocks(tensor: torch.Tensor, name: str) -> None:
 
     got, expected = _block_vectors(tensor, name)
     assert torch.equal(got, expected), (name, (got - expected).nonzero().flatten().tolist())
-    # and hence the C++ kernel's, where it builds (the CPU path of block_stats)
+    # and hence the C++ kernel's, where it builds (the CPU path of block_stats); where the
+    # kernels are required (CI, `make test`) it must build
+    if kernel_required():
+        compiled_cpu_kernel()
     if kernels.cpu_kernel() is not None:
         assert torch.equal(got, B.block_stats(tensor, get_recipe(name)))
 
