@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -261,94 +262,103 @@ def _check_meta_types(meta: dict[str, Any], meta_file: Path) -> None:
             raise ReportError(f"{meta_file}: {key} must be a list of strings")
 
 
-def _check_meta_values(meta: dict[str, Any], meta_file: Path) -> None:
-    """Every number a reader uses lies in its range, and the findings, training and
-    scaler blocks have the shape their readers expect; each message names the field."""
+@dataclass(frozen=True)
+class _Fields:
+    """Range and type checks of meta.json's fields; each error names the file and field."""
 
-    def fail(field: str, problem: str) -> ReportError:
-        return ReportError(f"{meta_file}: {field} {problem}")
+    meta_file: Path
 
-    def whole(field: str, value: Any, low: int, high: int, *, none: bool = False) -> None:
+    def fail(self, field: str, problem: str) -> ReportError:
+        return ReportError(f"{self.meta_file}: {field} {problem}")
+
+    def whole(self, field: str, value: Any, low: int, high: int, *, none: bool = False) -> None:
         if value is None and none:
             return
         if not isinstance(value, int) or isinstance(value, bool):
-            raise fail(field, f"must be a whole number, got {_shown(value)}")
+            raise self.fail(field, f"must be a whole number, got {_shown(value)}")
         if not low <= value <= high:
-            raise fail(field, f"{_shown(value)} out of range {low}..{high}")
+            raise self.fail(field, f"{_shown(value)} out of range {low}..{high}")
 
-    def number(field: str, value: Any, low: float, high: float) -> None:
+    def number(self, field: str, value: Any, low: float, high: float) -> None:
         if not isinstance(value, int | float) or isinstance(value, bool):
-            raise fail(field, f"must be a number, got {_shown(value)}")
+            raise self.fail(field, f"must be a number, got {_shown(value)}")
         # an int compares with the float bounds exactly; math.isfinite(10**400) overflows
         finite = not isinstance(value, float) or math.isfinite(value)
         if not (finite and low <= value <= high):
-            raise fail(field, f"{_shown(value)} out of range {low:g}..{high:g}")
+            raise self.fail(field, f"{_shown(value)} out of range {low:g}..{high:g}")
 
-    def text(field: str, value: Any) -> None:
+    def text(self, field: str, value: Any) -> None:
         if not isinstance(value, str):
-            raise fail(field, f"must be a string, got {_shown(value)}")
+            raise self.fail(field, f"must be a string, got {_shown(value)}")
 
-    bounds = {
-        "headroom_bits": (0, limits.MAX_HEADROOM_BITS),
-        "steps": (0, _INT32_MAX),
-        "steps_run": (0, _INT32_MAX),
-        "every": (1, _INT32_MAX),
-        "ranks": (1, MAX_RANKS),
-        "world_size": (1, MAX_RANKS),
-        "out_of_range": (0, 2**62),
-    }
-    for key, (low, high) in bounds.items():
+
+_BOUNDS = {
+    "headroom_bits": (0, limits.MAX_HEADROOM_BITS),
+    "steps": (0, _INT32_MAX),
+    "steps_run": (0, _INT32_MAX),
+    "every": (1, _INT32_MAX),
+    "ranks": (1, MAX_RANKS),
+    "world_size": (1, MAX_RANKS),
+    "out_of_range": (0, 2**62),
+}
+_TRAINING_COUNTS = (
+    "steps",
+    "skipped",
+    "calibration_steps",
+    "steps_after_calibration",
+    "skipped_after_calibration",
+)
+
+
+def _check_meta_values(meta: dict[str, Any], meta_file: Path) -> None:
+    """Every number a reader uses lies in its range, and the findings, training and
+    scaler blocks have the shape their readers expect; each message names the field."""
+    check = _Fields(meta_file)
+    for key, (low, high) in _BOUNDS.items():
         if key in meta:
-            whole(key, meta[key], low, high)
+            check.whole(key, meta[key], low, high)
     if "steps_requested" in meta:
-        whole("steps_requested", meta["steps_requested"], 0, _INT32_MAX, none=True)
+        check.whole("steps_requested", meta["steps_requested"], 0, _INT32_MAX, none=True)
     if meta.get("loss_scale") is not None:
-        number("loss_scale", meta["loss_scale"], 2.0**-149, _FP32_MAX)
+        check.number("loss_scale", meta["loss_scale"], 2.0**-149, _FP32_MAX)
     for key in ("amp", "amp_dtype", "command"):
         if meta.get(key) is not None:
-            text(key, meta[key])
+            check.text(key, meta[key])
     selection = meta.get("selection")
     globs = selection.values() if isinstance(selection, dict) else [None]
     if selection is not None and not all(
         isinstance(v, list) and all(isinstance(p, str) for p in v) for v in globs
     ):
-        raise fail("selection", "must map option names to lists of glob strings")
+        raise check.fail("selection", "must map option names to lists of glob strings")
     for index, item in enumerate(meta.get("findings") or []):
-        where = f"findings[{index}]"
-        if not isinstance(item, dict):
-            raise fail(where, f"must be an object, got {_shown(item)}")
-        for key in ("code", "file", "message", "severity"):
-            text(f"{where}.{key}", item.get(key))
-        whole(f"{where}.line", item.get("line"), 0, _INT32_MAX)
-        whole(f"{where}.count", item.get("count"), 0, _INT32_MAX)
-        steps = item.get("steps")
-        if not isinstance(steps, list):
-            raise fail(f"{where}.steps", f"must be a list of steps, got {_shown(steps)}")
-        for step in steps:
-            whole(f"{where}.steps", step, 0, _INT32_MAX)
+        _check_finding(check, f"findings[{index}]", item)
     training = meta.get("training")
     if training is not None:
-        for key in (
-            "steps",
-            "skipped",
-            "calibration_steps",
-            "steps_after_calibration",
-            "skipped_after_calibration",
-        ):
-            whole(f"training.{key}", training.get(key), 0, _INT32_MAX)
-        number(
-            "training.skip_rate_after_calibration",
-            training.get("skip_rate_after_calibration"),
-            0.0,
-            1.0,
-        )
+        for key in _TRAINING_COUNTS:
+            check.whole(f"training.{key}", training.get(key), 0, _INT32_MAX)
+        rate = training.get("skip_rate_after_calibration")
+        check.number("training.skip_rate_after_calibration", rate, 0.0, 1.0)
     scaler = meta.get("scaler")
     if scaler is not None:
-        text("scaler.class", scaler.get("class"))
-        number("scaler.init_scale", scaler.get("init_scale"), 2.0**-149, _FP32_MAX)
-        number("scaler.growth_factor", scaler.get("growth_factor"), 0.0, _FP32_MAX)
-        number("scaler.backoff_factor", scaler.get("backoff_factor"), 0.0, _FP32_MAX)
-        whole("scaler.growth_interval", scaler.get("growth_interval"), 0, _INT32_MAX)
+        check.text("scaler.class", scaler.get("class"))
+        check.number("scaler.init_scale", scaler.get("init_scale"), 2.0**-149, _FP32_MAX)
+        check.number("scaler.growth_factor", scaler.get("growth_factor"), 0.0, _FP32_MAX)
+        check.number("scaler.backoff_factor", scaler.get("backoff_factor"), 0.0, _FP32_MAX)
+        check.whole("scaler.growth_interval", scaler.get("growth_interval"), 0, _INT32_MAX)
+
+
+def _check_finding(check: _Fields, where: str, item: Any) -> None:
+    if not isinstance(item, dict):
+        raise check.fail(where, f"must be an object, got {_shown(item)}")
+    for key in ("code", "file", "message", "severity"):
+        check.text(f"{where}.{key}", item.get(key))
+    check.whole(f"{where}.line", item.get("line"), 0, _INT32_MAX)
+    check.whole(f"{where}.count", item.get("count"), 0, _INT32_MAX)
+    steps = item.get("steps")
+    if not isinstance(steps, list):
+        raise check.fail(f"{where}.steps", f"must be a list of steps, got {_shown(steps)}")
+    for step in steps:
+        check.whole(f"{where}.steps", step, 0, _INT32_MAX)
 
 
 def _shown(value: Any) -> str:
