@@ -200,63 +200,101 @@ def verify(
     batch = modelfile.move_to(next(spec.batches(1)), target)
     with modelfile.user_code(path, f"moving the model to {target}"):
         start = spec.model.to(target)
+    steps = _Steps(path, spec, batch, clip_norm)
     scale = math.ldexp(1.0, log2_scale)
+    reference = steps.fp32(copy.deepcopy(start).train())
+    mixed_model = copy.deepcopy(start).train()
+    if keep_fp32:
+        keep_out_of_autocast(mixed_model, keep_fp32, target.type)
+    mixed = steps.mixed(mixed_model, target.type, AMP_DTYPES[amp], scale)
+    return Verification(
+        model_file=str(path),
+        amp=amp,
+        scale=scale,
+        log2_scale=log2_scale,
+        clip_norm=clip_norm,
+        skipped=mixed.skipped,
+        grad_norm_fp32=_total_norm(reference.grads),
+        grad_norm_mixed=_total_norm(mixed.grads),
+        optimizer=mixed.optimizer,
+        parameters=_parameter_checks(reference, mixed),
+        reference_nonzero=sum(int(torch.count_nonzero(g)) for g in reference.grads.values()),
+        reference_finite=reference.finite,
+    )
 
-    def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-        optimizer = spec.optimizer(model.parameters())
+
+@dataclass(frozen=True)
+class _Step:
+    """What one optimizer step did: the (unscaled) gradients and each weight's update."""
+
+    grads: dict[str, torch.Tensor]
+    updates: dict[str, torch.Tensor]
+    finite: bool  # the loss and every gradient finite
+    skipped: bool  # non-finite gradients: the step was skipped, as a scaler does
+    optimizer: str
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """One step of the model file's model on one batch, in fp32 or mixed precision."""
+
+    path: Path
+    spec: modelfile.ModelFile
+    batch: Any
+    clip_norm: float | None
+
+    def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        optimizer = self.spec.optimizer(model.parameters())
         return optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=1e-3)
 
-    def clip(model: nn.Module) -> None:
-        if clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+    def _step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, *, skips: bool
+    ) -> _Step:
+        """Clip (on the unscaled gradients, as the threshold means) and step; a step that
+        ``skips`` does not when a gradient is not finite, as a loss scaler does."""
+        grads = _gradients(model)
+        grads_finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
+        finite = bool(torch.isfinite(loss.detach()).all()) and grads_finite
+        skipped = skips and not grads_finite
+        before = _weights(model)
+        if not skipped:
+            if self.clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip_norm)
+            with modelfile.user_code(self.path, "optimizer.step()"):
+                optimizer.step()
+        updates = {n: w - before[n] for n, w in _weights(model).items()}
+        return _Step(grads, updates, finite, skipped, type(optimizer).__name__)
 
-    # fp32 reference step
-    reference = copy.deepcopy(start).train()
-    optimizer = make_optimizer(reference)
-    optimizer.zero_grad(set_to_none=True)
-    with modelfile.user_code(path, "loss(model, batch)"):
-        loss = modelfile.check_loss(spec.loss(reference, batch), path)
-    with modelfile.user_code(path, "backward"):
-        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward untyped
-    fp32_grads = _gradients(reference)
-    reference_finite = bool(torch.isfinite(loss.detach()).all()) and all(
-        bool(torch.isfinite(g).all()) for g in fp32_grads.values()
-    )
-    reference_nonzero = sum(int(torch.count_nonzero(g)) for g in fp32_grads.values())
-    before = _weights(reference)
-    clip(reference)
-    with modelfile.user_code(path, "optimizer.step()"):
-        optimizer.step()
-    fp32_updates = {n: w - before[n] for n, w in _weights(reference).items()}
+    def fp32(self, model: nn.Module) -> _Step:
+        optimizer = self._optimizer(model)
+        optimizer.zero_grad(set_to_none=True)
+        with modelfile.user_code(self.path, "loss(model, batch)"):
+            loss = modelfile.check_loss(self.spec.loss(model, self.batch), self.path)
+        with modelfile.user_code(self.path, "backward"):
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward untyped
+        return self._step(model, optimizer, loss, skips=False)
 
-    # mixed-precision step: backward on S * loss, unscale, skip if non-finite, clip, step
-    mixed = copy.deepcopy(start).train()
-    if keep_fp32:
-        keep_out_of_autocast(mixed, keep_fp32, target.type)
-    optimizer = make_optimizer(mixed)
-    optimizer.zero_grad(set_to_none=True)
-    with (
-        torch.autocast(target.type, dtype=AMP_DTYPES[amp]),
-        modelfile.user_code(path, "loss(model, batch)"),
-    ):
-        loss = modelfile.check_loss(spec.loss(mixed, batch), path)
-    with modelfile.user_code(path, "backward"):
-        torch.autograd.backward(loss, grad_tensors=torch.full_like(loss, scale))
-    for param in mixed.parameters():
-        if param.grad is not None:
-            param.grad.div_(scale)  # exact: a power of two
-    mixed_grads = _gradients(mixed)
-    skipped = not all(bool(torch.isfinite(g).all()) for g in mixed_grads.values())
-    before = _weights(mixed)
-    if not skipped:
-        clip(mixed)  # on the unscaled gradients, as the threshold means
-        with modelfile.user_code(path, "optimizer.step()"):
-            optimizer.step()
-    mixed_updates = {n: w - before[n] for n, w in _weights(mixed).items()}
+    def mixed(self, model: nn.Module, device: str, dtype: torch.dtype, scale: float) -> _Step:
+        """Backward on S * loss under autocast, unscale, skip if non-finite, clip, step."""
+        optimizer = self._optimizer(model)
+        optimizer.zero_grad(set_to_none=True)
+        with (
+            torch.autocast(device, dtype=dtype),
+            modelfile.user_code(self.path, "loss(model, batch)"),
+        ):
+            loss = modelfile.check_loss(self.spec.loss(model, self.batch), self.path)
+        with modelfile.user_code(self.path, "backward"):
+            torch.autograd.backward(loss, grad_tensors=torch.full_like(loss, scale))
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.div_(scale)  # exact: a power of two
+        return self._step(model, optimizer, loss, skips=True)
 
+
+def _parameter_checks(reference: _Step, mixed: _Step) -> list[ParameterCheck]:
     checks = []
-    for name, reference_grad in fp32_grads.items():
-        grad = mixed_grads[name]
+    for name, reference_grad in reference.grads.items():
+        grad = mixed.grads[name]
         nonzero = reference_grad != 0
         zeroed = int((nonzero & (grad == 0)).sum())
         checks.append(
@@ -265,24 +303,11 @@ def verify(
                 elements=reference_grad.numel(),
                 zeroed_fraction=zeroed / max(1, int(nonzero.sum())),
                 relative_error=_relative_error(grad, reference_grad),
-                changed_fp32=bool(fp32_updates[name].any()),
-                changed_mixed=bool(mixed_updates[name].any()),
-                update_error=_relative_error(mixed_updates[name], fp32_updates[name]),
+                changed_fp32=bool(reference.updates[name].any()),
+                changed_mixed=bool(mixed.updates[name].any()),
+                update_error=_relative_error(mixed.updates[name], reference.updates[name]),
                 zeroed=zeroed,
                 nonzero=int(nonzero.sum()),
             )
         )
-    return Verification(
-        model_file=str(path),
-        amp=amp,
-        scale=scale,
-        log2_scale=log2_scale,
-        clip_norm=clip_norm,
-        skipped=skipped,
-        grad_norm_fp32=_total_norm(fp32_grads),
-        grad_norm_mixed=_total_norm(mixed_grads),
-        optimizer=type(optimizer).__name__,
-        parameters=checks,
-        reference_nonzero=reference_nonzero,
-        reference_finite=reference_finite,
-    )
+    return checks
