@@ -333,7 +333,10 @@ class _Series:
     notes: tuple[str, ...]
 
 
-def _series(report: Report, fmt: Format | None) -> _Series:
+def _records_to_replay(report: Report) -> tuple[np.ndarray, np.ndarray, pd.DataFrame, list[str]]:
+    """The steps replayed (the first rank's), which records take part (forward and
+    backward ops of that rank, not the loss), those records, and notes on what the
+    replay cannot see."""
     if report.steps.empty:
         raise ReportError("the report has no steps to replay")
     notes: list[str] = []
@@ -359,6 +362,12 @@ def _series(report: Report, fmt: Format | None) -> _Series:
         notes.append(
             "some steps were not captured: their ops enter the histories as amax 0 (scale kept)"
         )
+    return steps, keep, selected, notes
+
+
+def _series(report: Report, fmt: Format | None) -> _Series:
+    steps, keep, selected, notes = _records_to_replay(report)
+    records = report.records
     grouped = selected.groupby(list(OP_KEY_COLUMNS), sort=False, dropna=False)
     op_of_record = grouped.ngroup().to_numpy()
     ops = grouped.size().reset_index()[list(OP_KEY_COLUMNS)]
