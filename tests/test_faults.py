@@ -767,3 +767,21 @@ def test_a_report_directory_gets_the_mode_mkdir_gives(
     assert done.returncode == 0, done.stderr
     assert out.stat().st_mode & 0o777 == directory
     assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {file}
+
+
+def test_two_installs_of_the_same_kernel_source_build_apart(tmp_path: Path) -> None:
+    """A second install (another venv or checkout) has its own build name: sharing one,
+    each install rebuilt the kernel after the other had loaded it (the build records its
+    source's path). The same install keeps its name, so its build is reused."""
+    from fpaudit.kernels import build
+
+    other = tmp_path / build.SOURCE.name
+    other.write_bytes(build.SOURCE.read_bytes())
+    here = build._name()
+    assert build._name() == here
+    original = build.SOURCE
+    try:
+        build.SOURCE = other
+        assert build._name() != here and build._name().startswith("fpaudit_histogram_")
+    finally:
+        build.SOURCE = original

@@ -30,6 +30,7 @@ import fcntl
 import hashlib
 import importlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,7 +58,12 @@ def mode() -> str:
 
 
 def _name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    # One build per source, torch and install: two installs (two venvs, two checkouts)
+    # that shared a name rebuilt the kernel each time the other had loaded it, since the
+    # build records its source's path; the interpreter's version keys the ABI.
+    key = [SOURCE.read_bytes(), torch.__version__.encode(), str(SOURCE).encode()]
+    key.append(sys.version.encode())
+    digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:12]
     return f"fpaudit_histogram_{digest}"
 
 
