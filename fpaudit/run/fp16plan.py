@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from fpaudit.cli import options
@@ -100,16 +99,13 @@ def failing(ranges: pd.DataFrame, limit: float, scale: float) -> list[str]:
 
 
 def _underflow(report: Report, fmt: Format, log2_scale: int, kept_out: set[str]) -> float:
-    """Underflow at ``2**log2_scale`` of the backward values that scale with the loss, in
-    the modules left in fp16 (values that do not scale with it do not move with S)."""
-    condensed = analysis.condense(report, analysis.default_scope(report), ("module",))
-    scaled_only = analysis.Condensed(
-        condensed.groups, condensed.scaled, np.zeros_like(condensed.fixed)
-    )
-    table = scaled_only.at(fmt, log2_scale)
+    """Underflow at ``2**log2_scale`` of the backward values in the modules left in fp16,
+    judged as ``recommend`` and ``gate`` judge them (``judged_underflow`` of
+    :mod:`fpaudit.rules.analysis`: values that underflow at every scale are counted apart)."""
+    table = analysis.module_table(report, fmt, log2_scale, scope=analysis.default_scope(report))
     table = table[~table["module"].isin(kept_out)]
     nonzero = int(table["nonzero"].sum())
-    return int(table["underflow"].sum()) / nonzero if nonzero else 0.0
+    return int(table["judged_underflow"].sum()) / nonzero if nonzero else 0.0
 
 
 def overflow_rate(
