@@ -967,6 +967,12 @@ def _op_calls_table(
     return grid
 
 
+def fp16plan_target() -> float:
+    from fpaudit.run.fp16plan import TARGET_SKIP_RATE
+
+    return TARGET_SKIP_RATE
+
+
 def fp16_plan(plan: Fp16Plan) -> None:
     """``fpaudit fp16-plan``: the modules to keep out, the scale, the verification, a snippet."""
     console = stdout()
@@ -990,10 +996,29 @@ def fp16_plan(plan: Fp16Plan) -> None:
             f"Loss scale S = {scale_text(plan.log2_scale)}: "
             f"{percent(plan.underflow_fraction)} of the backward values left in fp16 underflow."
         )
+    why = plan.scales_differ_because()
+    if plan.recommended_log2_scale is not None and plan.log2_scale is not None:
+        same = "the same scale" if why is None else f"S = {scale_text(plan.recommended_log2_scale)}"
+        console.print(
+            f"scan/recommend give {same} (headroom {plan.recommended_headroom_bits} bits, every "
+            f"module in fp16){'' if why is None else ': ' + why}."
+        )
+    unscalable = _unscalable_counts(plan.unscalable_overflow, plan.unscalable_underflow)
+    if unscalable:
+        ops = "; ".join(
+            f"{g['node']} ({short_op(g['op'])}) in {len(g['modules'])} module(s)"
+            for g in plan.unscalable[:3]
+        )
+        console.print(
+            f"{unscalable} fp16 at every scale in the fp32 scan ({ops}): no loss scale fixes "
+            "them; the verifying step below shows whether autocast keeps them in fp32."
+        )
     console.print(
-        f"growth_interval = {plan.growth_interval}: 1 / the overflow rate at 2S "
-        f"({plan.overflow_rate_at_2s:.3g} per step over {plan.steps} step(s); 3/n when none "
-        "overflows), capped at 2000."
+        f"growth_interval = {plan.growth_interval}: growth attempts skip at most 1/(N + 1) "
+        f"of the steps, kept below {percent(fp16plan_target())}; "
+        f"{round(plan.overflow_rate_at_2s * plan.steps)} of {plan.steps} scanned step(s) "
+        f"overflow at 2S, so growth would skip about {percent(plan.predicted_skip_rate)} of "
+        "steps."
     )
     for note in plan.notes:
         console.print(f"Note: {note}")
