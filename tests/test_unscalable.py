@@ -9,12 +9,16 @@ the scale answers for and count those apart (``fpaudit.rules.analysis``'s ``judg
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
 from fpaudit.numerics.formats import FORMATS
+from fpaudit.report.store import Report
 from fpaudit.rules import analysis, gating
 from fpaudit.rules.findings import SchedulerCall, scheduler_findings
 from fpaudit.rules.gating import gate
@@ -30,7 +34,7 @@ GRAD = torch.tensor([1.0, 2.0**-30])
 NORM = torch.tensor([2.0e5, 1.0, 2.0**-30])
 
 
-def split_report():  # type: ignore[no-untyped-def]
+def split_report() -> Report:
     return report_from({"grad": GRAD, "norm": NORM}, fixed=frozenset({"norm"}))
 
 
@@ -209,3 +213,18 @@ def test_the_condensed_columns_are_consistent() -> None:
     np.testing.assert_array_equal(table["unscalable_underflow"], [0, 1])
     assert isinstance(table, pd.DataFrame)
     assert (table["judged_underflow"] >= 0).all() and (table["judged_overflow"] >= 0).all()
+
+
+def test_show_marks_the_values_apart_and_its_json_counts_them(cli, tmp_path: Path) -> None:
+    path = tmp_path / "r"
+    split_report().write(path)
+    shown = cli("show", path, "--format", "fp16")
+    assert shown.code == 0, shown.stderr
+    assert "at every S" in shown.stdout  # the column, and the note under the table
+    assert "not judged by the gate unless --fail-unscalable" in shown.stdout
+    rows = {row["module"]: row for row in json.loads(cli("show", path, "--json").stdout)}
+    # at the recommended 2**11: norm's 2e5 overflows and 2**-30 underflows, apart
+    assert (rows["norm"]["unscalable_overflow"], rows["norm"]["unscalable_underflow"]) == (1, 1)
+    assert (rows["norm"]["judged_overflow"], rows["norm"]["judged_underflow"]) == (0, 0)
+    assert (rows["norm"]["overflow"], rows["norm"]["underflow"]) == (1, 1)  # what happens
+    assert rows["grad"]["unscalable_overflow"] == 0
