@@ -53,6 +53,12 @@ def raw_model(data: bytes) -> Callable[[Path], None]:
     return setup
 
 
+# what fpaudit run writes for clip_grad_norm_ before unscale_ (an error-level finding)
+CLIP_ERROR = {"code": "clip-before-unscale", "severity": "error", "file": "train.py", "line": 12,
+              "message": "clipped gradients still multiplied by the loss scale", "steps": [0],
+              "count": 1}  # fmt: skip
+
+
 def report(damage: Callable[[Path], None] | None = None, **meta: object) -> Callable[[Path], None]:
     def setup(tmp: Path) -> None:
         built = report_from({"a": torch.tensor([2.0**-30, 1.0]), "b": torch.tensor([1e-3, 0.0])})
@@ -396,6 +402,10 @@ CASES: list[Case] = [
          "2 backward value(s) in scope are inf or NaN", values_report({"a": [1.0, float("inf"), float("nan")]})),
     Case("gate on some inf/NaN values, --allow-nonfinite", ["gate", "{tmp}/report", "--max-underflow", "0.01", "--allow-nonfinite"], 0,
          "PASS", values_report({"a": [1.0, float("inf"), float("nan")]})),
+    Case("gate on a run report with an error finding", ["gate", "{tmp}/report", "--max-underflow", "0.01"], 1,
+         "the run found an error: clip-before-unscale at train.py:12", report(findings=[CLIP_ERROR])),
+    Case("gate on a run report with an error finding, --allow-errors",
+         ["gate", "{tmp}/report", "--max-underflow", "0.01", "--allow-errors"], 0, "PASS", report(findings=[CLIP_ERROR])),
     Case("gate on values the device lost (live --shadow)", ["gate", "{tmp}/report", "--max-underflow", "0.01"], 1,
          "the device lost 100% of its values at the run's loss scale (4 of 4",
          report(both(edit_records("shadow_nonzero", _first(4)), edit_records("lost", _first(4))))),

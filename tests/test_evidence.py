@@ -203,7 +203,19 @@ def test_a_run_whose_scaler_skipped_overflowing_steps_still_passes(tmp_path: Pat
     assert skipped == {3, 7}
     bad = report.records[(report.records["infs"] + report.records["nans"]) > 0]
     assert set(bad["step"]) <= skipped and len(bad)  # inf/NaN only where the scaler skipped
+    # train_amp.py clips before unscale_ (an error finding): the gate fails on that alone,
+    # naming it (issue 24); --allow-errors judges the values, whose skipped steps are excused
     gate = fpaudit("gate", out, "--max-underflow", "1", "--json")
+    result = json.loads(gate.stdout)
+    assert gate.returncode == 1 and result["nonfinite"] == 0, result
+    (failure,) = result["failures"]
+    assert failure["subject"] == "(findings)" and failure["kinds"] == ["error-finding"]
+    assert failure["reason"].startswith("the run found an error: clip-before-unscale at ")
+    assert "train_amp.py:" in failure["reason"]
+    assert failure["reason"].endswith("pass --allow-errors to gate on the values alone")
+    text = fpaudit("gate", out, "--max-underflow", "1")
+    assert text.returncode == 1 and "the run found an error: clip-before-unscale" in text.stdout
+    gate = fpaudit("gate", out, "--max-underflow", "1", "--json", "--allow-errors")
     result = json.loads(gate.stdout)
     assert result["nonfinite"] == 0 and result["failures"] == [], result
     assert gate.returncode == 0

@@ -49,9 +49,18 @@ def test_plan_keeps_out_exactly_the_failing_modules_at_the_largest_same_set_scal
     plan = fp16plan.plan_from_report(hand_report(), headroom_bits=1, max_underflow=0.001)
     assert plan.keep_out == ["a"] and plan.log2_scale == 17
     assert plan.underflow_fraction == 0.0
-    # at 2S = 2**18, b's 2**-3 * 2**18 = 32768 < 65504: no step overflows; rule of three
-    # over 6 steps: 3/6 = 0.5 -> growth_interval = ceil(1 / 0.5) = 2
-    assert plan.overflow_rate_at_2s == 0.5 and plan.growth_interval == 2
+    # at 2S = 2**18, b's 2**-3 * 2**18 = 32768 < 65504: no step overflows (rate 0). The
+    # growth interval keeps growth skips 1/(N + 1) below 0.05%: N = 2000, and with none
+    # seen at 2S the scaler may climb to a scale that overflows every step: 1/2001.
+    assert plan.overflow_rate_at_2s == 0.0 and plan.growth_interval == 2000
+    assert plan.predicted_skip_rate == 1 / 2001
+    # recommend (4 bits, every module): b's amax 2**-3 and a's 2**-10 -> 2**-3 * 2**14 =
+    # 2048 <= 4094 < 4096 -> 2**14; the plan's 2**17 differs and says why
+    assert plan.recommended_log2_scale == 14 and plan.recommended_headroom_bits == 4
+    # (b limits both; a, kept out, does not limit recommend: the headroom alone differs)
+    assert plan.scales_differ_because() == (
+        "recommend keeps 4 bits of headroom below 65504, this plan 1 (the verifying step checks it)"
+    )
     assert plan.ranges[0].forward_amax == 70000.0
 
 
@@ -67,8 +76,10 @@ def test_overflow_rate_counts_steps_whose_kept_values_overflow_at_2s() -> None:
     # at S = 2**20: b's 2**-3 * 2**20 = 131072 > 65504 in all 6 steps -> rate 1 -> N = 1
     rate, steps = fp16plan.overflow_rate(hand_report(), fp16plan.get_format("fp16"), 2.0**20,
                                          {"a"})  # fmt: skip
-    assert (rate, steps) == (1.0, 6) and fp16plan.growth_interval(rate) == 1
-    assert fp16plan.growth_interval(1e-6) == fp16plan.MAX_GROWTH_INTERVAL
+    assert (rate, steps) == (1.0, 6)
+    # every step overflows at 2S: a growth attempt skips at once, 1 skip per 2001 steps
+    assert fp16plan.growth_skip_rate(fp16plan.growth_interval(), rate) == 1 / 2001
+    assert fp16plan.growth_interval(1e-6) == fp16plan.MAX_GROWTH_INTERVAL  # capped
 
 
 def test_keep_out_of_autocast_runs_the_module_in_fp32() -> None:

@@ -259,6 +259,18 @@ def hf(kind: str) -> tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.
             return lm
 
         return make, lambda model: model(input_ids=ids, labels=ids).loss
+    if kind == "llama":  # its RMSNorm backward holds rsqrt(var + eps) ** 3: does not scale
+        llama = transformers.LlamaConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        )  # fmt: skip
+
+        def make_llama() -> nn.Module:
+            lm = transformers.LlamaForCausalLM(llama)
+            lm.loss_type = "ForCausalLM"
+            return lm
+
+        return make_llama, lambda model: model(input_ids=ids, labels=ids).loss
     config = transformers.BertConfig(
         num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64,
         vocab_size=128, max_position_embeddings=32,
@@ -279,6 +291,7 @@ ZOO: dict[str, Callable[[], Any]] = {
     "mlp": lambda: sample("mlp.py"),
     "hf_gpt2": lambda: hf("gpt2"),
     "hf_bert": lambda: hf("bert"),
+    "hf_llama": lambda: hf("llama"),
 }
 
 
@@ -288,6 +301,28 @@ CASES = [(name, 0) for name in sorted(ZOO)] + [
     ("slice_fill", 12),
     ("packed_lstm", 12),
 ]
+
+
+def test_values_counted_apart_overflow_at_every_real_scale() -> None:
+    """Issue 24: Llama's RMSNorm ``RsqrtBackward0`` ``pow`` outputs do not scale with the
+    loss. fpaudit counts those that overflow fp16 apart (``unscalable_overflow``); the
+    real backward, seeded with 2**k, overflows exactly as many at every k, so no loss
+    scale fixes them."""
+    make, loss_fn = ZOO["hf_llama"]()
+    condensed, _ = predicted(make, loss_fn)
+    keys = [
+        (str(row.node), str(row.op), int(row.output))
+        for row in condensed.groups[["node", "op", "output"]].itertuples()
+    ]
+    apart = condensed.at(FP16, 0)["unscalable_overflow"].to_numpy()
+    counted = {key: int(n) for key, n in zip(keys, apart, strict=True) if n}
+    assert counted and {key[0] for key in counted} == {"RsqrtBackward0"}, counted
+    for log2_scale in LOG2_SCALES:
+        real = real_counts(make, loss_fn, log2_scale)
+        for key, overflow in counted.items():
+            assert real[key][1] == overflow, (log2_scale, key, real[key], overflow)
+        table = condensed.at(FP16, log2_scale)
+        assert (table["unscalable_overflow"].to_numpy() == apart).all()
 
 
 @pytest.mark.parametrize(("name", "capture_log2_scale"), CASES)

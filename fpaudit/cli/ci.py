@@ -4,8 +4,9 @@
 ``<testsuite>`` that test-report tools (Jenkins, GitLab, GitHub test-report
 actions) display: one ``<testcase>`` per module in network order, one
 ``overall`` for the whole model, one ``evidence`` when the report is no evidence
-(it measured nothing, holds inf/NaN or no completed step) and, for an
-interrupted run, one ``complete``. Which testcases fail is read from the gate's
+(it measured nothing, holds inf/NaN or no completed step), for an
+interrupted run one ``complete``, and for a ``fpaudit run`` report with error
+findings one ``findings``. Which testcases fail is read from the gate's
 own verdict (:attr:`~fpaudit.rules.gating.GateResult.failures`), never decided here.
 A module fails only when the gate judged it (``--per-module``); with
 ``--overall`` the modules are listed as passing, their numbers in
@@ -56,6 +57,7 @@ ANNOTATION_TITLE = "fpaudit gate"
 OVERALL = "overall"
 COMPLETE = "complete"
 EVIDENCE = "evidence"
+FINDINGS = "findings"
 XML_DECLARATION = '<?xml version="1.0" encoding="UTF-8"?>\n'
 
 # Characters XML 1.0 cannot hold at all (ElementTree writes them unescaped, which
@@ -117,6 +119,8 @@ def _failure(failure: Failure, result: GateResult, report_path: str) -> _Failure
         name, numbers = COMPLETE, "complete: false"
     elif failure.subject == gating.EVIDENCE:
         name, numbers = EVIDENCE, _evidence_text(result)
+    elif failure.subject == gating.FINDINGS:
+        name, numbers = FINDINGS, f"error findings: {len(result.error_findings)}"
     else:
         name = module_label(failure.subject)
         offender = next((o for o in result.offenders if o["module"] == failure.subject), None)
@@ -148,7 +152,7 @@ def _failures(result: GateResult, report_path: str) -> list[_Failure]:
     """Every failing testcase, in file order: modules, ``overall``, ``evidence``, ``complete``."""
     failures = [_failure(f, result, report_path) for f in result.failures]
     # Two failures never share a testcase: modules, overall, evidence, complete are apart.
-    order = {OVERALL: 1, EVIDENCE: 2, COMPLETE: 3}
+    order = {OVERALL: 1, EVIDENCE: 2, COMPLETE: 3, FINDINGS: 4}
     return sorted(failures, key=lambda f: order.get(f.name, 0))
 
 
@@ -160,7 +164,13 @@ def gate_modules(report: Report, result: GateResult, *, include_loss: bool = Fal
     from fpaudit.rules import analysis
 
     scope = analysis.default_scope(report, include_loss)
-    return analysis.module_table(report, result.format, result.log2_scale, scope=scope)
+    table = analysis.module_table(report, result.format, result.log2_scale, scope=scope)
+    # the numbers the gate judged (values no loss scale fixes apart, as the gate counts them)
+    return table.assign(
+        underflow_fraction=table["judged_underflow_fraction"],
+        underflow=table["judged_underflow"],
+        overflow=table["judged_overflow"],
+    )
 
 
 def _xml_text(text: str) -> str:
@@ -207,7 +217,7 @@ def junit_xml(
         cases.append((name, f"report: {report_path}\n{_numbers_text(_Numbers.of(row), result)}"))
     # Offenders the table lacks (it should hold them all) still get their testcase.
     for missing in failures.values():
-        if missing.name not in seen and missing.name not in (OVERALL, EVIDENCE, COMPLETE):
+        if missing.name not in seen and missing.name not in (OVERALL, EVIDENCE, COMPLETE, FINDINGS):
             cases.append((missing.name, None))
     cases.append((OVERALL, f"report: {report_path}\n{_numbers_text(_overall(result), result)}"))
     if EVIDENCE in failures:  # the report measured nothing, or inf/NaN, or no step
@@ -217,6 +227,9 @@ def junit_xml(
             f"allowed by {flag('allow_incomplete')}" if result.incomplete_allowed else "not allowed"
         )
         cases.append((COMPLETE, f"the report's run was interrupted ({allowed})"))
+    if result.error_findings:  # fpaudit run's misuse rules of severity error
+        allowed = f"allowed by {flag('allow_errors')}" if result.errors_allowed else "not allowed"
+        cases.append((FINDINGS, f"error findings: {len(result.error_findings)} ({allowed})"))
 
     n_failures = sum(1 for name, _ in cases if name in failures)
     counts = {

@@ -921,7 +921,7 @@ def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
 @_options(GateArgs)
 def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
     """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale,
-    or when the report measured nothing, holds inf/NaN or no completed step.
+    or when the report measured nothing, holds inf/NaN, no completed step, or a run's error.
 
     Example: fpaudit gate report --max-underflow 0.001 --format fp16 --per-module
     """
@@ -948,7 +948,8 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
     result = run_gate(
         report, fmt, limit, log2_scale=log2_scale, per_module=options.per_module,
         headroom_bits=headroom, include_loss=include, allow_incomplete=options.allow_incomplete,
-        allow_nonfinite=options.allow_nonfinite,
+        allow_nonfinite=options.allow_nonfinite, fail_unscalable=options.fail_unscalable,
+        allow_errors=options.allow_errors,
     )  # fmt: skip
     if options.junit is not None:
         from fpaudit.cli import ci

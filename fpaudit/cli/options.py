@@ -497,6 +497,17 @@ class GateArgs(CommandOptions):
         off="--require-finite",
         default=False,
     )()
+    fail_unscalable: bool = flag(
+        "Also fail on values that do not scale with the loss and underflow or overflow at "
+        "every scale (shown apart; no loss scale fixes them)",
+        off="--ignore-unscalable",
+        default=False,
+    )()
+    allow_errors: bool = flag(
+        "Judge a run report with error findings (fpaudit run's misuse rules) instead of failing it",
+        off="--require-no-errors",
+        default=False,
+    )()
     junit: str | None = Option(
         help="Also write the verdict as JUnit XML: one test case per module",
         path=True,

@@ -62,6 +62,11 @@ MODULE_JSON_KEYS = (
     "underflow_fraction",
     "flushed_fraction",
     "overflow_fraction",
+    "unscalable_underflow",
+    "unscalable_overflow",
+    "judged_underflow",
+    "judged_overflow",
+    "judged_underflow_fraction",
     "amax",
 )
 
@@ -213,6 +218,10 @@ def show(
         counts = ("values", "zeros", "inf/nan", "underflow", "under %", "flush %", "overflow")
         if shadowed:
             counts = ("values", "zeros", "lost", "under %", "flush %", "overflowed", "overflow")
+    if "unscalable_overflow" in table:  # values no loss scale fixes, apart
+        apart = table["unscalable_overflow"] + table["unscalable_underflow"]
+        if bool((apart > 0).any()):
+            counts = (*counts, "at every S")
     for name in counts:  # numbers never truncate; names give way
         width = max(len(name), 7 if name == "dtype" else 9)
         grid.add_column(name, justify="right", no_wrap=True, min_width=width)
@@ -229,16 +238,26 @@ def show(
             "dtype": str(row.dtype),
             "lost": count(row.lost) if row.shadow_calls else "-",
             "overflowed": count(row.overflowed) if row.shadow_calls else "-",
+            "at every S": count(row.unscalable_overflow + row.unscalable_underflow)
+            if hasattr(row, "unscalable_overflow")
+            else "-",
         }
         first = [module_label(str(row.module))]
         if by == "op":
             first += [str(row.node), short_op(str(row.op))]
-        style = "red" if row.overflow > 0 or row.underflow_fraction > 0.01 else None
+        judged = row.judged_overflow > 0 or row.judged_underflow_fraction > 0.01
+        style = "red" if judged else None
         grid.add_row(*first, *(cells[name] for name in counts), magnitude(row.amax), style=style)
     console = stdout()
     console.print(grid)
     if top is not None:
         console.print(f"(the {top} rows with the highest underflow fraction)")
+    if "at every S" in counts:
+        console.print(
+            "(at every S: values that do not scale with the loss and underflow or overflow "
+            "whatever the scale; counted in underflow and overflow, not judged by the gate "
+            "unless --fail-unscalable)"
+        )
 
 
 # -- recommend -------------------------------------------------------------
@@ -275,6 +294,7 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
         "  One fewer headroom bit would recover another "
         f"{percent(rec.underflow_recovered_by_one_fewer_headroom_bit)}."
     )
+    lines += unscalable_lines(rec)
     if not rec.include_loss:
         lines.append(
             "  The loss seed and <loss> ops are reported but do not limit S (--include-loss)."
@@ -291,6 +311,38 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
             "values toward the top of a range they already fit in."
         )
     return lines
+
+
+def _unscalable_counts(overflow: int, underflow: int) -> str:
+    """``"480 value(s) overflow fp16"``-like counts of values no loss scale fixes."""
+    parts = []
+    if overflow:
+        parts.append(f"{count(overflow)} value(s) overflow")
+    if underflow:
+        parts.append(f"{count(underflow)} value(s) underflow")
+    return " and ".join(parts)
+
+
+def unscalable_lines(rec: Recommendation) -> list[str]:
+    """The values that underflow or overflow at every scale, apart, by node and op."""
+    counts = _unscalable_counts(rec.unscalable_overflow, rec.unscalable_underflow)
+    if not counts:
+        return []
+    groups = []
+    for group in rec.unscalable[:3]:
+        modules = group["modules"]
+        named = ", ".join(module_label(m) for m in modules[:2])
+        named += f" and {len(modules) - 2} more" if len(modules) > 2 else ""
+        groups.append(
+            f"{group['node']} ({short_op(group['op'])}) in {len(modules)} module(s): {named}"
+        )
+    more = f"; and {len(rec.unscalable) - 3} more op(s)" if len(rec.unscalable) > 3 else ""
+    return [
+        f"  Apart: {counts} {rec.format} at every scale: {'; '.join(groups)}{more}.",
+        "    They do not scale with the loss, so no loss scale fixes them and they neither "
+        "limit S nor count in its underflow: keep these ops in fp32 (autocast does for "
+        "most norms) or see `fpaudit fp16-plan`; `gate --fail-unscalable` fails on them.",
+    ]
 
 
 def recommendation(rec: Recommendation) -> None:
@@ -315,6 +367,21 @@ def gate(result: GateResult) -> None:
         f"{count(result.nonzero)} nonzero backward values (limit "
         f"{percent(result.max_underflow)}), overflow {count(result.overflow)}{lost}."
     )
+    unscalable = _unscalable_counts(result.unscalable_overflow, result.unscalable_underflow)
+    if unscalable:
+        judged = (
+            "judged by --fail-unscalable" if result.fail_unscalable
+            else "not judged: --fail-unscalable fails on them"
+        )  # fmt: skip
+        console.print(
+            f"  Apart: {unscalable} at every scale: they do not scale with the loss, so no "
+            f"loss scale fixes them ({judged}; `fpaudit recommend` lists their ops)."
+        )
+    if result.error_findings and result.errors_allowed:
+        console.print(
+            f"  The run's {len(result.error_findings)} error finding(s) were allowed by "
+            "--allow-errors."
+        )
     if not result.complete and result.incomplete_allowed:
         console.print(
             "  The report is incomplete (its run was interrupted), allowed by --allow-incomplete."
@@ -467,6 +534,9 @@ def scan_summary(
         else:
             console.print("  Scan with --forward to find the forward op that first produced it.")
     if rec.log2_scale is not None:
+        judged = "judged_underflow_fraction"  # what the recommendation judges
+        at_1 = at_1.assign(underflow_fraction=at_1[judged])
+        at_scale = at_scale.assign(underflow_fraction=at_scale[judged])
         merged = at_1.merge(at_scale, on="module", suffixes=("_at_1", "_at_s"))
         worst = merged.sort_values("underflow_fraction_at_1", ascending=False, kind="stable").head(
             top
@@ -897,6 +967,12 @@ def _op_calls_table(
     return grid
 
 
+def fp16plan_target() -> float:
+    from fpaudit.run.fp16plan import TARGET_SKIP_RATE
+
+    return TARGET_SKIP_RATE
+
+
 def fp16_plan(plan: Fp16Plan) -> None:
     """``fpaudit fp16-plan``: the modules to keep out, the scale, the verification, a snippet."""
     console = stdout()
@@ -920,10 +996,29 @@ def fp16_plan(plan: Fp16Plan) -> None:
             f"Loss scale S = {scale_text(plan.log2_scale)}: "
             f"{percent(plan.underflow_fraction)} of the backward values left in fp16 underflow."
         )
+    why = plan.scales_differ_because()
+    if plan.recommended_log2_scale is not None and plan.log2_scale is not None:
+        same = "the same scale" if why is None else f"S = {scale_text(plan.recommended_log2_scale)}"
+        console.print(
+            f"scan/recommend give {same} (headroom {plan.recommended_headroom_bits} bits, every "
+            f"module in fp16){'' if why is None else ': ' + why}."
+        )
+    unscalable = _unscalable_counts(plan.unscalable_overflow, plan.unscalable_underflow)
+    if unscalable:
+        ops = "; ".join(
+            f"{g['node']} ({short_op(g['op'])}) in {len(g['modules'])} module(s)"
+            for g in plan.unscalable[:3]
+        )
+        console.print(
+            f"{unscalable} fp16 at every scale in the fp32 scan ({ops}): no loss scale fixes "
+            "them; the verifying step below shows whether autocast keeps them in fp32."
+        )
     console.print(
-        f"growth_interval = {plan.growth_interval}: 1 / the overflow rate at 2S "
-        f"({plan.overflow_rate_at_2s:.3g} per step over {plan.steps} step(s); 3/n when none "
-        "overflows), capped at 2000."
+        f"growth_interval = {plan.growth_interval}: growth attempts skip at most 1/(N + 1) "
+        f"of the steps, kept below {percent(fp16plan_target())}; "
+        f"{round(plan.overflow_rate_at_2s * plan.steps)} of {plan.steps} scanned step(s) "
+        f"overflow at 2S, so growth would skip about {percent(plan.predicted_skip_rate)} of "
+        "steps."
     )
     for note in plan.notes:
         console.print(f"Note: {note}")

@@ -21,6 +21,15 @@ Definitions (fractions are of nonzero finite elements):
 * ``subnormal`` = ``flushed - underflow``;
 * ``overflow``: finite x whose scaled value rounds past the largest finite
   value. All four counts are exact, not bounds.
+
+What a verdict judges (one rule, here, for ``recommend``, ``gate``, ``show`` and
+``fp16-plan``): a value that does not scale with the loss keeps its fate at every
+scale, so one that underflows or overflows does so at *every* S, and no loss scale
+fixes it (an RMSNorm's ``rsqrt(var + eps) ** 3``). Those are counted apart
+(``unscalable_underflow``, ``unscalable_overflow``); the loss scale answers for the
+rest (``judged_underflow = underflow - unscalable_underflow``, ``judged_overflow =
+overflow - unscalable_overflow``, ``judged_underflow_fraction = judged_underflow /
+nonzero``). ``underflow`` and ``overflow`` stay what happens to every value at S.
 """
 
 from __future__ import annotations
@@ -62,6 +71,10 @@ COUNT_COLUMNS = (
     "flushed",
     "subnormal",
     "overflow",
+    "unscalable_underflow",
+    "unscalable_overflow",
+    "judged_underflow",
+    "judged_overflow",
 )
 
 
@@ -195,9 +208,8 @@ class Condensed:
         fixed_masks = _fate_masks(fmt, recorded, 0)
 
         def count(fate_: Fate) -> np.ndarray:
-            in_scaled = np.einsum("gbc,bc->g", self.scaled, scaled_masks[fate_].astype(np.int64))
-            in_fixed = np.einsum("gbc,bc->g", self.fixed, fixed_masks[fate_].astype(np.int64))
-            return np.asarray(in_scaled + in_fixed, dtype=np.int64)
+            in_scaled = _cells(self.scaled, scaled_masks[fate_])
+            return np.asarray(in_scaled + _cells(self.fixed, fixed_masks[fate_]), dtype=np.int64)
 
         table = self.groups.copy()
         underflow, subnormal = count(Fate.UNDERFLOW), count(Fate.SUBNORMAL)
@@ -208,14 +220,24 @@ class Condensed:
         table["flushed"] = underflow + subnormal
         table["subnormal"] = subnormal
         table["overflow"] = count(Fate.OVERFLOW)
+        # Values that do not scale keep their recorded fate at every scale.
+        table["unscalable_underflow"] = _cells(self.fixed, fixed_masks[Fate.UNDERFLOW])
+        table["unscalable_overflow"] = _cells(self.fixed, fixed_masks[Fate.OVERFLOW])
+        table["judged_underflow"] = table["underflow"] - table["unscalable_underflow"]
+        table["judged_overflow"] = table["overflow"] - table["unscalable_overflow"]
         denominator = np.maximum(nonzero, 1)
-        for name in ("underflow", "flushed", "overflow"):
+        for name in ("underflow", "flushed", "overflow", "judged_underflow"):
             table[f"{name}_fraction"] = np.where(nonzero > 0, table[name] / denominator, 0.0)
         shadow_nonzero = table["shadow_nonzero"].to_numpy()
         table["lost_fraction"] = np.where(
             shadow_nonzero > 0, table["lost"] / np.maximum(shadow_nonzero, 1), 0.0
         )
-        fractions = ["underflow_fraction", "flushed_fraction", "overflow_fraction"]
+        fractions = [
+            "underflow_fraction",
+            "flushed_fraction",
+            "overflow_fraction",
+            "judged_underflow_fraction",
+        ]
         shadow = [*SHADOW_COLUMNS, "lost_fraction"]
         keys = [
             c for c in self.groups.columns if c not in (*COUNT_COLUMNS, *shadow, "amax", "dtype")
@@ -236,6 +258,11 @@ class Condensed:
         return Condensed(
             groups, self.scaled.sum(axis=0, keepdims=True), self.fixed.sum(axis=0, keepdims=True)
         )
+
+
+def _cells(counts: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Per group, the counts of ``counts[g, b, c]`` in the cells ``mask[b, c]`` selects."""
+    return np.asarray(np.einsum("gbc,bc->g", counts, mask.astype(np.int64)), dtype=np.int64)
 
 
 def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("module",)) -> Condensed:

@@ -144,8 +144,8 @@ def drift(
                 log2_scale=k,
                 limiting_module=str(limiter["module"]) if limiter is not None else None,
                 limiting_op=str(limiter["op"]) if limiter is not None else None,
-                underflow_fraction=float(own["underflow_fraction"]),
-                underflow_at_run_scale=float(at_run["underflow_fraction"]),
+                underflow_fraction=float(own["judged_underflow_fraction"]),
+                underflow_at_run_scale=float(at_run["judged_underflow_fraction"]),
             )
         )
     ks = [w.log2_scale for w in windows if w.log2_scale is not None]

@@ -240,11 +240,16 @@ def scheduler_findings(
     table: dict[str, list[Any]], calls: Sequence[tuple[Site, int, str]]
 ) -> list[Finding]:
     """Scheduler steps (site, the step its optimizer last attempted, class name) that
-    followed a skipped optimizer step."""
+    followed a skipped optimizer step. The calibration skips (the leading run of skips
+    while a fresh dynamic scaler backs off from its initial scale, see
+    :func:`skip_statistics`) are the scaler's design, not the script's mistake: the
+    PyTorch AMP recipe steps its scheduler on them too, and is not flagged."""
     found = Findings()
+    calibration = skip_statistics(np.array(table["skipped"], dtype=bool))["calibration_steps"]
+    calibrating = set(table["step"][:calibration])
     skipped = dict(zip(table["step"], table["skipped"], strict=True))
     for site, attempt, name in calls:
-        if skipped.get(attempt, False):
+        if skipped.get(attempt, False) and attempt not in calibrating:
             found.add(
                 "scheduler-on-skipped-step",
                 site,

@@ -19,7 +19,16 @@ the flags instead (``--max-underflow``, ``--allow-incomplete``). The gate fails
   lost fraction (values the device really zeroed) exceeds it, or when any value
   overflows at the scale (a dynamic scaler would skip the step, a static one
   train on inf);
-* on an interrupted run, unless ``allow_incomplete``.
+* on an interrupted run, unless ``allow_incomplete``;
+* on the run's **error findings** (``fpaudit run``'s misuse rules of severity
+  ``error``, such as clipping gradients still multiplied by the loss scale), one
+  failure per finding, unless ``allow_errors``.
+
+Values that do not scale with the loss and underflow or overflow at every scale
+(:mod:`fpaudit.rules.analysis`'s ``unscalable_*`` counts) are not a loss-scale problem:
+the range rules judge the values the scale answers for, and the result counts the
+others apart (:attr:`GateResult.unscalable_overflow`); with ``fail_unscalable``
+any such value fails the gate too.
 
 The scale defaults to the recommended one.
 """
@@ -48,11 +57,14 @@ NOTHING_MEASURED = "nothing-measured"
 NONFINITE = "nonfinite"
 NO_STEPS = "no-steps"
 INCOMPLETE = "incomplete"
+UNSCALABLE = "unscalable"
+ERROR_FINDING = "error-finding"
 
 # Subjects that are not modules.
 OVERALL = "(all modules)"
 EVIDENCE = "(evidence)"
 COMPLETE = "(complete)"
+FINDINGS = "(findings)"
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,12 @@ class GateResult:
     shadow_nonzero: int = 0  # live --shadow: nonzero values of the fp32 re-runs
     lost: int = 0  # live --shadow: of those, zero on the device
     lost_fraction: float = 0.0
+    # values that do not scale with the loss and underflow/overflow at every scale
+    unscalable_underflow: int = 0
+    unscalable_overflow: int = 0
+    fail_unscalable: bool = False
+    error_findings: list[dict[str, Any]] = field(default_factory=list)  # the run's errors
+    errors_allowed: bool = False
     failures: list[Failure] = field(default_factory=list)  # empty exactly when passed
 
     def to_dict(self, *, flags: bool = False) -> dict[str, Any]:
@@ -130,6 +148,8 @@ def gate(
     include_loss: bool = False,
     allow_incomplete: bool = False,
     allow_nonfinite: bool = False,
+    fail_unscalable: bool = False,
+    allow_errors: bool = False,
 ) -> GateResult:
     """Judge ``report`` at ``2**log2_scale`` (default: the recommended scale)."""
     fmt = as_format(fmt)
@@ -149,14 +169,14 @@ def gate(
     if per_module:
         for row in analysis.module_table(report, fmt, log2_scale, scope=scope).itertuples():
             numbers = row._asdict()
-            kinds = _range_kinds(numbers, max_underflow)
+            kinds = _range_kinds(numbers, max_underflow, fail_unscalable)
             if kinds:
                 module = str(row.module)
                 offenders.append(_offender(module, numbers))
                 subject = f"module {module_label(module)}"
                 reason = _range_reason(subject, numbers, kinds, max_underflow, where)
                 failures.append(Failure(module, kinds, reason))
-    overall_kinds = _range_kinds(overall, max_underflow)
+    overall_kinds = _range_kinds(overall, max_underflow, fail_unscalable)
     if overall_kinds:
         if not per_module:
             offenders.append(_offender(OVERALL, overall))
@@ -181,6 +201,9 @@ def gate(
                 ),
             )
         )
+    errors = [dict(item) for item in report.info.findings if item.get("severity") == "error"]
+    if not allow_errors:
+        failures += [_finding_failure(item) for item in errors]
     return GateResult(
         passed=not failures,
         format=fmt.name,
@@ -188,10 +211,10 @@ def gate(
         scale=math.ldexp(1.0, log2_scale),
         scale_source=scale_source,
         max_underflow=max_underflow,
-        underflow_fraction=float(overall["underflow_fraction"]),
-        underflow=int(overall["underflow"]),
+        underflow_fraction=float(overall["judged_underflow_fraction"]),
+        underflow=int(overall["judged_underflow"]),
         nonzero=int(overall["nonzero"]),
-        overflow=int(overall["overflow"]),
+        overflow=int(overall["judged_overflow"]),
         per_module=per_module,
         offenders=offenders,
         complete=report.complete,
@@ -203,30 +226,41 @@ def gate(
         shadow_nonzero=int(overall["shadow_nonzero"]),
         lost=int(overall["lost"]),
         lost_fraction=float(overall["lost_fraction"]),
+        unscalable_underflow=int(overall["unscalable_underflow"]),
+        unscalable_overflow=int(overall["unscalable_overflow"]),
+        fail_unscalable=fail_unscalable,
+        error_findings=errors,
+        errors_allowed=allow_errors,
         failures=failures,
     )
 
 
-def _range_kinds(numbers: dict[str, Any], max_underflow: float) -> tuple[str, ...]:
-    """Which range rules a module's (or the whole model's) numbers break."""
+def _range_kinds(
+    numbers: dict[str, Any], max_underflow: float, fail_unscalable: bool
+) -> tuple[str, ...]:
+    """Which range rules a module's (or the whole model's) numbers break: the values the
+    scale answers for (``judged_*``), and with ``fail_unscalable`` the others."""
     kinds = []
-    if float(numbers["underflow_fraction"]) > max_underflow:
+    if float(numbers["judged_underflow_fraction"]) > max_underflow:
         kinds.append(UNDERFLOW)
     if float(numbers["lost_fraction"]) > max_underflow:
         kinds.append(LOST)
-    if int(numbers["overflow"]) > 0:
+    if int(numbers["judged_overflow"]) > 0:
         kinds.append(OVERFLOW)
+    unscalable = int(numbers["unscalable_underflow"]) + int(numbers["unscalable_overflow"])
+    if fail_unscalable and unscalable > 0:
+        kinds.append(UNSCALABLE)
     return tuple(kinds)
 
 
 def _range_reason(
     subject: str, numbers: dict[str, Any], kinds: tuple[str, ...], limit: float, where: str
 ) -> Wording:
-    parts = []
+    parts: list[str | Named] = []
     if UNDERFLOW in kinds:
         parts.append(
-            f"underflow {percent(float(numbers['underflow_fraction']))} exceeds the limit "
-            f"{percent(limit)}"
+            f"underflow {percent(float(numbers['judged_underflow_fraction']))} exceeds the "
+            f"limit {percent(limit)}"
         )
     if LOST in kinds:
         parts.append(
@@ -236,14 +270,51 @@ def _range_reason(
             f"fp32 re-run), over the limit {percent(limit)}"
         )
     if OVERFLOW in kinds:
-        parts.append(f"{count(numbers['overflow'])} value(s) overflow")
+        parts.append(f"{count(numbers['judged_overflow'])} value(s) overflow")
+    if UNSCALABLE in kinds:
+        parts.append(
+            f"{_unscalable_text(numbers)} at every scale (they do not scale with the loss), "
+            "which fails the gate with "
+        )
+        parts.append(Named("fail_unscalable", True))
+    joined: list[str | Named] = []
+    for part in parts:  # " and " between the rules; a Named ends the part before it
+        if joined and isinstance(joined[-1], str) and isinstance(part, str):
+            joined.append(" and ")
+        joined.append(part)
     return Wording(
-        f"{subject}: {' and '.join(parts)}; underflow fraction "
-        f"{float(numbers['underflow_fraction']):.6g} vs ",
+        f"{subject}: ",
+        *joined,
+        f"; underflow fraction {float(numbers['judged_underflow_fraction']):.6g} vs ",
         Named("max_underflow"),
         f" {limit:g} "
-        f"({count(numbers['underflow'])} of {count(numbers['nonzero'])} nonzero backward values), "
-        f"overflow {count(numbers['overflow'])}; {where}",
+        f"({count(numbers['judged_underflow'])} of {count(numbers['nonzero'])} nonzero backward "
+        f"values), overflow {count(numbers['judged_overflow'])}; {where}",
+    )
+
+
+def _unscalable_text(numbers: dict[str, Any]) -> str:
+    """``"480 value(s) overflow"``, ``"3 value(s) underflow"`` or both."""
+    parts = []
+    if int(numbers["unscalable_overflow"]):
+        parts.append(f"{count(numbers['unscalable_overflow'])} value(s) overflow")
+    if int(numbers["unscalable_underflow"]):
+        parts.append(f"{count(numbers['unscalable_underflow'])} value(s) underflow")
+    return " and ".join(parts)
+
+
+def _finding_failure(item: dict[str, Any]) -> Failure:
+    """One error finding of ``fpaudit run``: the gate fails on it unless told otherwise."""
+    where = f"{item.get('file', '?')}:{item.get('line', '?')}"
+    return Failure(
+        FINDINGS,
+        (ERROR_FINDING,),
+        Wording(
+            f"the run found an error: {item.get('code', '?')} at {where} "
+            f"({item.get('message', '')}); pass ",
+            Named("allow_errors", True),
+            " to gate on the values alone",
+        ),
     )
 
 
@@ -349,10 +420,12 @@ def _nothing_reason(report: Report, overall: dict[str, Any]) -> Wording:
 def _offender(module: str, row: dict[str, Any]) -> dict[str, Any]:
     return {
         "module": module,
-        "underflow_fraction": float(row["underflow_fraction"]),
-        "underflow": int(row["underflow"]),
+        "underflow_fraction": float(row["judged_underflow_fraction"]),
+        "underflow": int(row["judged_underflow"]),
         "nonzero": int(row["nonzero"]),
-        "overflow": int(row["overflow"]),
+        "overflow": int(row["judged_overflow"]),
+        "unscalable_underflow": int(row["unscalable_underflow"]),
+        "unscalable_overflow": int(row["unscalable_overflow"]),
         "lost": int(row["lost"]),
         "lost_fraction": float(row["lost_fraction"]),
     }

@@ -9,6 +9,12 @@ below the format's maximum, as PopART's top histogram bin edge at 1/16 of max
 does. Scales below 1 are
 legitimate. The scale is kept within fp32's normal range (2**-126 .. 2**127),
 where loss scalers hold it.
+
+Values that do not scale with the loss and underflow or overflow the format do so
+at every scale (:mod:`fpaudit.rules.analysis` counts them apart): no loss scale fixes
+them, so they neither limit S nor count in the underflow it reports; the
+recommendation lists them apart (:attr:`Recommendation.unscalable`), by autograd
+node and op, so that a reader keeps those ops out of the format instead.
 """
 
 from __future__ import annotations
@@ -61,6 +67,10 @@ class Recommendation:
     include_loss: bool
     modules: list[dict[str, Any]] = field(default_factory=list)
     live_dtype: str | None = None  # live report: only values held in this dtype count
+    # values that do not scale with the loss and underflow/overflow at every scale
+    unscalable_underflow: int = 0
+    unscalable_overflow: int = 0
+    unscalable: list[dict[str, Any]] = field(default_factory=list)  # by node and op
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +94,12 @@ def recommend(
     at_1 = analysis.module_table(report, fmt, 0, scope=scope)
     overall_at_1 = analysis.totals(report, fmt, 0, scope=scope)
 
+    apart = unscalable(report, fmt, scope)
+    unscalable_counts: dict[str, Any] = {
+        "unscalable_underflow": int(overall_at_1["unscalable_underflow"]),
+        "unscalable_overflow": int(overall_at_1["unscalable_overflow"]),
+        "unscalable": apart,
+    }
     if records.empty or not (unscaled > 0).any():
         return Recommendation(
             format=fmt.name,
@@ -94,12 +110,13 @@ def recommend(
             limiting_module=None,
             limiting_op=None,
             limited_by="no nonzero values",
-            underflow_fraction=overall_at_1["underflow_fraction"],
-            underflow_fraction_at_1=overall_at_1["underflow_fraction"],
+            underflow_fraction=overall_at_1["judged_underflow_fraction"],
+            underflow_fraction_at_1=overall_at_1["judged_underflow_fraction"],
             underflow_recovered_by_one_fewer_headroom_bit=0.0,
             include_loss=include_loss,
             modules=_modules(at_1, at_1),
             live_dtype=scope.dtypes[0] if scope.dtypes else None,
+            **unscalable_counts,
         )
 
     limiter = records.loc[unscaled.idxmax()]
@@ -118,18 +135,44 @@ def recommend(
         limiting_module=str(limiter["module"]),
         limiting_op=str(limiter["op"]),
         limited_by=limited_by,
-        underflow_fraction=overall["underflow_fraction"],
-        underflow_fraction_at_1=overall_at_1["underflow_fraction"],
+        underflow_fraction=overall["judged_underflow_fraction"],
+        underflow_fraction_at_1=overall_at_1["judged_underflow_fraction"],
         underflow_recovered_by_one_fewer_headroom_bit=(
-            overall["underflow_fraction"] - overall_one_fewer["underflow_fraction"]
+            overall["judged_underflow_fraction"] - overall_one_fewer["judged_underflow_fraction"]
         ),
         include_loss=include_loss,
         modules=_modules(at_1, analysis.module_table(report, fmt, k, scope=scope)),
         live_dtype=scope.dtypes[0] if scope.dtypes else None,
+        **unscalable_counts,
     )
 
 
+def unscalable(
+    report: Report, fmt: Format | str, scope: analysis.Scope | None = None
+) -> list[dict[str, Any]]:
+    """The values that underflow or overflow ``fmt`` at every scale (they do not scale
+    with the loss), per autograd node and op, largest count first: ``node``, ``op``,
+    ``underflow``, ``overflow`` and the ``modules`` they are in, in network order."""
+    scope = scope or analysis.default_scope(report)
+    table = analysis.range_loss(report, fmt, 0, scope=scope, by=("module", "node", "op"))
+    table = table[(table["unscalable_underflow"] > 0) | (table["unscalable_overflow"] > 0)]
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in table.itertuples():
+        group = groups.setdefault(
+            (str(row.node), str(row.op)),
+            {"node": str(row.node), "op": str(row.op), "underflow": 0, "overflow": 0,
+             "modules": []},
+        )  # fmt: skip
+        group["underflow"] += int(row.unscalable_underflow)
+        group["overflow"] += int(row.unscalable_overflow)
+        if str(row.module) not in group["modules"]:
+            group["modules"].append(str(row.module))
+    return sorted(groups.values(), key=lambda g: -(g["underflow"] + g["overflow"]))
+
+
 def _modules(at_1: Any, at_scale: Any) -> list[dict[str, Any]]:
+    at_1 = at_1.assign(underflow_fraction=at_1["judged_underflow_fraction"])
+    at_scale = at_scale.assign(underflow_fraction=at_scale["judged_underflow_fraction"])
     merged = at_1[["module", "underflow_fraction", "amax"]].merge(
         at_scale[["module", "underflow_fraction"]], on="module", suffixes=("_at_1", "")
     )

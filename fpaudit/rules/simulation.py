@@ -178,7 +178,8 @@ def _json_float(value: float) -> float | None:
 def _underflow(
     report: Report, fmt: Format, scope: analysis.Scope, steps: np.ndarray, scale: np.ndarray
 ) -> tuple[np.ndarray, int, int]:
-    """Per step, the underflow fraction at its scale (captured steps; NaN elsewhere)."""
+    """Per step, the underflow fraction at its scale (captured steps; NaN elsewhere), of the
+    values the scale answers for (``analysis``'s ``judged_underflow``, as ``gate`` judges)."""
     fractions = np.full(len(steps), np.nan)
     if report.records.empty:
         return fractions, 0, 0
@@ -196,7 +197,7 @@ def _underflow(
             if row is None:
                 continue
             n = int(table["nonzero"].iloc[row])
-            u = int(table["underflow"].iloc[row])
+            u = int(table["judged_underflow"].iloc[row])
             fractions[i] = u / n if n else 0.0
             underflow += u
             nonzero += n

@@ -27,14 +27,24 @@ autocast keeps in fp32 anyway (a norm's variance); each candidate, broadest
 first, is dropped when the step still verifies without it. The result is minimal
 for the verification: no single module of it can be returned to fp16.
 
-``growth_interval``: at 2S, the scale one growth would reach, the fraction of
-scanned steps that would overflow is ``r`` (a step overflows when a kept module's
-backward amax times 2S passes 65504; with none seen in n steps, the rule-of-three
-bound ``3/n``). A GradScaler that grows every N clean steps and backs off on the
-first overflow spends, on average, ``1/r`` steps at 2S before it backs off; ``N =
-ceil(1/r)`` makes it try growing no more often than overflow at the grown scale is
-expected, so growth attempts cost at most about one skipped step per ``2N`` steps.
-N is capped at torch's default 2000.
+``growth_interval``: a GradScaler that grows every N clean steps and backs off on
+the first overflow pays for each growth attempt that overflows with one skipped
+step, and attempts at most once per N + 1 steps (N clean steps, then the step at
+the grown scale). Whatever the overflow rate at the grown scale, growth attempts
+so skip at most 1/(N + 1) of the steps; the rule takes the smallest N that keeps
+this strictly below ``TARGET_SKIP_RATE`` = 0.05%: N = floor(1 / 0.0005) = 2000
+(1/2001 = 0.04998%), torch's default. A shorter interval would need the overflow
+rate at every scale the scaler can climb to known small, which a scan of a few
+steps cannot show: with none of n scanned steps overflowing, the rule of three
+bounds the per-step rate only by 3/n (75% for n = 4). The scan's overflow rate at
+2S (``r``, the fraction of scanned steps whose kept backward amax times 2S passes
+65504) refines the prediction: the cycle is N clean steps and about 1/r at 2S,
+so growth skips ``1 / (N + 1/r)`` of the steps.
+
+The plan's headroom (default 1 bit, over the modules left in fp16, checked by a
+verifying step) differs from ``scan``/``recommend``'s (4 bits, every module, no
+step run): the plan carries both scales (``recommended_log2_scale``) and says why
+they differ.
 
 Known limitations: the fp32 scan does not know which values autocast keeps in
 fp32; forward values count whatever their dtype would be, backward values that
@@ -50,21 +60,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from fpaudit import defaults
 from fpaudit.errors import OptionError, UsageError
 from fpaudit.numerics.formats import Format, get_format
+from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS as RECOMMEND_HEADROOM_BITS
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis, origins
+from fpaudit.rules.recommendation import recommend
 
 # declared once in fpaudit.defaults (4 steps, 1 bit of headroom, 0.001)
 DEFAULT_STEPS = defaults.FP16_PLAN_STEPS
 DEFAULT_HEADROOM_BITS = defaults.FP16_PLAN_HEADROOM_BITS
 DEFAULT_MAX_UNDERFLOW = defaults.FP16_PLAN_MAX_UNDERFLOW
 MAX_GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default
+TARGET_SKIP_RATE = 0.0005  # growth attempts skip fewer than 0.05% of the steps
 _LOG2_RANGE = range(-24, 64)
 
 
@@ -100,23 +112,21 @@ def failing(ranges: pd.DataFrame, limit: float, scale: float) -> list[str]:
 
 
 def _underflow(report: Report, fmt: Format, log2_scale: int, kept_out: set[str]) -> float:
-    """Underflow at ``2**log2_scale`` of the backward values that scale with the loss, in
-    the modules left in fp16 (values that do not scale with it do not move with S)."""
-    condensed = analysis.condense(report, analysis.default_scope(report), ("module",))
-    scaled_only = analysis.Condensed(
-        condensed.groups, condensed.scaled, np.zeros_like(condensed.fixed)
-    )
-    table = scaled_only.at(fmt, log2_scale)
+    """Underflow at ``2**log2_scale`` of the backward values in the modules left in fp16,
+    judged as ``recommend`` and ``gate`` judge them (``judged_underflow`` of
+    :mod:`fpaudit.rules.analysis`: values that underflow at every scale are counted apart)."""
+    table = analysis.module_table(report, fmt, log2_scale, scope=analysis.default_scope(report))
     table = table[~table["module"].isin(kept_out)]
     nonzero = int(table["nonzero"].sum())
-    return int(table["underflow"].sum()) / nonzero if nonzero else 0.0
+    return int(table["judged_underflow"].sum()) / nonzero if nonzero else 0.0
 
 
 def overflow_rate(
     report: Report, fmt: Format, scale: float, kept_out: set[str]
 ) -> tuple[float, int]:
-    """The fraction of steps in which a kept module's backward value overflows at ``scale``,
-    and the number of steps (when none does, the rule-of-three bound min(1, 3/n))."""
+    """The fraction of scanned steps in which a kept module's backward value overflows at
+    ``scale`` (0 when none does: then the rule of three bounds the true rate by 3/n),
+    and the number of steps."""
     records = report.records
     scaled = records[
         (records["kind"] == KIND_BACKWARD)
@@ -127,11 +137,26 @@ def overflow_rate(
     steps = max(1, report.steps["step"].nunique())
     per_step = (scaled["amax"] / scaled["loss_scale"]).groupby(scaled["step"]).max()
     overflowing = int((per_step * scale > fmt.max_finite).sum())
-    return (overflowing / steps if overflowing else min(1.0, 3.0 / steps)), steps
+    return overflowing / steps, steps
 
 
-def growth_interval(rate: float) -> int:
-    return int(min(MAX_GROWTH_INTERVAL, max(1, math.ceil(1.0 / rate))))
+def growth_interval(target_skip_rate: float = TARGET_SKIP_RATE) -> int:
+    """The smallest N whose growth attempts skip fewer than ``target_skip_rate`` of the
+    steps whatever the overflow rate at the grown scale: 1/(N + 1) < p, so N = floor(1/p)
+    (0.0005 -> 2000), at most torch's default."""
+    if not 0 < target_skip_rate <= 1:
+        raise ValueError("target_skip_rate must be in (0, 1]")
+    return int(min(MAX_GROWTH_INTERVAL, max(1, math.floor(1.0 / target_skip_rate))))
+
+
+def growth_skip_rate(interval: int, rate_at_2s: float) -> float:
+    """The fraction of steps growth attempts skip: one skip per cycle of ``interval``
+    clean steps and about ``1 / rate_at_2s`` steps at the grown scale. With no overflow
+    seen at 2S the scaler climbs past it to a scale that may overflow every step: the
+    bound ``1 / (interval + 1)``."""
+    if rate_at_2s <= 0:
+        return 1.0 / (interval + 1)
+    return 1.0 / (interval + 1.0 / min(rate_at_2s, 1.0))
 
 
 @dataclass
@@ -150,6 +175,47 @@ class Plan:
     verification: Any = None  # fpaudit.run.verify.Verification
     notes: list[str] = field(default_factory=list)
     candidates: list[str] = field(default_factory=list)  # the criterion's set, before pruning
+    # scan/recommend's scale for the same report (every module in fp16, its own headroom)
+    recommended_log2_scale: int | None = None
+    recommended_headroom_bits: int = 0
+    recommended_limiting_module: str | None = None
+    # values that over/underflow fp16 at every scale (no scale fixes them), by node and op
+    unscalable_overflow: int = 0
+    unscalable_underflow: int = 0
+    unscalable: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def predicted_skip_rate(self) -> float:
+        """The fraction of steps growth attempts skip (:func:`growth_skip_rate`)."""
+        return growth_skip_rate(self.growth_interval, self.overflow_rate_at_2s)
+
+    def scales_differ_because(self) -> str | None:
+        """Why this plan's scale is not scan/recommend's, in plain words (None: the same)."""
+        if self.recommended_log2_scale is None or self.log2_scale is None:
+            return None
+        if self.recommended_log2_scale == self.log2_scale:
+            return None
+        reasons = []
+        if self.recommended_headroom_bits != self.headroom_bits:
+            reasons.append(
+                f"recommend keeps {self.recommended_headroom_bits} bits of headroom below "
+                f"65504, this plan {self.headroom_bits} (the verifying step checks it)"
+            )
+        set_apart = self.candidates or self.keep_out
+        if self.recommended_limiting_module in set_apart:
+            pruned = sorted(set(set_apart) - set(self.keep_out))
+            how = "kept out of fp16" if not pruned else (
+                "kept out of fp16, or shown by the verifying step to fit: autocast runs "
+                "their large values in fp32"
+            )  # fmt: skip
+            reasons.append(
+                f"recommend's S is limited by {self.recommended_limiting_module}, one of the "
+                f"{len(set_apart)} module(s) whose values would not fit fp16 at this plan's S "
+                f"and so do not limit it ({how})"
+            )
+        if not reasons:
+            reasons.append("the plan's scale meets the underflow limit with the same modules")
+        return "; ".join(reasons)
 
     @property
     def scale(self) -> float | None:
@@ -199,6 +265,15 @@ class Plan:
             "overflow_rate_at_2s": self.overflow_rate_at_2s,
             "steps": self.steps,
             "growth_interval": self.growth_interval,
+            "target_skip_rate": TARGET_SKIP_RATE,
+            "predicted_skip_rate": self.predicted_skip_rate,
+            "recommended_log2_scale": self.recommended_log2_scale,
+            "recommended_headroom_bits": self.recommended_headroom_bits,
+            "recommended_limiting_module": self.recommended_limiting_module,
+            "scales_differ_because": self.scales_differ_because(),
+            "unscalable_overflow": self.unscalable_overflow,
+            "unscalable_underflow": self.unscalable_underflow,
+            "unscalable": self.unscalable,
             "verification": None if self.verification is None else self.verification.to_dict(),
             "passed": self.passed,
             "snippet": self.snippet(),
@@ -227,9 +302,8 @@ def plan_from_report(
             chosen = k
             break
     notes: list[str] = []
+    recommended = recommend(report, fmt, RECOMMEND_HEADROOM_BITS)
     if chosen is None:
-        from fpaudit.rules.recommendation import recommend
-
         chosen = recommend(report, fmt, headroom_bits).log2_scale
         if chosen is None:
             raise UsageError(f"{report.info.model_file}: no backward values to plan on")
@@ -256,8 +330,14 @@ def plan_from_report(
         _underflow(report, fmt, chosen, kept),
         rate,
         steps,
-        growth_interval(rate),
+        growth_interval(),
         notes=notes,
+        recommended_log2_scale=recommended.log2_scale,
+        recommended_headroom_bits=RECOMMEND_HEADROOM_BITS,
+        recommended_limiting_module=recommended.limiting_module,
+        unscalable_overflow=recommended.unscalable_overflow,
+        unscalable_underflow=recommended.unscalable_underflow,
+        unscalable=recommended.unscalable,
     )
 
 
