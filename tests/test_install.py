@@ -39,28 +39,30 @@ def test_pip_install_keeps_the_users_torch(tmp_path: Path) -> None:
     _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", wheels, ROOT)
     (wheel,) = wheels.glob("fpaudit-*.whl")
 
+    # the user's environment sees none of this checkout (a PYTHONPATH to it would make
+    # pip think fpaudit is already installed)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env_dir = tmp_path / "user-env"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    _run(python, "-m", "pip", "install", "--quiet", spec)
+    _run(python, "-m", "pip", "install", "--quiet", spec, env=env)
     probe = "import torch, os; print(torch.__version__, os.path.getmtime(torch.__file__))"
-    before = _run(python, "-c", probe).strip()
+    before = _run(python, "-c", probe, env=env).strip()
 
-    log = _run(python, "-m", "pip", "install", wheel)
-    after = _run(python, "-c", probe).strip()
+    log = _run(python, "-m", "pip", "install", wheel, env=env)
+    after = _run(python, "-c", probe, env=env).strip()
     assert after == before, log
     assert "Uninstalling torch" not in log and "Collecting torch" not in log, log
 
     # the installed package (not this checkout) scans a model, C++ kernel source included
     out = tmp_path / "report"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     scan = _run(
         env_dir / "bin" / "fpaudit", "scan", ROOT / "sample_configs" / "quadratic.py",
         "--steps", "1", "--out", out, env=env,
     )  # fmt: skip
     assert (out / "records.parquet").is_file(), scan
     where = "import fpaudit, pathlib; print(pathlib.Path(fpaudit.__file__).parent)"
-    located = _run(python, "-c", where, cwd=tmp_path)  # not this checkout's copy
+    located = _run(python, "-c", where, env=env, cwd=tmp_path)  # not this checkout's copy
     package = Path(located.strip())
     assert package.is_relative_to(env_dir), located
-    assert (package / "_histogram_kernel.cpp").is_file()
+    assert (package / "kernels" / "_histogram_kernel.cpp").is_file()
