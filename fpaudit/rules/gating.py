@@ -164,43 +164,16 @@ def gate(
     overall = analysis.totals(report, fmt, log2_scale, scope=scope)
     where = f"{fmt.name} at S = {scale_text(log2_scale)} ({scale_source})"
 
-    failures: list[Failure] = []
-    offenders: list[dict[str, Any]] = []
-    if per_module:
-        for row in analysis.module_table(report, fmt, log2_scale, scope=scope).itertuples():
-            numbers = row._asdict()
-            kinds = _range_kinds(numbers, max_underflow, fail_unscalable)
-            if kinds:
-                module = str(row.module)
-                offenders.append(_offender(module, numbers))
-                subject = f"module {module_label(module)}"
-                reason = _range_reason(subject, numbers, kinds, max_underflow, where)
-                failures.append(Failure(module, kinds, reason))
-    overall_kinds = _range_kinds(overall, max_underflow, fail_unscalable)
-    if overall_kinds:
-        if not per_module:
-            offenders.append(_offender(OVERALL, overall))
-        reason = _range_reason("overall", overall, overall_kinds, max_underflow, where)
-        failures.append(Failure(OVERALL, overall_kinds, reason))
-
+    failures, offenders = _range_failures(
+        report, fmt, log2_scale, scope, overall, per_module, max_underflow, fail_unscalable, where
+    )
     steps_run = _steps_run(report)
     nonfinite, loss_steps = _nonfinite(report, scope)
     failures += _evidence(
         report, overall, steps_run, nonfinite, loss_steps, allow_nonfinite, include_loss
     )
     if not report.complete and not allow_incomplete:
-        failures.append(
-            Failure(
-                COMPLETE,
-                (INCOMPLETE,),
-                Wording(
-                    "the report is incomplete (its run was interrupted), which fails the gate; "
-                    "pass ",
-                    Named("allow_incomplete", True),
-                    " to judge it anyway",
-                ),
-            )
-        )
+        failures.append(_INCOMPLETE_FAILURE)
     errors = [dict(item) for item in report.info.findings if item.get("severity") == "error"]
     if not allow_errors:
         failures += [_finding_failure(item) for item in errors]
@@ -233,6 +206,50 @@ def gate(
         errors_allowed=allow_errors,
         failures=failures,
     )
+
+
+def _range_failures(
+    report: Report,
+    fmt: Format,
+    log2_scale: int,
+    scope: analysis.Scope,
+    overall: dict[str, Any],
+    per_module: bool,
+    max_underflow: float,
+    fail_unscalable: bool,
+    where: str,
+) -> tuple[list[Failure], list[dict[str, Any]]]:
+    """The underflow/overflow failures (each module's, then the overall one) and offenders."""
+    failures: list[Failure] = []
+    offenders: list[dict[str, Any]] = []
+    if per_module:
+        for row in analysis.module_table(report, fmt, log2_scale, scope=scope).itertuples():
+            numbers = row._asdict()
+            kinds = _range_kinds(numbers, max_underflow, fail_unscalable)
+            if kinds:
+                module = str(row.module)
+                offenders.append(_offender(module, numbers))
+                subject = f"module {module_label(module)}"
+                reason = _range_reason(subject, numbers, kinds, max_underflow, where)
+                failures.append(Failure(module, kinds, reason))
+    overall_kinds = _range_kinds(overall, max_underflow, fail_unscalable)
+    if overall_kinds:
+        if not per_module:
+            offenders.append(_offender(OVERALL, overall))
+        reason = _range_reason("overall", overall, overall_kinds, max_underflow, where)
+        failures.append(Failure(OVERALL, overall_kinds, reason))
+    return failures, offenders
+
+
+_INCOMPLETE_FAILURE = Failure(
+    COMPLETE,
+    (INCOMPLETE,),
+    Wording(
+        "the report is incomplete (its run was interrupted), which fails the gate; pass ",
+        Named("allow_incomplete", True),
+        " to judge it anyway",
+    ),
+)
 
 
 def _range_kinds(
