@@ -20,7 +20,6 @@ STILL_OVER = {
     "fpaudit/cli/commands.py::run_command": 88,
     "fpaudit/cli/render.py": 1225,
     "fpaudit/rules/analysis.py::_condense": 82,
-    "fpaudit/rules/gating.py::gate": 86,
     "fpaudit/run/scan.py::_scan": 130,
     "fpaudit/run/training.py::run_script": 101,
 }
