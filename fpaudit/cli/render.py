@@ -28,6 +28,7 @@ from fpaudit.text import (
 )
 
 if TYPE_CHECKING:
+    from fpaudit.capture.autocast import Summary as AutocastSummary
     from fpaudit.report.store import Report
     from fpaudit.rules.blockplan import BlockGateResult, Plan
     from fpaudit.rules.drift import Drift
@@ -491,6 +492,28 @@ def scan_summary(
         console.print(grid)
     for line in recommendation_lines(rec):
         console.print(line)
+
+
+def autocast_prediction(result: AutocastSummary | None) -> None:
+    """scan and show: which modules' backward values fp16 autocast would hold in fp16."""
+    if result is None:
+        return
+    console = stdout()
+    if result.error is not None:
+        console.print(
+            f"No fp16 autocast prediction: the model failed under autocast ({result.error})."
+        )
+        return
+
+    def names(modules: list[str]) -> str:
+        return ", ".join(module_label(m) for m in modules) or "none"
+
+    console.print(
+        f"Under fp16 autocast ({result.device}, predicted by a forward probe): backward values "
+        f"fp32 in {len(result.fp32)} module(s): {names(result.fp32)}; fp16 in "
+        f"{len(result.fp16)}: {names(result.fp16)}; both in {len(result.mixed)} (as a Linear: "
+        f"fp16 products, fp32 gradients of the casts of its inputs)."
+    )
 
 
 # -- training loop (fpaudit run, show --steps, simulate) ----------------------

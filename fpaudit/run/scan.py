@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -126,6 +126,20 @@ class StepProgress:
     loss: float | None
 
 
+def _probe_autocast(
+    model: torch.nn.Module, spec: Any, batch: Any, device: torch.device
+) -> dict[str, Any]:
+    """fpaudit.capture.autocast.probe on the first batch; a model that fails under autocast gets
+    ``{"error": ...}`` (no prediction), never a failed scan."""
+    from fpaudit.capture import autocast
+
+    try:
+        return autocast.probe(model, lambda: spec.loss(model, batch), device.type)
+    except Exception as error:  # the model's own failure under autocast: no prediction
+        failure = f"{type(error).__name__}: {error}"
+        return {"device": device.type, "dtype": "float16", "error": failure}
+
+
 def scan(
     model_path: str | Path,
     options: ScanOptions = ScanOptions(),
@@ -184,11 +198,18 @@ def _scan(
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=amp_dtype)
 
+    # Under torchrun each rank takes every world-th batch: its own shard of the data.
+    shard = itertools.islice(spec.batches(options.steps * world), rank, None, world)
+    batches: Iterator[Any] = iter(shard)
+    prediction: dict[str, Any] | None = None
+    if options.amp is None:  # an fp32 scan: what would fp16 autocast do? (one forward)
+        first = next(batches, None)
+        if first is not None:
+            batches = itertools.chain([first], batches)
+            prediction = _probe_autocast(model, spec, modelfile.move_to(first, device), device)
     steps_run = 0
     interrupted: Interrupted | None = None
     exited: ModelExit | None = None
-    # Under torchrun each rank takes every world-th batch: its own shard of the data.
-    batches = itertools.islice(spec.batches(options.steps * world), rank, None, world)
     try:
         for step, batch in enumerate(batches):
             captured = step % options.every == 0
@@ -240,6 +261,8 @@ def _scan(
         exited = error
 
     report = audit.report
+    if prediction is not None:
+        report.update_info(autocast=prediction)
     held = str(AMP_DTYPES[options.amp]).removeprefix("torch.") if options.amp else None
     stopped_by = (
         interrupted.signal_name
