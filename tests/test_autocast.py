@@ -207,3 +207,19 @@ def test_scan_and_show_say_what_autocast_would_hold(cli, llama_pair: tuple[Path,
     )
     assert "model.norm" in text.split("fp16 in")[0]
     assert "Under fp16 autocast" not in cli("show", llama_pair[1], "--top", "2").stdout
+
+
+def test_counts_as_fp16_drops_only_what_autocast_holds_in_fp32(
+    llama_pair: tuple[Path, Path],
+) -> None:
+    predicted, live = (Report.read(p) for p in llama_pair)
+    counted = autocast.counts_as_fp16(predicted)
+    records = predicted.records
+    dropped = records[~counted]
+    # every dropped record is in a module the probe saw compute in fp32 (or a node of
+    # one), never a Linear's fp16 product
+    assert len(dropped) and set(dropped["node"]) >= {"RsqrtBackward0", "PowBackward0"}
+    assert "MmBackward0" not in set(dropped["node"])
+    assert counted.index.equals(records.index)
+    # no prediction (the live scan): everything counts
+    assert autocast.counts_as_fp16(live).all()

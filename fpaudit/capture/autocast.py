@@ -258,3 +258,12 @@ def summary(report: Report) -> Summary | None:
         [m for m in order if verdicts[m] == MIXED],
         float(prediction.get("seconds", 0.0)),
     )
+
+
+def counts_as_fp16(report: Report) -> pd.Series:
+    """Per row of ``report.records`` (same index): whether the fp16 what-if should count
+    the record's values as fp16 (False exactly where the stored prediction says autocast
+    would hold them in fp32; True without a prediction, the conservative side). A live
+    ``--amp`` scan's records carry their real dtype instead."""
+    records = report.records
+    return predict(records, report.info.autocast) != FP32
