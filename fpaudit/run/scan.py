@@ -23,7 +23,14 @@ import torch
 
 from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.cli import options
-from fpaudit.errors import Interrupted, ModelExit, Named, OptionError, UsageError
+from fpaudit.errors import (
+    Interrupted,
+    ModelExit,
+    ModelFileError,
+    Named,
+    OptionError,
+    UsageError,
+)
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
 from fpaudit.report.runinfo import RunInfo
@@ -127,16 +134,20 @@ class StepProgress:
 
 
 def _probe_autocast(
-    model: torch.nn.Module, spec: Any, batch: Any, device: torch.device
+    path: Path, model: torch.nn.Module, spec: Any, batch: Any, device: torch.device
 ) -> dict[str, Any]:
-    """fpaudit.capture.autocast.probe on the first batch; a model that fails under autocast gets
-    ``{"error": ...}`` (no prediction), never a failed scan."""
+    """fpaudit.capture.autocast.probe on the first batch. A model that fails under autocast gets
+    ``{"error": ...}`` (no prediction), never a failed scan; an exit in model code is
+    the scan's error, as it would be in the first step."""
     from fpaudit.capture import autocast
 
     try:
-        return autocast.probe(model, lambda: spec.loss(model, batch), device.type)
+        with modelfile.user_code(path, "loss(model, batch)"):
+            return autocast.probe(model, lambda: spec.loss(model, batch), device.type)
+    except ModelExit:
+        raise
     except Exception as error:  # the model's own failure under autocast: no prediction
-        failure = f"{type(error).__name__}: {error}"
+        failure = str(error) if isinstance(error, ModelFileError) else repr(error)
         return {"device": device.type, "dtype": "float16", "error": failure}
 
 
@@ -206,7 +217,8 @@ def _scan(
         first = next(batches, None)
         if first is not None:
             batches = itertools.chain([first], batches)
-            prediction = _probe_autocast(model, spec, modelfile.move_to(first, device), device)
+            batch = modelfile.move_to(first, device)
+            prediction = _probe_autocast(path, model, spec, batch, device)
     steps_run = 0
     interrupted: Interrupted | None = None
     exited: ModelExit | None = None
