@@ -136,16 +136,14 @@ class StepProgress:
 def _probe_autocast(
     path: Path, model: torch.nn.Module, spec: Any, batch: Any, device: torch.device
 ) -> dict[str, Any]:
-    """fpaudit.capture.autocast.probe on the first batch. A model that fails under autocast gets
-    ``{"error": ...}`` (no prediction), never a failed scan; an exit in model code is
-    the scan's error, as it would be in the first step."""
+    """fpaudit.capture.autocast.probe on the first batch, after the steps. A model that fails
+    under autocast (or exits) gets ``{"error": ...}`` (no prediction), never a failed
+    scan: the steps are done."""
     from fpaudit.capture import autocast
 
     try:
         with modelfile.user_code(path, "loss(model, batch)"):
             return autocast.probe(model, lambda: spec.loss(model, batch), device.type)
-    except ModelExit:
-        raise
     except Exception as error:  # the model's own failure under autocast: no prediction
         failure = str(error) if isinstance(error, ModelFileError) else repr(error)
         return {"device": device.type, "dtype": "float16", "error": failure}
@@ -212,13 +210,7 @@ def _scan(
     # Under torchrun each rank takes every world-th batch: its own shard of the data.
     shard = itertools.islice(spec.batches(options.steps * world), rank, None, world)
     batches: Iterator[Any] = iter(shard)
-    prediction: dict[str, Any] | None = None
-    if options.amp is None:  # an fp32 scan: what would fp16 autocast do? (one forward)
-        first = next(batches, None)
-        if first is not None:
-            batches = itertools.chain([first], batches)
-            batch = modelfile.move_to(first, device)
-            prediction = _probe_autocast(path, model, spec, batch, device)
+    first: list[Any] = []  # the first batch, for the autocast probe after the steps
     steps_run = 0
     interrupted: Interrupted | None = None
     exited: ModelExit | None = None
@@ -231,6 +223,8 @@ def _scan(
                 else:
                     model.zero_grad(set_to_none=True)
                 batch = modelfile.move_to(batch, device)
+                if step == 0:
+                    first.append(batch)
                 forward = (
                     audit.forward_pass()
                     if captured and (options.forward or options.origins)
@@ -273,8 +267,10 @@ def _scan(
         exited = error
 
     report = audit.report
-    if prediction is not None:
-        report.update_info(autocast=prediction)
+    if options.amp is None and first and interrupted is None and exited is None:
+        # an fp32 scan: what would fp16 autocast hold? One forward after the steps, so
+        # that the steps run as they would without it
+        report.update_info(autocast=_probe_autocast(path, model, spec, first[0], device))
     held = str(AMP_DTYPES[options.amp]).removeprefix("torch.") if options.amp else None
     stopped_by = (
         interrupted.signal_name
