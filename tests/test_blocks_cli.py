@@ -15,7 +15,6 @@ from fpaudit.numerics.recipes import RECIPES, get_recipe
 from fpaudit.report.schema import SCHEMA_VERSION
 from fpaudit.report.store import Report
 from fpaudit.rules import blockplan
-from fpaudit.text import percent
 from tests.conftest import MODELS, one_error_line
 
 PAIR = MODELS / "block_pair.py"
@@ -84,7 +83,8 @@ def test_show_gate_and_plan_on_the_pair(cli, pair_reports: dict[str, Path]) -> N
     assert passed.code == 0 and "PASS" in passed.stdout
     per_tensor = cli("gate", ordered, "--recipe", "fp8-tensor-e4m3", "--max-flush", "0.1")
     assert per_tensor.code == 1
-    # the plan: sorted, MXFP8 passes the root module; interleaved, nothing does
+    # the plan: the pair's only parameter is a vector multiplied elementwise, no matrix
+    # multiply: frameworks quantize only GEMM operands, so nothing is a candidate
     plan = cli(
         "plan", ordered, "--recipe", "fp8-tensor-e4m3", "--recipe", "mxfp8-e4m3",
         "--max-flush", "0.1", "--json",
@@ -92,22 +92,17 @@ def test_show_gate_and_plan_on_the_pair(cli, pair_reports: dict[str, Path]) -> N
     assert plan.code == 0, plan.stderr
     planned = json.loads(plan.stdout)
     assert planned["recipes"] == ["mxfp8-e4m3", "fp8-tensor-e4m3"]  # cost order
-    assert [(m["module"], m["recipe"]) for m in planned["modules"]] == [("", "mxfp8-e4m3")]
+    assert (planned["modules"], planned["not_candidates"]) == ([], [""])
     kept = cli("plan", interleaved, "--max-flush", "0.1", "--names")  # the report's recipes
-    assert kept.code == 0 and kept.stdout == "(root)\n"
+    assert kept.code == 0 and kept.stdout == ""
     text = cli("plan", interleaved, "--max-flush", "0.1")
-    # the root module's records: the pair (grad and MulBackward0 output) and the ones of
-    # SumBackward0's expand, none flushed. Kept in bf16, it is limited by the most
-    # expensive recipe tried (just below bf16): per-tensor E4M3's flush, not MXFP8's
-    table = blockplan.block_table(Report.read(interleaved), "fp8-tensor-e4m3")
-    root = table[table["module"] == ""].iloc[0]
-    limit = f"flush {percent(root['flush_fraction'])} (fp8-tensor-e4m3)"
-    assert limit in text.stdout and "1 of 1 modules must stay in bf16" in text.stdout
+    assert "No candidate" in text.stdout and "Not candidates" in text.stdout
+    assert "(root)" in text.stdout
 
 
 def test_gate_and_plan_count_a_parameter_gradient_once(cli, pair_reports: dict[str, Path]):
     # the pair is recorded twice: as MulBackward0's output (kind backward) and as w's
-    # gradient (kind grad). gate --recipe and plan judge the backward values, as show
+    # gradient (kind grad). gate --recipe judges the backward values, as show
     # --recipe does by default: their counts are the sums of blocks.parquet's backward rows
     report = Report.read(pair_reports["interleaved"])
     assert report.blocks is not None
@@ -123,10 +118,6 @@ def test_gate_and_plan_count_a_parameter_gradient_once(cli, pair_reports: dict[s
     assert result["nonzero"] == int(backward[counted].to_numpy().sum())
     assert result["flushed"] == int(backward["flushed"].sum())
     assert result["nonzero"] < int(rows[counted].to_numpy().sum())  # not both kinds
-    plan = json.loads(cli("plan", pair_reports["interleaved"], "--recipe", "mxfp8-e4m3",
-                          "--max-flush", "1", "--json").stdout)  # fmt: skip
-    fractions = [m["flush_fraction"] for m in plan["modules"] if m["module"] == ""]
-    assert fractions == [backward["flushed"].sum() / backward[counted].to_numpy().sum()]
 
 
 def test_bad_block_inputs_are_one_line(cli, pair_reports: dict[str, Path], tmp_path: Path) -> None:
@@ -249,7 +240,7 @@ def test_plan_on_a_hand_built_table(pair_reports: dict[str, Path]) -> None:
     ]:  # fmt: skip
         row = {name: 0 for name in blockstats.COUNT_COLUMNS}
         row.update(flushed=flushed, saturated=saturated, normal=100 - flushed - saturated)
-        row.update(module=module, recipe=recipe, kind="backward", step=0, rank=0)
+        row.update(module=module, recipe=recipe, kind="operand", step=0, rank=0)
         rows.append(row)
     import pandas as pd
 
@@ -264,8 +255,17 @@ def test_plan_on_a_hand_built_table(pair_reports: dict[str, Path]) -> None:
         "bf16",
         "flush 50% (fp8-block-1x128)",
     )
-    # a kept module's flushed/saturated columns stay the cheapest recipe's (documented)
-    assert (by_module["b"].flush_fraction, by_module["b"].saturate_fraction) == (0.0, 0.03)
+    # a kept module shows no recipe's numbers: no recipe applies to it
+    assert (by_module["b"].flush_fraction, by_module["b"].saturate_fraction) == (None, None)
+    # b, the one kept, is ruled out by one limit alone for no recipe: mxfp4 by saturation
+    # (0 flushed <= 2%, 3% saturated > 0%), so mxfp4-rceil (same E2M1 x 32, round-up
+    # scale: never saturates) is the alternative; mxfp8 and fp8-block by flushing alone
+    # (50% > 2%, nothing saturated)
+    assert [(s.limit, s.recipe, s.needed, s.alternatives) for s in result.single_limits] == [
+        ("max_saturate", "mxfp4", 0.03, ["mxfp4-rceil"]),
+        ("max_flush", "mxfp8-e4m3", 0.5, []),
+        ("max_flush", "fp8-block-1x128", 0.5, []),
+    ]
     assert (by_module["c"].recipe, by_module["c"].limiting) == (
         "fp8-block-1x128",
         "saturate 1% (mxfp8-e4m3)",
@@ -322,7 +322,8 @@ def test_run_records_the_block_statistics_torchao_computes(cli, tmp_path: Path) 
     blocks = report.blocks
     rows = blocks[blocks["kind"] == "grad"]
     assert sorted(set(rows["step"])) == [0, 1, 2]
-    assert set(blocks["kind"]) == {"backward", "grad"}  # backward op outputs too
+    # backward op outputs too, and the operands of the Linears' backward GEMMs
+    assert set(blocks["kind"]) == {"backward", "grad", "operand"}
     flushed = 0
     for step in range(3):
         saved = torch.load(grads / f"step{step}.pt")

@@ -98,6 +98,7 @@ from fpaudit.report.records import (
     KIND_BACKWARD,
     KIND_FORWARD,
     KIND_GRAD,
+    KIND_OPERAND,
     LOSS_MODULE,
     RecordKey,
     ReportBuilder,
@@ -152,6 +153,45 @@ _UNINITIALISED = frozenset(
     }
 )
 _NOT_VALUES = frozenset({"c10d", "_c10d_functional", "fsdp", "_dtensor"})
+# Matrix multiplies and where their two operands are in the arguments: the GEMMs whose
+# operands a block-scaled recipe quantizes (Transformer Engine, torchao's MX/float8
+# Linear). ``aten.linear`` reaches backward as these.
+_GEMM_OPERANDS = {
+    _aten.mm.default: (0, 1),
+    _aten.addmm.default: (1, 2),
+    _aten.bmm.default: (0, 1),
+    _aten.baddbmm.default: (1, 2),
+}
+
+
+def gemm_operands(func: OpOverload, args: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The two operands of a matrix multiply (in the arguments), or [] for another op."""
+    positions = _GEMM_OPERANDS.get(func)
+    if positions is None:
+        return []
+    left, right = args[positions[0]], args[positions[1]]
+    if not (isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor)):
+        return []
+    return [left, right]
+
+
+def as_contracted(operand: torch.Tensor, index: int) -> torch.Tensor:
+    """A GEMM operand with its contraction dimension last (the one a 1 x 32 block runs
+    along, as frameworks quantize it): the left operand as it is, the right transposed."""
+    return operand if index == 0 else operand.transpose(-1, -2)
+
+
+def weight_modules(model: nn.Module) -> frozenset[str]:
+    """Names (as reported) of the modules that own a floating weight of two or more
+    dimensions themselves: where a backward matrix multiply is a Linear's (``nn.Linear``,
+    Hugging Face's ``Conv1D``), not attention's or a loss's."""
+    names = set()
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dim() >= 2:
+                names.add(model_name(name))
+                break
+    return frozenset(names)
 
 
 def _activate_during_backward(mode: _BackwardMode) -> Callable[[], None] | None:
@@ -545,6 +585,8 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         self.grad_mode_means_recompute = False
         self.optimizer_steps = 0  # optimizer steps running now (optimizer in backward)
         self._owners: list[str] = []  # of the nested (reentrant checkpoint) backward passes
+        # --recipe: the modules whose backward GEMMs' operands get block statistics
+        self._gemm_modules = weight_modules(audit.model) if audit._blocks is not None else None
 
     def enter_nested(self, node: torch.autograd.graph.Node | None) -> None:
         """A backward inside backward: reentrant checkpointing runs the graph it rebuilt
@@ -639,6 +681,12 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         if origins is not None:
             origins.after(before, KIND_BACKWARD, module, node_name, op,
                           list(_float_tensors(output)), not fixed)  # fmt: skip
+        if self._gemm_modules is not None and module in self._gemm_modules:
+            operands = gemm_operands(func, args)
+            for index, operand in enumerate(operands):
+                scaled = not self._provenance.is_fixed(operand)
+                contracted = as_contracted(operand, index)
+                self._audit.record_operand(module, node_name, op, index, scaled, contracted)
         if self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
             self._compare_with_fp32(func, args, kwargs, places)
 
@@ -1021,6 +1069,27 @@ class Audit:
         if self._blocks is not None:
             self._blocks.add(key, tensor)
         return place
+
+    def record_operand(
+        self,
+        module: str,
+        node: str,
+        op: str,
+        index: int,
+        scales_with_loss: bool,
+        tensor: torch.Tensor,
+    ) -> None:
+        """Add a backward GEMM's operand to the block statistics only (``KIND_OPERAND``:
+        no histogram record; its values are an output recorded where it was made)."""
+        if self._blocks is None or not tensor.is_floating_point():
+            return
+        if not self.selection.accepts(KIND_BACKWARD, module, op):
+            return
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        key = RecordKey(KIND_OPERAND, module, node, op, index, dtype, scales_with_loss)
+        self._blocks.add(key, tensor)
 
     def _record_parameter_gradients(self) -> None:
         for name, param in self.model.named_parameters():

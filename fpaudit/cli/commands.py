@@ -485,6 +485,9 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
         if drifted.warn or len(drifted.windows) >= 10:  # long scans: say how it moved
             for line in render.drift_lines(drifted):
                 render.stdout().print(line)
+    from fpaudit.capture import autocast
+
+    render.autocast_prediction(autocast.summary(report))
     _block_summaries(report, options.top)
 
 
@@ -711,6 +714,9 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
             top=options.top,
             scale_source=scale_source,
         )
+        from fpaudit.capture import autocast
+
+        render.autocast_prediction(autocast.summary(report))
 
 
 def _show_blocks(report_path: Path, options: ShowArgs, recipe_name: str) -> None:

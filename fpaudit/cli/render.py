@@ -28,6 +28,7 @@ from fpaudit.text import (
 )
 
 if TYPE_CHECKING:
+    from fpaudit.capture.autocast import Summary as AutocastSummary
     from fpaudit.report.store import Report
     from fpaudit.rules.blockplan import BlockGateResult, Plan
     from fpaudit.rules.drift import Drift
@@ -561,6 +562,28 @@ def scan_summary(
         console.print(grid)
     for line in recommendation_lines(rec):
         console.print(line)
+
+
+def autocast_prediction(result: AutocastSummary | None) -> None:
+    """scan and show: which modules' backward values fp16 autocast would hold in fp16."""
+    if result is None:
+        return
+    console = stdout()
+    if result.error is not None:
+        console.print(
+            f"No fp16 autocast prediction: the model failed under autocast ({result.error})."
+        )
+        return
+
+    def names(modules: list[str]) -> str:
+        return ", ".join(module_label(m) for m in modules) or "none"
+
+    console.print(
+        f"Under fp16 autocast ({result.device}, predicted by a forward probe): backward values "
+        f"fp32 in {len(result.fp32)} module(s): {names(result.fp32)}; fp16 in "
+        f"{len(result.fp16)}: {names(result.fp16)}; both in {len(result.mixed)} (as a Linear: "
+        f"fp16 products, fp32 gradients of the casts of its inputs)."
+    )
 
 
 # -- training loop (fpaudit run, show --steps, simulate) ----------------------
@@ -1198,28 +1221,54 @@ def plan(result: Plan, output: str) -> None:
         for name in result.keep:
             sys.stdout.write(f"{module_label(name)}\n")
         return
-    grid = Table(
-        title=f"Cheapest passing recipe per module (flush ≤ {percent(result.max_flush)}, "
-        f"saturate ≤ {percent(result.max_saturate)}; tried {', '.join(result.recipes)})",
-        title_justify="left",
-    )
-    for header in ("module", "recipe", "flushed", "saturated", "limited by"):
-        grid.add_column(header, no_wrap=header != "limited by")
-    for m in result.modules:
-        grid.add_row(
-            module_label(m.module),
-            m.recipe,
-            percent(m.flush_fraction),
-            percent(m.saturate_fraction),
-            m.limiting or "-",
-        )
     console = stdout()
-    console.print(grid)
-    keep = result.keep
-    console.print(
-        f"{len(keep)} of {len(result.modules)} modules must stay in bf16"
-        + (f": {', '.join(module_label(k) for k in keep)}" if keep else ".")
-    )
+    if not result.modules:
+        console.print(
+            "No candidate: no module that owns a weight ran a matrix multiply in backward "
+            "(or the report predates GEMM operand statistics: scan again). Frameworks "
+            "quantize only Linear/GEMM operands, so every module stays in bf16."
+        )
+    else:
+        grid = Table(
+            title=f"Cheapest passing recipe per GEMM module, judged on its backward GEMM "
+            f"operands (flush ≤ {percent(result.max_flush)}, saturate ≤ "
+            f"{percent(result.max_saturate)}; tried {', '.join(result.recipes)})",
+            title_justify="left",
+        )
+        for header in ("module", "recipe", "flushed", "saturated", "limited by"):
+            grid.add_column(header, no_wrap=header != "limited by")
+        for m in result.modules:
+            grid.add_row(
+                module_label(m.module),
+                m.recipe,
+                "-" if m.flush_fraction is None else percent(m.flush_fraction),
+                "-" if m.saturate_fraction is None else percent(m.saturate_fraction),
+                m.limiting or "-",
+            )
+        console.print(grid)
+        keep = result.keep
+        console.print(
+            f"{len(keep)} of {len(result.modules)} GEMM modules must stay in bf16"
+            + (f": {', '.join(module_label(k) for k in keep)}" if keep else ".")
+        )
+    for single in result.single_limits:
+        flag = "--max-saturate" if single.limit == "max_saturate" else "--max-flush"
+        what = "saturates" if single.limit == "max_saturate" else "flushes"
+        limit = result.max_saturate if single.limit == "max_saturate" else result.max_flush
+        line = (
+            f"{single.recipe} is ruled out for every kept module by {flag} {limit:g} alone: it "
+            f"{what} up to {percent(single.needed)} of a module's operands "
+            f"({flag} {single.needed:.3g} would pass it)"
+        )
+        if single.alternatives:
+            flags = " ".join(f"--recipe {name}" for name in single.alternatives)
+            line += f"; the round-up scale rule never saturates: scan with {flags}"
+        console.print(line + ".")
+    if result.not_candidates:
+        console.print(
+            f"Not candidates (no GEMM with a weight; frameworks keep them in bf16): "
+            f"{', '.join(module_label(m) for m in result.not_candidates)}."
+        )
     expected = [name for name in result.recipes if as_recipe(name).expected]
     if expected:
         console.print(f"{', '.join(expected)}: {EXPECTED_NOTE}; fractions are expected ones.")

@@ -142,6 +142,11 @@ BIN_COLUMNS = ("record_id", "binade", "cls", "count")
 KIND_BACKWARD = "backward"  # an output of an op that ran in backward
 KIND_GRAD = "grad"  # a parameter's final .grad, as a GradScaler sees it
 KIND_FORWARD = "forward"  # an output of an op in forward (--forward)
+KIND_OPERAND = "operand"
+"""Block statistics only (--recipe): an operand of a backward matrix multiply of a module
+that owns a weight (a Linear's output gradient, its saved input and weight), as the GEMM
+reads it: blocks along the contraction dimension. What Transformer Engine and torchao
+quantize; ``output`` is 0 for the left operand, 1 for the right one."""
 LOSS_MODULE = "<loss>"
 """Pseudo-module for backward ops of nodes created outside every module of the model."""
 

@@ -42,7 +42,7 @@ _ALWAYS = (
 # the command beside the run's fields.
 _READ_ONLY = (
     "steps", "modules", "out_of_range", "recipes", "formats", "headroom_bits", "include_loss",
-    "findings",
+    "findings", "autocast",
 )  # fmt: skip
 
 
@@ -71,6 +71,8 @@ class RunInfo:
     headroom_bits: int | None = None  # scan's and run's --headroom-bits
     include_loss: bool | None = None  # scan's --include-loss
     findings: tuple[dict[str, Any], ...] = ()  # run: the misuse findings, as dicts
+    # scan without --amp: what fp16 autocast would do, per module (fpaudit.capture.autocast.probe)
+    autocast: Mapping[str, Any] | None = None
 
     @classmethod
     def ended(
@@ -139,6 +141,7 @@ class RunInfo:
             formats=strings("formats"),
             headroom_bits=of("headroom_bits", int),
             include_loss=of("include_loss", bool),
+            autocast=of("autocast", dict),
             findings=tuple(item for item in (meta.get("findings") or ()) if isinstance(item, dict))
             if isinstance(meta.get("findings"), list)
             else (),

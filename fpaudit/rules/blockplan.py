@@ -13,11 +13,23 @@ are expected fractions. ``nonzero`` stays a whole number (each element's class
 probabilities sum to 1, so the float64 sum is rounded back to the count). A
 round-to-nearest recipe's counts are ints, as before.
 
+The plan models the recipes as frameworks apply them: Transformer Engine and
+torchao quantize only the operands of matrix multiplies (a Linear's input, weight
+and output gradient), not norms, activations, embeddings or losses. So its
+candidates are the modules that own a weight and run a matrix multiply in backward,
+and it judges the operands of those backward GEMMs as the GEMM reads them (the
+blocks table's ``operand`` rows, see :data:`fpaudit.report.records.KIND_OPERAND`); every
+other module is not a candidate and stays as it is (bf16).
+
 The plan's cost order is each recipe's ``cost`` (see :mod:`fpaudit.numerics.recipes`):
 mxfp4 < mxfp4-rceil < nvfp4 < nvfp4-sr < mxfp8-e4m3 < ... < mxfp8-e5m2-rceil <
 fp8-block-1x128 < fp8-block-128x128 < fp8-tensor-* < bf16, cheaper meaning
-fewer bits per element and coarser scales. A module that no requested recipe
+fewer bits per element and coarser scales. A candidate that no requested recipe
 passes stays in bf16.
+
+Known limitations: the plan judges backward operands (the output gradient and the
+saved input and weight that backward multiplies by); the forward GEMM's operands are
+the same input and weight, blocked along the other dimension, and are not judged.
 """
 
 from __future__ import annotations
@@ -29,8 +41,8 @@ import numpy as np
 import pandas as pd
 
 from fpaudit.errors import Named, OptionError, UsageError
-from fpaudit.numerics.recipes import Recipe, as_recipe
-from fpaudit.report.records import BLOCK_COUNT_COLUMNS, KIND_BACKWARD, LOSS_MODULE
+from fpaudit.numerics.recipes import RECIPES, Recipe, as_recipe
+from fpaudit.report.records import BLOCK_COUNT_COLUMNS, KIND_BACKWARD, KIND_OPERAND, LOSS_MODULE
 from fpaudit.report.store import Report
 from fpaudit.text import percent
 
@@ -201,8 +213,9 @@ def _offender(module: str, row: dict[str, Any]) -> dict[str, Any]:
 class ModulePlan:
     module: str
     recipe: str  # the cheapest passing recipe, or KEEP_FORMAT
-    flush_fraction: float  # under the chosen recipe (of the cheapest tried when kept)
-    saturate_fraction: float
+    # Under the chosen recipe; None for a module kept in bf16 (no recipe applies to it)
+    flush_fraction: float | None
+    saturate_fraction: float | None
     # What stopped the module from being one step cheaper: the statistic that ruled out
     # the recipe just below the chosen one in cost order ("flush 3.1% (mxfp4)", printed
     # as the table prints fractions, so a tiny one over a 0 limit does not read 0.00%);
@@ -213,15 +226,32 @@ class ModulePlan:
 
 
 @dataclass(frozen=True)
+class SingleLimit:
+    """Every kept candidate was ruled out for ``recipe`` by one limit alone: with it
+    relaxed to ``needed``, ``recipe`` would pass them all;
+    ``alternatives``: recipes not tried that avoid the limit by construction (the
+    ``-rceil`` rules never saturate), for a scan with ``--recipe``."""
+
+    limit: str  # "max_saturate" or "max_flush"
+    recipe: str
+    needed: float  # the largest fraction of ``limit`` among the kept candidates under recipe
+    alternatives: list[str]
+
+
+@dataclass(frozen=True)
 class Plan:
     recipes: list[str]  # cheapest first
     max_flush: float
     max_saturate: float
-    modules: list[ModulePlan]
+    modules: list[ModulePlan]  # the candidates: modules whose backward GEMM operands were seen
+    # Modules with backward values but no GEMM operand: frameworks do not quantize them
+    not_candidates: list[str] = field(default_factory=list)
+    # per recipe tried, cheapest first: the one limit that alone keeps every kept candidate
+    single_limits: list[SingleLimit] = field(default_factory=list)
 
     @property
     def keep(self) -> list[str]:
-        """Modules that must stay in bf16/fp32: no requested recipe passes them."""
+        """Candidates that must stay in bf16/fp32: no requested recipe passes them."""
         return [m.module for m in self.modules if m.recipe == KEEP_FORMAT]
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,26 +261,39 @@ class Plan:
             "max_saturate": self.max_saturate,
             "modules": [asdict(m) for m in self.modules],
             "keep_in_bf16": self.keep,
+            "not_candidates": self.not_candidates,
+            "single_limits": [asdict(s) for s in self.single_limits],
         }
+
+
+def gemm_operand_modules(report: Report, recipe: Recipe | str) -> list[str]:
+    """The modules (report order) whose backward GEMM operands have statistics for
+    ``recipe``: the plan's candidates."""
+    blocks = _blocks(report, as_recipe(recipe))
+    seen = set(blocks.loc[blocks["kind"] == KIND_OPERAND, "module"])
+    ordered = [m for m in report.info.modules if m in seen]
+    return ordered + sorted(seen - set(ordered))
 
 
 def plan(
     report: Report, recipes: list[Recipe | str], max_flush: float, max_saturate: float = 0.0
 ) -> Plan:
-    """Per module, the cheapest of ``recipes`` whose flush and saturation fractions stay
+    """Per candidate module (one whose backward GEMM operands were recorded), the
+    cheapest of ``recipes`` whose flush and saturation fractions on those operands stay
     within the limits, and the statistic that ruled out the next cheaper recipe (the one
     just below it in cost order; for a module kept in bf16, the most expensive recipe):
     what stopped the module from being one step cheaper. A recipe that fails both
-    limits is named by its flush fraction."""
+    limits is named by its flush fraction. Other modules with backward values are listed
+    in ``not_candidates``."""
     if not recipes:
         raise UsageError("plan needs at least one recipe")
     _check_fraction(max_flush, "max_flush")
     _check_fraction(max_saturate, "max_saturate")
     chosen = sorted(dict.fromkeys(as_recipe(r) for r in recipes), key=lambda r: r.cost)
-    tables = {r.name: block_table(report, r).set_index("module") for r in chosen}
-    modules = [
-        m for m in tables[chosen[0].name].index if m != LOSS_MODULE
-    ]  # every recipe saw the same tensors
+    tables = {r.name: block_table(report, r, kind=KIND_OPERAND).set_index("module") for r in chosen}
+    modules = [m for m in tables[chosen[0].name].index if m != LOSS_MODULE]
+    backward = block_table(report, chosen[0])["module"]
+    not_candidates = [m for m in backward if m != LOSS_MODULE and m not in set(modules)]
     planned = []
     for module in modules:
         limiting = ""  # the last recipe ruled out so far: the one just below the next
@@ -271,14 +314,41 @@ def plan(
             else:
                 limiting = f"{expected}saturate {percent(saturate)} ({recipe.name})"
         if decided is None:
-            first = tables[chosen[0].name].loc[module]
-            decided = ModulePlan(
-                module,
-                KEEP_FORMAT,
-                float(first["flush_fraction"]),
-                float(first["saturate_fraction"]),
-                limiting,
-                int(first["nonzero"]),
-            )
+            nonzero = int(tables[chosen[0].name].loc[module]["nonzero"])
+            decided = ModulePlan(module, KEEP_FORMAT, None, None, limiting, nonzero)
         planned.append(decided)
-    return Plan([r.name for r in chosen], max_flush, max_saturate, planned)
+    kept = [m.module for m in planned if m.recipe == KEEP_FORMAT]
+    single = _single_limits(chosen, tables, kept, max_flush, max_saturate)
+    return Plan([r.name for r in chosen], max_flush, max_saturate, planned, not_candidates, single)
+
+
+def _single_limits(
+    chosen: list[Recipe],
+    tables: dict[str, pd.DataFrame],
+    kept: list[str],
+    max_flush: float,
+    max_saturate: float,
+) -> list[SingleLimit]:
+    """Per recipe tried, the one limit that alone rules it out for every kept
+    candidate (none for a recipe that fails them for both, or not at all)."""
+    found: list[SingleLimit] = []
+    if not kept:
+        return found
+    for recipe in chosen:
+        rows = tables[recipe.name].loc[kept]
+        if (rows["nonzero"] <= 0).any():
+            continue
+        flush, saturate = rows["flush_fraction"], rows["saturate_fraction"]
+        if (flush <= max_flush).all():  # saturation alone rules it out
+            rceil = [
+                r.name
+                for r in RECIPES.values()
+                if r.scale_rule == "mx-rceil"
+                and recipe.scale_rule == "mx-floor"
+                and (r.element, r.block) == (recipe.element, recipe.block)
+                and r.name not in tables
+            ]
+            found.append(SingleLimit("max_saturate", recipe.name, float(saturate.max()), rceil))
+        elif (saturate <= max_saturate).all():  # flushing alone
+            found.append(SingleLimit("max_flush", recipe.name, float(flush.max()), []))
+    return found

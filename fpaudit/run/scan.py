@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +23,7 @@ import torch
 
 from fpaudit import defaults
 from fpaudit.capture.audit import Audit, Selection, StepSummary
-from fpaudit.errors import Interrupted, ModelExit, Named, OptionError, UsageError
+from fpaudit.errors import Interrupted, ModelExit, ModelFileError, Named, OptionError, UsageError
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
 from fpaudit.report.runinfo import RunInfo
@@ -124,6 +124,22 @@ class StepProgress:
     loss: float | None
 
 
+def _probe_autocast(
+    path: Path, model: torch.nn.Module, spec: Any, batch: Any, device: torch.device
+) -> dict[str, Any]:
+    """fpaudit.capture.autocast.probe on the first batch, after the steps. A model that fails
+    under autocast (or exits) gets ``{"error": ...}`` (no prediction), never a failed
+    scan: the steps are done."""
+    from fpaudit.capture import autocast
+
+    try:
+        with modelfile.user_code(path, "loss(model, batch)"):
+            return autocast.probe(model, lambda: spec.loss(model, batch), device.type)
+    except Exception as error:  # the model's own failure under autocast: no prediction
+        failure = str(error) if isinstance(error, ModelFileError) else repr(error)
+        return {"device": device.type, "dtype": "float16", "error": failure}
+
+
 def scan(
     model_path: str | Path,
     options: ScanOptions = ScanOptions(),
@@ -182,11 +198,13 @@ def _scan(
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=amp_dtype)
 
+    # Under torchrun each rank takes every world-th batch: its own shard of the data.
+    shard = itertools.islice(spec.batches(options.steps * world), rank, None, world)
+    batches: Iterator[Any] = iter(shard)
+    first: list[Any] = []  # the first batch, for the autocast probe after the steps
     steps_run = 0
     interrupted: Interrupted | None = None
     exited: ModelExit | None = None
-    # Under torchrun each rank takes every world-th batch: its own shard of the data.
-    batches = itertools.islice(spec.batches(options.steps * world), rank, None, world)
     try:
         for step, batch in enumerate(batches):
             captured = step % options.every == 0
@@ -196,6 +214,8 @@ def _scan(
                 else:
                     model.zero_grad(set_to_none=True)
                 batch = modelfile.move_to(batch, device)
+                if step == 0:
+                    first.append(batch)
                 forward = (
                     audit.forward_pass()
                     if captured and (options.forward or options.origins)
@@ -238,6 +258,10 @@ def _scan(
         exited = error
 
     report = audit.report
+    if options.amp is None and first and interrupted is None and exited is None:
+        # an fp32 scan: what would fp16 autocast hold? One forward after the steps, so
+        # that the steps run as they would without it
+        report.update_info(autocast=_probe_autocast(path, model, spec, first[0], device))
     held = str(AMP_DTYPES[options.amp]).removeprefix("torch.") if options.amp else None
     stopped_by = (
         interrupted.signal_name
