@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -202,6 +203,7 @@ def _scan(
     shard = itertools.islice(spec.batches(options.steps * world), rank, None, world)
     batches: Iterator[Any] = iter(shard)
     first: list[Any] = []  # the first batch, for the autocast probe after the steps
+    owner = os.getpid()  # a child the model code forks runs on, but never probes
     steps_run = 0
     interrupted: Interrupted | None = None
     exited: ModelExit | None = None
@@ -258,7 +260,7 @@ def _scan(
         exited = error
 
     report = audit.report
-    if options.amp is None and first and interrupted is None and exited is None:
+    if options.amp is None and first and (interrupted, exited, os.getpid()) == (None, None, owner):
         # an fp32 scan: what would fp16 autocast hold? One forward after the steps, so
         # that the steps run as they would without it
         report.update_info(autocast=_probe_autocast(path, model, spec, first[0], device))
