@@ -234,7 +234,7 @@ def test_a_crash_between_the_two_renames_is_recovered_on_the_next_write(
     good = _good_report(out)
     crash = (
         "import os, signal, sys\n"
-        "from fpaudit import report\n"
+        "from fpaudit.report import store as report\n"
         "from tests.reports import report_from\n"
         "import torch\n"
         "real = os.rename\n"
@@ -420,7 +420,7 @@ def test_a_lock_file_naming_a_live_pid_does_not_block(tmp_path: Path, cli) -> No
 # -- 4. the kernel build cannot hang a scan ---------------------------------------------
 def _build_directory(extensions: Path | None) -> Path:
     """The kernel's build directory under ``extensions`` (None: torch's default)."""
-    code = "from fpaudit import kernels; print(kernels._build_directory())"
+    code = "from fpaudit.kernels import build as kernels; print(kernels._build_directory())"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if extensions is not None:
         env["TORCH_EXTENSIONS_DIR"] = str(extensions)

@@ -331,6 +331,9 @@ class ScanArgs(CommandOptions):
     )()
     replace_partial: bool = REPLACE_PARTIAL()
     recipe: tuple[str, ...] = RECIPES()
+    compile: bool = flag(
+        "torch.compile the model (Inductor) and audit what its compiled backward stores"
+    )()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,7 +42,7 @@ _ALWAYS = (
 # the command beside the run's fields.
 _READ_ONLY = (
     "steps", "modules", "out_of_range", "recipes", "formats", "headroom_bits", "include_loss",
-    "findings",
+    "findings", "compiled",
 )  # fmt: skip
 
 
@@ -71,6 +71,9 @@ class RunInfo:
     headroom_bits: int | None = None  # scan's and run's --headroom-bits
     include_loss: bool | None = None  # scan's --include-loss
     findings: tuple[dict[str, Any], ...] = ()  # run: the misuse findings, as dicts
+    # torch.compile (fpaudit.capture.compiled): observed_backward_runs, fused_away (module -> ops
+    # kept in registers), not_covered (lines); None when nothing compiled ran
+    compiled: Mapping[str, Any] | None = None
 
     @classmethod
     def ended(
@@ -139,6 +142,7 @@ class RunInfo:
             formats=strings("formats"),
             headroom_bits=of("headroom_bits", int),
             include_loss=of("include_loss", bool),
+            compiled=of("compiled", dict),
             findings=tuple(item for item in (meta.get("findings") or ()) if isinstance(item, dict))
             if isinstance(meta.get("findings"), list)
             else (),

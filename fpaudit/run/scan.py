@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from fpaudit.capture import compiled
 from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.cli import options
 from fpaudit.errors import Interrupted, ModelExit, Named, OptionError, UsageError
@@ -50,6 +51,7 @@ class ScanOptions:
     recipes: tuple[
         str, ...
     ] = ()  # block-scaled recipes to audit (--recipe), see fpaudit.numerics.recipes
+    compile: bool = False  # torch.compile the model with Inductor (fpaudit.capture.compiled)
 
     def __post_init__(self) -> None:
         for name in self.recipes:
@@ -161,6 +163,13 @@ def _scan(
     with modelfile.user_code(path, f"moving the model to {device}"):
         model = spec.model.to(device)
     model.train()
+    # torch.compile: a compiled model file (or --compile) runs through fpaudit's Inductor
+    # backend, which hands out what its backward stores (fpaudit.capture.compiled)
+    not_covered: str | None = None
+    if options.compile and compiled.eager_module(model) is None:
+        model = compiled.compile(model)
+    else:
+        model, not_covered = compiled.observed(model)
     trained: torch.nn.Module = model  # what forward runs through (DDP under torchrun)
     if world > 1 and any(p.requires_grad for p in model.parameters()):
         ids = [device.index] if device.type == "cuda" else None
@@ -176,6 +185,8 @@ def _scan(
         origins=options.origins,
         recipes=options.recipes,
     )
+    if not_covered is not None:
+        audit.note_not_covered(not_covered)
     options.selection.check_modules(audit.module_names)  # a typo fails before any step
     amp_dtype = AMP_DTYPES[options.amp] if options.amp is not None else None
 
