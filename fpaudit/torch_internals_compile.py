@@ -170,14 +170,20 @@ def inductor_backward(
     def add_outputs(graph: fx.Graph) -> None:
         nodes = {n.name: n for n in graph.nodes}
         output = next(n for n in graph.nodes if n.op == "output")
-        outputs = list(output.args[0])  # type: ignore[arg-type]
+        outputs = list(output.args[0])
         original_outputs.append(len(outputs))
         output.args = (outputs + [nodes[name] for name in observed if name in nodes],)
 
     with config.patch(fx_graph_cache=False, post_grad_custom_post_pass=add_outputs):
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
     if original_outputs and observed:
-        compiled.current_callable = wrap(compiled.current_callable, original_outputs[-1])
+        callable_ = getattr(compiled, "current_callable", None)
+        if callable_ is None:  # the extra outputs must not reach AOTAutograd
+            raise RuntimeError(
+                f"fpaudit cannot observe this torch's compiled backward ({type(compiled).__name__}"
+                " has no current_callable)"
+            )
+        compiled.current_callable = wrap(callable_, original_outputs[-1])  # type: ignore[attr-defined]
     return compiled
 
 

@@ -1093,11 +1093,13 @@ class Audit:
         for site, value in zip(graph.sites, values, strict=False):
             if not isinstance(value, torch.Tensor):
                 continue
-            module = _known_module(".".join(p for p in (prefix, site.module) if p), known)
+            path = ".".join(p for p in (prefix, model_name(site.module)) if p)
+            module = _known_module(path, known)
             self.record(KIND_BACKWARD, module, compiled.COMPILED_NODE, site.op, 0,
                         site.scales_with_loss, value)  # fmt: skip
         for module_path, ops in graph.fused_away.items():
-            module = _known_module(".".join(p for p in (prefix, module_path) if p), known)
+            path = ".".join(p for p in (prefix, model_name(module_path)) if p)
+            module = _known_module(path, known)
             self._fused_away.setdefault(module, set()).update(ops)
 
     def note_not_covered(self, line: str) -> None:

@@ -153,14 +153,12 @@ _INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
 def module_path(path: str) -> str:
     """A module path as Dynamo writes it (``L['self'].blocks.0.fc1``,
-    ``L['self']._modules['blocks']._modules['0']``) as the model names it
-    (``blocks.0.fc1``), wrapper segments (``_orig_mod``) left out."""
-    from fpaudit.capture.audit import model_name
-
+    ``L['self']._modules['blocks']._modules['0']``) as ``named_modules()`` names it
+    (``blocks.0.fc1``), relative to the module Dynamo traced."""
     path = _ROOT.sub("", path)
     path = _MODULES.sub(r".\1", path)
     path = _INDEX.sub(r".\1", path)
-    return model_name(path.strip("."))
+    return path.strip(".")
 
 
 def _module_of(node: fx.Node) -> str | None:
