@@ -332,7 +332,7 @@ class ScanArgs(CommandOptions):
     replace_partial: bool = REPLACE_PARTIAL()
     recipe: tuple[str, ...] = RECIPES()
     compile: bool = flag(
-        "torch.compile the model (Inductor) and audit what its compiled backward stores"
+        "Compile the model (torch.compile, Inductor); audit what its backward stores"
     )()
 
 

@@ -417,6 +417,17 @@ def report_notes(report: Report, *, incomplete: bool = True) -> None:
             "range (nonzero below 2^-149, or finite above fp32's max): they are binned as zero "
             "or inf, so the counts do not include them as nonzero values\n"
         )
+    compiled = report.info.compiled
+    if compiled is not None:
+        for line in compiled.get("not_covered") or ():
+            sys.stderr.write(f"fpaudit: note: not covered: {line}\n")
+        fused = compiled.get("fused_away") or {}
+        if compiled.get("observed_backward_runs") and fused:
+            sys.stderr.write(
+                f"fpaudit: note: compiled backward: {count(len(fused))} module(s) kept some "
+                "values in a fused kernel's registers (never stored, not counted); "
+                "the report's meta.json lists the ops (compiled.fused_away)\n"
+            )
     inexact = report.inexact_scales()
     if inexact:
         shown = ", ".join(f"{s:g}" for s in inexact[:3]) + (", ..." if len(inexact) > 3 else "")
