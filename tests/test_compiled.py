@@ -100,7 +100,7 @@ def test_parameter_gradient_counts_equal_the_eager_twins(scans: dict[str, Any]) 
         }
 
     eager = counts(scans["eager"])
-    assert len(eager) == 28  # weight and bias of 14 modules
+    assert len(eager) == 26  # weight and bias of 14 modules, but qkv has no bias
     assert counts(scans["compiled"]) == eager
     binned = bins_per_module(scans["compiled"], KIND_GRAD)
     same = {m for m, v in bins_per_module(scans["eager"], KIND_GRAD).items() if binned[m] == v}
@@ -291,3 +291,40 @@ def test_gate_finds_a_compiled_report_that_observed_nothing_measured_nothing() -
     ]
     assert len(failures) == 1
     assert line in str(failures[0].reason)
+
+
+# -- fpaudit run: a script that calls torch.compile -----------------------------------
+def test_run_audits_a_scripts_compiled_backward_from_the_first_step(tmp_path: Any) -> None:
+    """The script's own torch.compile goes through fpaudit's backend; every captured
+    step, the first included (compiled inside it), has the compiled backward's stored
+    values under the model's names; the parameters equal a plain python run's bit for
+    bit (the same torch.compile, without fpaudit)."""
+    import runpy
+    import sys
+
+    from fpaudit.run.training import RunOptions, run_script
+
+    script = MODELS.parent / "scripts" / "train_compiled.py"
+    _reset_dynamo()
+    saved = sys.argv
+    sys.argv = [str(script), "--params", str(tmp_path / "plain.pt")]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = saved
+    _reset_dynamo()
+    outcome = run_script(
+        script, ["--params", str(tmp_path / "audited.pt")], RunOptions(capture_every=1)
+    )
+    _reset_dynamo()
+    assert outcome.failure is None
+    report = outcome.report
+    stored = report.records[report.records["node"] == compiled.COMPILED_NODE]
+    assert sorted(set(stored["step"])) == [0, 1, 2]
+    assert {"0", "1", "2", "3"} <= set(stored["module"])  # LayerNorm, Linear, GELU, Linear
+    info = report.info.compiled
+    assert info is not None and info["observed_backward_runs"] == 3
+    plain = torch.load(tmp_path / "plain.pt")
+    audited = torch.load(tmp_path / "audited.pt")
+    for a, b in zip(plain, audited, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))

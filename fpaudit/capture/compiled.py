@@ -36,6 +36,8 @@ Known limitations:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 import threading
 import weakref
@@ -54,6 +56,7 @@ __all__ = [
     "CompiledSite",
     "compile",
     "compiled_backend",
+    "compiles_observed",
     "eager_module",
     "inside_observed_backward",
     "observed",
@@ -323,3 +326,38 @@ def observed(model: nn.Module) -> tuple[nn.Module, str | None]:
         )
     compiled: nn.Module = torch.compile(eager, backend=compiled_backend(eager, options))  # type: ignore[assignment]
     return compiled, None
+
+
+@contextmanager
+def compiles_observed() -> Iterator[None]:
+    """``torch.compile`` with Inductor (its default) compiles through fpaudit's backend
+    inside this block (``fpaudit run``): a script's compiled backward is observed. Any
+    other backend, or ``disable=True``, is ``torch.compile`` as it is. The wrapper takes
+    ``torch.compile``'s signature and hands it the very arguments it was given, with
+    Inductor's ``mode`` and ``options`` folded into the backend."""
+    original = torch.compile
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compile_(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        given = dict(bound.arguments)
+        if given.get("backend", "inductor") != "inductor" or given.get("disable"):
+            return original(*args, **kwargs)
+        target = given.pop("model", None)
+        if target is None:  # @torch.compile(mode=...): a decorator
+            return functools.partial(compile_, **{k: v for k, v in given.items()})
+        mode = given.pop("mode", None)
+        options = dict(given.pop("options", None) or {})
+        given.pop("backend", None)
+        if mode is not None:
+            options = {**_compile_internals.mode_options(mode), **options}
+        owner = target if isinstance(target, nn.Module) else getattr(target, "__self__", None)
+        root = owner if isinstance(owner, nn.Module) else None
+        return original(target, backend=compiled_backend(root, options), **given)
+
+    torch.compile = compile_  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = original

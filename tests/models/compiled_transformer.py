@@ -16,7 +16,10 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(WIDTH)
-        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        # no bias: the key bias's gradient is zero in exact arithmetic (softmax ignores a
+        # shift shared by all keys), so eager and compiled kernels round it to different
+        # tiny values or zeros, and the twins' counts could not be compared exactly
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
         self.proj = nn.Linear(WIDTH, WIDTH)
         self.ln2 = nn.LayerNorm(WIDTH)
         self.fc1 = nn.Linear(WIDTH, 4 * WIDTH)
