@@ -356,7 +356,7 @@ def compiles_observed() -> Iterator[None]:
         root = owner if isinstance(owner, nn.Module) else None
         return original(target, backend=compiled_backend(root, options), **given)
 
-    torch.compile = compile_  # type: ignore[assignment]
+    torch.compile = compile_
     try:
         yield
     finally:
