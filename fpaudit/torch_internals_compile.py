@@ -190,6 +190,7 @@ def inductor_backward(
 def compile_backend(
     backward: Callable[[fx.GraphModule, Sequence[Any], dict[str, Any]], Any],
     options: dict[str, Any],
+    name: str,
 ) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
     """A ``torch.compile`` backend: Inductor (with ``options``, as its mode set them),
     whose backward graphs ``backward(gm, example_inputs, kwargs)`` compiles."""
@@ -207,6 +208,7 @@ def compile_backend(
                 gm, example_inputs, inner_compile=inner, config_patches=options or None
             )
 
+    backend.__name__ = backend.__qualname__ = name
     return backend
 
 

@@ -439,10 +439,13 @@ def _untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _compiled_modules(model: nn.Module) -> set[int]:
-    """The ids of ``torch.compile``d modules in ``model`` and of every module inside them."""
+    """The ids of modules ``torch.compile``d with Inductor in ``model`` and of every module
+    inside them. (Other backends keep their hooks: each a graph break, and the aten ops
+    of ``aot_eager``'s backward attributed as in eager.)"""
     found: set[int] = set()
     for module in model.modules():
-        if id(module) not in found and _compile_internals.eager_module(module) is not None:
+        parts = _compile_internals.compiled_module_parts(module)
+        if id(module) not in found and parts is not None and parts[0] in compiled.INDUCTORS:
             found.update(id(m) for m in module.modules())
     return found
 
@@ -557,12 +560,6 @@ def _upcast(value: Any) -> Any:
     return value
 
 
-_UNOBSERVED_COMPILED = (
-    "a compiled backward ran without fpaudit's observer (compile with fpaudit.compile, or "
-    "scan --compile): only the ops it hands back to aten were seen, under the module that "
-    "called it"
-)
-
 Place = tuple[histogram.HistogramTable, int]
 Recorder = Callable[[str, str, str, str, int, bool, torch.Tensor], "Place | None"]
 
@@ -661,11 +658,8 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             # create_graph; checkpointing turns it on to rebuild the graph).
             return
         node_name = node.name()
-        if node_name == compiled.COMPILED_NODE:
-            if compiled.inside_observed_backward():
-                return  # its stored values come from its outputs (Audit.record_compiled)
-            if creates_new_values(func, args, output):
-                self._audit.note_not_covered(_UNOBSERVED_COMPILED)
+        if node_name == compiled.COMPILED_NODE and compiled.inside_observed_backward():
+            return  # its stored values come from its outputs (Audit.record_compiled)
         if self.optimizer_steps or (
             node_name == _ACCUMULATE_GRAD and not _accumulates(func, args, kwargs, output, node)
         ):
@@ -951,7 +945,7 @@ class Audit:
         # torch.compile: observed compiled backward runs, ops fused away, what is not covered
         self._compiled_runs = 0
         self._fused_away: dict[str, set[str]] = {}
-        self._not_covered: list[str] = []
+        self._not_covered: list[str] = compiled.not_covered_modules(model)
 
     # -- open / close ------------------------------------------------------
     @property

@@ -62,6 +62,10 @@ __all__ = [
     "observed",
 ]
 
+BACKEND_NAME = "fpaudit_inductor"
+"""The name of fpaudit's backend (``compiled_backend``), as ``torch.compile`` sees it."""
+INDUCTORS = frozenset({"inductor", BACKEND_NAME})
+
 COMPILED_NODE = "CompiledFunctionBackward"
 """The node name of records made from a compiled backward's stored values (the name of
 the autograd node that runs a compiled backward)."""
@@ -280,7 +284,33 @@ def compiled_backend(
                 gm, example_inputs, kwargs, plan, _observer(holder)
             )
 
-    return _compile_internals.compile_backend(backward, dict(options or {}))
+    return _compile_internals.compile_backend(backward, dict(options or {}), BACKEND_NAME)
+
+
+def not_covered_modules(model: nn.Module) -> list[str]:
+    """One line per module of ``model`` compiled so that fpaudit cannot observe its
+    backward's stored values: another backend, or Inductor outside fpaudit's backend."""
+    lines = []
+    for name, module in model.named_modules():
+        parts = _compile_internals.compiled_module_parts(module)
+        if parts is None or parts[0] == BACKEND_NAME:
+            continue
+        shown = (
+            repr(name.replace("_orig_mod.", "").replace("._orig_mod", "")) if name else "the model"
+        )
+        if parts[0] == "inductor":
+            lines.append(
+                f"{shown} is compiled with Inductor outside fpaudit.compile: its compiled "
+                "backward's stored values are not observed, only the ops it hands back to "
+                "aten, under the module that calls it"
+            )
+        else:
+            lines.append(
+                f"{shown} is compiled with backend {parts[0]!r}: fpaudit observes Inductor's "
+                "compiled backward only; this backend's aten ops are recorded as in eager "
+                "(each module hook a graph break)"
+            )
+    return lines
 
 
 def compile(model: nn.Module, **kwargs: Any) -> nn.Module:
@@ -315,10 +345,7 @@ def observed(model: nn.Module) -> tuple[nn.Module, str | None]:
     eager = _compile_internals.eager_module(model)
     assert eager is not None
     if name != "inductor":
-        return model, (
-            f"the model was compiled with backend {name!r}: fpaudit observes Inductor's "
-            "compiled backward only, so only the ops this backend runs through aten are seen"
-        )
+        return model, None  # another backend (or already fpaudit's): the audit says so
     if options.get("triton.cudagraphs"):
         return model, (
             "the model runs under CUDA graphs (mode='reduce-overhead'): its compiled "
