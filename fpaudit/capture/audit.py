@@ -156,13 +156,17 @@ _UNINITIALISED = frozenset(
 _NOT_VALUES = frozenset({"c10d", "_c10d_functional", "fsdp", "_dtensor"})
 
 
+_TRACING_TENSORS = frozenset({"FakeTensor", "FunctionalTensor"})
+
+
 def _tracing(args: tuple[Any, ...]) -> bool:
     """Whether an engine run is ``torch.compile`` (AOTAutograd) tracing a backward graph:
-    its tensors are fake or functional (subclasses), and no value is computed."""
+    its tensors are fake or functional, and no value is computed. (Other subclasses, a
+    DTensor, run a real backward.)"""
     outputs = args[0] if args else ()
     tensors = outputs if isinstance(outputs, list | tuple) else (outputs,)
     return any(
-        isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, nn.Parameter) for t in tensors
+        isinstance(t, torch.Tensor) and type(t).__name__ in _TRACING_TENSORS for t in tensors
     )
 
 
