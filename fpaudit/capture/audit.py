@@ -950,6 +950,9 @@ class Audit:
         self._compiled_runs = 0
         self._fused_away: dict[str, set[str]] = {}
         self._not_covered: list[str] = compiled.not_covered_modules(model)
+        # Inductor compiles part of the model: backward values hide in fused kernels, so a
+        # step without an observed compiled backward measured nothing of them
+        self._inductor = bool(_compiled_modules(model))
 
     # -- open / close ------------------------------------------------------
     @property
@@ -1242,6 +1245,7 @@ class Audit:
         if self._compiled_runs or self._not_covered or self._fused_away:
             report.update_info(
                 compiled={
+                    "inductor": self._inductor or self._compiled_runs > 0,
                     "observed_backward_runs": self._compiled_runs,
                     "fused_away": {m: sorted(ops) for m, ops in sorted(self._fused_away.items())},
                     "not_covered": list(self._not_covered),

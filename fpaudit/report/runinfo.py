@@ -71,7 +71,8 @@ class RunInfo:
     headroom_bits: int | None = None  # scan's and run's --headroom-bits
     include_loss: bool | None = None  # scan's --include-loss
     findings: tuple[dict[str, Any], ...] = ()  # run: the misuse findings, as dicts
-    # torch.compile (fpaudit.capture.compiled): observed_backward_runs, fused_away (module -> ops
+    # torch.compile (fpaudit.capture.compiled): inductor (part of the model is Inductor-compiled),
+    # observed_backward_runs, fused_away (module -> ops
     # kept in registers), not_covered (lines); None when nothing compiled ran
     compiled: Mapping[str, Any] | None = None
 

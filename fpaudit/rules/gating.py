@@ -300,8 +300,10 @@ def _evidence(
         )
     if int(overall["nonzero"]) == 0 and int(overall["shadow_nonzero"]) == 0:
         failures.append(Failure(EVIDENCE, (NOTHING_MEASURED,), _nothing_reason(report, overall)))
-    elif (compiled := report.info.compiled) is not None and not compiled.get(
-        "observed_backward_runs"
+    elif (
+        (compiled := report.info.compiled) is not None
+        and compiled.get("inductor", True)
+        and not compiled.get("observed_backward_runs")
     ):
         # A compiled model's backward values are its compiled graph's: the ops it hands
         # back to aten and the parameter gradients alone are a subset, not evidence.
