@@ -337,3 +337,27 @@ def test_run_audits_a_scripts_compiled_backward_from_the_first_step(tmp_path: An
     audited = torch.load(tmp_path / "audited.pt")
     for a, b in zip(plain, audited, strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+# -- scan --compile --------------------------------------------------------------------
+def test_scan_compile_counts_the_stored_gradient_exactly_as_eager(cli, tmp_path: Any) -> None:
+    """known_grads.py: the backward of sum(w * c) stores dL/dw = 1 * c, every edge value
+    (ties, signed zeros, fp32 subnormals) exactly as eager makes it. `scan --compile`
+    bins it under the model's name, probe, exactly as the eager scan does."""
+    model_file = MODELS / "known_grads.py"
+    _reset_dynamo()
+    eager_out, compiled_out = tmp_path / "eager", tmp_path / "compiled"
+    assert cli("scan", model_file, "--steps", "1", "--out", eager_out).code == 0
+    result = cli("scan", model_file, "--compile", "--steps", "1", "--out", compiled_out)
+    _reset_dynamo()
+    assert result.code == 0, result.stderr
+    compiled_report, eager = Report.read(compiled_out), Report.read(eager_out)
+    records = compiled_report.records
+    stored = records[(records["node"] == compiled.COMPILED_NODE)]
+    assert set(stored["module"]) == {"probe"}
+    assert compiled_report.info.compiled is not None
+    assert compiled_report.info.compiled["observed_backward_runs"] == 1
+    assert (
+        bins_per_module(compiled_report, KIND_BACKWARD)["probe"]
+        == (bins_per_module(eager, KIND_BACKWARD)["probe"])
+    )
