@@ -18,7 +18,10 @@ plain, ...), so machine noise hits every variant alike. Sections:
 * peak memory: peak RSS of N plain steps vs N audited steps, in fresh processes;
 * report size: bytes per captured op output per step, from a real scan;
 * ``fpaudit scan`` end to end vs the same steps in a plain script (processes);
-* ``fpaudit gate`` and ``recommend`` on a report of 10 million histogram rows.
+* ``fpaudit gate`` and ``recommend`` on a report of 10 million histogram rows;
+* compiled steps: the reference transformer ``torch.compile``d (Inductor) against the same
+  model compiled by ``fpaudit.compile`` with an audit open every step, side by side
+  (compilation in the warm-up, not timed).
 
 Prints a table and writes the results as JSON (default benchmarks/results/latest.json).
 """
@@ -192,6 +195,58 @@ def measure_steps(
     }
 
 
+# -- compiled steps ----------------------------------------------------------
+def measure_compiled(reps: int, quick: bool) -> dict[str, Any]:
+    """A plain compiled step against an audited compiled step, interleaved."""
+    import fpaudit
+    from fpaudit.capture import compiled
+
+    model, ids, loss_fn = build("transformer", quick)
+    twin = copy.deepcopy(model)
+    plain_model = torch.compile(model)
+    audited_model = compiled.compile(twin)
+    audit = fpaudit.audit(audited_model)
+
+    def plain() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(plain_model, ids).backward()
+
+    def audited() -> None:
+        with audit:
+            twin.zero_grad(set_to_none=True)
+            loss = loss_fn(audited_model, ids)
+            loss.backward()
+            audit.step(loss=loss)
+
+    variants = {"compiled": plain, "compiled + fpaudit": audited}
+    start = time.perf_counter()
+    plain()
+    compile_plain = time.perf_counter() - start
+    start = time.perf_counter()
+    audited()
+    compile_audited = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants.items())
+    for rep in range(reps):
+        for name, step in order[rep % 2 :] + order[: rep % 2]:
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    records = audit.report.records
+    last = records[(records["step"] == records["step"].max()) & (records["kind"] == "backward")]
+    stored = last[last["node"] == compiled.COMPILED_NODE]
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "model": "transformer",
+        "reps": reps,
+        "first_step_seconds": {"compiled": compile_plain, "compiled + fpaudit": compile_audited},
+        "stored_values_per_step": int(stored["elements"].sum()),
+        "stored_buffers_per_step": int(stored["calls"].sum()),
+        "median_step_seconds": medians,
+        "ratio": medians["compiled + fpaudit"] / medians["compiled"],
+    }
+
+
 # -- peak memory (fresh processes) ------------------------------------------
 def _peak_rss_kb() -> int:
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork/exec from the parent.
@@ -351,6 +406,19 @@ def print_table(results: dict[str, Any]) -> None:
             f"{scan['ratio']:.2f}x; report {scan['report_bytes'] / 1024:.0f} KB, "
             f"{scan['report_bytes_per_output_per_step']:.0f} bytes per captured op output per step"
         )
+    compiled_steps = results.get("compiled")
+    if compiled_steps:
+        medians = compiled_steps["median_step_seconds"]
+        first = compiled_steps["first_step_seconds"]
+        print(
+            f"compiled step (Inductor), transformer, median of {compiled_steps['reps']} "
+            f"interleaved reps: compiled {medians['compiled'] * 1e3:.1f} ms, compiled + "
+            f"fpaudit {medians['compiled + fpaudit'] * 1e3:.1f} ms: "
+            f"{compiled_steps['ratio']:.2f}x; {compiled_steps['stored_buffers_per_step']} "
+            f"stored buffers ({compiled_steps['stored_values_per_step'] / 1e6:.1f} M values) "
+            f"per step; first step (compiling) {first['compiled']:.0f} s vs "
+            f"{first['compiled + fpaudit']:.0f} s"
+        )
     read = results.get("read")
     if read:
         print(
@@ -370,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "--skip",
         action="append",
         default=[],
-        choices=["gpt2", "memory", "scan", "read"],
+        choices=["steps", "gpt2", "memory", "scan", "read", "compile"],
         help="skip a section",
     )
     parser.add_argument(
@@ -395,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
         models = ["transformer"] + ([] if "gpt2" in args.skip or args.quick else ["gpt2-small"])
+        if "steps" in args.skip:
+            models = []
         for model_name in models:
             model_reps = reps if model_name == "transformer" else max(1, min(reps, 5))
             knobs = model_name == "transformer"
@@ -409,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
             results["read"] = measure_read(
                 100_000 if args.quick else 10_000_000, 1 if args.quick else 3, tmp
             )
+        if "compile" not in args.skip:
+            results["compiled"] = measure_compiled(reps, args.quick)
     print_table(results)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fpaudit.capture.audit import Audit, Selection, audit
+    from fpaudit.capture.compiled import compile
     from fpaudit.kernels.blockstats import block_stats
     from fpaudit.numerics.formats import FORMATS, Fate, Format, get_format
     from fpaudit.numerics.recipes import RECIPES, Recipe, get_recipe
@@ -51,6 +52,7 @@ _WHERE = {
     "Audit": "capture.audit",
     "Selection": "capture.audit",
     "audit": "capture.audit",
+    "compile": "capture.compiled",
     "FORMATS": "numerics.formats",
     "Fate": "numerics.formats",
     "Format": "numerics.formats",
@@ -94,6 +96,7 @@ __all__ = [
     "block_gate",
     "block_stats",
     "block_table",
+    "compile",
     "gate",
     "get_format",
     "get_recipe",

@@ -198,12 +198,12 @@ def test_every_library_option_is_fed_from_its_commands_options() -> None:
     scan_args = ScanArgs(steps=3, device="cpu", seed=7, every=2, window=2, module=("a",),
                          exclude_module=("b",), op=("aten.mm*",), exclude_op=("aten.add*",),
                          amp="bf16", shadow=True, forward=True, origins=True,
-                         recipe=("mxfp4", "nvfp4", "mxfp4"))  # fmt: skip
+                         recipe=("mxfp4", "nvfp4", "mxfp4"), compile=True)  # fmt: skip
     built = _library_options(ScanOptions, scan_args, loss_scale=8.0)  # scan parses --loss-scale
     assert built == ScanOptions(
         steps=3, device="cpu", loss_scale=8.0, seed=7, every=2, window=2,
         selection=Selection(("a",), ("b",), ("aten.mm*",), ("aten.add*",)), amp="bf16",
-        shadow=True, forward=True, origins=True, recipes=("mxfp4", "nvfp4"),
+        shadow=True, forward=True, origins=True, recipes=("mxfp4", "nvfp4"), compile=True,
     )  # fmt: skip
     default = ScanOptions()
     unfed = [f.name for f in dataclasses.fields(ScanOptions)

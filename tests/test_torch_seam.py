@@ -294,3 +294,22 @@ def test_fsdp_flat_param_and_dynamo() -> None:
 def test_extension_build_directory() -> None:
     path = Path(internals.extension_build_directory("fpaudit_seam_probe"))
     assert path.name == "fpaudit_seam_probe"
+
+
+def test_the_compile_seam_lists_each_private_name_it_reads() -> None:
+    """``torch_internals_compile``'s docstring names every private torch name it reads."""
+    from fpaudit import torch_internals_compile as compile_internals
+
+    tree = ast.parse(inspect.getsource(compile_internals))
+    own = _defined_by_fpaudit([tree])
+    read: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+            read.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            read |= {p for p in (node.module or "").split(".") if _private(p)}
+        elif isinstance(node, ast.Constant) and re.fullmatch(r"_[a-z]\w*", str(node.value)):
+            read.add(str(node.value))
+    assert {"_inductor", "_orig_mod", "_torchdynamo_orig_backend"} <= read
+    doc = compile_internals.__doc__ or ""
+    assert sorted(n for n in read if n not in doc) == []

@@ -86,6 +86,8 @@ from torch import nn
 
 from fpaudit import _signals
 from fpaudit import torch_internals as _internals
+from fpaudit import torch_internals_compile as _compile_internals
+from fpaudit.capture import compiled
 from fpaudit.capture._torch_patches import guarded
 from fpaudit.capture.origin_probe import OriginTracker
 from fpaudit.capture.origin_probe import tensors_in as _tensors
@@ -194,6 +196,20 @@ def weight_modules(model: nn.Module) -> frozenset[str]:
     return frozenset(names)
 
 
+_TRACING_TENSORS = frozenset({"FakeTensor", "FunctionalTensor"})
+
+
+def _tracing(args: tuple[Any, ...]) -> bool:
+    """Whether an engine run is ``torch.compile`` (AOTAutograd) tracing a backward graph:
+    its tensors are fake or functional, and no value is computed. (Other subclasses, a
+    DTensor, run a real backward.)"""
+    outputs = args[0] if args else ()
+    tensors = outputs if isinstance(outputs, list | tuple) else (outputs,)
+    return any(
+        isinstance(t, torch.Tensor) and type(t).__name__ in _TRACING_TENSORS for t in tensors
+    )
+
+
 def _activate_during_backward(mode: _BackwardMode) -> Callable[[], None] | None:
     """Make ``mode`` active only while the autograd engine runs; return the undo.
 
@@ -212,6 +228,8 @@ def _activate_during_backward(mode: _BackwardMode) -> Callable[[], None] | None:
 
     def make(original: Callable[..., Any], signature: inspect.Signature) -> Callable[..., Any]:
         def run_backward(*args: Any, **kwargs: Any) -> Any:
+            if _tracing(args):  # torch.compile tracing the joint graph: not a backward that runs
+                return original(*args, **kwargs)
             if getattr(depth, "n", 0):  # nested backward (reentrant checkpoint): already on
                 try:
                     mode.enter_nested(current_autograd_node())
@@ -428,16 +446,25 @@ class _Provenance:
 # Modules that wrappers insert between a model's modules: FSDP1's
 # FullyShardedDataParallel and activation checkpointing's CheckpointWrapper hold the
 # wrapped module under these names. Reports name modules as the model itself does.
-_WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+# torch.compile's OptimizedModule holds the eager module as ``_orig_mod``.
+_WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def model_name(qualified: str) -> str:
     """``qualified`` (as in ``named_modules()``) without wrapper segments:
     ``_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.attn`` is ``blocks.0.attn``.
     A wrapper and the module it wraps share the name."""
-    if "_wrapped_module" not in qualified:
+    if "_wrapped_module" not in qualified and "_orig_mod" not in qualified:
         return qualified
     return ".".join(part for part in qualified.split(".") if part not in _WRAPPER_NAMES)
+
+
+def _known_module(name: str, known: frozenset[str]) -> str:
+    """``name``, or its nearest enclosing module the model has (a path Dynamo wrote that
+    the model does not name, such as a function's local module, goes to its parent)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name
 
 
 def _untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -453,6 +480,18 @@ def _untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
         return hook
     disabled: Callable[..., Any] = torch.compiler.disable(hook)  # type: ignore[no-untyped-call]
     return disabled
+
+
+def _compiled_modules(model: nn.Module) -> set[int]:
+    """The ids of modules ``torch.compile``d with Inductor in ``model`` and of every module
+    inside them. (Other backends keep their hooks: each a graph break, and the aten ops
+    of ``aot_eager``'s backward attributed as in eager.)"""
+    found: set[int] = set()
+    for module in model.modules():
+        parts = _compile_internals.compiled_module_parts(module)
+        if id(module) not in found and parts is not None and parts[0] in compiled.INDUCTORS:
+            found.update(id(m) for m in module.modules())
+    return found
 
 
 class _ModuleClock:
@@ -473,6 +512,7 @@ class _ModuleClock:
                 flat = _internals.fsdp_flat_param(module)
                 if flat is not None:
                     self.param_owner.setdefault(id(flat), (model_name(name), "_flat_param"))
+        self.known_names = frozenset(self.names.values())
         self._stack = threading.local()
         self._starts: list[int] = []
         self._modules: list[str] = []
@@ -511,9 +551,14 @@ class _ModuleClock:
         self._mark(frames[-1] if frames else LOSS_MODULE)
 
     def install(self, model: nn.Module, stack: ExitStack) -> None:
+        compiled = _compiled_modules(model)
         for name, module in model.named_modules():
             if self._qualified.get(id(module)) != name:
                 continue  # a shared module keeps its first name
+            if id(module) in compiled:
+                # Inside torch.compile: a hook would break the graph and recompile it at
+                # every open; the compiled backward is attributed by its graph instead.
+                continue
             reported = self.names[id(module)]
             enter = guarded("module clock", lambda _m, _a, n=reported: self.enter(n))
             stack.enter_context(module.register_forward_pre_hook(_untraced(enter)))
@@ -659,6 +704,8 @@ class _BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
             # create_graph; checkpointing turns it on to rebuild the graph).
             return
         node_name = node.name()
+        if node_name == compiled.COMPILED_NODE and compiled.inside_observed_backward():
+            return  # its stored values come from its outputs (Audit.record_compiled)
         if self.optimizer_steps or (
             node_name == _ACCUMULATE_GRAD and not _accumulates(func, args, kwargs, output, node)
         ):
@@ -947,6 +994,13 @@ class Audit:
         self._lock = threading.Lock()
         chosen = tuple(dict.fromkeys(as_recipe(r) for r in recipes))
         self._blocks = BlockRecorder(chosen, window) if chosen else None  # opt-in: --recipe
+        # torch.compile: observed compiled backward runs, ops fused away, what is not covered
+        self._compiled_runs = 0
+        self._fused_away: dict[str, set[str]] = {}
+        self._not_covered: list[str] = compiled.not_covered_modules(model)
+        # Inductor compiles part of the model: backward values hide in fused kernels, so a
+        # step without an observed compiled backward measured nothing of them
+        self._inductor = bool(_compiled_modules(model))
 
     # -- open / close ------------------------------------------------------
     @property
@@ -971,6 +1025,8 @@ class Audit:
                 stack.callback(restore)
             else:
                 stack.enter_context(mode)
+            compiled.add_receiver(self)
+            stack.callback(compiled.remove_receiver, self)
         except BaseException:
             stack.close()
             raise
@@ -1090,6 +1146,36 @@ class Audit:
         dtype = str(tensor.dtype).removeprefix("torch.")
         key = RecordKey(KIND_OPERAND, module, node, op, index, dtype, scales_with_loss)
         self._blocks.add(key, tensor)
+
+    def record_compiled(self, graph: compiled.CompiledGraph, values: Sequence[Any]) -> None:
+        """Record the values a compiled backward stored (``fpaudit.capture.compiled``), under the
+        model's module names; a graph compiled from another model is not this audit's."""
+        prefix = ""
+        if graph.root is not None:
+            root = graph.root()
+            name = self._clock.names.get(id(root)) if root is not None else None
+            if name is None:
+                return
+            prefix = name
+        known = self._clock.known_names
+        with self._lock:
+            self._compiled_runs += 1
+        for site, value in zip(graph.sites, values, strict=False):
+            if not isinstance(value, torch.Tensor):
+                continue
+            path = ".".join(p for p in (prefix, model_name(site.module)) if p)
+            module = _known_module(path, known)
+            self.record(KIND_BACKWARD, module, compiled.COMPILED_NODE, site.op, 0,
+                        site.scales_with_loss, value)  # fmt: skip
+        for module_path, ops in graph.fused_away.items():
+            path = ".".join(p for p in (prefix, model_name(module_path)) if p)
+            module = _known_module(path, known)
+            self._fused_away.setdefault(module, set()).update(ops)
+
+    def note_not_covered(self, line: str) -> None:
+        """Note what this audit cannot observe (a compiled backward without the observer)."""
+        if line not in self._not_covered:
+            self._not_covered.append(line)
 
     def _record_parameter_gradients(self) -> None:
         for name, param in self.model.named_parameters():
@@ -1225,6 +1311,15 @@ class Audit:
         report = Report.from_builder(self._builder, run_metadata(self.model), steps)
         # fp64 values beyond fp32's range, binned as zero or inf (see fpaudit.kernels.histogram)
         report.update_info(out_of_range=sum(int(t.out_of_range) for t in self._tables.values()))
+        if self._compiled_runs or self._not_covered or self._fused_away:
+            report.update_info(
+                compiled={
+                    "inductor": self._inductor or self._compiled_runs > 0,
+                    "observed_backward_runs": self._compiled_runs,
+                    "fused_away": {m: sorted(ops) for m, ops in sorted(self._fused_away.items())},
+                    "not_covered": list(self._not_covered),
+                }
+            )
         if self.origins is not None:
             from fpaudit.rules.origins import table_from_columns
 

@@ -487,7 +487,7 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
                 render.stdout().print(line)
     from fpaudit.capture import autocast
 
-    render.autocast_prediction(autocast.summary(report))
+    render.autocast_prediction(autocast.summary(report), every_name=False)
     _block_summaries(report, options.top)
 
 

@@ -330,6 +330,9 @@ class ScanArgs(CommandOptions):
     )()
     replace_partial: bool = REPLACE_PARTIAL()
     recipe: tuple[str, ...] = RECIPES()
+    compile: bool = flag(
+        "Compile the model (torch.compile, Inductor); audit what its backward stores"
+    )()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -485,6 +485,17 @@ def report_notes(report: Report, *, incomplete: bool = True) -> None:
             "range (nonzero below 2^-149, or finite above fp32's max): they are binned as zero "
             "or inf, so the counts do not include them as nonzero values\n"
         )
+    compiled = report.info.compiled
+    if compiled is not None:
+        for line in compiled.get("not_covered") or ():
+            sys.stderr.write(f"fpaudit: note: not covered: {line}\n")
+        fused = compiled.get("fused_away") or {}
+        if compiled.get("observed_backward_runs") and fused:
+            sys.stderr.write(
+                f"fpaudit: note: compiled backward: {count(len(fused))} module(s) kept some "
+                "values in a fused kernel's registers (never stored, not counted); "
+                "the report's meta.json lists the ops (compiled.fused_away)\n"
+            )
     inexact = report.inexact_scales()
     if inexact:
         shown = ", ".join(f"{s:g}" for s in inexact[:3]) + (", ..." if len(inexact) > 3 else "")
@@ -564,8 +575,9 @@ def scan_summary(
         console.print(line)
 
 
-def autocast_prediction(result: AutocastSummary | None) -> None:
-    """scan and show: which modules' backward values fp16 autocast would hold in fp16."""
+def autocast_prediction(result: AutocastSummary | None, *, every_name: bool = True) -> None:
+    """scan and show: which modules' backward values fp16 autocast would hold in fp16
+    (scan names the first few fp32 modules; show names every module)."""
     if result is None:
         return
     console = stdout()
@@ -576,13 +588,22 @@ def autocast_prediction(result: AutocastSummary | None) -> None:
         return
 
     def names(modules: list[str]) -> str:
-        return ", ".join(module_label(m) for m in modules) or "none"
+        shown = modules if every_name or len(modules) <= 4 else modules[:3]
+        more = "" if len(shown) == len(modules) else ", …"
+        return ", ".join(module_label(m) for m in shown) + more if modules else "none"
 
+    if every_name:
+        console.print(
+            f"Under fp16 autocast ({result.device}, predicted by a forward probe): backward "
+            f"values fp32 in {len(result.fp32)} module(s): {names(result.fp32)}; fp16 in "
+            f"{len(result.fp16)}: {names(result.fp16)}; both in {len(result.mixed)} (as a "
+            "Linear: fp16 products, fp32 gradients of the casts of its inputs)."
+        )
+        return
     console.print(
         f"Under fp16 autocast ({result.device}, predicted by a forward probe): backward values "
-        f"fp32 in {len(result.fp32)} module(s): {names(result.fp32)}; fp16 in "
-        f"{len(result.fp16)}: {names(result.fp16)}; both in {len(result.mixed)} (as a Linear: "
-        f"fp16 products, fp32 gradients of the casts of its inputs)."
+        f"fp32 in {len(result.fp32)} module(s) ({names(result.fp32)}), fp16 in "
+        f"{len(result.fp16)}, both in {len(result.mixed)}; `fpaudit show` names them."
     )
 
 

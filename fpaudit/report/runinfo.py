@@ -42,7 +42,7 @@ _ALWAYS = (
 # the command beside the run's fields.
 _READ_ONLY = (
     "steps", "modules", "out_of_range", "recipes", "formats", "headroom_bits", "include_loss",
-    "findings", "autocast",
+    "findings", "autocast", "compiled",
 )  # fmt: skip
 
 
@@ -73,6 +73,10 @@ class RunInfo:
     findings: tuple[dict[str, Any], ...] = ()  # run: the misuse findings, as dicts
     # scan without --amp: what fp16 autocast would do, per module (fpaudit.capture.autocast.probe)
     autocast: Mapping[str, Any] | None = None
+    # torch.compile (fpaudit.capture.compiled): inductor (part of the model is Inductor-compiled),
+    # observed_backward_runs, fused_away (module -> ops
+    # kept in registers), not_covered (lines); None when nothing compiled ran
+    compiled: Mapping[str, Any] | None = None
 
     @classmethod
     def ended(
@@ -142,6 +146,7 @@ class RunInfo:
             headroom_bits=of("headroom_bits", int),
             include_loss=of("include_loss", bool),
             autocast=of("autocast", dict),
+            compiled=of("compiled", dict),
             findings=tuple(item for item in (meta.get("findings") or ()) if isinstance(item, dict))
             if isinstance(meta.get("findings"), list)
             else (),

@@ -388,6 +388,24 @@ def _evidence(
         )
     if int(overall["nonzero"]) == 0 and int(overall["shadow_nonzero"]) == 0:
         failures.append(Failure(EVIDENCE, (NOTHING_MEASURED,), _nothing_reason(report, overall)))
+    elif (
+        (compiled := report.info.compiled) is not None
+        and compiled.get("inductor", True)
+        and not compiled.get("observed_backward_runs")
+    ):
+        # A compiled model's backward values are its compiled graph's: the ops it hands
+        # back to aten and the parameter gradients alone are a subset, not evidence.
+        not_covered = [str(line) for line in compiled.get("not_covered") or ()]
+        failures.append(
+            Failure(
+                EVIDENCE,
+                (NOTHING_MEASURED,),
+                Wording(
+                    "measured nothing of the compiled backward: no value it stored was "
+                    "observed (" + ("; ".join(not_covered) or "no compiled backward ran") + ")"
+                ),
+            )
+        )
     if (nonfinite or loss_steps) and not allow_nonfinite:
         parts = []
         if nonfinite:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fpaudit import defaults
+from fpaudit.capture import compiled
 from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, ModelExit, ModelFileError, Named, OptionError, UsageError
 from fpaudit.numerics.recipes import get_recipe
@@ -49,6 +50,7 @@ class ScanOptions:
     forward: bool = False  # also record forward op outputs
     origins: bool = False  # per op call, did it make inf/NaN (implies forward)
     recipes: tuple[str, ...] = ()  # block-scaled recipes to audit (--recipe)
+    compile: bool = False  # torch.compile the model with Inductor (fpaudit.capture.compiled)
 
     def __post_init__(self) -> None:
         for name in self.recipes:
@@ -176,6 +178,13 @@ def _scan(
     with modelfile.user_code(path, f"moving the model to {device}"):
         model = spec.model.to(device)
     model.train()
+    # torch.compile: a compiled model file (or --compile) runs through fpaudit's Inductor
+    # backend, which hands out what its backward stores (fpaudit.capture.compiled)
+    not_covered: str | None = None
+    if options.compile and compiled.eager_module(model) is None:
+        model = compiled.compile(model)
+    else:
+        model, not_covered = compiled.observed(model)
     trained: torch.nn.Module = model  # what forward runs through (DDP under torchrun)
     if world > 1 and any(p.requires_grad for p in model.parameters()):
         ids = [device.index] if device.type == "cuda" else None
@@ -191,6 +200,8 @@ def _scan(
         origins=options.origins,
         recipes=options.recipes,
     )
+    if not_covered is not None:
+        audit.note_not_covered(not_covered)
     options.selection.check_modules(audit.module_names)  # a typo fails before any step
     amp_dtype = AMP_DTYPES[options.amp] if options.amp is not None else None
 

@@ -52,6 +52,7 @@ from torch import nn
 import fpaudit
 from fpaudit import defaults
 from fpaudit.capture import _torch_patches as patches
+from fpaudit.capture import compiled
 from fpaudit.capture._torch_patches import Call
 from fpaudit.capture.audit import Audit, Selection
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionError
@@ -239,6 +240,7 @@ class TrainingMonitor:
         """Patch torch's training APIs for the duration of the block."""
         with ExitStack() as stack:
             patches.install(stack, self, grad_reads=self.options.watch_grad_reads)
+            stack.enter_context(compiled.compiles_observed())
             try:
                 yield self
             finally:

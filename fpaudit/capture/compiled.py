@@ -1,0 +1,390 @@
+"""Audit ``torch.compile``d training: what Inductor's compiled backward stores.
+
+A compiled backward runs fused kernels, not aten ops, so the capture's dispatch mode
+cannot see its values. :func:`compile` (and :func:`observed`, for a module already
+``torch.compile``d with the default backend) compiles with Inductor through
+fpaudit's backend, which changes one thing: every buffer the backward graph writes
+to memory is also handed out of the compiled graph, and an open audit histograms it
+in the dtype it was stored in, exactly as an eager value. In plain words:
+
+* Inductor's scheduler decides which values a kernel stores and which it keeps in
+  registers. fpaudit compiles each backward graph twice: once to learn which FX nodes'
+  values are stored, and once with those values added to the graph's outputs.
+  Values a fused kernel keeps in registers are never rounded to a stored dtype and are
+  not counted; the ops they came from are the module's *fused away* ops in the report.
+* Each stored value belongs to the module whose forward it differentiates: the
+  backward graph's node metadata (``fwd_nn_module_stack``, or ``nn_module_stack`` for
+  recomputed forward work) names it, as the model names it.
+* A stored value scales with the loss when it depends on a tangent (the gradient
+  flowing in); a value computed from saved activations alone does not.
+* With no audit open the compiled backward runs as compiled; the extra outputs are
+  dropped. The kernels are the ones Inductor generates without fpaudit (the stored
+  buffers are stored either way), so parameters after N steps are bit-identical; the
+  tests check it, and that there is one graph, no graph break and no recompilation.
+
+Known limitations:
+
+* Only Inductor's backward is observed. A graph compiled with another backend, or run
+  under CUDA graphs (``mode="reduce-overhead"``), is not: the report says so in one
+  line (``compiled.not_covered``), and ``gate`` finds a compiled report that observed
+  nothing to have measured nothing.
+* The compiled forward is not observed (``--forward`` covers eager forward only).
+* Stored buffers live until the compiled backward returns (they are its outputs):
+  peak memory of the backward grows by the values it stores.
+* Each backward graph is compiled twice: compile time roughly doubles for backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import fx, nn
+
+from fpaudit import torch_internals_compile as _compile_internals
+
+__all__ = [
+    "COMPILED_NODE",
+    "CompiledSite",
+    "compile",
+    "compiled_backend",
+    "compiles_observed",
+    "eager_module",
+    "inside_observed_backward",
+    "observed",
+]
+
+BACKEND_NAME = "fpaudit_inductor"
+"""The name of fpaudit's backend (``compiled_backend``), as ``torch.compile`` sees it."""
+INDUCTORS = frozenset({"inductor", BACKEND_NAME})
+
+COMPILED_NODE = "CompiledFunctionBackward"
+"""The node name of records made from a compiled backward's stored values (the name of
+the autograd node that runs a compiled backward)."""
+
+# Ops that only view or reshape: a stored buffer's origins include them, but they
+# compute nothing that could be "fused away".
+_VIEWS = frozenset(
+    {
+        "aten.view.default",
+        "aten.reshape.default",
+        "aten._unsafe_view.default",
+        "aten.permute.default",
+        "aten.expand.default",
+        "aten.t.default",
+        "aten.transpose.int",
+        "aten.squeeze.dim",
+        "aten.unsqueeze.default",
+        "aten.slice.Tensor",
+        "aten.select.int",
+        "aten.alias.default",
+        "aten.as_strided.default",
+    }
+)
+
+
+@dataclass(frozen=True)
+class CompiledSite:
+    """One stored value of a compiled backward: its module (relative to the compiled
+    module), the op that made it, and whether it scales with the loss."""
+
+    module: str
+    op: str
+    scales_with_loss: bool
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What fpaudit observes of one compiled backward graph."""
+
+    root: weakref.ref[nn.Module] | None  # the module torch.compile was given
+    sites: tuple[CompiledSite, ...]
+    fused_away: dict[str, tuple[str, ...]]  # module -> ops kept in registers
+
+
+class Receiver(Protocol):
+    def record_compiled(self, graph: CompiledGraph, values: Sequence[Any]) -> None: ...
+    def note_not_covered(self, line: str) -> None: ...
+
+
+_receivers: list[Receiver] = []
+_not_covered: list[str] = []  # compile-time reasons, handed to every audit that opens
+_state = threading.local()
+
+
+def add_receiver(receiver: Receiver) -> None:
+    _receivers.append(receiver)
+    for line in _not_covered:
+        receiver.note_not_covered(line)
+
+
+def remove_receiver(receiver: Receiver) -> None:
+    if receiver in _receivers:
+        _receivers.remove(receiver)
+
+
+def _not_covered_line(line: str) -> None:
+    if line not in _not_covered:
+        _not_covered.append(line)
+    for receiver in list(_receivers):
+        receiver.note_not_covered(line)
+
+
+def inside_observed_backward() -> bool:
+    """True while an observed compiled backward runs on this thread: the aten ops it
+    hands back (``mm.out``) are its stored values, recorded from its outputs instead."""
+    return bool(getattr(_state, "depth", 0))
+
+
+@contextmanager
+def _observing() -> Iterator[None]:
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+_ROOT = re.compile(r"^(?:L|G)\[['\"][^'\"]*['\"]\]")
+_MODULES = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
+_INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
+
+
+def module_path(path: str) -> str:
+    """A module path as Dynamo writes it (``L['self'].blocks.0.fc1``,
+    ``L['self']._modules['blocks']._modules['0']``) as ``named_modules()`` names it
+    (``blocks.0.fc1``), relative to the module Dynamo traced."""
+    path = _ROOT.sub("", path)
+    path = _MODULES.sub(r".\1", path)
+    path = _INDEX.sub(r".\1", path)
+    return path.strip(".")
+
+
+def _module_of(node: fx.Node) -> str | None:
+    for key in ("fwd_nn_module_stack", "nn_module_stack"):
+        stack = node.meta.get(key)
+        if stack:
+            last = list(stack.values())[-1]
+            path = last[0] if isinstance(last, tuple) else str(last)
+            return module_path(str(path))
+    return None
+
+
+def _modules(graph: fx.Graph) -> dict[str, str]:
+    """Each node's module; a node without metadata (a gradient sum AOTAutograd added)
+    takes the module of its first input that has one."""
+    found: dict[str, str] = {}
+    for node in graph.nodes:
+        module = _module_of(node)
+        if module is None:
+            module = next((found[a.name] for a in node.all_input_nodes if a.name in found), None)
+        if module is not None:
+            found[node.name] = module
+    return found
+
+
+def _scaled(graph: fx.Graph) -> set[str]:
+    """The nodes that depend on a tangent (the incoming gradient): they scale with the loss."""
+    scaled: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                scaled.add(node.name)
+        elif any(a.name in scaled for a in node.all_input_nodes):
+            scaled.add(node.name)
+    return scaled
+
+
+def plan_graph(
+    gm: fx.GraphModule, stored: list[_compile_internals.StoredBuffer]
+) -> tuple[list[str], list[CompiledSite], dict[str, tuple[str, ...]]]:
+    """The nodes to observe (the stored values), their sites, and per module the ops
+    whose values stayed in registers."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    modules = _modules(gm.graph)
+    scaled = _scaled(gm.graph)
+    names: list[str] = []
+    sites: list[CompiledSite] = []
+    in_memory: set[str] = set()
+    computed: set[str] = set()
+    for buffer in stored:
+        computed.update(buffer.origins)
+        node = nodes.get(buffer.node) if buffer.node is not None else None
+        if node is None or node.op != "call_function" or buffer.node in names:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dtype != buffer.dtype:
+            continue
+        if not value.is_floating_point():
+            continue
+        names.append(node.name)
+        in_memory.add(node.name)
+        sites.append(
+            CompiledSite(modules.get(node.name, ""), str(node.target), node.name in scaled)
+        )
+    fused: dict[str, set[str]] = {}
+    for name in computed - in_memory:
+        node = nodes.get(name)
+        if node is None or node.op != "call_function" or str(node.target) in _VIEWS:
+            continue
+        fused.setdefault(modules.get(name, ""), set()).add(str(node.target))
+    return names, sites, {m: tuple(sorted(ops)) for m, ops in fused.items()}
+
+
+def _observer(graph_holder: list[CompiledGraph]) -> _compile_internals.Wrap:
+    def wrap(call: Callable[[list[Any]], Any], outputs: int) -> Callable[[list[Any]], Any]:
+        def run(args: list[Any]) -> Any:
+            with _observing():
+                result = call(args)
+            values = result[outputs:]
+            kept = type(result)(result[:outputs]) if isinstance(result, tuple) else result[:outputs]
+            if _receivers and graph_holder:
+                for receiver in list(_receivers):
+                    receiver.record_compiled(graph_holder[-1], values)
+            return kept
+
+        run._boxed_call = True  # type: ignore[attr-defined]  # AOTAutograd's list convention
+        return run
+
+    return wrap
+
+
+def compiled_backend(
+    root: nn.Module | None = None, options: dict[str, Any] | None = None
+) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
+    """A ``torch.compile`` backend: Inductor (with ``options``, an Inductor mode's
+    settings) whose backward's stored values an open audit records. ``root`` is the
+    module ``torch.compile`` is given (its modules' names start there)."""
+    reference = weakref.ref(root) if root is not None else None
+
+    def backward(gm: fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if _compile_internals.cudagraphs_requested(kwargs):
+            _not_covered_line(
+                "a compiled backward runs under CUDA graphs (mode='reduce-overhead'): "
+                "its values are not observed"
+            )
+            return _compile_internals.plain_backward(gm, example_inputs, kwargs)
+        holder: list[CompiledGraph] = []
+
+        def plan(post_grad: fx.GraphModule, stored: list[Any]) -> list[str]:
+            names, sites, fused = plan_graph(post_grad, stored)
+            holder.append(CompiledGraph(reference, tuple(sites), fused))
+            return names
+
+        with _observing():  # compiling (lazily, inside backward) is not the model's work
+            return _compile_internals.inductor_backward(
+                gm, example_inputs, kwargs, plan, _observer(holder)
+            )
+
+    return _compile_internals.compile_backend(backward, dict(options or {}), BACKEND_NAME)
+
+
+def not_covered_modules(model: nn.Module) -> list[str]:
+    """One line per module of ``model`` compiled so that fpaudit cannot observe its
+    backward's stored values: another backend, or Inductor outside fpaudit's backend."""
+    lines = []
+    for name, module in model.named_modules():
+        parts = _compile_internals.compiled_module_parts(module)
+        if parts is None or parts[0] == BACKEND_NAME:
+            continue
+        shown = (
+            repr(name.replace("_orig_mod.", "").replace("._orig_mod", "")) if name else "the model"
+        )
+        if parts[0] == "inductor":
+            lines.append(
+                f"{shown} is compiled with Inductor outside fpaudit.compile: its compiled "
+                "backward's stored values are not observed, only the ops it hands back to "
+                "aten, under the module that calls it"
+            )
+        else:
+            lines.append(
+                f"{shown} is compiled with backend {parts[0]!r}: fpaudit observes Inductor's "
+                "compiled backward only; this backend's aten ops are recorded as in eager "
+                "(each module hook a graph break)"
+            )
+    return lines
+
+
+def compile(model: nn.Module, **kwargs: Any) -> nn.Module:
+    """``torch.compile(model, **kwargs)`` with Inductor through fpaudit's backend: an
+    open audit records what its compiled backward stores. ``mode`` and ``options`` are
+    Inductor's; ``fullgraph``, ``dynamic`` and the rest go to ``torch.compile``."""
+    mode = kwargs.pop("mode", None)
+    options = dict(kwargs.pop("options", None) or {})
+    backend = kwargs.pop("backend", "inductor")
+    if backend != "inductor":
+        raise ValueError(f"fpaudit observes Inductor's backward only, got backend={backend!r}")
+    if mode is not None:
+        options = {**_compile_internals.mode_options(mode), **options}
+    compiled: nn.Module = torch.compile(model, backend=compiled_backend(model, options), **kwargs)  # type: ignore[assignment]
+    return compiled
+
+
+def eager_module(model: nn.Module) -> nn.Module | None:
+    """The eager module a ``torch.compile``d module wraps, or None for any other module."""
+    return _compile_internals.eager_module(model)
+
+
+def observed(model: nn.Module) -> tuple[nn.Module, str | None]:
+    """``model`` as fpaudit audits it: a module ``torch.compile``d with Inductor is
+    compiled again (from its eager module, with the same mode) through fpaudit's
+    backend; any other module is returned as it is. The second value is the line that
+    says what is not covered, or None."""
+    parts = _compile_internals.compiled_module_parts(model)
+    if parts is None:
+        return model, None
+    name, options = parts
+    eager = _compile_internals.eager_module(model)
+    assert eager is not None
+    if name != "inductor":
+        return model, None  # another backend (or already fpaudit's): the audit says so
+    if options.get("triton.cudagraphs"):
+        return model, (
+            "the model runs under CUDA graphs (mode='reduce-overhead'): its compiled "
+            "backward's values are not observed"
+        )
+    compiled: nn.Module = torch.compile(eager, backend=compiled_backend(eager, options))  # type: ignore[assignment]
+    return compiled, None
+
+
+@contextmanager
+def compiles_observed() -> Iterator[None]:
+    """``torch.compile`` with Inductor (its default) compiles through fpaudit's backend
+    inside this block (``fpaudit run``): a script's compiled backward is observed. Any
+    other backend, or ``disable=True``, is ``torch.compile`` as it is. The wrapper takes
+    ``torch.compile``'s signature and hands it the very arguments it was given, with
+    Inductor's ``mode`` and ``options`` folded into the backend."""
+    original = torch.compile
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compile_(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        given = dict(bound.arguments)
+        if given.get("backend", "inductor") != "inductor" or given.get("disable"):
+            return original(*args, **kwargs)
+        target = given.pop("model", None)
+        if target is None:  # @torch.compile(mode=...): a decorator
+            return functools.partial(compile_, **{k: v for k, v in given.items()})
+        mode = given.pop("mode", None)
+        options = dict(given.pop("options", None) or {})
+        given.pop("backend", None)
+        if mode is not None:
+            options = {**_compile_internals.mode_options(mode), **options}
+        owner = target if isinstance(target, nn.Module) else getattr(target, "__self__", None)
+        root = owner if isinstance(owner, nn.Module) else None
+        return original(target, backend=compiled_backend(root, options), **given)
+
+    torch.compile = compile_
+    try:
+        yield
+    finally:
+        torch.compile = original
