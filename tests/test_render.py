@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fpaudit.cli import render
+from fpaudit.cli import render, render_run
 from fpaudit.numerics.formats import FORMATS
 
 
@@ -78,23 +78,23 @@ def test_short_op() -> None:
 
 
 def test_sparkline_maps_log2_onto_eight_levels() -> None:
-    assert render.sparkline([]) == "" and render.sparkline([0.0, -1.0, math.nan]) == ""
-    assert render.sparkline([4.0, 4.0]) == "▄▄"  # flat: the middle bar
+    assert render_run.sparkline([]) == "" and render_run.sparkline([0.0, -1.0, math.nan]) == ""
+    assert render_run.sparkline([4.0, 4.0]) == "▄▄"  # flat: the middle bar
     # log2 = 0..7: one level each
-    assert render.sparkline([2.0**k for k in range(8)]) == "▁▂▃▄▅▆▇█"
+    assert render_run.sparkline([2.0**k for k in range(8)]) == "▁▂▃▄▅▆▇█"
     # a zero or inf value is drawn at the smallest positive value's level
-    assert render.sparkline([1.0, 0.0, 128.0, math.inf]) == "▁▁█▁"
+    assert render_run.sparkline([1.0, 0.0, 128.0, math.inf]) == "▁▁█▁"
     # more values than the width: each bar is its bucket's minimum
-    assert render.sparkline([1.0, 2.0, 128.0, 256.0], width=2) == "▁█"
+    assert render_run.sparkline([1.0, 2.0, 128.0, 256.0], width=2) == "▁█"
 
 
 def test_skip_lines_without_and_with_a_scaler() -> None:
     stats = {"steps": 10, "skipped": 3, "calibration_steps": 2, "steps_after_calibration": 8,
              "skipped_after_calibration": 1, "skip_rate_after_calibration": 1 / 8}  # fmt: skip
-    assert render.skip_lines(stats, None) == [
+    assert render_run.skip_lines(stats, None) == [
         "10 optimizer step(s); no enabled GradScaler, so no step was skipped."
     ]
-    lines = render.skip_lines(stats, {"init_scale": 65536.0, "growth_interval": 2000})
+    lines = render_run.skip_lines(stats, {"init_scale": 65536.0, "growth_interval": 2000})
     assert lines[0] == "Skipped 3 of 10 step(s) (30%)."
     assert lines[1].startswith(
         "  The first 2 skip(s) were calibration: a fresh scaler starts at 2^16"
@@ -104,20 +104,20 @@ def test_skip_lines_without_and_with_a_scaler() -> None:
 
 
 def test_scale_lines() -> None:
-    assert render.scale_lines(pd.DataFrame({"loss_scale": [], "scale_after": []})) == []
+    assert render_run.scale_lines(pd.DataFrame({"loss_scale": [], "scale_after": []})) == []
     steps = pd.DataFrame({"loss_scale": [65536.0, 32768.0, 32768.0],
                           "scale_after": [32768.0, 32768.0, 65536.0]})  # fmt: skip
-    assert render.scale_lines(steps) == [
+    assert render_run.scale_lines(steps) == [
         "Loss scale: 2^16 at the start, 2^16 at the end (min 2^15, max 2^16)  █▁▁█"
     ]
 
 
 def test_findings(capsys: pytest.CaptureFixture[str]) -> None:
-    render.findings([])
+    render_run.findings([])
     assert capsys.readouterr().out == "No misuse found in the training loop.\n"
     item = {"severity": "error", "file": "train.py", "line": 12, "code": "FP001",
             "message": "clip before unscale", "steps": list(range(12)), "count": 15}  # fmt: skip
-    render.findings([item])
+    render_run.findings([item])
     assert capsys.readouterr().out == (
         "1 finding(s) in the training loop:\n"
         "  error train.py:12 FP001: clip before unscale (in 15 step(s): "

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from fpaudit.cli.render import drift_lines, recommendation_lines
+from fpaudit.cli.render import recommendation_lines
+from fpaudit.cli.render_run import drift_lines
 from fpaudit.rules.drift import Drift, Window
 from fpaudit.rules.recommendation import Recommendation
 from fpaudit.text import ROOT_LABEL, module_in_prose

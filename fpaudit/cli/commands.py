@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 import typer
 
 from fpaudit import __version__
-from fpaudit.cli import config, render
+from fpaudit.cli import config, render, render_blocks, render_run
 from fpaudit.cli import options as specs  # commands name their merged options `options`
 from fpaudit.cli.options import (
     CONFIG_FIELD,
@@ -375,7 +375,7 @@ def formats_command(json_output: JsonOption = None) -> None:
     """
     render.formats(FORMATS.values(), bool(json_output))
     if not json_output:  # `fpaudit recipes --json` lists them as JSON
-        render.recipes(RECIPES.values(), False)
+        render_blocks.recipes(RECIPES.values(), False)
 
 
 @app.command("recipes")
@@ -384,7 +384,7 @@ def recipes_command(json_output: JsonOption = None) -> None:
 
     Example: fpaudit recipes --json
     """
-    render.recipes(RECIPES.values(), bool(json_output))
+    render_blocks.recipes(RECIPES.values(), bool(json_output))
 
 
 @app.command("scan")
@@ -483,7 +483,7 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
         )
         drifted = drift(report, fmt, headroom, include_loss=options.include_loss)
         if drifted.warn or len(drifted.windows) >= 10:  # long scans: say how it moved
-            for line in render.drift_lines(drifted):
+            for line in render_run.drift_lines(drifted):
                 render.stdout().print(line)
     from fpaudit.capture import autocast
 
@@ -499,7 +499,7 @@ def _block_summaries(report: Report, top: int) -> None:
         table = block_table(report, name, kind=KIND_BACKWARD).sort_values(
             "flush_fraction", ascending=False, kind="stable"
         )
-        render.block_table(table, name, "module", top, kind=KIND_BACKWARD)
+        render_blocks.block_table(table, name, "module", top, kind=KIND_BACKWARD)
 
 
 @app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -582,7 +582,7 @@ def run_command(
         drift_result = drift(report, fmt, headroom, **drift_options)
     items = list(report.info.findings)
     render.report_notes(report, incomplete=False)  # the summary says if it was interrupted
-    render.run_summary(shown, report, items, rec, drift_result)
+    render_run.run_summary(shown, report, items, rec, drift_result)
     _block_summaries(report, specs.default_int("scan", "top"))
     if outcome.interrupted is not None:
         render.interrupted(shown, outcome.interrupted.signal_name,
@@ -642,7 +642,7 @@ def _show_origins(report_path: Path, options: ShowArgs) -> None:
             }
         )
     else:
-        render.origins_view(live, predicted, fmt, log2_scale, top=options.top or 10)
+        render_run.origins_view(live, predicted, fmt, log2_scale, top=options.top or 10)
 
 
 @app.command("show")
@@ -676,7 +676,7 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
                 }
             )
         else:
-            render.steps_view(report, options.limit, items)
+            render_run.steps_view(report, options.limit, items)
         return
     if options.kind not in (KIND_BACKWARD, KIND_GRAD, KIND_FORWARD):
         raise UsageError(f"--kind must be backward, grad or forward, got {options.kind!r}")
@@ -734,9 +734,9 @@ def _show_blocks(report_path: Path, options: ShowArgs, recipe_name: str) -> None
         table = table.sort_values("flush_fraction", ascending=False, kind="stable")
         table = table.head(options.top)
     if options.json:
-        render.print_json(render.block_rows(table))
+        render.print_json(render_blocks.block_rows(table))
     else:
-        render.block_table(table, recipe.name, options.by, kind=options.kind)
+        render_blocks.block_table(table, recipe.name, options.by, kind=options.kind)
 
 
 @app.command("recommend")
@@ -777,7 +777,7 @@ def recommend_command(report_path: ReportArgument, options: RecommendArgs) -> No
             f"({worst.captured_steps} captured step(s)); the recommendation below is its own."
         )
     render.recommendation(rec)
-    for line in render.drift_lines(drifted):
+    for line in render_run.drift_lines(drifted):
         render.stdout().print(line)
 
 
@@ -834,7 +834,7 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
     if options.json:
         render.print_json(result.to_dict())
     else:
-        render.simulation(result)
+        render_run.simulation(result)
 
 
 def delayed_policies() -> tuple[str, ...]:
@@ -877,7 +877,7 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
         if options.json:
             render.print_json(swept.to_dict())
         else:
-            render.fp8_sweep(swept)
+            render_run.fp8_sweep(swept)
         return
     if "max_overflow_steps" in options.given:
         raise UsageError("--max-overflow-steps is the gate of --sweep; add --sweep")
@@ -886,7 +886,7 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
     if options.json:
         render.print_json(result.to_dict())
     else:
-        render.fp8_replay(result)
+        render_run.fp8_replay(result)
 
 
 @app.command("plot")
@@ -986,7 +986,7 @@ def _gate_blocks(report_path: Path, options: GateArgs) -> None:
     report = Report.read(report_path)
     render.report_notes(report)
     result = block_gate(report, options.recipe, options.max_flush, options.max_saturate)
-    _verdict(result, options.json, render.block_gate)
+    _verdict(result, options.json, render_blocks.block_gate)
 
 
 @app.command("plan")
@@ -1011,7 +1011,7 @@ def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
         raise UsageError(f"{report_path} has no block statistics; scan or run with --recipe R")
     result = plan(report, list(wanted), options.max_flush, options.max_saturate)
     output = "json" if options.json else "names" if options.names else "table"
-    render.plan(result, output)
+    render_blocks.plan(result, output)
 
 
 @app.command("verify")
@@ -1061,7 +1061,7 @@ def fp16_plan_command(model_file: ModelFileArgument, options: Fp16PlanArgs) -> N
         device=options.device,
         seed=options.seed,
     )
-    _verdict(plan, options.json, render.fp16_plan)
+    _verdict(plan, options.json, render_run.fp16_plan)
 
 
 def _verdict(result: Any, as_json: bool, show: Callable[[Any], None]) -> NoReturn:
