@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fpaudit.kernels import histogram
 from fpaudit.report.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
 from fpaudit.report.store import Report
+from fpaudit.rules import analysis
 
 
 def report_from(
@@ -51,3 +53,19 @@ def report_of_steps(values: list[torch.Tensor], *, loss_scale: float = 1.0) -> R
             seconds=0.0,
         )
     return Report.from_builder(builder, {})
+
+
+def bins_per_module(
+    report: Report, kind: str = KIND_BACKWARD
+) -> dict[str, tuple[int, bytes, bytes]]:
+    """Every module's values of ``kind`` (the loss pseudo-module included), binned exactly:
+    (elements, scaled bins, fixed bins), for comparing a report with its twin's."""
+    condensed = analysis.condense(report, analysis.Scope(kinds=(kind,), include_loss=True))
+    return {
+        str(module): (
+            int(condensed.groups["elements"].iloc[i]),
+            np.ascontiguousarray(condensed.scaled[i]).tobytes(),
+            np.ascontiguousarray(condensed.fixed[i]).tobytes(),
+        )
+        for i, module in enumerate(condensed.groups["module"])
+    }

@@ -13,7 +13,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -24,25 +23,13 @@ from fpaudit.capture import compiled
 from fpaudit.capture.audit import model_name
 from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD
 from fpaudit.report.store import Report
-from fpaudit.rules import analysis, gating
+from fpaudit.rules import gating
 from fpaudit.run.scan import ScanOptions, scan
 from tests.conftest import MODELS
+from tests.reports import bins_per_module
 
 MODEL_FILE = MODELS / "compiled_transformer.py"
 STEPS = 3
-
-
-def bins_per_module(report: Report, kind: str) -> dict[str, tuple[int, bytes, bytes]]:
-    """Every module's values of ``kind``, binned exactly: (elements, scaled, fixed bins)."""
-    condensed = analysis.condense(report, analysis.Scope(kinds=(kind,), include_loss=True))
-    return {
-        str(module): (
-            int(condensed.groups["elements"].iloc[i]),
-            np.ascontiguousarray(condensed.scaled[i]).tobytes(),
-            np.ascontiguousarray(condensed.fixed[i]).tobytes(),
-        )
-        for i, module in enumerate(condensed.groups["module"])
-    }
 
 
 def _reset_dynamo() -> None:

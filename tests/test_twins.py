@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -16,8 +15,8 @@ from torch.utils.checkpoint import checkpoint
 
 import fpaudit
 from fpaudit.report.store import Report
-from fpaudit.rules import analysis
 from fpaudit.rules.recommendation import recommend
+from tests.reports import bins_per_module
 
 Mode = str  # what is checkpointed: "module", "method" or "function"; "plain": nothing
 
@@ -71,20 +70,6 @@ class Net(nn.Module):
         return block.fc2(run(lambda t: F.gelu(block.fc1(t)) * 2.0, h))  # a plain function
 
 
-def per_module(report: Report) -> dict[str, tuple[int, bytes, bytes]]:
-    """Every module's backward values, binned exactly: (elements, scaled bins, fixed bins)."""
-    scope = analysis.Scope(include_loss=True)
-    condensed = analysis.condense(report, scope, by=("module",))
-    return {
-        str(module): (
-            int(condensed.groups["elements"].iloc[i]),
-            np.ascontiguousarray(condensed.scaled[i]).tobytes(),
-            np.ascontiguousarray(condensed.fixed[i]).tobytes(),
-        )
-        for i, module in enumerate(condensed.groups["module"])
-    }
-
-
 def audited(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> Report:
     with fpaudit.audit(model) as audit:
         loss = loss_fn(model)
@@ -106,8 +91,8 @@ def make_net(how: Mode, reentrant: bool, checkpointed: bool = True) -> Net:
 @pytest.mark.parametrize("how", ["module", "method", "function"])
 def test_checkpointing_counts_equal_the_plain_twins(how: Mode, reentrant: bool) -> None:
     x = torch.randn(64, 8)
-    plain = per_module(audited(make_net(how, reentrant, checkpointed=False), net_loss(x)))
-    checkpointed = per_module(audited(make_net(how, reentrant), net_loss(x)))
+    plain = bins_per_module(audited(make_net(how, reentrant, checkpointed=False), net_loss(x)))
+    checkpointed = bins_per_module(audited(make_net(how, reentrant), net_loss(x)))
     assert set(checkpointed) == set(plain)
     for module, counts in plain.items():
         assert checkpointed[module] == counts, f"{how} checkpointing changed {module!r}"
@@ -134,11 +119,11 @@ def test_hugging_face_gradient_checkpointing_counts_equal_the_plain_twin(reentra
     def loss(model: nn.Module) -> torch.Tensor:
         return model(input_ids=ids, labels=ids).loss
 
-    plain = per_module(audited(_gpt2(), loss))
+    plain = bins_per_module(audited(_gpt2(), loss))
     twin = _gpt2()
     twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     assert twin.is_gradient_checkpointing
-    checkpointed = per_module(audited(twin, loss))
+    checkpointed = bins_per_module(audited(twin, loss))
     assert set(checkpointed) == set(plain)
     for module, counts in plain.items():
         assert checkpointed[module] == counts, f"checkpointing changed {module!r}"
@@ -163,7 +148,7 @@ def test_optimizer_in_backward_is_not_recorded_as_backward_values() -> None:
     before = [p.detach().clone() for p in model.parameters()]
     hooked_report = audited(model, net_loss(x))
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
-    assert per_module(hooked_report) == per_module(plain_report)
+    assert bins_per_module(hooked_report) == bins_per_module(plain_report)
     plain, hooked = recommend(plain_report, "fp16"), recommend(hooked_report, "fp16")
     assert (hooked.log2_scale, hooked.amax, hooked.limiting_op, hooked.limiting_module) == (
         plain.log2_scale, plain.amax, plain.limiting_op, plain.limiting_module,
@@ -185,7 +170,7 @@ def test_a_state_updating_post_accumulate_hook_is_not_recorded() -> None:
         p.register_post_accumulate_grad_hook(track)
     hooked_report = audited(model, net_loss(x))
     assert all(a.abs().sum() > 0 for a in averages.values())
-    assert per_module(hooked_report) == per_module(plain_report)
+    assert bins_per_module(hooked_report) == bins_per_module(plain_report)
 
 
 def test_gradient_accumulation_is_still_recorded() -> None:
@@ -212,7 +197,7 @@ def test_torch_compile_aot_eager_is_captured_and_attributed_like_eager() -> None
         torch.manual_seed(5)
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
-    eager = per_module(audited(make(), net_loss(x)))
+    eager = bins_per_module(audited(make(), net_loss(x)))
     model = make()
     compiled = torch.compile(model, backend="aot_eager")
     with fpaudit.audit(model) as audit:
@@ -221,7 +206,7 @@ def test_torch_compile_aot_eager_is_captured_and_attributed_like_eager() -> None
         audit.step(loss)
     records = audit.report.records
     assert "CompiledFunctionBackward" in set(records["node"])  # it really was compiled
-    assert per_module(audit.report) == eager
+    assert bins_per_module(audit.report) == eager
 
 
 def test_a_hook_that_changes_the_gradient_in_place_is_recorded() -> None:
