@@ -22,18 +22,35 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fpaudit.capture.audit import Audit, Selection, audit
-    from fpaudit.capture.compiled import compile
-    from fpaudit.kernels.blockstats import block_stats
-    from fpaudit.numerics.formats import FORMATS, Fate, Format, get_format
-    from fpaudit.numerics.recipes import RECIPES, Recipe, get_recipe
-    from fpaudit.report.records import LOSS_MODULE
-    from fpaudit.report.store import Report
-    from fpaudit.rules.analysis import Scope, module_table, range_loss
-    from fpaudit.rules.blockplan import block_gate, block_table, plan
-    from fpaudit.rules.gating import GateResult, gate
-    from fpaudit.rules.recommendation import Recommendation, recommend
+    from fpaudit.capture.audit import Audit as Audit
+    from fpaudit.capture.audit import Selection as Selection
+    from fpaudit.capture.audit import audit as audit
+    from fpaudit.capture.compiled import compile as compile
+    from fpaudit.kernels.blockstats import block_stats as block_stats
+    from fpaudit.numerics.formats import FORMATS as FORMATS
+    from fpaudit.numerics.formats import Fate as Fate
+    from fpaudit.numerics.formats import Format as Format
+    from fpaudit.numerics.formats import get_format as get_format
+    from fpaudit.numerics.recipes import RECIPES as RECIPES
+    from fpaudit.numerics.recipes import Recipe as Recipe
+    from fpaudit.numerics.recipes import get_recipe as get_recipe
+    from fpaudit.report.records import LOSS_MODULE as LOSS_MODULE
+    from fpaudit.report.store import Report as Report
+    from fpaudit.rules.analysis import Scope as Scope
+    from fpaudit.rules.analysis import module_table as module_table
+    from fpaudit.rules.analysis import range_loss as range_loss
+    from fpaudit.rules.blockplan import block_gate as block_gate
+    from fpaudit.rules.blockplan import block_table as block_table
+    from fpaudit.rules.blockplan import plan as plan
+    from fpaudit.rules.gating import GateResult as GateResult
+    from fpaudit.rules.gating import gate as gate
+    from fpaudit.rules.recommendation import Recommendation as Recommendation
+    from fpaudit.rules.recommendation import recommend as recommend
 
+# The public names, each declared once here with the module it lives in; ``__all__`` is
+# derived from it. The imports above repeat them for type checkers only (``X as X``: a
+# name loaded lazily has no other way to be seen, and re-exported, by mypy);
+# tests/test_architecture.py checks the two agree.
 # Names load on first use (no module of the package shares a name with one of these, or
 # importing it would shadow the name): capturing needs torch but not pandas or pyarrow
 # (about 70 MB a training process need not carry); reading a report needs
@@ -78,30 +95,4 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-__all__ = [
-    "FORMATS",
-    "LOSS_MODULE",
-    "RECIPES",
-    "Audit",
-    "Fate",
-    "Format",
-    "GateResult",
-    "Recipe",
-    "Recommendation",
-    "Report",
-    "Scope",
-    "Selection",
-    "__version__",
-    "audit",
-    "block_gate",
-    "block_stats",
-    "block_table",
-    "compile",
-    "gate",
-    "get_format",
-    "get_recipe",
-    "module_table",
-    "plan",
-    "range_loss",
-    "recommend",
-]
+__all__ = sorted([*_WHERE, "__version__"])

@@ -235,3 +235,28 @@ def test_the_forking_check_sees_a_module_that_loads_rich(tmp_path: Path) -> None
     assert "rich" in found["loads_rich"] and "rich.console" in found["loads_rich"]
     assert found["plain"] == []
     assert found["missing_module"].startswith("import failed: ModuleNotFoundError")
+
+
+def test_each_public_name_is_declared_where_it_lives_and_typed_as_it_loads() -> None:
+    """``fpaudit/__init__.py`` declares a public name once, in ``_WHERE`` (name → module);
+    ``__all__`` is derived from it and the ``TYPE_CHECKING`` imports repeat it for mypy.
+    The two must agree name for name and module for module, or mypy and the lazy loader
+    would see different packages."""
+    import fpaudit
+
+    tree = ast.parse(MODULES["fpaudit"].read_text())
+    typed: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and is_type_checking(node):
+            for statement in node.body:
+                assert isinstance(statement, ast.ImportFrom), ast.unparse(statement)
+                for alias in statement.names:
+                    assert alias.asname == alias.name, f"{ast.unparse(statement)}: X as X"
+                    typed[alias.name] = str(statement.module).removeprefix("fpaudit.")
+    where = fpaudit._WHERE
+    assert typed == where
+    assert fpaudit.__all__ == sorted([*where, "__version__"])
+    for name, module in where.items():  # each loads from the module it names
+        assert getattr(fpaudit, name) is getattr(
+            __import__(f"fpaudit.{module}", fromlist=["_"]), name
+        )
