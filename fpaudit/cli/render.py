@@ -16,26 +16,17 @@ from rich.table import Table
 from rich.text import Text
 
 from fpaudit.numerics.formats import Format
-from fpaudit.text import (
-    count,
-    module_in_prose,
-    module_label,
-    percent,
-    power,
-    scale_text,
-)
-
-if TYPE_CHECKING:
-    from fpaudit.capture.autocast import Summary as AutocastSummary
-    from fpaudit.report.store import Report
-    from fpaudit.rules.gating import GateResult
-    from fpaudit.rules.recommendation import Recommendation
-    from fpaudit.run.verify import Verification
+from fpaudit.text import count, module_in_prose, module_label, percent, power, scale_text
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from fpaudit.capture.autocast import Summary as AutocastSummary
+    from fpaudit.report.store import Report
+    from fpaudit.rules.gating import GateResult
+    from fpaudit.rules.recommendation import Recommendation
     from fpaudit.run.scan import StepProgress
+    from fpaudit.run.verify import Verification
 
 PIPE_WIDTH = 120
 

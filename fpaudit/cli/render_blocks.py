@@ -9,22 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
+from fpaudit.cli.render import json_records, print_json, stdout, table_power
 from fpaudit.numerics.recipes import Recipe, as_recipe
-from fpaudit.text import (
-    count,
-    expected_count,
-    module_label,
-    percent,
-)
-
-if TYPE_CHECKING:
-    from fpaudit.rules.blockplan import BlockGateResult, Plan
+from fpaudit.text import count, expected_count, module_label, percent
 
 if TYPE_CHECKING:
     import pandas as pd
 
-
-from fpaudit.cli.render import json_records, print_json, stdout, table_power
+    from fpaudit.rules.blockplan import BlockGateResult, Plan
 
 
 # -- block-scaled recipes (--recipe) -----------------------------------------

@@ -11,29 +11,20 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from fpaudit.cli.render import recommendation_lines, short_op, stdout, unscalable_counts
 from fpaudit.numerics.formats import Format
-from fpaudit.text import (
-    module_label,
-    percent,
-    power,
-    scale_text,
-)
-
-if TYPE_CHECKING:
-    from fpaudit.rules.drift import Drift
-    from fpaudit.rules.recommendation import Recommendation
-    from fpaudit.rules.simulation import Simulation
+from fpaudit.text import module_label, percent, power, scale_text
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from fpaudit.rules.delayed import Replay as DelayedReplay
     from fpaudit.rules.delayed import Sweep as DelayedSweep
+    from fpaudit.rules.drift import Drift
     from fpaudit.rules.origins import Origins as OriginsResult
+    from fpaudit.rules.recommendation import Recommendation
+    from fpaudit.rules.simulation import Simulation
     from fpaudit.run.fp16plan import Plan as Fp16Plan
-
-
-from fpaudit.cli.render import recommendation_lines, short_op, stdout, unscalable_counts
 
 # -- training loop (fpaudit run, show --steps, simulate) ----------------------
 SPARK = "▁▂▃▄▅▆▇█"
