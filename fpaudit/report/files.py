@@ -24,6 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from fpaudit._process import Owner
 from fpaudit.errors import Named, ReportError, ReportExists
 from fpaudit.report.outputs import (
     STAGING_SUFFIX,
@@ -149,10 +150,10 @@ def new_staging(target: Path) -> Path:
 def finish(staging: Path, target: Path) -> None:
     """Sync ``staging`` and move it into place (an old report stays until then)."""
     owner = _OWNERS.get(_key(target))
-    if owner is not None and owner != os.getpid():
+    if owner is not None and not owner.here():
         raise ReportError(
             f"{target}: this process (pid {os.getpid()}) is a fork of the audit's process "
-            f"(pid {owner}); only that process writes the report"
+            f"(pid {owner.pid}); only that process writes the report"
         )
     for directory in [staging, *(p for p in staging.iterdir() if p.is_dir())]:
         fsync(directory)
@@ -188,7 +189,7 @@ def _reason(error: BaseException) -> str:
 
 # Which process started the audit of each locked target: a forked child neither
 # writes the report nor releases the lock.
-_OWNERS: dict[str, int] = {}
+_OWNERS: dict[str, Owner] = {}
 
 
 def _key(target: Path) -> str:
@@ -209,7 +210,7 @@ class OutputLock:
     def __init__(self, target: str | os.PathLike[str]) -> None:
         self.target = Path(target)
         self.path = _lock_path(self.target)
-        self.owner = os.getpid()
+        self.owner = Owner()
         self._fd: int | None = None
 
     def __enter__(self) -> OutputLock:
@@ -246,15 +247,15 @@ class OutputLock:
             else:  # pragma: no cover - lost the race ten times
                 raise ReportError(f"could not lock {self.path}")
             os.ftruncate(fd, 0)
-            os.write(fd, f"{self.owner} {platform.node()}\n".encode())
+            os.write(fd, f"{os.getpid()} {platform.node()}\n".encode())
         self._fd = fd
-        self.owner = os.getpid()
+        self.owner = Owner()
         _OWNERS[_key(self.target)] = self.owner
         return self
 
     def owned(self) -> bool:
         """True in the process that took the lock (False in a forked child)."""
-        return os.getpid() == self.owner
+        return self.owner.here()
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is None or not self.owned():

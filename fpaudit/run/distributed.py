@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from fpaudit._process import Owner
 from fpaudit.errors import FpauditError, Named, ReportError, ReportExists, UsageError
 
 if TYPE_CHECKING:  # pandas and pyarrow: only once a report is written
@@ -64,12 +65,12 @@ def init_from_environment(device: torch.device) -> tuple[int, int]:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
         # Any other way out (an error, SIGTERM, sys.exit) leaves the group at exit, while
         # the interpreter is whole; without a barrier, as a failed rank may be alone.
-        atexit.register(_leave_at_exit, os.getpid())
+        atexit.register(_leave_at_exit, Owner())
     return dist.get_rank(), dist.get_world_size()
 
 
-def _leave_at_exit(pid: int) -> None:
-    if os.getpid() == pid:  # not in a forked child: the group is its parent's
+def _leave_at_exit(owner: Owner) -> None:
+    if owner.here():  # not in a forked child: the group is its parent's
         shutdown(wait=False)
 
 

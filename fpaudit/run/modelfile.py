@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from fpaudit._process import Owner
 from fpaudit.errors import FpauditError, ModelExit, ModelFileError
 
 CONTRACT = {
@@ -118,7 +119,7 @@ def exits_caught() -> Iterator[None]:
     ``os.fork``) still exits for real: its pid differs from the one recorded here.
     A C extension calling ``_exit(2)`` directly cannot be intercepted.
     """
-    owner, real = os.getpid(), os._exit
+    owner, real = Owner(), os._exit
     signature = inspect.signature(real)  # (status): by position or keyword, as os._exit takes it
 
     @functools.wraps(real)
@@ -127,7 +128,7 @@ def exits_caught() -> Iterator[None]:
             status = signature.bind(*args, **kwargs).arguments["status"]
         except TypeError:
             real(*args, **kwargs)  # os._exit's own TypeError: a call it rejects never exits
-        if os.getpid() != owner:
+        if not owner.here():
             real(*args, **kwargs)  # a forked child exits for real
         raise HardExit(operator.index(status))  # os._exit's TypeError for a non-integer
 
