@@ -94,7 +94,7 @@ from fpaudit.capture.mode import BackwardMode
 from fpaudit.capture.optimizer_hooks import optimizer_steps_counted
 from fpaudit.capture.origin_probe import OriginTracker
 from fpaudit.capture.provenance import Provenance
-from fpaudit.capture.recorder import Place, Recorder
+from fpaudit.capture.recorder import Recorder
 from fpaudit.capture.selection import Selection
 from fpaudit.kernels.blockstats import BlockRecorder
 from fpaudit.numerics.recipes import Recipe, as_recipe
@@ -176,6 +176,9 @@ class Audit:
         chosen = tuple(dict.fromkeys(as_recipe(r) for r in recipes))
         blocks = BlockRecorder(chosen, window) if chosen else None  # opt-in: --recipe
         self._recorder = Recorder(selection, blocks)
+        self.record = self._recorder.record
+        """Add a tensor's values to the open step's record for its key (a caller's own
+        values; see :meth:`~fpaudit.capture.recorder.Recorder.record`)."""
         self._builder = ReportBuilder(
             modules=[LOSS_MODULE, *dict.fromkeys(self._clock.names.values())],
             window=window,
@@ -274,21 +277,6 @@ class Audit:
     def seen_ops(self, kind: str = KIND_BACKWARD) -> set[str]:
         """The ops seen so far (recorded or left out by the selection)."""
         return self._recorder.seen_ops(kind)
-
-    # -- recording -------------------------------------------------------
-    def record(
-        self,
-        kind: str,
-        module: str,
-        node: str,
-        op: str,
-        output: int,
-        scales_with_loss: bool,
-        tensor: torch.Tensor,
-    ) -> Place | None:
-        """Add ``tensor``'s values to the open step's record for this key; its place.
-        (The dispatch mode calls the recorder itself: this is for a caller's own values.)"""
-        return self._recorder.record(kind, module, node, op, output, scales_with_loss, tensor)
 
     def note_not_covered(self, line: str) -> None:
         """Note what this audit cannot observe (a compiled backward without the observer)."""
