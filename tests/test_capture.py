@@ -13,12 +13,9 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import fpaudit
-from fpaudit.capture.audit import (
-    autograd_sequence_number,
-    creates_new_values,
-    current_autograd_node,
-)
+from fpaudit.capture.oprules import creates_new_values
 from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE
+from fpaudit.torch_internals import autograd_sequence_number, current_autograd_node
 
 from .models import zoo
 
@@ -160,7 +157,7 @@ def test_checkpoint_recomputation_is_not_recorded_as_backward() -> None:
 def test_wrapper_modules_are_reported_under_the_models_own_names() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from fpaudit.capture.audit import model_name
+    from fpaudit.capture.clock import model_name
 
     assert model_name("_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.attn") == (
         "blocks.0.attn"

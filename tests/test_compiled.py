@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 import fpaudit
 from fpaudit.capture import compiled
-from fpaudit.capture.audit import model_name
+from fpaudit.capture.clock import model_name
 from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD
 from fpaudit.report.store import Report
 from fpaudit.rules import gating

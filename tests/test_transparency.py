@@ -258,12 +258,12 @@ def test_a_bug_in_fpaudits_backward_capture_is_reported_as_fpaudits(
 ) -> None:
     # the capture's dispatch mode runs inside the script's backward: its errors are
     # fpaudit's, the op's own (below) the script's
-    from fpaudit.capture import audit as capture
+    from fpaudit.capture import mode as capture
 
     def broken(self, func):
         raise ZeroDivisionError("a bug in the capture")
 
-    monkeypatch.setattr(capture._BackwardMode, "_op_name", broken)
+    monkeypatch.setattr(capture.BackwardMode, "_op_name", broken)
     monkeypatch.setenv("FPAUDIT_TRANSPARENCY_OUT", str(tmp_path / "w.bin"))
     script = ZOO / "keywords.py"
     result = cli("run", "--capture-every", "1", "--out", tmp_path / "r", "--", script)

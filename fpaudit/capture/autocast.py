@@ -111,7 +111,7 @@ class _Probe(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leave
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        from fpaudit.capture.audit import creates_new_values
+        from fpaudit.capture.oprules import creates_new_values
 
         output = func(*args, **(kwargs or {}))
         if creates_new_values(func, args, output):
@@ -155,9 +155,9 @@ def probe(
     dtypes it is cast to) and casts the gradient to (a differentiable input's dtype that
     is not the output's). The model's train/eval flags, its gradients and the RNG state
     are as they were; nothing is kept of the pass."""
-    from fpaudit.capture.audit import _ModuleClock
+    from fpaudit.capture.clock import ModuleClock
 
-    clock = _ModuleClock(model)
+    clock = ModuleClock(model)
     modes = {m: m.training for m in model.modules()}
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:

@@ -8,7 +8,7 @@ a host sync:
   input holds inf or NaN, and the largest finite input magnitude, split into
   inputs that require grad (forward values and parameters: the loss scale does
   not touch them) and the others (gradients: scaled with the loss, see
-  ``capture._Provenance``);
+  ``capture.provenance.Provenance``);
 * after it: the number of non-finite elements of each floating output and its
   largest finite magnitude.
 

@@ -14,13 +14,13 @@ shared mount across nodes).
 With ``DistributedDataParallel`` the parameter gradients (``kind = grad``) are
 the all-reduced ones, identical on every rank; the backward-op values differ
 per rank, and DDP's copies of gradients into its buckets are recorded under
-their parameters' modules (its all-reduce is not: see ``capture._NOT_VALUES``).
+their parameters' modules (its all-reduce is not: see ``capture.oprules._NOT_VALUES``).
 Under FSDP2 (``fully_shard``) backward values inside modules are attributed as
 usual and each rank records its own shard of every parameter gradient (the
 DTensor's local part); FSDP's all-gather copies and uninitialised buffers are
 not values and are not recorded. FSDP1 (``FullyShardedDataParallel``): module
 names are the model's own (the wrapper segments are dropped, see
-``capture.model_name``); each rank records its shard of the original parameters'
+``capture.clock.model_name``); each rank records its shard of the original parameters'
 gradients (``use_orig_params=True``) or of each unit's flat parameter
 (``_flat_param``, under the unit's module).
 """

@@ -1,0 +1,159 @@
+"""The module clock: which module of the model was innermost in forward when autograd
+made each node (:class:`ModuleClock`, read by the autograd sequence number each node
+carries; ``fpaudit.capture.audit`` explains it), and the names reports give modules
+(``model_name``)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpaudit import torch_internals as _internals
+from fpaudit import torch_internals_compile as _compile_internals
+from fpaudit.capture import compiled
+from fpaudit.capture._torch_patches import guarded
+from fpaudit.report.records import LOSS_MODULE
+
+_ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes have no sequence number
+autograd_sequence_number = _internals.autograd_sequence_number
+
+# Modules that wrappers insert between a model's modules: FSDP1's
+# FullyShardedDataParallel and activation checkpointing's CheckpointWrapper hold the
+# wrapped module under these names. Reports name modules as the model itself does.
+# torch.compile's OptimizedModule holds the eager module as ``_orig_mod``.
+_WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def model_name(qualified: str) -> str:
+    """``qualified`` (as in ``named_modules()``) without wrapper segments:
+    ``_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.attn`` is ``blocks.0.attn``.
+    A wrapper and the module it wraps share the name."""
+    if "_wrapped_module" not in qualified and "_orig_mod" not in qualified:
+        return qualified
+    return ".".join(part for part in qualified.split(".") if part not in _WRAPPER_NAMES)
+
+
+def _untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` (fpaudit's), run as it is, never traced, where ``torch.compile`` traces
+    a module it is on. Dynamo cannot trace the clock's read of the autograd sequence
+    number: it would warn on the script's stderr and break the graph there anyway, so
+    the compiled graphs (and the values they compute) are the same either way.
+
+    ``torch.compiler.disable`` imports Dynamo (and sympy: ~150 MB), so a hook is only
+    wrapped once something has loaded Dynamo (``torch.compile`` does, before any
+    compiled module runs); without Dynamo nothing traces it."""
+    if not _internals.dynamo_loaded():
+        return hook
+    disabled: Callable[..., Any] = torch.compiler.disable(hook)  # type: ignore[no-untyped-call]
+    return disabled
+
+
+def compiled_modules(model: nn.Module) -> set[int]:
+    """The ids of modules ``torch.compile``d with Inductor in ``model`` and of every module
+    inside them. (Other backends keep their hooks: each a graph break, and the aten ops
+    of ``aot_eager``'s backward attributed as in eager.)"""
+    found: set[int] = set()
+    for module in model.modules():
+        parts = _compile_internals.compiled_module_parts(module)
+        if id(module) not in found and parts is not None and parts[0] in compiled.INDUCTORS:
+            found.update(id(m) for m in module.modules())
+    return found
+
+
+class ModuleClock:
+    """Remembers, by autograd sequence number, which module was innermost in forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names: dict[int, str] = {}  # as reported (model_name)
+        self._qualified: dict[int, str] = {}  # as in named_modules()
+        self.param_owner: dict[int, tuple[str, str]] = {}
+        for name, module in model.named_modules():
+            self._qualified.setdefault(id(module), name)
+            self.names.setdefault(id(module), model_name(name))
+            for param_name, param in module.named_parameters(recurse=False):
+                self.param_owner.setdefault(id(param), (model_name(name), param_name))
+            if type(module).__name__ == "FullyShardedDataParallel":
+                # FSDP1 with use_orig_params registers the original parameters only; its
+                # flat parameter (whose gradient FSDP divides and reduces) is the unit's.
+                flat = _internals.fsdp_flat_param(module)
+                if flat is not None:
+                    self.param_owner.setdefault(id(flat), (model_name(name), "_flat_param"))
+        self.known_names = frozenset(self.names.values())
+        self._stack = threading.local()
+        self._starts: list[int] = []
+        self._modules: list[str] = []
+        self._cache: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def _frames(self) -> list[str]:
+        frames = getattr(self._stack, "frames", None)
+        if frames is None:
+            frames = self._stack.frames = []
+        return frames
+
+    def current_module(self) -> str:
+        """The innermost module running forward on this thread, or the loss pseudo-module."""
+        frames = getattr(self._stack, "frames", None)
+        return frames[-1] if frames else LOSS_MODULE
+
+    def in_forward(self) -> bool:
+        """True while a module of the model runs forward on this thread (also recomputation)."""
+        return bool(getattr(self._stack, "frames", None))
+
+    def _mark(self, module_name: str) -> None:
+        with self._lock:
+            self._starts.append(autograd_sequence_number())
+            self._modules.append(module_name)
+
+    def enter(self, name: str) -> None:
+        frames = self._frames()
+        frames.append(name)
+        self._mark(name)
+
+    def exit(self) -> None:
+        frames = self._frames()
+        if frames:
+            frames.pop()
+        self._mark(frames[-1] if frames else LOSS_MODULE)
+
+    def install(self, model: nn.Module, stack: ExitStack) -> None:
+        compiled = compiled_modules(model)
+        for name, module in model.named_modules():
+            if self._qualified.get(id(module)) != name:
+                continue  # a shared module keeps its first name
+            if id(module) in compiled:
+                # Inside torch.compile: a hook would break the graph and recompile it at
+                # every open; the compiled backward is attributed by its graph instead.
+                continue
+            reported = self.names[id(module)]
+            enter = guarded("module clock", lambda _m, _a, n=reported: self.enter(n))
+            stack.enter_context(module.register_forward_pre_hook(_untraced(enter)))
+            exit_ = guarded("module clock", lambda _m, _a, _o: self.exit())
+            stack.enter_context(module.register_forward_hook(_untraced(exit_), always_call=True))
+
+    def module_of(self, node: torch.autograd.graph.Node) -> str:
+        sequence = _internals.node_sequence_number(node)
+        if sequence == _ACCUMULATE_GRAD_SEQUENCE:
+            variable = getattr(node, "variable", None)
+            owner = self.param_owner.get(id(variable)) if variable is not None else None
+            return owner[0] if owner is not None else LOSS_MODULE
+        cached = self._cache.get(sequence)
+        if cached is not None:
+            return cached
+        position = bisect.bisect_right(self._starts, sequence) - 1
+        name = self._modules[position] if position >= 0 else LOSS_MODULE
+        self._cache[sequence] = name
+        return name
+
+    def forget(self) -> None:
+        """Drop what forward remembered (called when a step closes)."""
+        with self._lock:
+            self._starts.clear()
+            self._modules.clear()
+            self._cache.clear()

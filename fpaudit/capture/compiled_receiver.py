@@ -1,0 +1,81 @@
+"""An open audit's end of ``fpaudit.capture.compiled``: the values a ``torch.compile``d
+backward stored, recorded under the model's module names, and what the audit cannot
+observe of a compiled model (a line each), for the report's ``compiled`` metadata."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpaudit.capture import compiled
+from fpaudit.capture.clock import ModuleClock, compiled_modules, model_name
+from fpaudit.capture.recorder import Recorder
+from fpaudit.report.records import KIND_BACKWARD
+
+
+def _known_module(name: str, known: frozenset[str]) -> str:
+    """``name``, or its nearest enclosing module the model has (a path Dynamo wrote that
+    the model does not name, such as a function's local module, goes to its parent)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name
+
+
+class CompiledReceiver:
+    """Receives what compiled backward graphs of ``model`` stored (a ``compiled.Receiver``)."""
+
+    def __init__(self, model: nn.Module, clock: ModuleClock, recorder: Recorder) -> None:
+        self._clock = clock
+        self._recorder = recorder
+        self._lock = threading.Lock()
+        self._runs = 0  # observed compiled backward runs
+        self._fused_away: dict[str, set[str]] = {}
+        self._not_covered: list[str] = compiled.not_covered_modules(model)
+        # Inductor compiles part of the model: backward values hide in fused kernels, so a
+        # step without an observed compiled backward measured nothing of them
+        self._inductor = bool(compiled_modules(model))
+
+    def record_compiled(self, graph: compiled.CompiledGraph, values: Sequence[Any]) -> None:
+        """Record the values a compiled backward stored (``fpaudit.capture.compiled``), under the
+        model's module names; a graph compiled from another model is not this audit's."""
+        prefix = ""
+        if graph.root is not None:
+            root = graph.root()
+            name = self._clock.names.get(id(root)) if root is not None else None
+            if name is None:
+                return
+            prefix = name
+        known = self._clock.known_names
+        with self._lock:
+            self._runs += 1
+        for site, value in zip(graph.sites, values, strict=False):
+            if not isinstance(value, torch.Tensor):
+                continue
+            path = ".".join(p for p in (prefix, model_name(site.module)) if p)
+            module = _known_module(path, known)
+            self._recorder.record(KIND_BACKWARD, module, compiled.COMPILED_NODE, site.op, 0,
+                                  site.scales_with_loss, value)  # fmt: skip
+        for module_path, ops in graph.fused_away.items():
+            path = ".".join(p for p in (prefix, model_name(module_path)) if p)
+            module = _known_module(path, known)
+            self._fused_away.setdefault(module, set()).update(ops)
+
+    def note_not_covered(self, line: str) -> None:
+        """Note what this audit cannot observe (a compiled backward without the observer)."""
+        if line not in self._not_covered:
+            self._not_covered.append(line)
+
+    def info(self) -> dict[str, Any] | None:
+        """The report's ``compiled`` metadata; None when nothing of the model is compiled."""
+        if not (self._runs or self._not_covered or self._fused_away):
+            return None
+        return {
+            "inductor": self._inductor or self._runs > 0,
+            "observed_backward_runs": self._runs,
+            "fused_away": {m: sorted(ops) for m, ops in sorted(self._fused_away.items())},
+            "not_covered": list(self._not_covered),
+        }

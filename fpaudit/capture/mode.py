@@ -1,0 +1,242 @@
+"""The dispatch mode (:class:`BackwardMode`): sees every aten op while the autograd
+engine runs, and hands each backward op's outputs to the recorder under the module that
+made the node (``fpaudit.capture.clock``), with whether they scale with the loss
+(``fpaudit.capture.provenance``). It runs once per backward op: what it does per op is
+kept to attribute and dictionary lookups until an op is one to record."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fpaudit import torch_internals as _internals
+from fpaudit.capture import compiled
+from fpaudit.capture.clock import ModuleClock, model_name
+from fpaudit.capture.oprules import (
+    ACCUMULATE_GRAD,
+    as_contracted,
+    constant_op,
+    creates_new_values,
+    float_tensors,
+    gemm_operands,
+    inputs_clean,
+    works_on_grad,
+    written,
+)
+from fpaudit.capture.origin_probe import tensors_in as _tensors
+from fpaudit.capture.provenance import Provenance
+from fpaudit.capture.recorder import Place, Recorder
+from fpaudit.errors import MonitorFailure
+from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
+from fpaudit.torch_internals import OpOverload, TorchDispatchMode
+
+if TYPE_CHECKING:
+    from fpaudit.capture.audit import Audit
+
+_aten = torch.ops.aten
+current_autograd_node = _internals.current_autograd_node
+
+
+def weight_modules(model: nn.Module) -> frozenset[str]:
+    """Names (as reported) of the modules that own a floating weight of two or more
+    dimensions themselves: where a backward matrix multiply is a Linear's (``nn.Linear``,
+    Hugging Face's ``Conv1D``), not attention's or a loss's."""
+    names = set()
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dim() >= 2:
+                names.add(model_name(name))
+                break
+    return frozenset(names)
+
+
+_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2})
+_CASTS = frozenset({_aten._to_copy.default, _aten.copy_.default})
+
+
+def _upcast(value: Any) -> Any:
+    """``value`` with low-precision tensors (and dtype arguments) turned into fp32."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float32) if value.dtype in _LOW_PRECISION else value
+    if isinstance(value, torch.dtype):
+        return torch.float32 if value in _LOW_PRECISION else value
+    if isinstance(value, list | tuple):
+        return type(value)(_upcast(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _upcast(v) for k, v in value.items()}
+    return value
+
+
+class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves the mode untyped
+    """Sees every aten op; hands backward (and, in a forward pass, forward) outputs on."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # By default torch wraps __torch_dispatch__ in torch._dynamo.disable, whose
+        # first call imports dynamo and sympy: +77 MB of RSS and a wrapper on every
+        # op. Dynamo never traces the mode (it is entered around the engine only), so opt out.
+        return False
+
+    def __init__(
+        self, audit: Audit, clock: ModuleClock, provenance: Provenance, recorder: Recorder
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode untyped
+        self._audit = audit  # its settings (shadow), read as they are now
+        self._clock = clock
+        self._provenance = provenance
+        self._recorder = recorder
+        self._record = recorder.record
+        self._op_names: dict[OpOverload, str] = {}
+        self._unshadowable: set[OpOverload] = set()
+        self._origins = audit.origins  # scan --origins: None unless asked for
+        self.grad_mode_means_recompute = False
+        self.optimizer_steps = 0  # optimizer steps running now (optimizer in backward)
+        self._owners: list[str] = []  # of the nested (reentrant checkpoint) backward passes
+        # --recipe: the modules whose backward GEMMs' operands get block statistics
+        self._gemm_modules = weight_modules(audit.model) if recorder.blocks is not None else None
+
+    def enter_nested(self, node: torch.autograd.graph.Node | None) -> None:
+        """A backward inside backward: reentrant checkpointing runs the graph it rebuilt
+        from the node it replaces. That graph's ops outside every submodule (a checkpointed
+        method's own ops) belong to the module that called ``checkpoint``."""
+        owner = self._module_of(node) if node is not None else LOSS_MODULE
+        self._owners.append(owner)
+
+    def exit_nested(self) -> None:
+        if self._owners:
+            self._owners.pop()
+
+    def _module_of(self, node: torch.autograd.graph.Node) -> str:
+        module = self._clock.module_of(node)
+        if module == LOSS_MODULE and self._owners:
+            return self._owners[-1]
+        return module
+
+    def _op_name(self, func: OpOverload) -> str:
+        op = self._op_names.get(func)
+        if op is None:
+            op = self._op_names[func] = str(func)
+        return op
+
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        origins = self._origins
+        try:
+            # inputs are read before the op runs: an in-place op overwrites them
+            before = (
+                origins.before(args, kwargs) if origins is not None and not func.is_view else None
+            )
+        except Exception as error:
+            raise MonitorFailure(f"capturing {func}", error) from error
+        output = func(*args, **kwargs)  # the op itself: its errors are the script's
+        try:
+            self._observe(func, args, kwargs, output, before)
+        except Exception as error:  # fpaudit's recording: never the script's error
+            raise MonitorFailure(f"capturing {func}", error) from error
+        return output
+
+    def _observe(
+        self,
+        func: OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        before: Any,
+    ) -> None:
+        """Record what ``func`` made (``output``), if it is forward or backward work."""
+        origins = self._origins
+        node = current_autograd_node()
+        if node is None:
+            if self._recorder.forward_active:
+                self._record_forward(func, args, output)
+                if origins is not None and creates_new_values(func, args, output):
+                    origins.after(before, KIND_FORWARD, self._clock.current_module(), "",
+                                  self._op_name(func), list(float_tensors(output)),
+                                  False)  # fmt: skip
+            return
+        if self._clock.in_forward() or (self.grad_mode_means_recompute and torch.is_grad_enabled()):
+            # Forward work in backward: activation checkpointing recomputing a module, a
+            # method or a function (the engine runs backward with grad mode off unless
+            # create_graph; checkpointing turns it on to rebuild the graph).
+            return
+        node_name = node.name()
+        if node_name == compiled.COMPILED_NODE and compiled.inside_observed_backward():
+            return  # its stored values come from its outputs (compiled_receiver)
+        if self.optimizer_steps or (
+            node_name == ACCUMULATE_GRAD and not works_on_grad(func, args, kwargs, output, node)
+        ):
+            return  # a hook's work (an optimizer step, an EMA): not the model's gradient
+        inputs = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
+        fixed = self._provenance.all_fixed(inputs)
+        if fixed:
+            self._provenance.mark(_tensors(output))
+        elif self._provenance.has_fixed() and _internals.is_mutable(func):
+            # e.g. buffer[i].copy_(scaled value): the whole storage now carries the scale
+            self._provenance.unmark(written(func, args, kwargs, output))
+        if not creates_new_values(func, args, output):
+            return
+        op = self._op_name(func)
+        module = self._module_of(node)
+        places = [
+            (self._record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor), tensor)
+            for index, tensor in float_tensors(output)
+        ]
+        if origins is not None:
+            origins.after(before, KIND_BACKWARD, module, node_name, op,
+                          list(float_tensors(output)), not fixed)  # fmt: skip
+        if self._gemm_modules is not None and module in self._gemm_modules:
+            operands = gemm_operands(func, args)
+            for index, operand in enumerate(operands):
+                scaled = not self._provenance.is_fixed(operand)
+                contracted = as_contracted(operand, index)
+                self._recorder.record_operand(module, node_name, op, index, scaled, contracted)
+        if self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
+            self._compare_with_fp32(func, args, kwargs, places)
+
+    def _record_forward(self, func: OpOverload, args: tuple[Any, ...], output: Any) -> None:
+        if not creates_new_values(func, args, output):
+            return
+        op = self._op_name(func)
+        module = self._clock.current_module()
+        sequence = self._recorder.next_forward_op()
+        outputs = list(float_tensors(output))
+        # the first op to *make* inf/NaN (fpaudit.rules.origins' rule): not a constant op writing
+        # them by design, nor an op reading inf/NaN or a finfo(float32) mask sentinel
+        computes = not constant_op(op)
+        for index, tensor in outputs:
+            place = self._record(KIND_FORWARD, module, "", op, index, False, tensor)
+            if place is not None and computes:
+                clean = inputs_clean(args, [t for _, t in outputs], tensor.device)
+                place[0].mark_nonfinite(place[1], tensor, sequence, clean)
+
+    def _compare_with_fp32(
+        self,
+        func: OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        places: list[tuple[Place | None, torch.Tensor]],
+    ) -> None:
+        """Re-run a low-precision op on its inputs upcast to fp32; count lost values."""
+        if func in _CASTS:  # a cast to low precision: the fp32 value is its own input
+            source = args[1] if func is _aten.copy_.default else args[0]
+            shadows: list[torch.Tensor] = [source.to(torch.float32)]
+        elif func in self._unshadowable or _internals.is_mutable(func):
+            return
+        else:
+            try:
+                shadows = [t for _, t in float_tensors(func(*_upcast(args), **_upcast(kwargs)))]
+            except Exception:  # some ops insist on their dtypes: no shadow for them
+                self._unshadowable.add(func)
+                return
+        for (place, real), shadow in zip(places, shadows, strict=False):
+            if place is not None and real.dtype in _LOW_PRECISION and shadow.shape == real.shape:
+                place[0].add_shadow(place[1], real, shadow)

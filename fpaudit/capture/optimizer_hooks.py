@@ -1,0 +1,51 @@
+"""Optimizer steps inside backward (optimizer-in-backward, a post-accumulate-grad hook
+that steps) are not the model's gradient: open audits' dispatch modes count the steps
+running now, through torch's global optimizer step hooks, and record nothing meanwhile."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fpaudit.capture.mode import BackwardMode
+
+# The modes of open audits, told of every optimizer step (see optimizer_steps_counted).
+_COUNTING_MODES: list[BackwardMode] = []
+_step_hooks: list[Any] = []
+
+
+def _optimizer_step_started(*_: Any) -> None:
+    for mode in _COUNTING_MODES:
+        mode.optimizer_steps += 1
+
+
+def _optimizer_step_finished(*_: Any) -> None:
+    for mode in _COUNTING_MODES:
+        mode.optimizer_steps = max(mode.optimizer_steps - 1, 0)
+
+
+@contextmanager
+def optimizer_steps_counted(mode: BackwardMode) -> Iterator[None]:
+    """Count running optimizer steps (any optimizer, through torch's global step hooks),
+    so that an optimizer stepping inside backward is not recorded as backward values.
+
+    The two global hooks are registered once per process and stay (doing nothing while
+    no audit is open): an audit may open or close inside another optimizer step hook
+    (``fpaudit run`` closes its step there), and registering or removing a hook while
+    torch iterates over them raises "OrderedDict mutated during iteration".
+    """
+    if not _step_hooks:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        _step_hooks.append(register_optimizer_step_pre_hook(_optimizer_step_started))
+        _step_hooks.append(register_optimizer_step_post_hook(_optimizer_step_finished))
+    _COUNTING_MODES.append(mode)
+    try:
+        yield
+    finally:
+        _COUNTING_MODES.remove(mode)

@@ -1,0 +1,79 @@
+"""Provenance: which backward values do not scale with the loss (:class:`Provenance`),
+followed through storages, not tensor objects, and decided per op by the dispatch mode
+(``fpaudit.capture.mode``)."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+from fpaudit.capture.oprules import storage_of
+
+# Dtypes whose values cannot carry a loss scale (indices, masks, counters).
+_UNSCALABLE = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+)
+
+
+class Provenance:
+    """Which backward values do not scale with the loss ("fixed" values).
+
+    Loss scaling multiplies the gradient flowing backward, not the forward
+    values that backward formulas read from saved tensors. ``pow``'s backward,
+    for one, computes ``2 * x`` from the saved input before multiplying by the
+    incoming gradient; that intermediate stays put whatever the scale.
+
+    The rule follows data, not tensor objects. Saved forward values and
+    parameters reach backward with ``requires_grad=True``; everything backward
+    creates has ``requires_grad=False`` (unless ``create_graph``). A floating
+    tensor is fixed when it requires grad or its *storage* is marked fixed; an
+    op's outputs are fixed when none of its floating inputs is scaled (integer
+    and bool inputs, indices and masks, carry no scale), and their storages are
+    then marked. An op that writes in place with a scaled input (``add_``,
+    ``copy_``, ``index_put_``, through any view) unmarks the storage it wrote,
+    so a zero buffer filled through ``select``/``slice`` views with gradients
+    (``pack_padded_sequence``'s backward) is scaled, and so is everything read
+    from it. Fixed storages are rare and remembered here by weak reference
+    (Python keeps one object per storage, shared by all its views).
+    """
+
+    def __init__(self) -> None:
+        self._fixed: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def _forget(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+        if self._fixed.get(key) is ref:  # not a newer storage that reused the id
+            del self._fixed[key]
+
+    def is_fixed(self, tensor: torch.Tensor) -> bool:
+        if tensor.requires_grad or tensor.dtype in _UNSCALABLE:
+            return True
+        if not self._fixed:
+            return False
+        storage = storage_of(tensor)
+        ref = self._fixed.get(id(storage))
+        return ref is not None and ref() is storage
+
+    def all_fixed(self, tensors: Iterator[torch.Tensor]) -> bool:
+        if not self._fixed:  # the common case: no storage lookups
+            return all(t.requires_grad or t.dtype in _UNSCALABLE for t in tensors)
+        return all(self.is_fixed(t) for t in tensors)
+
+    def mark(self, tensors: Iterator[torch.Tensor]) -> None:
+        for tensor in tensors:
+            storage = storage_of(tensor)
+            key = id(storage)
+            if storage is not None and key not in self._fixed:
+                self._fixed[key] = weakref.ref(storage, functools.partial(self._forget, key))
+
+    def has_fixed(self) -> bool:
+        return bool(self._fixed)
+
+    def unmark(self, tensors: Iterator[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._fixed.pop(id(storage_of(tensor)), None)
+
+    def clear(self) -> None:
+        self._fixed.clear()

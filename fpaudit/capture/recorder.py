@@ -1,0 +1,189 @@
+"""The recording function (:meth:`Recorder.record`): every captured tensor goes to one
+call with ``(kind, module, node, op, output_index, scales_with_loss, tensor)``. Its
+values accumulate in a ``histogram.HistogramTable`` row on the tensor's device, one row
+per record key, and nothing else is retained; closing a step brings each device's rows
+to the host with one transfer (:meth:`Recorder.collect`)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from fpaudit.capture.clock import model_name
+from fpaudit.capture.selection import Selection
+from fpaudit.kernels import histogram
+from fpaudit.kernels.blockstats import BlockRecorder
+from fpaudit.report.records import (
+    KIND_BACKWARD,
+    KIND_GRAD,
+    KIND_OPERAND,
+    RecordKey,
+    StepRecords,
+)
+
+Place = tuple[histogram.HistogramTable, int]
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A closed step's records, as brought to the host, with the values of the tensors
+    given to :meth:`Recorder.collect` (None: no tensor given)."""
+
+    records: StepRecords
+    first_nonfinite: str  # "module op" of the first forward op that made inf/NaN, or ""
+    loss: float | None
+    loss_scale: float | None
+
+
+class Recorder:
+    """The open step's records: a histogram row per record key the selection accepts,
+    on its tensor's device, and (with recipes) each recorded tensor's block statistics."""
+
+    def __init__(self, selection: Selection, blocks: BlockRecorder | None) -> None:
+        self.selection = selection
+        self.blocks = blocks  # opt-in: --recipe
+        self.forward_active = False  # inside Audit.forward_pass: forward outputs too
+        self._forward_ops = 0  # forward ops seen this step, in order
+        self._accepted: dict[tuple[str, str, str], bool] = {}
+        self._tables: dict[torch.device, histogram.HistogramTable] = {}
+        self._rows: dict[RecordKey, Place] = {}
+        self._row_keys: dict[torch.device, list[RecordKey]] = {}
+        self._lock = threading.Lock()
+
+    def record(
+        self,
+        kind: str,
+        module: str,
+        node: str,
+        op: str,
+        output: int,
+        scales_with_loss: bool,
+        tensor: torch.Tensor,
+    ) -> Place | None:
+        """Add ``tensor``'s values to the open step's record for this key; its place."""
+        accepted = self._accepted.get((kind, module, op))
+        if accepted is None:
+            accepted = self._accepted[(kind, module, op)] = self.selection.accepts(kind, module, op)
+        if not accepted:
+            return None
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()  # a DTensor (FSDP2, tensor parallel): this rank's shard
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        key = RecordKey(kind, module, node, op, output, dtype, scales_with_loss)
+        place = self._rows.get(key)
+        if place is None:
+            with self._lock:
+                table = self._tables.get(tensor.device)
+                if table is None:
+                    table = self._tables[tensor.device] = histogram.HistogramTable(tensor.device)
+                    self._row_keys[tensor.device] = []
+                place = self._rows[key] = (table, table.new_row())
+                self._row_keys[tensor.device].append(key)
+        place[0].add(place[1], tensor)
+        if self.blocks is not None:
+            self.blocks.add(key, tensor)
+        return place
+
+    def record_operand(
+        self,
+        module: str,
+        node: str,
+        op: str,
+        index: int,
+        scales_with_loss: bool,
+        tensor: torch.Tensor,
+    ) -> None:
+        """Add a backward GEMM's operand to the block statistics only (``KIND_OPERAND``:
+        no histogram record; its values are an output recorded where it was made)."""
+        if self.blocks is None or not tensor.is_floating_point():
+            return
+        if not self.selection.accepts(KIND_BACKWARD, module, op):
+            return
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        key = RecordKey(KIND_OPERAND, module, node, op, index, dtype, scales_with_loss)
+        self.blocks.add(key, tensor)
+
+    def record_parameter_gradients(self, model: nn.Module) -> None:
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if grad is None or grad.layout != torch.strided:
+                continue
+            if grad.is_complex():
+                grad = torch.view_as_real(grad.resolve_conj())
+            elif not grad.is_floating_point():
+                continue
+            module, _, param_name = name.rpartition(".")
+            self.record(KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad)
+
+    def next_forward_op(self) -> int:
+        self._forward_ops += 1
+        return self._forward_ops
+
+    def seen_ops(self, kind: str) -> set[str]:
+        """The ops seen so far (recorded or left out by the selection)."""
+        return {op for (k, _, op) in self._accepted if k == kind}
+
+    def has_open_records(self) -> bool:
+        return any(any(table.calls) for table in self._tables.values())
+
+    def out_of_range(self) -> int:
+        """fp64 values beyond fp32's range, binned as zero or inf (see
+        ``fpaudit.kernels.histogram``)."""
+        return sum(int(t.out_of_range) for t in self._tables.values())
+
+    def collect(self, loss: torch.Tensor | None, scale_tensor: torch.Tensor | None) -> Collected:
+        """Close the step: each device's rows, with ``loss`` and ``scale_tensor`` where they
+        are on that device, in one transfer; the rows are then empty for the next step."""
+        keys: list[RecordKey] = []
+        blocks: list[np.ndarray] = []
+        calls: list[int] = []
+        loss_value: float | None = None
+        scale_value: float | None = None
+        for device, table in self._tables.items():
+            carries_loss = loss is not None and loss.device == device
+            carries_scale = scale_tensor is not None and scale_tensor.device == device
+            scalars = ((loss,) if carries_loss and loss is not None else ()) + (
+                (scale_tensor,) if carries_scale and scale_tensor is not None else ()
+            )
+            rows, values = table.collect(scalars)
+            if carries_loss:
+                loss_value = values[0]
+            if carries_scale:
+                scale_value = values[-1]
+            used = [row for row in range(table.rows) if table.calls[row]]
+            keys += [self._row_keys[device][row] for row in used]
+            blocks.append(rows[used])
+            calls += [table.calls[row] for row in used]
+            table.reset()
+        if loss is not None and loss_value is None:  # no records on the loss's device
+            loss_value = float(loss.detach().reshape(()))
+        if scale_tensor is not None and scale_value is None:
+            scale_value = float(scale_tensor.detach().reshape(()))
+        rows = np.concatenate(blocks) if blocks else np.zeros((0, histogram.WIDTH), np.int64)
+        records = StepRecords(
+            keys=keys,
+            counts=rows[:, : histogram.N_BINS],
+            amax=histogram.amax_from_bits(rows[:, histogram.AMAX_COLUMN]),
+            calls=np.array(calls, dtype=np.int64),
+            shadow=rows[:, histogram.SHADOW_COLUMNS].copy(),
+        )
+        first_nonfinite = ""
+        scores = rows[:, histogram.FIRST_NONFINITE_COLUMN] if len(rows) else np.zeros(0)
+        if len(scores) and scores.max() > 0:
+            first = keys[int(np.argmax(scores))]
+            first_nonfinite = f"{first.module or '(root)'} {first.op}"
+        self._forward_ops = 0
+        return Collected(records, first_nonfinite, loss_value, scale_value)
+
+    def discard(self) -> None:
+        """Drop the open step's records (and its block statistics)."""
+        for table in self._tables.values():
+            table.reset()
+        if self.blocks is not None:
+            self.blocks.discard_open()
