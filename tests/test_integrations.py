@@ -423,3 +423,65 @@ def test_lightning_audits_a_compiled_module_as_its_eager_twin(tmp_path: Path) ->
     assert callback._in_place is None  # Lightning's compiled methods are back
     assert module._compiler_ctx is not None
     assert vars(module)["training_step"] is not None
+
+
+class _Regressor(nn.Module):
+    """A model the HF Trainer trains: batches of ``x`` and ``labels``, a dict with the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": nn.functional.mse_loss(self.net(x), labels)}
+
+
+def _train_regressor(tmp_path: Path, **options: Any) -> tuple[nn.Module, Report]:
+    transformers = _transformers()
+    from fpaudit.integrations.huggingface import FpauditTrainerCallback
+
+    torch.manual_seed(0)
+    model = _Regressor()
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        {"x": torch.randn(8, generator=generator), "labels": torch.randn(1, generator=generator)}
+        for _ in range(16)
+    ]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, report_to=[],
+        use_cpu=True, save_strategy="no", disable_tqdm=True, max_steps=2, **options,
+    )  # fmt: skip
+    callback = FpauditTrainerCallback(out=tmp_path / "report")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    try:
+        trainer.train()
+    finally:
+        callback.finish()
+    return model, Report.read(tmp_path / "report")
+
+
+def test_huggingface_audits_torch_compile_as_its_eager_twin(tmp_path: Path) -> None:
+    """torch_compile=True: the Trainer compiles the model inside train(), out of the
+    callback's sight; the callback compiles the model's forward through fpaudit's
+    backend, which the Trainer's wrapper then calls. Per (module, parameter) the
+    gradient's counts equal the eager twin's: 2 steps, 1 call each; elements
+    2 * 32*8 = 512, 2 * 32 = 64, 2 * 32 = 64, 2 * 1 = 2; no zero, inf or NaN."""
+    _, eager = _train_regressor(tmp_path / "eager")
+    _reset_dynamo()
+    try:
+        model, report = _train_regressor(tmp_path / "compiled", torch_compile=True)
+    finally:
+        _reset_dynamo()
+    assert _grad_counts(eager) == {
+        ("net.0", "weight"): [2, 512, 0, 0, 0], ("net.0", "bias"): [2, 64, 0, 0, 0],
+        ("net.2", "weight"): [2, 64, 0, 0, 0], ("net.2", "bias"): [2, 2, 0, 0, 0],
+    }  # fmt: skip
+    assert _grad_counts(report) == _grad_counts(eager)
+    eager_backward = set(_records(eager, KIND_BACKWARD)["module"]) - {LOSS_MODULE}
+    assert eager_backward == {"", "net.0", "net.1", "net.2"}  # "": the model's loss
+    assert eager_backward <= set(_stored(report)["module"])
+    assert set(report.records["module"]) <= {n for n, _ in model.named_modules()} | {LOSS_MODULE}
+    info = report.info.compiled
+    assert info is not None and info["observed_backward_runs"] == 2
+    assert info["not_covered"] == []
+    assert "forward" not in vars(model)  # the model's own forward is back
