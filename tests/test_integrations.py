@@ -237,8 +237,14 @@ def _train(
     data = [{"input_ids": row, "labels": row} for row in ids]
     args_options = {
         k: options.pop(k)
-        for k in ("bf16", "fp16", "gradient_accumulation_steps", "max_grad_norm", "max_steps",
-                  "torch_compile")
+        for k in (
+            "bf16",
+            "fp16",
+            "gradient_accumulation_steps",
+            "max_grad_norm",
+            "max_steps",
+            "torch_compile",
+        )
         if k in options
     }
     args = transformers.TrainingArguments(
