@@ -29,7 +29,8 @@ tests on 2.10.0 and 2.15.0.
 * ``OptimizedModule._orig_mod`` and ``OptimizedModule.dynamo_ctx.callback``'s
   ``_torchdynamo_orig_backend``: the eager module a ``torch.compile``d module wraps and
   the backend it was compiled with (``compiler_name`` and ``config`` of the
-  ``inductor`` backend's wrapper: its mode's options).
+  ``inductor`` backend's wrapper: its mode's options); the same read of a context
+  Lightning keeps (``LightningModule._compiler_ctx["dynamo_ctx"]``).
 * ``torch._inductor.list_mode_options``: the options a ``torch.compile`` mode sets.
 * ``torch._dynamo.reset``: forget compiled frames (tests, and ``scan`` after its steps).
 """
@@ -50,6 +51,7 @@ __all__ = [
     "StoredBuffer",
     "compile_backend",
     "compiled_module_parts",
+    "context_backend",
     "eager_module",
     "inductor_backward",
 ]
@@ -82,7 +84,13 @@ def compiled_module_parts(model: nn.Module) -> tuple[str, dict[str, Any]] | None
     and, for Inductor, the options its mode set; None for any other module."""
     if eager_module(model) is None:
         return None
-    context = getattr(model, "dynamo_ctx", None)
+    return context_backend(getattr(model, "dynamo_ctx", None))
+
+
+def context_backend(context: Any) -> tuple[str, dict[str, Any]]:
+    """The backend of a ``torch.compile`` context (an ``OptimizedModule``'s ``dynamo_ctx``,
+    or the one Lightning keeps of a compiled ``LightningModule``): its name and, for
+    Inductor, the options its mode set."""
     callback = getattr(context, "callback", None)
     backend = callback
     for _ in range(8):  # Dynamo's wrappers each keep the one they wrap

@@ -41,9 +41,9 @@ import inspect
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -54,11 +54,13 @@ from fpaudit import torch_internals_compile as _compile_internals
 __all__ = [
     "COMPILED_NODE",
     "CompiledSite",
+    "InPlace",
     "compile",
     "compiled_backend",
     "compiles_observed",
     "eager_module",
     "inside_observed_backward",
+    "observe_in_place",
     "observed",
 ]
 
@@ -353,6 +355,66 @@ def observed(model: nn.Module) -> tuple[nn.Module, str | None]:
         )
     compiled: nn.Module = torch.compile(eager, backend=compiled_backend(eager, options))  # type: ignore[assignment]
     return compiled, None
+
+
+def inductor_options(compiled_by: Any) -> dict[str, Any] | None:
+    """The Inductor options (its mode's settings) of a ``torch.compile``d module, or of a
+    ``torch.compile`` context (the one Lightning keeps of a compiled ``LightningModule``);
+    None for another backend (fpaudit's included) or a module not compiled."""
+    parts = (
+        _compile_internals.compiled_module_parts(compiled_by)
+        if isinstance(compiled_by, nn.Module)
+        else _compile_internals.context_backend(compiled_by)
+    )
+    return parts[1] if parts is not None and parts[0] == "inductor" else None
+
+
+def mode_options(mode: str | None) -> dict[str, Any]:
+    """The Inductor options ``torch.compile(mode=mode)`` sets (none for the default mode)."""
+    return _compile_internals.mode_options(mode) if mode is not None else {}
+
+
+@dataclass
+class InPlace:
+    """Methods of a module rebound in place to compile through fpaudit's backend
+    (:func:`observe_in_place`); :meth:`restore` puts back what was there."""
+
+    module: nn.Module
+    view: nn.Module  # the module as an audit is given it: compiled by fpaudit (never called)
+    replaced: tuple[str, ...]
+    saved: dict[str, Any] = field(default_factory=dict)  # name -> the instance attribute it hid
+
+    def restore(self) -> None:
+        for name in self.replaced:
+            if name in self.saved:
+                setattr(self.module, name, self.saved[name])
+            elif name in vars(self.module):
+                delattr(self.module, name)
+
+
+def observe_in_place(
+    module: nn.Module, methods: Mapping[str, Callable[..., Any]], options: dict[str, Any]
+) -> InPlace:
+    """Compile each of ``methods`` (name -> the eager callable, e.g. ``forward``, or a
+    ``LightningModule``'s ``training_step``) with Inductor (``options``: its mode's
+    settings) through fpaudit's backend, and bind it to ``module`` under its name: a
+    training framework that calls the module, or a ``torch.compile`` wrapper of it
+    (whose frame calls ``module.__call__``, which looks ``forward`` up at each call),
+    runs fpaudit's compiled code, so an open audit of :attr:`InPlace.view` records what
+    its backward stores under the module's own names. With no audit open it computes
+    what Inductor computes (the tests compare parameters bit for bit).
+
+    Known limitation: a wrapper that Dynamo traces *through* ``module.__call__``
+    (``torch.compile`` of a ``torch.nn`` container such as ``nn.Sequential``) compiles
+    the module with its own backend; the audit then observes no stored value, and
+    ``gate`` finds it to have measured nothing."""
+    backend = compiled_backend(module, options)
+    own = vars(module)
+    saved = {name: own[name] for name in methods if name in own}
+    for name, method in methods.items():
+        setattr(module, name, torch.compile(method, backend=backend))
+    view: nn.Module = torch.compile(module, backend=backend)  # type: ignore[assignment]
+    return InPlace(module, view, tuple(methods), saved)
 
 
 @contextmanager

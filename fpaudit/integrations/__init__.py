@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from fpaudit.capture import compiled
 from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.errors import UsageError
 from fpaudit.numerics.formats import get_format
@@ -101,9 +102,11 @@ class AuditSession:
         self._finished = True
 
     # -- the run ---------------------------------------------------------
-    def start(self, model: nn.Module, first_step: int) -> None:
+    def start(self, model: nn.Module, first_step: int, audited: nn.Module | None = None) -> None:
         """Training starts at optimizer step ``first_step`` (0, or where a resumed run resumes).
 
+        ``audited``: what the audit is given in place of ``model``, a compiled model's view
+        through fpaudit's backend (:func:`fpaudit.capture.compiled.observe_in_place`).
         Refuses an existing ``out`` unless ``force`` (and anything there but a report),
         now rather than after training.
         """
@@ -115,7 +118,7 @@ class AuditSession:
                     f"{self.out} exists and is not an fpaudit report; refusing to replace it"
                 )
         self.model = model
-        self.audit = Audit(model, selection=self.selection)
+        self.audit = Audit(audited if audited is not None else model, selection=self.selection)
         self.report = self.path = None
         self._first = first_step
         self._index = -1
@@ -298,7 +301,24 @@ class SessionCallback:
         )
         self._active = False
         self._first_step = 0
+        self._in_place: compiled.InPlace | None = None
         self._reset()
 
     def _reset(self) -> None:
         """The callback's own state before training starts."""
+
+    def _start(self, model: nn.Module, in_place: compiled.InPlace | None) -> None:
+        """Start the session on ``model``; a compiled model's methods were rebound to
+        compile through fpaudit's backend (``in_place``), and its view is audited."""
+        self._in_place = in_place
+        try:
+            self.session.start(model, self._first_step, in_place.view if in_place else None)
+        except BaseException:
+            self._put_back_compiled()
+            raise
+
+    def _put_back_compiled(self) -> None:
+        """Put back the methods the callback compiled through fpaudit's backend."""
+        if self._in_place is not None:
+            self._in_place.restore()
+            self._in_place = None

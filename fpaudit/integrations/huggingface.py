@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from fpaudit.capture import compiled
 from fpaudit.capture._torch_patches import Call, Patches, step_targets
 from fpaudit.integrations import SessionCallback, scale_tensor, unscaled
 
@@ -78,9 +79,17 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
     every process audits its own backward pass and writes its part of one report;
     one that stops on an exception writes its steps alone to ``OUT.rankN``.
 
+    Compiled: a model passed in ``torch.compile``d with Inductor, or
+    ``torch_compile=True`` (Inductor, any ``torch_compile_mode``): for the run, the
+    callback compiles the model's ``forward`` through fpaudit's backend
+    (``fpaudit.capture.compiled.observe_in_place``; the Trainer's wrapper calls the
+    model, whose ``forward`` it then is) and puts the original back when training
+    ends. Every buffer the compiled backward stores is recorded under the model's own
+    names, in the dtype it is stored in (``docs/compile.md``).
+
     Not supported: DeepSpeed and FSDP (their engines unscale and clip
-    elsewhere: gradients would be recorded after clipping), ``torch_compile``
-    (compiled models bypass the audit), several GPUs in one process
+    elsewhere: gradients would be recorded after clipping), ``torch_compile`` with
+    another ``torch_compile_backend``, several GPUs in one process
     (``nn.DataParallel``). The Trainer has no exception callback: if
     ``train()`` raises, call :meth:`finish` (see the module docstring) to
     remove the hooks and write the steps recorded so far, marked incomplete.
@@ -109,7 +118,7 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
             return
         model = kwargs["model"]
         self._first_step = self._last_step = int(state.global_step)
-        self.session.start(model, self._first_step)
+        self._start(model, _observed_in_place(args, model))
         self._meta = {
             "transformers_version": transformers.__version__,
             "precision": "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
@@ -175,6 +184,7 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
         if self.session.is_open:
             self.session.abort()
         self._patches.restore()
+        self._put_back_compiled()
         return self.session.finish(
             steps_run=self._last_step - self._first_step, stopped_by=stopped_by, meta=self._meta
         )
@@ -235,6 +245,28 @@ def _unsupported(args: Any) -> str | None:
         return "FpauditTrainerCallback does not support DeepSpeed"
     if getattr(args, "fsdp", None):
         return "FpauditTrainerCallback does not support FSDP"
+    backend = getattr(args, "torch_compile_backend", None) or "inductor"
+    if getattr(args, "torch_compile", False) and backend != "inductor":
+        return (
+            "FpauditTrainerCallback audits torch_compile with Inductor only, "
+            f"not torch_compile_backend={backend!r}"
+        )
+    return None
+
+
+def _observed_in_place(args: Any, model: torch.nn.Module) -> compiled.InPlace | None:
+    """A model the Trainer runs compiled with Inductor, its ``forward`` compiled again through
+    fpaudit's backend for the run: a model passed in ``torch.compile``d, or one the Trainer
+    compiles itself (``torch_compile=True``, inside ``train()`` where no callback sees the
+    wrapper). Either wrapper calls the model, whose ``forward`` is then fpaudit's compiled
+    one. None for an eager model, or one compiled otherwise (the audit says so)."""
+    eager = compiled.eager_module(model)
+    if eager is not None:
+        options = compiled.inductor_options(model)
+        if options is None:
+            return None
+        return compiled.observe_in_place(eager, {"forward": eager.forward}, options)
     if getattr(args, "torch_compile", False):
-        return "FpauditTrainerCallback cannot audit a compiled model (torch_compile=True)"
+        options = compiled.mode_options(getattr(args, "torch_compile_mode", None))
+        return compiled.observe_in_place(model, {"forward": model.forward}, options)
     return None

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fpaudit.capture import compiled
 from fpaudit.integrations import SessionCallback, scale_tensor, unscaled
 
 try:
@@ -69,11 +70,20 @@ class FpauditCallback(SessionCallback, Callback):
     ``fpaudit.run.distributed``); a rank that stops on an exception writes its steps
     alone to ``OUT.rankN``.
 
+    Compiled: ``trainer.fit(torch.compile(model))`` with Inductor (any mode):
+    Lightning unwraps the module and compiles its ``forward`` and ``training_step``;
+    for the run, the callback compiles them again from the originals Lightning keeps,
+    through fpaudit's backend (``fpaudit.capture.compiled.observe_in_place``), and puts
+    Lightning's back when training ends. Every buffer the compiled backward stores is
+    recorded under the model's own names, in the dtype it is stored in, as ``fpaudit
+    scan`` of a compiled model does (``docs/compile.md``).
+
     Not supported (the callback warns and records nothing): manual optimization
     (``automatic_optimization = False``) and strategies that run backward and
     accumulation themselves (DeepSpeed). Not supported by the audit itself:
-    compiled modules (``torch.compile``), ``nn.DataParallel``; Lightning's FSDP
-    strategy is untested.
+    ``nn.DataParallel``; a submodule compiled inside the LightningModule (its
+    not-covered line says so); a backend other than Inductor; Lightning's FSDP strategy
+    is untested.
     """
 
     COMMAND = "lightning"
@@ -94,7 +104,7 @@ class FpauditCallback(SessionCallback, Callback):
             warnings.warn(f"fpaudit: {reason}; nothing is audited", stacklevel=2)
             return
         self._first_step = int(trainer.global_step)
-        self.session.start(pl_module, self._first_step)
+        self._start(pl_module, _observed_in_place(pl_module))
         self._active = True
 
     def on_train_batch_start(
@@ -152,6 +162,7 @@ class FpauditCallback(SessionCallback, Callback):
 
     def _finish(self, trainer: Any, stopped_by: str | None) -> None:
         self._active = False
+        self._put_back_compiled()
         optimizers = getattr(trainer, "optimizers", None) or []
         self.session.finish(
             steps_run=int(trainer.global_step) - self._first_step,
@@ -175,6 +186,25 @@ def _unsupported(trainer: Any, pl_module: Any) -> str | None:
         name = type(trainer.strategy).__name__
         return f"FpauditCallback does not support {name}, which runs backward itself"
     return None
+
+
+def _observed_in_place(pl_module: Any) -> compiled.InPlace | None:
+    """``trainer.fit(torch.compile(model))``: Lightning unwraps the compiled module and runs
+    its ``forward`` and ``training_step`` compiled by the context it keeps
+    (``_compiler_ctx``, with the eager originals). With Inductor they are compiled again
+    from those originals through fpaudit's backend, for the run; None otherwise."""
+    context = getattr(pl_module, "_compiler_ctx", None)
+    if not isinstance(context, dict) or context.get("compiler") != "dynamo":
+        return None
+    options = compiled.inductor_options(context.get("dynamo_ctx"))
+    if options is None:  # another backend: audited as an eager module (hooks break its graph)
+        return None
+    methods = {
+        "forward": context["original_forward"],
+        "training_step": context["original_training_step"],
+    }
+    in_place: compiled.InPlace = compiled.observe_in_place(pl_module, methods, options)
+    return in_place
 
 
 def _accumulating(trainer: Any) -> bool:
