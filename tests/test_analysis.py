@@ -208,7 +208,7 @@ def test_gate_by_hand() -> None:
     assert overall.passed and overall.underflow_fraction == 0.25
     assert not gate(report, fp16, 0.2, log2_scale=0).passed  # 0.25 > 0.2
     per_module = gate(report, fp16, 0.25, log2_scale=0, per_module=True)  # a: 0.5 > 0.25
-    assert not per_module.passed and [o["module"] for o in per_module.offenders] == ["a"]
+    assert not per_module.passed and [o.module for o in per_module.offenders] == ["a"]
     # recommended scale: amax 2 -> 2 * 2**11 = 4096 > 4094 -> k = 10; 2**-30 * 2**10 = 2**-20: ok.
     recommended = gate(report, fp16, 0.0)
     assert recommended.passed and recommended.log2_scale == 10

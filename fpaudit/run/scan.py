@@ -28,7 +28,7 @@ from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, ModelExit, ModelFileError, Named, OptionError, UsageError
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
-from fpaudit.report.runinfo import RunInfo
+from fpaudit.report.runinfo import RunInfo, RunMeta
 from fpaudit.run import distributed, modelfile
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def scan(
     options: ScanOptions = ScanOptions(),
     *,
     on_step: Callable[[StepProgress], None] | None = None,
-    meta: dict[str, Any] | None = None,
+    meta: RunMeta | None = None,
 ) -> Report:
     """Scan ``model_path`` for ``options.steps`` steps and return the report (not written).
 
@@ -194,7 +194,7 @@ def _scan(
     path: Path,
     options: ScanOptions,
     on_step: Callable[[StepProgress], None] | None,
-    meta: dict[str, Any] | None,
+    meta: RunMeta | None,
 ) -> Report:
     setup = _set_up(path, options)
     # Under torchrun each rank takes every world-th batch: its own shard of the data.
@@ -330,7 +330,7 @@ def _step(setup: _Setup, step: int, batch: Any, first: list[Any] | None) -> Step
     return StepProgress(step + 1, options.steps, summary, stepped, loss_value)
 
 
-def _record(setup: _Setup, report: Report, ran: _Ran, meta: dict[str, Any] | None) -> None:
+def _record(setup: _Setup, report: Report, ran: _Ran, meta: RunMeta | None) -> None:
     """Stamp the run on ``report``: how it ended, the scan's settings, the caller's meta."""
     options, device, optimizer = setup.options, setup.device, setup.optimizer
     held = str(AMP_DTYPES[options.amp]).removeprefix("torch.") if options.amp else None
@@ -359,5 +359,5 @@ def _record(setup: _Setup, report: Report, ran: _Ran, meta: dict[str, Any] | Non
                 {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
             ),
         },
-        meta,
+        meta.to_dict() if meta is not None else None,
     )

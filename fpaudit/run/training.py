@@ -58,7 +58,7 @@ from fpaudit.capture.audit import Audit, Selection
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionError
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import LOSS_MODULE, ReportBuilder
-from fpaudit.report.runinfo import RunInfo
+from fpaudit.report.runinfo import RunInfo, RunMeta
 from fpaudit.rules.findings import (
     FINDINGS,
     Finding,
@@ -472,7 +472,7 @@ def run_script(
     args: list[str] | tuple[str, ...] = (),
     options: RunOptions = RunOptions(),
     *,
-    meta: dict[str, Any] | None = None,
+    meta: RunMeta | None = None,
 ) -> RunOutcome:
     """Run ``script`` with ``args`` as ``python script args`` would, under a monitor.
 
@@ -571,7 +571,7 @@ def _record(
     stopped_by: str | None,
     findings: list[Finding],
     table: dict[str, list[Any]],
-    meta: dict[str, Any] | None,
+    meta: RunMeta | None,
 ) -> None:
     """Stamp the run on ``report``: how it ended, what the monitor saw (the scaler, the
     optimizers, the models, the findings, the skips), then the caller's meta."""
@@ -601,5 +601,5 @@ def _record(
             "findings": [f.to_dict() for f in findings],
             "training": skip_statistics(np.array(table["skipped"], dtype=bool)),
         },
-        meta,
+        meta.to_dict() if meta is not None else None,
     )
