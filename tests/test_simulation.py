@@ -234,3 +234,13 @@ def test_recommend_worst_window_and_drift_warning(cli, tmp_path: Path) -> None:
     assert "--drift-window must be at least 1" in one_error_line(
         cli("recommend", tmp_path / "r", "--drift-window", "0")
     )
+
+
+def test_scaler_overrides_keep_the_flags_order_and_give_only_what_is_set() -> None:
+    overrides = ScalerOverrides(growth_factor=3.0, hysteresis=2)
+    assert list(overrides.to_dict()) == [
+        "init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+        "min_scale", "max_scale",
+    ]  # fmt: skip
+    assert overrides.given == {"growth_factor": 3.0, "hysteresis": 2}
+    assert ScalerOverrides(**overrides.to_dict()) == overrides
