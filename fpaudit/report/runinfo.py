@@ -9,9 +9,9 @@ its own later (the capture's ``out_of_range``, ``run``'s ``formats``) goes throu
 ``Report.update_info`` (:meth:`RunInfo.entries`); readers use ``Report.info``
 (:meth:`RunInfo.from_meta`), never string keys. Fields a report lacks (an older
 report, or one built by the ``Audit`` API without a command) read as their
-defaults. ``fpaudit run``'s findings are :class:`Finding` objects, and what the command line
-adds (its argv, config and options) is a :class:`RunMeta`. Plain Python: no pandas, no
-torch.
+defaults. ``fpaudit run``'s findings are :class:`Finding` objects, and what the
+command line adds (its argv, config and options) is a :class:`RunMeta`. Plain Python:
+no pandas, no torch.
 """
 
 from __future__ import annotations
