@@ -116,9 +116,12 @@ class GradCall(NamedTuple):
 
 @dataclass
 class CallSteps:
-    """When a :class:`GradCall` happened: its first steps and in how many steps."""
+    """When a :class:`GradCall` (or a finding, in :class:`Findings`) happened: its first
+    steps and in how many steps."""
 
-    detail: str  # step: the optimizer's class; clip: the call, as "clip_grad_norm_(..., 1)"
+    # step: the optimizer's class; clip: the call, as "clip_grad_norm_(..., 1)"; a
+    # finding: its message
+    detail: str
     steps: list[int] = field(default_factory=list)
     count: int = 0
     last_step: int = -1
