@@ -532,12 +532,9 @@ def run_command(
 
     if run_options.capture_every and not torch.cuda.is_available():
         _load_cpu_kernel()
-    meta = RunMeta(
-        headroom_bits=headroom,
-        argv=shlex.join(["fpaudit", *_state["argv"]]),
-        config=str(options.config_file) if options.config_file else None,
-        options=options.to_meta(),
-    )
+    meta = RunMeta(headroom_bits=headroom, argv=shlex.join(["fpaudit", *_state["argv"]]),
+                   config=str(options.config_file) if options.config_file else None,
+                   options=options.to_meta())  # fmt: skip
     shown = str(options.out)
     with output_lock(out_path):
         outcome = run_script(script, list(ctx.args), run_options, meta=meta)
