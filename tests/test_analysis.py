@@ -208,7 +208,12 @@ def test_gate_by_hand() -> None:
     assert overall.passed and overall.underflow_fraction == 0.25
     assert not gate(report, fp16, 0.2, log2_scale=0).passed  # 0.25 > 0.2
     per_module = gate(report, fp16, 0.25, log2_scale=0, per_module=True)  # a: 0.5 > 0.25
-    assert not per_module.passed and [o["module"] for o in per_module.offenders] == ["a"]
+    assert not per_module.passed and [o.module for o in per_module.offenders] == ["a"]
+    # a's numbers at S = 1, in gate --json's keys and order: 1 of 2 nonzero underflows
+    assert per_module.to_dict()["offenders"] == [
+        {"module": "a", "underflow_fraction": 0.5, "underflow": 1, "nonzero": 2, "overflow": 0,
+         "unscalable_underflow": 0, "unscalable_overflow": 0, "lost": 0, "lost_fraction": 0.0}
+    ]  # fmt: skip
     # recommended scale: amax 2 -> 2 * 2**11 = 4096 > 4094 -> k = 10; 2**-30 * 2**10 = 2**-20: ok.
     recommended = gate(report, fp16, 0.0)
     assert recommended.passed and recommended.log2_scale == 10

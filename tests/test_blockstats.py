@@ -356,6 +356,15 @@ def test_gate_and_plan_judge_saturation_alike_by_default() -> None:
     report = audit.report
     gated = blockplan.block_gate(report, "mxfp8-e4m3", max_flush=1.0)
     assert not gated.passed  # the default judges saturation
+    (offender,) = gated.offenders
+    # the JSON form: the offender's numbers under its keys, as gate --recipe --json prints
+    assert gated.to_dict()["offenders"] == [offender.to_dict()]
+    assert list(offender.to_dict()) == [
+        "module", "flush_fraction", "saturate_fraction", "flushed", "saturated", "nonzero"
+    ]  # fmt: skip
+    overall = blockplan.block_gate(report, "mxfp8-e4m3", max_flush=1.0, per_module=False)
+    assert [o.module for o in overall.offenders] == ["(all modules)"]
+    assert overall.offenders[0].saturated == gated.saturated > 0
     assert blockplan.block_gate(report, "mxfp8-e4m3", 1.0, max_saturate=1.0).passed
     planned = blockplan.plan(report, ["mxfp8-e4m3"], max_flush=1.0)
     assert planned.max_saturate == 0.0 and planned.keep  # nothing passes: stays in bf16

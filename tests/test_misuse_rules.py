@@ -55,10 +55,10 @@ def test_calls_on_scaled_gradients_are_found_with_their_site_steps_and_message()
         "unscale-twice",
     ]
     assert [(f.where, f.steps, f.count) for f in found.values()] == [
-        ("train.py:30", [4, 5], 2),
-        ("train.py:31", [4, 5], 2),
-        ("train.py:32", [4, 5], 2),
-        ("train.py:33", [4, 5], 2),
+        ("train.py:30", (4, 5), 2),
+        ("train.py:31", (4, 5), 2),
+        ("train.py:32", (4, 5), 2),
+        ("train.py:33", (4, 5), 2),
     ]
     assert [f.severity for f in found.values()] == ["error", "error", "warning", "error"]
     assert found["clip-before-unscale"].message == (
@@ -98,7 +98,7 @@ def test_a_site_scaled_in_some_steps_only_is_found_at_those_steps() -> None:
     (finding,) = grad_call_findings(log)
     assert finding.code == "step-without-unscale"
     assert finding.count == 15
-    assert finding.steps == [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29]
+    assert finding.steps == (1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29)
 
 
 def test_the_log_lists_the_first_twenty_steps_and_counts_them_all() -> None:
@@ -106,7 +106,7 @@ def test_the_log_lists_the_first_twenty_steps_and_counts_them_all() -> None:
     for index in range(50):
         log.add("read", SITE, index, True)
     (finding,) = grad_call_findings(log)
-    assert (finding.steps, finding.count) == (list(range(20)), 50)
+    assert (finding.steps, finding.count) == (tuple(range(20)), 50)
 
 
 # -- mixed-scale-accumulation ----------------------------------------------------
@@ -117,7 +117,7 @@ def test_micro_batches_scaled_differently_are_found_at_the_later_scale_call() ->
     spans = [[SpanScale(0, 0, a, 3), SpanScale(1, 1, b, 3)]]
     (finding,) = mixed_scale_findings(spans, values, ("train.py", 20))
     assert finding.code == "mixed-scale-accumulation" and finding.severity == "error"
-    assert (finding.where, finding.steps, finding.count) == ("train.py:11", [3], 1)
+    assert (finding.where, finding.steps, finding.count) == ("train.py:11", (3,), 1)
     assert finding.message == (
         "a micro-batch scaled by 2^15 was accumulated onto gradients scaled by 2^16"
         " (scaler.update() at train.py:20 ran between them): unscale_ divides the sum by one "
@@ -151,7 +151,7 @@ def test_a_scheduler_step_after_a_taken_step_or_before_any_is_not_a_finding() ->
     assert (finding.code, finding.where, finding.steps) == (
         "scheduler-on-skipped-step",
         "train.py:42",
-        [1],
+        (1,),
     )
     assert finding.message == (
         "OneCycleLR.step() ran after a skipped optimizer step: the learning rate moved on "
@@ -180,7 +180,7 @@ def test_scale_falling_needs_more_back_offs_in_a_row_than_allowed(
     assert ("scale-falling" in found) is fired
     if fired:
         falling = found["scale-falling"]
-        assert (falling.where, falling.steps, falling.count) == ("train.py:42", [1], 1)
+        assert (falling.where, falling.steps, falling.count) == ("train.py:42", (1,), 1)
         # n back-offs: steps 1..n, from 2^12 to 2^(12-n)
         assert falling.message.startswith(
             f"the scale backed off {backoffs} times in a row (steps 1 to {backoffs}, "
@@ -202,7 +202,7 @@ def test_a_scale_of_exactly_one_is_not_below_one() -> None:
     assert scale_findings(table, SITE, 5, 1.0) == []
     table = _table([2.0, 1.0, 1.0], [1.0, 1.0, 0.5], [False, False, True])
     (below,) = scale_findings(table, SITE, 5, 1.0)
-    assert (below.code, below.where, below.steps) == ("scale-below-one", "train.py:42", [2])
+    assert (below.code, below.where, below.steps) == ("scale-below-one", "train.py:42", (2,))
     assert below.message == (
         "the scale fell below 1 (2^-1 after step 2): gradients are now held smaller than "
         "unscaled, so loss scaling only adds underflow; something overflows at every scale"
@@ -215,7 +215,7 @@ def test_high_skip_rate_counts_only_after_calibration_and_needs_three_skips() ->
     skipped = [True, True] + [False] * 17 + [True] * 3
     table = _table([8.0] * 22, [8.0] * 22, skipped)
     (high,) = scale_findings(table, SITE, 5, 0.10)
-    assert (high.code, high.where, high.steps) == ("high-skip-rate", "train.py:42", [2])
+    assert (high.code, high.where, high.steps) == ("high-skip-rate", "train.py:42", (2,))
     assert high.message.startswith(
         "3 of 20 steps after calibration were skipped (15.0%, more than 10.0%)"
     )
@@ -293,7 +293,7 @@ def test_six_back_offs_in_a_row_after_calibration_fall_and_skip_too_often() -> N
     found = _codes(scale_findings(table, SITE, max_backoffs=5, max_skip_rate=0.02))
     assert set(found) == {"scale-falling", "high-skip-rate"}
     falling = found["scale-falling"]
-    assert (falling.file, falling.line, falling.steps) == ("train.py", 42, [1])
+    assert (falling.file, falling.line, falling.steps) == ("train.py", 42, (1,))
     assert "backed off 6 times in a row (steps 1 to 6, 2^10 to 2^4)" in falling.message
     assert "6 of 7 steps were skipped (85.7%, more than 2.0%)" in found["high-skip-rate"].message
     # one more allowed back-off: no longer a falling scale
@@ -305,7 +305,7 @@ def test_a_scale_below_one_is_found_at_its_first_step() -> None:
     table = _table([2.0, 1.0, 0.5], [1.0, 0.5, 0.25], [False, True, True])
     found = _codes(scale_findings(table, SITE, max_backoffs=5, max_skip_rate=1.0))
     below = found["scale-below-one"]
-    assert below.steps == [1] and "(2^-1 after step 1)" in below.message
+    assert below.steps == (1,) and "(2^-1 after step 1)" in below.message
 
 
 def test_an_empty_table_has_no_findings() -> None:
@@ -318,5 +318,5 @@ def test_a_scheduler_step_after_a_skipped_step_is_found_once_per_step() -> None:
     calls = [(site, 0, "StepLR"), (site, 1, "StepLR"), (site, 2, "StepLR"), (site, 3, "StepLR")]
     (finding,) = scheduler_findings(table, calls)
     assert finding.code == "scheduler-on-skipped-step"
-    assert (finding.where, finding.steps, finding.count) == ("train.py:7", [1, 3], 2)
+    assert (finding.where, finding.steps, finding.count) == ("train.py:7", (1, 3), 2)
     assert finding.message.startswith("StepLR.step() ran after a skipped optimizer step")

@@ -15,6 +15,7 @@ import pytest
 
 from fpaudit.cli import render, render_run
 from fpaudit.numerics.formats import FORMATS
+from fpaudit.report.runinfo import Finding
 
 
 def test_error_line_is_one_line_whatever_the_message(capsys: pytest.CaptureFixture[str]) -> None:
@@ -117,7 +118,7 @@ def test_findings(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == "No misuse found in the training loop.\n"
     item = {"severity": "error", "file": "train.py", "line": 12, "code": "FP001",
             "message": "clip before unscale", "steps": list(range(12)), "count": 15}  # fmt: skip
-    render_run.findings([item])
+    render_run.findings([Finding.from_dict(item)])
     assert capsys.readouterr().out == (
         "1 finding(s) in the training loop:\n"
         "  error train.py:12 FP001: clip before unscale (in 15 step(s): "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fpaudit.report.runinfo import RunInfo
+from fpaudit.report.runinfo import Finding, RunInfo, RunMeta
 from fpaudit.report.store import Report
 
 from .conftest import SAMPLES
@@ -71,12 +71,16 @@ def test_a_scanned_report_on_disk_reads_through_info(cli, tmp_path: Path) -> Non
 
 
 def test_the_commands_settings_and_findings_read_typed_and_are_not_rewritten() -> None:
-    finding = {"rule": "scheduler-on-skip", "step": 3}
+    finding = {"code": "scheduler-on-skipped-step", "count": 1, "file": "t.py", "line": 9,
+               "message": "m", "severity": "warning", "steps": [3]}  # fmt: skip
     meta = {"formats": ["bf16", "fp16"], "headroom_bits": 4, "include_loss": True,
-            "findings": [finding, "not a dict"]}  # fmt: skip
+            "findings": [finding, "not a dict", {"rule": "scheduler-on-skip"}]}  # fmt: skip
     info = RunInfo.from_meta(meta)
     assert (info.formats, info.headroom_bits, info.include_loss) == (("bf16", "fp16"), 4, True)
-    assert info.findings == (finding,)  # what is not a finding is dropped
+    # typed; what is not a finding (not a dict, or a dict without a finding's keys) is dropped
+    assert info.findings == (
+        Finding("scheduler-on-skipped-step", "warning", "t.py", 9, "m", steps=(3,), count=1),
+    )
     assert not {"formats", "headroom_bits", "include_loss", "findings"} & set(info.to_meta())
     # a bool is no headroom, a number no include_loss: each reads as unset
     wrong = RunInfo.from_meta({"headroom_bits": True, "include_loss": 1, "findings": {}})
@@ -123,3 +127,57 @@ def test_update_info_writes_only_the_named_fields_under_their_old_keys() -> None
     assert report.recipes == ["mxfp4"]
     with pytest.raises(TypeError):
         report.update_info(no_such_field=1)
+
+
+def test_a_finding_round_trips_in_meta_jsons_form_and_key_order() -> None:
+    finding = Finding("clip-before-unscale", "error", "train.py", 12, "m", (0, 1), 2)
+    data = finding.to_dict()
+    # sorted, as meta.json (written with sort_keys) has always held them and read them back
+    assert list(data) == sorted(data)
+    assert data == {"code": "clip-before-unscale", "count": 2, "file": "train.py", "line": 12,
+                    "message": "m", "severity": "error", "steps": [0, 1]}  # fmt: skip
+    assert Finding.from_dict(data) == finding and finding.where == "train.py:12"
+
+
+def test_update_info_writes_findings_as_dicts() -> None:
+    import torch
+
+    report = report_from({"a": torch.tensor([1.0])})
+    finding = Finding("scale-falling", "warning", "t.py", 3, "m", (4,), 1)
+    report.update_info(findings=(finding,))
+    assert report.meta["findings"] == [finding.to_dict()]
+    assert report.info.findings == (finding,)
+
+
+def _scan_meta_by_hand() -> dict[str, object]:
+    """The dict cli/commands.py built for scan before RunMeta, key for key."""
+    return {"formats": ["fp16", "bf16"], "headroom_bits": 4, "include_loss": False,
+            "argv": "fpaudit scan m.py", "config": None, "options": {"steps": 2, "module": ["a"]}}  # fmt: skip
+
+
+def test_run_meta_writes_the_dicts_the_commands_built_by_hand() -> None:
+    scan = RunMeta(argv="fpaudit scan m.py", config=None, options={"steps": 2, "module": ["a"]},
+                   headroom_bits=4, formats=("fp16", "bf16"), include_loss=False)  # fmt: skip
+    assert scan.to_dict() == _scan_meta_by_hand()
+    assert list(scan.to_dict()) == list(_scan_meta_by_hand())  # the same order too
+    run = RunMeta(argv="fpaudit run t.py", config="c.toml", options={}, headroom_bits=None)
+    # run's formats and include_loss are not written by it (run sets formats later)
+    assert run.to_dict() == {"headroom_bits": None, "argv": "fpaudit run t.py",
+                             "config": "c.toml", "options": {}}  # fmt: skip
+    assert list(run.to_dict()) == ["headroom_bits", "argv", "config", "options"]
+    for meta in (scan, run):
+        assert RunMeta.from_dict(meta.to_dict()) == meta
+
+
+def test_a_scanned_reports_meta_json_holds_run_meta_as_the_dict_form(cli, tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "r"
+    result = cli("scan", SAMPLES / "quadratic.py", "--steps", "2", "--out", out)
+    assert result.code == 0, result.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    written = RunMeta.from_dict(meta)
+    assert written.formats == ("fp16",) and written.headroom_bits == 4
+    assert written.include_loss is False and written.config is None
+    assert written.argv.startswith("fpaudit scan ") and written.options["steps"] == 2
+    assert {k: meta[k] for k in written.to_dict()} == written.to_dict()

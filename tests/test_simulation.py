@@ -16,7 +16,13 @@ from fpaudit.rules import scalers
 from fpaudit.rules.analysis import totals
 from fpaudit.rules.drift import drift, window_report
 from fpaudit.rules.recommendation import recommend
-from fpaudit.rules.simulation import SOURCE_AMAX, SOURCE_OBSERVED, simulate, thresholds
+from fpaudit.rules.simulation import (
+    SOURCE_AMAX,
+    SOURCE_OBSERVED,
+    ScalerOverrides,
+    simulate,
+    thresholds,
+)
 
 from .conftest import one_error_line
 from .reports import report_of_steps
@@ -67,7 +73,9 @@ def test_underflow_per_step_at_the_replayed_scale() -> None:
     # 2^-30 * 2^6 = 2^-24, fp16's smallest subnormal: kept. At 2^5 it is 2^-25, the tie: zero.
     assert torch.tensor(2.0**-24).half().item() != 0 and torch.tensor(2.0**-25).half().item() == 0
     report = report_of_steps([torch.full((4,), 2.0**-30)] * 3)
-    result = simulate(report, FP16, "static", {"init_scale": 2.0**6}, static_scale=2.0**5)
+    result = simulate(
+        report, FP16, "static", ScalerOverrides(init_scale=2.0**6), static_scale=2.0**5
+    )
     assert list(result.policy.underflow) == [0.0, 0.0, 0.0]
     assert list(result.static.underflow) == [1.0, 1.0, 1.0]
     assert result.static.underflow_count == 12 and result.static.nonzero == 12
@@ -226,3 +234,13 @@ def test_recommend_worst_window_and_drift_warning(cli, tmp_path: Path) -> None:
     assert "--drift-window must be at least 1" in one_error_line(
         cli("recommend", tmp_path / "r", "--drift-window", "0")
     )
+
+
+def test_scaler_overrides_keep_the_flags_order_and_give_only_what_is_set() -> None:
+    overrides = ScalerOverrides(growth_factor=3.0, hysteresis=2)
+    assert list(overrides.to_dict()) == [
+        "init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+        "min_scale", "max_scale",
+    ]  # fmt: skip
+    assert overrides.given == {"growth_factor": 3.0, "hysteresis": 2}
+    assert ScalerOverrides(**overrides.to_dict()) == overrides

@@ -15,9 +15,6 @@ STILL_OVER = {
     "fpaudit/cli/commands.py": 1259,
     "fpaudit/cli/commands.py::scan_command": 100,
     "fpaudit/cli/commands.py::run_command": 88,
-    "fpaudit/rules/analysis.py::_condense": 82,
-    "fpaudit/run/scan.py::_scan": 148,
-    "fpaudit/run/training.py::run_script": 101,
 }
 
 

@@ -154,7 +154,7 @@ def test_mixed_scale_names_the_scales_and_the_update_between_them() -> None:
     mixed = next(f for f in outcome.findings if f.code == "mixed-scale-accumulation")
     # step 2 overflows at 2^8 (loss x 1e38): the update halves the scale; step 3, in the same
     # accumulated batch (zero_grad every 2 steps), is scaled by 2^7.
-    assert mixed.steps == [3]
+    assert mixed.steps == (3,)
     assert "scaled by 2^7 was accumulated onto gradients scaled by 2^8" in mixed.message
     assert f"{MISUSE}:{mark(MISUSE, 'mixed-update')}" in mixed.message
 

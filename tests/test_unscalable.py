@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fpaudit.numerics.formats import FORMATS
+from fpaudit.report.runinfo import Finding
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis, gating
 from fpaudit.rules.findings import SchedulerCall, scheduler_findings
@@ -124,9 +125,8 @@ def test_fp16_plan_judges_underflow_by_the_same_rule() -> None:
 
 
 # -- the gate and run's error findings --------------------------------------------
-def _finding(code: str, severity: str, line: int) -> dict[str, object]:
-    return {"code": code, "severity": severity, "file": "train.py", "line": line,
-            "message": "what went wrong", "steps": [0], "count": 1}  # fmt: skip
+def _finding(code: str, severity: str, line: int) -> Finding:
+    return Finding(code, severity, "train.py", line, "what went wrong", steps=(0,), count=1)
 
 
 def test_the_gate_fails_on_each_error_finding_and_not_on_warnings() -> None:
@@ -183,7 +183,7 @@ def test_a_scheduler_step_on_a_calibration_skip_is_not_a_finding() -> None:
     table = _table([True, True, False, True])
     calls = [SchedulerCall(("train.py", 9), step, "StepLR") for step in range(4)]
     (finding,) = scheduler_findings(table, calls)
-    assert (finding.steps, finding.count) == ([3], 1)
+    assert (finding.steps, finding.count) == ((3,), 1)
 
 
 def test_a_run_that_never_takes_a_step_never_calibrated() -> None:
@@ -191,7 +191,7 @@ def test_a_run_that_never_takes_a_step_never_calibrated() -> None:
     table = _table([True, True])
     calls = [SchedulerCall(("train.py", 9), step, "StepLR") for step in range(2)]
     (finding,) = scheduler_findings(table, calls)
-    assert finding.steps == [0, 1]
+    assert finding.steps == (0, 1)
 
 
 def test_the_growth_interval_rule_by_hand() -> None:

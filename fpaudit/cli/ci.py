@@ -123,8 +123,11 @@ def _failure(failure: Failure, result: GateResult, report_path: str) -> _Failure
         name, numbers = FINDINGS, f"error findings: {len(result.error_findings)}"
     else:
         name = module_label(failure.subject)
-        offender = next((o for o in result.offenders if o["module"] == failure.subject), None)
-        numbers = _numbers_text(_Numbers.of(offender), result) if offender else ""
+        offender = next((o for o in result.offenders if o.module == failure.subject), None)
+        numbers = ""
+        if offender is not None:
+            counts = (offender.underflow_fraction, offender.underflow, offender.nonzero)
+            numbers = _numbers_text(_Numbers(*counts, offender.overflow), result)
     # An overflow is the worse failure: a dynamic scaler skips the step, a static one trains on inf.
     kind = gating.OVERFLOW if gating.OVERFLOW in failure.kinds else failure.kinds[0]
     # The JUnit file and annotations are the command line's output: its flags, not parameters.

@@ -53,6 +53,7 @@ from fpaudit.numerics.formats import FORMATS, Format, get_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.numerics.recipes import RECIPES
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
+from fpaudit.report.runinfo import RunMeta
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -407,14 +408,14 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
     out_path = _new_report_path(options)
     if resolve_device(scan_options.device).type == "cpu":
         _load_cpu_kernel()
-    meta = {
-        "formats": [f.name for f in formats],
-        "headroom_bits": headroom,
-        "include_loss": options.include_loss,
-        "argv": shlex.join(["fpaudit", *_state["argv"]]),
-        "config": str(options.config_file) if options.config_file else None,
-        "options": options.to_meta(),
-    }
+    meta = RunMeta(
+        formats=tuple(f.name for f in formats),
+        headroom_bits=headroom,
+        include_loss=options.include_loss,
+        argv=shlex.join(["fpaudit", *_state["argv"]]),
+        config=str(options.config_file) if options.config_file else None,
+        options=options.to_meta(),
+    )
     from fpaudit.run import distributed
 
     # Under torchrun every rank runs this command; rank 0 locks, shows progress and sums up.
@@ -531,12 +532,9 @@ def run_command(
 
     if run_options.capture_every and not torch.cuda.is_available():
         _load_cpu_kernel()
-    meta = {
-        "headroom_bits": headroom,
-        "argv": shlex.join(["fpaudit", *_state["argv"]]),
-        "config": str(options.config_file) if options.config_file else None,
-        "options": options.to_meta(),
-    }
+    meta = RunMeta(headroom_bits=headroom, argv=shlex.join(["fpaudit", *_state["argv"]]),
+                   config=str(options.config_file) if options.config_file else None,
+                   options=options.to_meta())  # fmt: skip
     shown = str(options.out)
     with output_lock(out_path):
         outcome = run_script(script, list(ctx.args), run_options, meta=meta)
@@ -671,7 +669,7 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
                 {
                     "training": dict(info.training) if info.training is not None else None,
                     "scaler": dict(info.scaler) if info.scaler is not None else None,
-                    "findings": items,
+                    "findings": [finding.to_dict() for finding in items],
                     "steps": render.json_records(report.steps),
                 }
             )
@@ -792,7 +790,7 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
     """
     from fpaudit.report.store import Report
     from fpaudit.rules import scalers
-    from fpaudit.rules.simulation import simulate
+    from fpaudit.rules.simulation import ScalerOverrides, simulate
 
     if options.policy in delayed_policies():
         _simulate_delayed(report_path, options)
@@ -810,19 +808,19 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
         name: config.parse_number(text, name) if text is not None else None
         for name, text in scales.items()
     }
-    overrides = {
-        "init_scale": numbers["init_scale"],
-        "growth_factor": options.growth_factor,
-        "backoff_factor": options.backoff_factor,
-        "growth_interval": options.growth_interval,
-        "hysteresis": options.hysteresis,
-        "min_scale": numbers["min_scale"],
-        "max_scale": numbers["max_scale"],
-    }
+    overrides = ScalerOverrides(
+        init_scale=numbers["init_scale"],
+        growth_factor=options.growth_factor,
+        backoff_factor=options.backoff_factor,
+        growth_interval=options.growth_interval,
+        hysteresis=options.hysteresis,
+        min_scale=numbers["min_scale"],
+        max_scale=numbers["max_scale"],
+    )
     if options.policy == "static":
         if numbers["init_scale"] is not None:
             raise UsageError("--policy static takes its scale from --static-scale")
-        overrides["init_scale"] = numbers["static_scale"]
+        overrides = dataclasses.replace(overrides, init_scale=numbers["static_scale"])
     report = Report.read(report_path)
     render.report_notes(report)
     fmt = _reading_format(options.format, report)

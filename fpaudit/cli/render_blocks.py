@@ -161,10 +161,10 @@ def block_gate(result: BlockGateResult) -> None:
     )
     for offender in result.offenders:
         console.print(
-            f"  {module_label(offender['module'])}: {expected}flushed "
-            f"{percent(offender['flush_fraction'])} ({expected_count(offender['flushed'])} of "
-            f"{count(offender['nonzero'])}), {expected}saturated "
-            f"{percent(offender['saturate_fraction'])}"
+            f"  {module_label(offender.module)}: {expected}flushed "
+            f"{percent(offender.flush_fraction)} ({expected_count(offender.flushed)} of "
+            f"{count(offender.nonzero)}), {expected}saturated "
+            f"{percent(offender.saturate_fraction)}"
         )
 
 

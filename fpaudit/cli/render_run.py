@@ -18,6 +18,7 @@ from fpaudit.text import module_label, percent, power, scale_text
 if TYPE_CHECKING:
     import pandas as pd
 
+    from fpaudit.report.runinfo import Finding
     from fpaudit.rules.delayed import Replay as DelayedReplay
     from fpaudit.rules.delayed import Sweep as DelayedSweep
     from fpaudit.rules.drift import Drift
@@ -50,7 +51,7 @@ def _steps_list(steps: Sequence[int], count_: int) -> str:
     return shown + (f", … ({more} more)" if more > 0 else "")
 
 
-def findings(items: Sequence[dict[str, Any]], console: Console | None = None) -> None:
+def findings(items: Sequence[Finding], console: Console | None = None) -> None:
     """Findings, errors first, each with its file:line."""
     console = console or stdout()
     if not items:
@@ -58,16 +59,15 @@ def findings(items: Sequence[dict[str, Any]], console: Console | None = None) ->
         return
     console.print(f"{len(items)} finding(s) in the training loop:")
     for item in items:
-        colour = {"error": "red", "warning": "yellow"}.get(item["severity"], "cyan")
-        where = f"{item['file']}:{item['line']}"
-        steps = _steps_list(item["steps"], item["count"])
+        colour = {"error": "red", "warning": "yellow"}.get(item.severity, "cyan")
+        steps = _steps_list(item.steps, item.count)
         console.print(
             Text.assemble(
                 "  ",
-                (str(item["severity"]), colour),
-                f" {where} ",
-                (str(item["code"]), "bold"),
-                f": {item['message']} (in {item['count']} step(s): {steps})",
+                (item.severity, colour),
+                f" {item.where} ",
+                (item.code, "bold"),
+                f": {item.message} (in {item.count} step(s): {steps})",
             )
         )
 
@@ -143,7 +143,7 @@ def drift_lines(result: Drift) -> list[str | Text]:
 def run_summary(
     path: str,
     report: pd.DataFrame | Any,
-    items: Sequence[dict[str, Any]],
+    items: Sequence[Finding],
     rec: Recommendation | None,
     drift_result: Drift | None,
 ) -> None:
@@ -169,7 +169,7 @@ def run_summary(
             console.print(drift_line)
 
 
-def steps_view(report: Any, limit: int, items: Sequence[dict[str, Any]]) -> None:
+def steps_view(report: Any, limit: int, items: Sequence[Finding]) -> None:
     """``show --steps``: skip rate, scale sparkline, findings, and the steps table."""
     console = stdout()
     steps = report.steps

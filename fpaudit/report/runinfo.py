@@ -9,7 +9,9 @@ its own later (the capture's ``out_of_range``, ``run``'s ``formats``) goes throu
 ``Report.update_info`` (:meth:`RunInfo.entries`); readers use ``Report.info``
 (:meth:`RunInfo.from_meta`), never string keys. Fields a report lacks (an older
 report, or one built by the ``Audit`` API without a command) read as their
-defaults. Plain Python: no pandas, no torch.
+defaults. ``fpaudit run``'s findings are :class:`Finding` objects, and what the
+command line adds (its argv, config and options) is a :class:`RunMeta`. Plain Python:
+no pandas, no torch.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AMP_NAMES", "RunInfo"]
+__all__ = ["AMP_NAMES", "Finding", "RunInfo", "RunMeta"]
 
 AMP_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
 """The name of the format autocast held values in, by dtype (``--amp fp16`` / ``bf16``)."""
@@ -47,6 +49,103 @@ _READ_ONLY = (
 
 
 @dataclass(frozen=True)
+class Finding:
+    """One misuse finding of ``fpaudit run`` (made by ``fpaudit.rules.findings``), as a
+    report keeps it in meta.json's ``findings``: the rule's ``code`` and ``severity``, the
+    script's ``file`` and ``line``, the first ``steps`` it happened at and in how many
+    steps (``count``)."""
+
+    code: str
+    severity: str  # "error" or "warning"
+    file: str
+    line: int
+    message: str
+    steps: tuple[int, ...] = ()
+    count: int = 0
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON values, in the order meta.json keeps them (sorted), so every JSON output
+        of a read report prints them as it always has."""
+        return {
+            "code": self.code,
+            "count": self.count,
+            "file": self.file,
+            "line": self.line,
+            "message": self.message,
+            "severity": self.severity,
+            "steps": list(self.steps),
+        }
+
+    @classmethod
+    def from_dict(cls, item: Mapping[str, Any]) -> Finding:
+        """The finding ``item`` (meta.json's form, checked on read); a KeyError when a key
+        is missing."""
+        return cls(
+            code=str(item["code"]),
+            severity=str(item["severity"]),
+            file=str(item["file"]),
+            line=int(item["line"]),
+            message=str(item["message"]),
+            steps=tuple(int(step) for step in item["steps"]),
+            count=int(item["count"]),
+        )
+
+
+def _findings(value: Any) -> tuple[Finding, ...]:
+    """meta.json's ``findings``; an entry that is not a finding is dropped."""
+    found = []
+    for item in value if isinstance(value, list) else ():
+        try:
+            found.append(Finding.from_dict(item))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return tuple(found)
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """What the command line adds to a report's metadata (``scan(meta=...)``,
+    ``run_script(meta=...)``): the command as typed, its config file and options, and
+    the settings the readers of the report use. ``formats`` and ``include_loss`` are
+    written only when given (``run`` sets its formats after the run)."""
+
+    argv: str
+    config: str | None
+    options: Mapping[str, Any]
+    headroom_bits: int | None
+    formats: tuple[str, ...] | None = None
+    include_loss: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The metadata entries, as the commands have always written them."""
+        data: dict[str, Any] = {}
+        if self.formats is not None:
+            data["formats"] = list(self.formats)
+        data["headroom_bits"] = self.headroom_bits
+        if self.include_loss is not None:
+            data["include_loss"] = self.include_loss
+        data.update(argv=self.argv, config=self.config, options=dict(self.options))
+        return data
+
+    @classmethod
+    def from_dict(cls, meta: Mapping[str, Any]) -> RunMeta:
+        """The entries of ``meta`` (a report's metadata) that :meth:`to_dict` writes."""
+        formats = meta.get("formats")
+        return cls(
+            argv=meta["argv"],
+            config=meta.get("config"),
+            options=dict(meta["options"]),
+            headroom_bits=meta.get("headroom_bits"),
+            formats=tuple(formats) if formats is not None else None,
+            include_loss=meta.get("include_loss"),
+        )
+
+
+@dataclass(frozen=True)
 class RunInfo:
     command: str | None = None  # "scan", "run", or an integration's name
     steps_requested: int | None = None  # None: run until the script ends
@@ -70,7 +169,7 @@ class RunInfo:
     formats: tuple[str, ...] = ()  # the formats the command summarised, first: the default
     headroom_bits: int | None = None  # scan's and run's --headroom-bits
     include_loss: bool | None = None  # scan's --include-loss
-    findings: tuple[dict[str, Any], ...] = ()  # run: the misuse findings, as dicts
+    findings: tuple[Finding, ...] = ()  # run: the misuse findings
     # scan without --amp: what fp16 autocast would do, per module (fpaudit.capture.autocast.probe)
     autocast: Mapping[str, Any] | None = None
     # torch.compile (fpaudit.capture.compiled): inductor (part of the model is Inductor-compiled),
@@ -147,9 +246,7 @@ class RunInfo:
             include_loss=of("include_loss", bool),
             autocast=of("autocast", dict),
             compiled=of("compiled", dict),
-            findings=tuple(item for item in (meta.get("findings") or ()) if isinstance(item, dict))
-            if isinstance(meta.get("findings"), list)
-            else (),
+            findings=_findings(meta.get("findings")),
         )
 
     def to_meta(self) -> dict[str, Any]:
@@ -173,7 +270,7 @@ class RunInfo:
             elif isinstance(value, Mapping):
                 value = dict(value)
             elif isinstance(value, tuple):
-                value = list(value)
+                value = [v.to_dict() if isinstance(v, Finding) else v for v in value]
             meta[name] = value
         return meta
 

@@ -274,10 +274,19 @@ def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("modul
 
 
 def _condense(report: Report, scope: Scope, by: Sequence[str]) -> Condensed:
-    records = report.records
+    by = list(by)
+    groups, group_of_record = _groups(report.records, scope, by)
+    scaled, fixed = _binned_cells(report, group_of_record, len(groups))
+    result = Condensed(groups, scaled, fixed)
+    return _in_network_order(result, report) if "module" in by else result
+
+
+def _groups(records: pd.DataFrame, scope: Scope, by: list[str]) -> tuple[pd.DataFrame, np.ndarray]:
+    """The groups of the records in ``scope`` (by the columns ``by``; one group without)
+    with their per-group counts, dtypes and unscaled amax, and each record's group
+    (-1: out of scope)."""
     in_scope = scope.mask(records)
     selected = records[in_scope]
-    by = list(by)
     if by:
         grouped = selected.groupby(by, sort=False, dropna=False)
         group_of_selected = grouped.ngroup().to_numpy()
@@ -289,10 +298,6 @@ def _condense(report: Report, scope: Scope, by: Sequence[str]) -> Condensed:
         n_groups = 1
     group_of_record = np.full(len(records), -1, dtype=np.int64)
     group_of_record[np.flatnonzero(in_scope)] = group_of_selected
-
-    scales = records["scales_with_loss"].to_numpy(dtype=bool)
-    loss_scale = records["loss_scale"].to_numpy(dtype=np.float64)
-    log2_loss_scale = np.frexp(loss_scale)[1].astype(np.int64) - 1
 
     def per_group(column: str) -> np.ndarray:
         values = selected[column].to_numpy(dtype=np.int64)
@@ -310,7 +315,18 @@ def _condense(report: Report, scope: Scope, by: Sequence[str]) -> Condensed:
     )
     np.maximum.at(amax, group_of_selected, unscaled_amax)
     groups["amax"] = amax
+    return groups, group_of_record
 
+
+def _binned_cells(
+    report: Report, group_of_record: np.ndarray, n_groups: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's bin counts: (groups, unscaled binades, classes) of the values that
+    scale with the loss, in unscaled units, and (groups, binades, classes) of the others."""
+    records = report.records
+    scales = records["scales_with_loss"].to_numpy(dtype=bool)
+    loss_scale = records["loss_scale"].to_numpy(dtype=np.float64)
+    log2_loss_scale = np.frexp(loss_scale)[1].astype(np.int64) - 1
     # One pass over the bins, in chunks so that temporaries stay small and reused
     # (fresh 80 MB arrays cost more in page faults than the arithmetic).
     # Record ids number the records (checked on read).
@@ -340,21 +356,22 @@ def _condense(report: Report, scope: Scope, by: Sequence[str]) -> Condensed:
             index, weight = index[keep], weight[keep]
         cells += np.bincount(index, weights=weight, minlength=len(cells))
     scaled, fixed = cells[:scaled_cells], cells[scaled_cells:]
-    result = Condensed(
-        groups,
+    return (
         scaled.astype(np.int64).reshape(n_groups, N_UNSCALED, layout.N_CLASSES),
         fixed.astype(np.int64).reshape(n_groups, layout.N_BINADES, layout.N_CLASSES),
     )
-    if "module" in by:
-        order = {name: i for i, name in enumerate(report.info.modules)}
-        rank = result.groups["module"].map(lambda m: order.get(m, len(order))).to_numpy()
-        permutation = np.argsort(rank, kind="stable")
-        result = Condensed(
-            result.groups.iloc[permutation].reset_index(drop=True),
-            result.scaled[permutation],
-            result.fixed[permutation],
-        )
-    return result
+
+
+def _in_network_order(condensed: Condensed, report: Report) -> Condensed:
+    """``condensed``'s groups sorted by module in network order (stable within a module)."""
+    order = {name: i for i, name in enumerate(report.info.modules)}
+    rank = condensed.groups["module"].map(lambda m: order.get(m, len(order))).to_numpy()
+    permutation = np.argsort(rank, kind="stable")
+    return Condensed(
+        condensed.groups.iloc[permutation].reset_index(drop=True),
+        condensed.scaled[permutation],
+        condensed.fixed[permutation],
+    )
 
 
 def range_loss(

@@ -34,7 +34,7 @@ the same input and weight, blocked along the other dimension, and are not judged
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -116,6 +116,23 @@ def flush_matrix(report: Report, recipes: list[Recipe | str]) -> pd.DataFrame:
 
 
 @dataclass(frozen=True)
+class BlockOffender:
+    """A module (or ``"(all modules)"``) whose flush or saturation fraction under the
+    recipe exceeds its limit; ``flushed``/``saturated`` are ints, except a
+    stochastic-rounding recipe's expected counts."""
+
+    module: str
+    flush_fraction: float
+    saturate_fraction: float
+    flushed: float
+    saturated: float
+    nonzero: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class BlockGateResult:
     passed: bool
     recipe: str
@@ -126,12 +143,14 @@ class BlockGateResult:
     flushed: float  # an int, except for a stochastic-rounding recipe's expected count
     saturated: float
     nonzero: int
-    offenders: list[dict[str, Any]] = field(default_factory=list)
+    offenders: list[BlockOffender] = field(default_factory=list)
     measured: bool = True  # False: no nonzero value was measured (a failing gate)
     expected: bool = False  # counts and fractions are expected values (stochastic rounding)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(replace(self, offenders=[]))
+        data["offenders"] = [offender.to_dict() for offender in self.offenders]
+        return data
 
 
 def _check_fraction(value: float, name: str) -> None:
@@ -167,14 +186,9 @@ def block_gate(
     saturate_fraction = saturated / nonzero if nonzero else 0.0
     if not per_module and (flush_fraction > max_flush or saturate_fraction > max_saturate):
         offenders.append(
-            {
-                "module": "(all modules)",
-                "flush_fraction": flush_fraction,
-                "saturate_fraction": saturate_fraction,
-                "flushed": flushed,
-                "saturated": saturated,
-                "nonzero": nonzero,
-            }
+            BlockOffender(
+                "(all modules)", flush_fraction, saturate_fraction, flushed, saturated, nonzero
+            )
         )
     return BlockGateResult(
         passed=nonzero > 0 and not offenders,
@@ -198,15 +212,15 @@ def _count(value: Any) -> float:
     return number
 
 
-def _offender(module: str, row: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "module": module,
-        "flush_fraction": float(row["flush_fraction"]),
-        "saturate_fraction": float(row["saturate_fraction"]),
-        "flushed": _count(row["flushed"]),
-        "saturated": _count(row["saturated"]),
-        "nonzero": int(row["nonzero"]),
-    }
+def _offender(module: str, row: dict[str, Any]) -> BlockOffender:
+    return BlockOffender(
+        module=module,
+        flush_fraction=float(row["flush_fraction"]),
+        saturate_fraction=float(row["saturate_fraction"]),
+        flushed=_count(row["flushed"]),
+        saturated=_count(row["saturated"]),
+        nonzero=int(row["nonzero"]),
+    )
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,12 @@ happened at.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from fpaudit.report.runinfo import Finding
 from fpaudit.text import power
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "SchedulerCall",
     "Site",
     "SpanScale",
+    "finding",
     "grad_call_findings",
     "mixed_scale_findings",
     "scale_findings",
@@ -79,47 +81,28 @@ FINDINGS = {
 _MAX_LISTED_STEPS = 20
 
 
-@dataclass
-class Finding:
-    code: str
-    file: str
-    line: int
-    message: str
-    steps: list[int] = field(default_factory=list)  # the first few steps it happened at
-    count: int = 0  # in how many steps
-
-    @property
-    def severity(self) -> str:
-        return FINDINGS[self.code][0]
-
-    @property
-    def where(self) -> str:
-        return f"{self.file}:{self.line}"
-
-    last_step: int = field(default=-1, repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        del data["last_step"]
-        return {**data, "severity": self.severity}
+def finding(code: str, site: Site, message: str, steps: Sequence[int], count: int) -> Finding:
+    """A finding of rule ``code`` (its severity from :data:`FINDINGS`) at ``site``."""
+    file, line = site
+    return Finding(code, FINDINGS[code][0], file, line, message, tuple(steps), count)
 
 
 class Findings:
     """Findings keyed by (code, site); each keeps a count and its first steps."""
 
     def __init__(self) -> None:
-        self.items: dict[tuple[str, str, int], Finding] = {}
+        self.items: dict[tuple[str, Site], CallSteps] = {}
 
     def add(self, code: str, site: Site, step: int, message: str) -> None:
-        key = (code, *site)
-        finding = self.items.get(key)
-        if finding is None:
-            finding = self.items[key] = Finding(code, site[0], site[1], message)
-        if step != finding.last_step:
-            finding.count += 1
-            finding.last_step = step
-            if len(finding.steps) < _MAX_LISTED_STEPS:
-                finding.steps.append(step)
+        """Rule ``code`` found at ``site`` in step ``step``; the first ``message`` is kept."""
+        self.items.setdefault((code, site), CallSteps(message)).seen_in(step)
+
+    def found(self) -> list[Finding]:
+        """The findings, in the order first found."""
+        return [
+            finding(code, site, seen.detail, seen.steps, seen.count)
+            for (code, site), seen in self.items.items()
+        ]
 
 
 class GradCall(NamedTuple):
@@ -133,12 +116,23 @@ class GradCall(NamedTuple):
 
 @dataclass
 class CallSteps:
-    """When a :class:`GradCall` happened: its first steps and in how many steps."""
+    """When a :class:`GradCall` (or a finding, in :class:`Findings`) happened: its first
+    steps and in how many steps."""
 
-    detail: str  # step: the optimizer's class; clip: the call, as "clip_grad_norm_(..., 1)"
+    # step: the optimizer's class; clip: the call, as "clip_grad_norm_(..., 1)"; a
+    # finding: its message
+    detail: str
     steps: list[int] = field(default_factory=list)
     count: int = 0
     last_step: int = -1
+
+    def seen_in(self, step: int) -> None:
+        """Once more in step ``step`` (counted once per step)."""
+        if step != self.last_step:
+            self.count += 1
+            self.last_step = step
+            if len(self.steps) < _MAX_LISTED_STEPS:
+                self.steps.append(step)
 
 
 class CallLog:
@@ -152,19 +146,14 @@ class CallLog:
 
     def add(self, kind: str, site: Site, step: int, scaled: bool, detail: str = "") -> None:
         """A call at ``site`` in step ``step``; ``detail`` of its first one is kept."""
-        seen = self.items.setdefault(GradCall(kind, site, scaled), CallSteps(detail))
-        if step != seen.last_step:
-            seen.count += 1
-            seen.last_step = step
-            if len(seen.steps) < _MAX_LISTED_STEPS:
-                seen.steps.append(step)
+        self.items.setdefault(GradCall(kind, site, scaled), CallSteps(detail)).seen_in(step)
 
 
 def grad_call_findings(log: CallLog) -> list[Finding]:
     """Calls on gradients that were (or, for unscale_, were no longer) scaled: clipping,
     stepping or reading them scaled, and unscaling them twice."""
     found: list[Finding] = []
-    for (kind, (file, line), scaled), seen in log.items.items():
+    for (kind, site, scaled), seen in log.items.items():
         if kind == "clip" and scaled:
             code, message = (
                 "clip-before-unscale",
@@ -193,7 +182,7 @@ def grad_call_findings(log: CallLog) -> list[Finding]:
             )
         else:
             continue
-        found.append(Finding(code, file, line, message, list(seen.steps), seen.count))
+        found.append(finding(code, site, message, seen.steps, seen.count))
     return found
 
 
@@ -225,7 +214,7 @@ def mixed_scale_findings(
                     ": unscale_ divides the sum by one scale, so micro-batches are weighted "
                     "unequally; update the scaler once per optimizer step",
                 )
-    return list(found.items.values())
+    return found.found()
 
 
 def sorted_findings(findings: Sequence[Finding]) -> list[Finding]:
@@ -258,7 +247,7 @@ def scheduler_findings(
                 "on while the weights did not; step the scheduler only when "
                 "scaler.get_scale() did not fall",
             )
-    return list(found.items.values())
+    return found.found()
 
 
 def scale_findings(
@@ -313,7 +302,7 @@ def scale_findings(
             "skip discards a batch; look for steps that overflow at every scale, or a "
             "growth interval too short",
         )
-    return list(found.items.values())
+    return found.found()
 
 
 def skip_statistics(skipped: np.ndarray) -> dict[str, Any]:

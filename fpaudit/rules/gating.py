@@ -44,6 +44,7 @@ import numpy as np
 from fpaudit.errors import Named, Wording
 from fpaudit.numerics.formats import Format, as_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
+from fpaudit.report.runinfo import Finding
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis
 from fpaudit.rules.recommendation import recommend
@@ -94,6 +95,26 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class Offender:
+    """A module (or ``OVERALL``) that broke a range rule, with its numbers at the scale:
+    the values the scale answers for (``underflow*``, ``overflow``), the others apart
+    (``unscalable_*``), and what a live ``--shadow`` run lost."""
+
+    module: str
+    underflow_fraction: float
+    underflow: int
+    nonzero: int
+    overflow: int
+    unscalable_underflow: int
+    unscalable_overflow: int
+    lost: int
+    lost_fraction: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class GateResult:
     passed: bool
     format: str
@@ -106,7 +127,7 @@ class GateResult:
     nonzero: int
     overflow: int
     per_module: bool
-    offenders: list[dict[str, Any]] = field(default_factory=list)
+    offenders: list[Offender] = field(default_factory=list)
     complete: bool = True  # False: the report's run was interrupted
     incomplete_allowed: bool = False
     steps_run: int = 0  # completed steps
@@ -120,14 +141,16 @@ class GateResult:
     unscalable_underflow: int = 0
     unscalable_overflow: int = 0
     fail_unscalable: bool = False
-    error_findings: list[dict[str, Any]] = field(default_factory=list)  # the run's errors
+    error_findings: list[Finding] = field(default_factory=list)  # the run's errors
     errors_allowed: bool = False
     failures: list[Failure] = field(default_factory=list)  # empty exactly when passed
 
     def to_dict(self, *, flags: bool = False) -> dict[str, Any]:
         """Every field as JSON values; ``flags``: the reasons as the command line says
         them (what ``gate --json`` prints)."""
-        data = asdict(replace(self, failures=[]))
+        data = asdict(replace(self, offenders=[], error_findings=[], failures=[]))
+        data["offenders"] = [offender.to_dict() for offender in self.offenders]
+        data["error_findings"] = [finding.to_dict() for finding in self.error_findings]
         data["failures"] = [failure.to_dict(flags=flags) for failure in self.failures]
         return data
 
@@ -174,7 +197,7 @@ def gate(
     )
     if not report.complete and not allow_incomplete:
         failures.append(_INCOMPLETE_FAILURE)
-    errors = [dict(item) for item in report.info.findings if item.get("severity") == "error"]
+    errors = [finding for finding in report.info.findings if finding.severity == "error"]
     if not allow_errors:
         failures += [_finding_failure(item) for item in errors]
     return GateResult(
@@ -218,10 +241,10 @@ def _range_failures(
     max_underflow: float,
     fail_unscalable: bool,
     where: str,
-) -> tuple[list[Failure], list[dict[str, Any]]]:
+) -> tuple[list[Failure], list[Offender]]:
     """The underflow/overflow failures (each module's, then the overall one) and offenders."""
     failures: list[Failure] = []
-    offenders: list[dict[str, Any]] = []
+    offenders: list[Offender] = []
     if per_module:
         for row in analysis.module_table(report, fmt, log2_scale, scope=scope).itertuples():
             numbers = row._asdict()
@@ -320,15 +343,13 @@ def _unscalable_text(numbers: dict[str, Any]) -> str:
     return " and ".join(parts)
 
 
-def _finding_failure(item: dict[str, Any]) -> Failure:
+def _finding_failure(finding: Finding) -> Failure:
     """One error finding of ``fpaudit run``: the gate fails on it unless told otherwise."""
-    where = f"{item.get('file', '?')}:{item.get('line', '?')}"
     return Failure(
         FINDINGS,
         (ERROR_FINDING,),
         Wording(
-            f"the run found an error: {item.get('code', '?')} at {where} "
-            f"({item.get('message', '')}); pass ",
+            f"the run found an error: {finding.code} at {finding.where} ({finding.message}); pass ",
             Named("allow_errors", True),
             " to gate on the values alone",
         ),
@@ -452,15 +473,15 @@ def _nothing_reason(report: Report, overall: dict[str, Any]) -> Wording:
     )
 
 
-def _offender(module: str, row: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "module": module,
-        "underflow_fraction": float(row["judged_underflow_fraction"]),
-        "underflow": int(row["judged_underflow"]),
-        "nonzero": int(row["nonzero"]),
-        "overflow": int(row["judged_overflow"]),
-        "unscalable_underflow": int(row["unscalable_underflow"]),
-        "unscalable_overflow": int(row["unscalable_overflow"]),
-        "lost": int(row["lost"]),
-        "lost_fraction": float(row["lost_fraction"]),
-    }
+def _offender(module: str, row: dict[str, Any]) -> Offender:
+    return Offender(
+        module=module,
+        underflow_fraction=float(row["judged_underflow_fraction"]),
+        underflow=int(row["judged_underflow"]),
+        nonzero=int(row["nonzero"]),
+        overflow=int(row["judged_overflow"]),
+        unscalable_underflow=int(row["unscalable_underflow"]),
+        unscalable_overflow=int(row["unscalable_overflow"]),
+        lost=int(row["lost"]),
+        lost_fraction=float(row["lost_fraction"]),
+    )

@@ -24,7 +24,7 @@ that is not a power of two, at the power of two below it: an upper bound).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,30 @@ from fpaudit.rules.recommendation import recommend
 SOURCE_OBSERVED = "observed"  # the threshold was pinned by what the run saw
 SOURCE_AMAX = "amax"  # estimated from the step's amax
 SOURCE_NONE = "unknown"  # neither: the step never overflows in the replay
+
+
+@dataclass(frozen=True)
+class ScalerOverrides:
+    """The scaler settings a replay changes (``fpaudit simulate``'s flags); ``None`` keeps
+    the policy's (or, for the torch policy, the recorded scaler's) own."""
+
+    init_scale: float | None = None
+    growth_factor: float | None = None
+    backoff_factor: float | None = None
+    growth_interval: int | None = None
+    hysteresis: int | None = None
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting by name, ``None`` included, in this order (a policy that does
+        not take one is told so about the first)."""
+        return asdict(self)
+
+    @property
+    def given(self) -> dict[str, Any]:
+        """The settings that are set."""
+        return {name: value for name, value in self.to_dict().items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -217,7 +241,7 @@ def simulate(
     report: Report,
     fmt: Format,
     policy: str = "torch",
-    overrides: dict[str, Any] | None = None,
+    overrides: ScalerOverrides = ScalerOverrides(),
     static_scale: float | None = None,
     *,
     headroom_bits: int = 4,
@@ -227,7 +251,7 @@ def simulate(
         from fpaudit.errors import ReportError
 
         raise ReportError("the report has no steps to replay")
-    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    given = overrides.given
     resolved = scalers.settings(policy, **{**default_settings(report, policy), **given})
     scope = analysis.default_scope(report)
     limits = thresholds(report, fmt, scope)

@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, ModelExit, ModelFileError, Named, OptionError, UsageError
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
-from fpaudit.report.runinfo import RunInfo
+from fpaudit.report.runinfo import RunInfo, RunMeta
 from fpaudit.run import distributed, modelfile
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def scan(
     options: ScanOptions = ScanOptions(),
     *,
     on_step: Callable[[StepProgress], None] | None = None,
-    meta: dict[str, Any] | None = None,
+    meta: RunMeta | None = None,
 ) -> Report:
     """Scan ``model_path`` for ``options.steps`` steps and return the report (not written).
 
@@ -160,12 +160,68 @@ def scan(
         return _scan(Path(model_path), options, on_step, meta)
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What a scan's steps run on, set up by :func:`_set_up`."""
+
+    path: Path
+    options: ScanOptions
+    device: torch.device
+    rank: int
+    world: int
+    spec: modelfile.ModelFile
+    model: torch.nn.Module  # the audited model (compiled through fpaudit's backend, if it is)
+    trained: torch.nn.Module  # what forward runs through (DDP under torchrun)
+    optimizer: torch.optim.Optimizer | None
+    audit: Audit
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's autocast (``--amp``), or nothing."""
+        if self.options.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.options.amp])
+
+
+class _Ran(NamedTuple):
+    """How the steps ended: how many completed, and what stopped them early."""
+
+    steps_run: int
+    interrupted: Interrupted | None
+    exited: ModelExit | None
+
+
 def _scan(
     path: Path,
     options: ScanOptions,
     on_step: Callable[[StepProgress], None] | None,
-    meta: dict[str, Any] | None,
+    meta: RunMeta | None,
 ) -> Report:
+    setup = _set_up(path, options)
+    # Under torchrun each rank takes every world-th batch: its own shard of the data.
+    world = setup.world
+    batches = itertools.islice(setup.spec.batches(options.steps * world), setup.rank, None, world)
+    # the first batch, for the autocast probe after the steps: kept only when a probe
+    # can run (an fp32 scan)
+    first: list[Any] | None = [] if options.amp is None else None
+    owner = os.getpid()  # a child the model code forks runs on, but never probes
+    ran = _run_steps(setup, batches, on_step, first)
+    report = setup.audit.report
+    if first and (ran.interrupted, ran.exited, os.getpid()) == (None, None, owner):
+        # an fp32 scan: what would fp16 autocast hold? One forward after the steps, so
+        # that the steps run as they would without it
+        probed = _probe_autocast(path, setup.model, setup.spec, first[0], setup.device)
+        report.update_info(autocast=probed)
+    _record(setup, report, ran, meta)
+    if ran.interrupted is not None:
+        raise ScanInterrupted(report, ran.interrupted)
+    if ran.exited is not None:
+        raise ScanExited(report, ran.exited)
+    return report
+
+
+def _set_up(path: Path, options: ScanOptions) -> _Setup:
+    """The device (and under torchrun the process group), the seed, the model file's
+    model on the device (compiled or observed), its optimizer and the audit, in order."""
     rank, world = 0, 1
     if distributed.launched():  # torchrun: this rank's device, the process group
         device = resolve_device(distributed.local_device(options.device))
@@ -185,7 +241,7 @@ def _scan(
         model = compiled.compile(model)
     else:
         model, not_covered = compiled.observed(model)
-    trained: torch.nn.Module = model  # what forward runs through (DDP under torchrun)
+    trained: torch.nn.Module = model
     if world > 1 and any(p.requires_grad for p in model.parameters()):
         ids = [device.index] if device.type == "cuda" else None
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -203,87 +259,89 @@ def _scan(
     if not_covered is not None:
         audit.note_not_covered(not_covered)
     options.selection.check_modules(audit.module_names)  # a typo fails before any step
-    amp_dtype = AMP_DTYPES[options.amp] if options.amp is not None else None
+    return _Setup(path, options, device, rank, world, spec, model, trained, optimizer, audit)
 
-    def autocast() -> contextlib.AbstractContextManager[Any]:
-        if amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=amp_dtype)
 
-    # Under torchrun each rank takes every world-th batch: its own shard of the data.
-    shard = itertools.islice(spec.batches(options.steps * world), rank, None, world)
-    batches: Iterator[Any] = iter(shard)
-    first: list[Any] = []  # the first batch, for the autocast probe after the steps
-    owner = os.getpid()  # a child the model code forks runs on, but never probes
+def _run_steps(
+    setup: _Setup,
+    batches: Iterator[Any],
+    on_step: Callable[[StepProgress], None] | None,
+    first: list[Any] | None,
+) -> _Ran:
+    """Run a step per batch until the batches end, an interruption or an exit in model
+    code (once a step completed: before that, the exit stands)."""
     steps_run = 0
-    interrupted: Interrupted | None = None
-    exited: ModelExit | None = None
     try:
         for step, batch in enumerate(batches):
-            captured = step % options.every == 0
-            with audit if captured else contextlib.nullcontext():
-                if optimizer is not None:
-                    optimizer.zero_grad(set_to_none=True)
-                else:
-                    model.zero_grad(set_to_none=True)
-                batch = modelfile.move_to(batch, device)
-                if step == 0:
-                    first.append(batch)
-                forward = (
-                    audit.forward_pass()
-                    if captured and (options.forward or options.origins)
-                    else contextlib.nullcontext()
-                )
-                with forward, autocast(), modelfile.user_code(path, "loss(model, batch)"):
-                    loss = spec.loss(trained, batch)
-                loss = modelfile.check_loss(loss, path)
-                seed = torch.full_like(loss, options.loss_scale)
-                if captured:
-                    audit.record(KIND_BACKWARD, LOSS_MODULE, "seed", "seed", 0, True, seed)
-                with modelfile.user_code(path, "backward"):
-                    torch.autograd.backward(loss, grad_tensors=seed)
-                summary = audit.step(loss=loss, index=step) if captured else None
-                if captured and step == 0:  # the ops are known once a backward ran
-                    options.selection.check_ops(audit.seen_ops())
-            if summary is not None:
-                loss_value, healthy = (
-                    summary.loss,
-                    summary.loss_finite and not summary.nonfinite_grads,
-                )
-            else:  # an unaudited step: its one sync reads the loss
-                loss_value = float(loss.detach())
-                healthy = math.isfinite(loss_value)
-            stepped = False
-            if optimizer is not None and healthy:
-                with modelfile.user_code(path, "optimizer.step()"):
-                    optimizer.step()
-                stepped = True
-            if captured:
-                audit.mark_optimizer_step(stepped, skipped=optimizer is not None and not stepped)
+            progress = _step(setup, step, batch, first)
             steps_run = step + 1
             if on_step is not None:
-                on_step(StepProgress(step + 1, options.steps, summary, stepped, loss_value))
+                on_step(progress)
     except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
-        interrupted = error if isinstance(error, Interrupted) else Interrupted()
+        return _Ran(steps_run, error if isinstance(error, Interrupted) else Interrupted(), None)
     except ModelExit as error:  # sys.exit/os._exit in model code: keep what was done
         if steps_run == 0:
             raise
-        exited = error
+        return _Ran(steps_run, None, error)
+    return _Ran(steps_run, None, None)
 
-    report = audit.report
-    if options.amp is None and first and (interrupted, exited, os.getpid()) == (None, None, owner):
-        # an fp32 scan: what would fp16 autocast hold? One forward after the steps, so
-        # that the steps run as they would without it
-        report.update_info(autocast=_probe_autocast(path, model, spec, first[0], device))
+
+def _step(setup: _Setup, step: int, batch: Any, first: list[Any] | None) -> StepProgress:
+    """One step (see the module docstring), audited every ``options.every``-th step;
+    step 0 keeps its batch in ``first`` when that is given."""
+    options, path, audit, optimizer = setup.options, setup.path, setup.audit, setup.optimizer
+    captured = step % options.every == 0
+    with audit if captured else contextlib.nullcontext():
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            setup.model.zero_grad(set_to_none=True)
+        batch = modelfile.move_to(batch, setup.device)
+        if step == 0 and first is not None:
+            first.append(batch)
+        forward = (
+            audit.forward_pass()
+            if captured and (options.forward or options.origins)
+            else contextlib.nullcontext()
+        )
+        with forward, setup.autocast(), modelfile.user_code(path, "loss(model, batch)"):
+            loss = setup.spec.loss(setup.trained, batch)
+        loss = modelfile.check_loss(loss, path)
+        seed = torch.full_like(loss, options.loss_scale)
+        if captured:
+            audit.record(KIND_BACKWARD, LOSS_MODULE, "seed", "seed", 0, True, seed)
+        with modelfile.user_code(path, "backward"):
+            torch.autograd.backward(loss, grad_tensors=seed)
+        summary = audit.step(loss=loss, index=step) if captured else None
+        if captured and step == 0:  # the ops are known once a backward ran
+            options.selection.check_ops(audit.seen_ops())
+    if summary is not None:
+        loss_value, healthy = summary.loss, summary.loss_finite and not summary.nonfinite_grads
+    else:  # an unaudited step: its one sync reads the loss
+        loss_value = float(loss.detach())
+        healthy = math.isfinite(loss_value)
+    stepped = False
+    if optimizer is not None and healthy:
+        with modelfile.user_code(path, "optimizer.step()"):
+            optimizer.step()
+        stepped = True
+    if captured:
+        audit.mark_optimizer_step(stepped, skipped=optimizer is not None and not stepped)
+    return StepProgress(step + 1, options.steps, summary, stepped, loss_value)
+
+
+def _record(setup: _Setup, report: Report, ran: _Ran, meta: RunMeta | None) -> None:
+    """Stamp the run on ``report``: how it ended, the scan's settings, the caller's meta."""
+    options, device, optimizer = setup.options, setup.device, setup.optimizer
     held = str(AMP_DTYPES[options.amp]).removeprefix("torch.") if options.amp else None
     stopped_by = (
-        interrupted.signal_name
-        if interrupted is not None
-        else ("an exit in model code" if exited is not None else None)
+        ran.interrupted.signal_name
+        if ran.interrupted is not None
+        else ("an exit in model code" if ran.exited is not None else None)
     )
-    steps = (options.steps, steps_run)
+    steps = (options.steps, ran.steps_run)
     run = RunInfo.ended("scan", stopped_by, steps, options.selection.describe(), held,
-                        model_file=str(path))  # fmt: skip
+                        model_file=str(setup.path))  # fmt: skip
     report.record_run(
         run,
         {
@@ -295,16 +353,11 @@ def _scan(
             "shadow": options.shadow,
             "forward": options.forward or options.origins,
             "origins": options.origins,
-            "capture_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "world_size": world,
+            "capture_dtype": str(next(setup.model.parameters()).dtype).removeprefix("torch."),
+            "world_size": setup.world,
             **(
                 {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
             ),
         },
-        meta,
+        meta.to_dict() if meta is not None else None,
     )
-    if interrupted is not None:
-        raise ScanInterrupted(report, interrupted)
-    if exited is not None:
-        raise ScanExited(report, exited)
-    return report

@@ -38,7 +38,7 @@ import os
 import runpy
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +58,7 @@ from fpaudit.capture.audit import Audit, Selection
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionError
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import LOSS_MODULE, ReportBuilder
-from fpaudit.report.runinfo import RunInfo
+from fpaudit.report.runinfo import RunInfo, RunMeta
 from fpaudit.rules.findings import (
     FINDINGS,
     Finding,
@@ -472,7 +472,7 @@ def run_script(
     args: list[str] | tuple[str, ...] = (),
     options: RunOptions = RunOptions(),
     *,
-    meta: dict[str, Any] | None = None,
+    meta: RunMeta | None = None,
 ) -> RunOutcome:
     """Run ``script`` with ``args`` as ``python script args`` would, under a monitor.
 
@@ -484,20 +484,43 @@ def run_script(
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ModelFileError(f"training script {path} {what}")
     monitor = TrainingMonitor(options)
+    ending = _run_as_main(monitor, path, args)
+    table, values = monitor.steps_table()
+    findings = monitor.judge(table, values)
+    report = _report_of(monitor, table)
+    _record(report, monitor, path, args, ending.stopped_by, findings, table, meta)
+    interrupted = ending.interrupted
+    exit_status = interrupted.exit_code if interrupted is not None else ending.exit_status
+    exited = ending.stopped_by == "script exit"
+    return RunOutcome(
+        report, findings, ending.failure, interrupted, exit_status, exited, ending.exit_message
+    )
+
+
+@dataclass(frozen=True)
+class _Ending:
+    """How the script ended, as :class:`RunOutcome` tells it; ``stopped_by``: what ended
+    it early, in words (None: it finished)."""
+
+    stopped_by: str | None = None
     failure: FpauditError | None = None
     interrupted: Interrupted | None = None
-    stopped_by: str | None = None
+    exit_status: int = 0
+    exit_message: str | None = None
+
+
+def _run_as_main(monitor: TrainingMonitor, path: Path, args: Sequence[str]) -> _Ending:
+    """Run the script as ``__main__`` under ``monitor``, with its ``sys.argv`` and its
+    folder first on ``sys.path`` (both restored after), and say how it ended."""
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
-    exit_status = 0
-    exit_message: str | None = None
     try:
         # os._exit(n) from the script ends it like sys.exit(n); a forked child's is real.
         with monitor.installed(), modelfile.exits_caught():
             runpy.run_path(str(path), run_name="__main__")
     except StopRun:
-        stopped_by = "max-steps"
+        return _Ending("max-steps")
     except patches.MonitorFailure as broken:
         if isinstance(broken.error, FpauditError):
             # the user's input, found once the model was seen (a --module glob that
@@ -514,31 +537,47 @@ def run_script(
         code = done.code
         exit_status = 0 if code is None else int(code) if isinstance(code, int) else 1
         exit_message = None if code is None or isinstance(code, int) else str(code)
-        if exit_status:
-            stopped_by = "script exit"
+        stopped_by = "script exit" if exit_status else None
+        return _Ending(stopped_by, exit_status=exit_status, exit_message=exit_message)
     except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
         interrupted = error if isinstance(error, Interrupted) else Interrupted()
-        stopped_by = interrupted.signal_name
+        return _Ending(interrupted.signal_name, interrupted=interrupted)
     except Exception as error:
         failure = ModelFileError(
             f"{modelfile.where(error, path)}: the script raised {modelfile.describe(error)}"
         )
-        stopped_by = "script error"
-        exit_status = 1
+        return _Ending("script error", failure, exit_status=1)
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
+    return _Ending()
 
-    table, values = monitor.steps_table()
-    findings = monitor.judge(table, values)
+
+def _report_of(monitor: TrainingMonitor, table: dict[str, list[Any]]) -> Report:
+    """The audit's report with the steps table, or a report of the steps alone when no
+    model was audited."""
     if monitor.capture.audit is not None:
-        report = monitor.capture.audit.build_report(table)
-    else:
-        from fpaudit.report.store import Report, run_metadata
+        return monitor.capture.audit.build_report(table)
+    from fpaudit.report.store import Report, run_metadata
 
-        report = Report.from_builder(ReportBuilder(modules=[LOSS_MODULE]), run_metadata(), table)
+    return Report.from_builder(ReportBuilder(modules=[LOSS_MODULE]), run_metadata(), table)
+
+
+def _record(
+    report: Report,
+    monitor: TrainingMonitor,
+    path: Path,
+    args: Sequence[str],
+    stopped_by: str | None,
+    findings: list[Finding],
+    table: dict[str, list[Any]],
+    meta: RunMeta | None,
+) -> None:
+    """Stamp the run on ``report``: how it ended, what the monitor saw (the scaler, the
+    optimizers, the models, the findings, the skips), then the caller's meta."""
     from fpaudit.rules.analysis import held_dtype
 
+    options = monitor.options
     amp_dtype = held_dtype(report)
     steps = (options.max_steps, len(monitor.state.steps))
     selection = options.selection.describe()
@@ -562,9 +601,5 @@ def run_script(
             "findings": [f.to_dict() for f in findings],
             "training": skip_statistics(np.array(table["skipped"], dtype=bool)),
         },
-        meta,
+        meta.to_dict() if meta is not None else None,
     )
-    if interrupted is not None:
-        exit_status = interrupted.exit_code
-    exited = stopped_by == "script exit"
-    return RunOutcome(report, findings, failure, interrupted, exit_status, exited, exit_message)
