@@ -22,6 +22,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fpaudit"
 # import typer or rich").
 PRESENTATION = {
     "fpaudit.cli.commands",
+    "fpaudit.cli.commands_report",
+    "fpaudit.cli.commands_run",
+    "fpaudit.cli.common",
     "fpaudit.cli.render",
     "fpaudit.cli.render_run",
     "fpaudit.cli.render_blocks",

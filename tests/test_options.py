@@ -13,7 +13,8 @@ import typer
 from typer.testing import CliRunner
 
 from fpaudit.cli import options
-from fpaudit.cli.commands import _options, app
+from fpaudit.cli.commands import app
+from fpaudit.cli.common import with_options
 from fpaudit.cli.options import (
     COMMAND_ARGS,
     CONFIG_FIELD,
@@ -112,7 +113,7 @@ def test_adding_a_field_is_all_an_option_needs() -> None:
     new = typer.Typer()
 
     @new.command()
-    @_options(_NewArgs)
+    @with_options(_NewArgs)
     def scan(options: _NewArgs) -> None:
         told.append(options)
 
@@ -192,14 +193,14 @@ def test_every_library_option_is_fed_from_its_commands_options() -> None:
     given a value other than its default comes out with that value, so adding an option
     under its library name needs no line in cli.py."""
     from fpaudit.capture.audit import Selection
-    from fpaudit.cli.commands import _library_options
+    from fpaudit.cli.commands_run import library_options
     from fpaudit.run.training import RunOptions
 
     scan_args = ScanArgs(steps=3, device="cpu", seed=7, every=2, window=2, module=("a",),
                          exclude_module=("b",), op=("aten.mm*",), exclude_op=("aten.add*",),
                          amp="bf16", shadow=True, forward=True, origins=True,
                          recipe=("mxfp4", "nvfp4", "mxfp4"), compile=True)  # fmt: skip
-    built = _library_options(ScanOptions, scan_args, loss_scale=8.0)  # scan parses --loss-scale
+    built = library_options(ScanOptions, scan_args, loss_scale=8.0)  # scan parses --loss-scale
     assert built == ScanOptions(
         steps=3, device="cpu", loss_scale=8.0, seed=7, every=2, window=2,
         selection=Selection(("a",), ("b",), ("aten.mm*",), ("aten.add*",)), amp="bf16",
@@ -212,7 +213,7 @@ def test_every_library_option_is_fed_from_its_commands_options() -> None:
 
     run_args = RunArgs(max_steps=4, capture_every=3, window=2, module=("a",), max_backoffs=2,
                        max_skip_rate=0.5, recipe=("mxfp4",))  # fmt: skip
-    ran = _library_options(RunOptions, run_args)
+    ran = library_options(RunOptions, run_args)
     assert ran == RunOptions(max_steps=4, capture_every=3, window=2,
                              selection=Selection(modules=("a",)), max_backoffs=2,
                              max_skip_rate=0.5, recipes=("mxfp4",))  # fmt: skip

@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from fpaudit import defaults
-from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
-from fpaudit.report.records import KIND_BACKWARD
+from fpaudit.errors import OptionError
+from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS, MAX_HEADROOM_BITS
+from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 from fpaudit.rules import scalers
 
 # The commands a config file may have a table for, in the order messages list them.
@@ -55,6 +56,47 @@ _KINDS_OF_TYPE = {
 }
 
 
+def _words(choices: tuple[str, ...]) -> str:
+    """Choices as a message lists them: "a, b or c"; a longer list as "one of a, b, ..."."""
+    if len(choices) > 3:
+        return "one of " + ", ".join(choices)
+    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values an option takes: at least ``minimum``, at most ``maximum`` (a float
+    option bounded by 0 and 1 is a fraction), or one of ``choices`` (a registry's names,
+    read when a value is checked, so a registry that loads pandas loads it only then).
+    The one place the command line checks a value; the message names the option as the
+    library does and the CLI words it as its flag."""
+
+    minimum: int | float | None = None
+    maximum: int | float | None = None
+    choices: Callable[[], tuple[str, ...]] | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is out of bounds (``must be at least 1, got 0``), else None."""
+        if self.choices is not None:
+            known = self.choices()
+            return None if value in known else f"must be {_words(known)}, got {value!r}"
+        low, high = self.minimum, self.maximum
+        if (low is None or value >= low) and (high is None or value <= high):
+            return None
+        if low is not None and high is not None:
+            fraction = "a fraction " if isinstance(high, float) and (low, high) == (0, 1) else ""
+            return f"must be {fraction}between {low:g} and {high:g}, got {value}"
+        if low is not None:
+            return f"must be {'0 or more' if low == 0 else f'at least {low}'}, got {value}"
+        return f"must be at most {high}, got {value}"
+
+    def check(self, name: str, value: Any) -> None:
+        """Raise :class:`OptionError` naming ``name`` when ``value`` is out of bounds."""
+        problem = None if value is None else self.problem(value)
+        if problem is not None:
+            raise OptionError(name, problem)
+
+
 @dataclass(frozen=True)
 class Spec:
     """One option: ``name`` as the library spells it, ``kind`` its TOML type
@@ -71,6 +113,7 @@ class Spec:
     short: str = ""  # a one-letter alias, "-n"
     off: str | None = None  # a flag's off switch; None: "--no-NAME", "": none
     path: bool = False  # a file or folder: the flag takes a PATH
+    bounds: Bounds | None = None  # the values it takes, checked once the options are built
 
     @property
     def flag(self) -> str:
@@ -141,6 +184,7 @@ class Option:
     short: str = ""
     off: str | None = None
     path: bool = False
+    bounds: Bounds | None = None
 
     def __call__(self) -> Any:
         if self.has_default:
@@ -219,6 +263,7 @@ class CommandOptions:
                     option.short,
                     option.off,
                     option.path,
+                    option.bounds,
                 )
             )
         return tuple(found)
@@ -228,6 +273,9 @@ class CommandOptions:
         """From the config file's values and the flags given (``None``: not given)."""
         flags = {name: value for name, value in flags.items() if value is not None}
         values = {**configured, **flags}
+        for option in cls.specs():
+            if option.bounds is not None and option.name in values:
+                option.bounds.check(option.name, values[option.name])
         return cls(
             **{name: _field_value(name, value) for name, value in values.items()},
             given=frozenset(values) - {CONFIG_FIELD},
@@ -243,6 +291,21 @@ class CommandOptions:
             value = getattr(self, name)
             meta[name] = list(value) if isinstance(value, tuple) else value
         return meta
+
+
+# -- the values some options take ------------------------------------------------------
+AT_LEAST_1 = Bounds(minimum=1)
+FRACTION = Bounds(minimum=0.0, maximum=1.0)
+KINDS = (KIND_BACKWARD, KIND_GRAD, KIND_FORWARD)  # the kinds of values show reads
+GROUPINGS = ("module", "op")  # show --by
+
+
+def _policies() -> tuple[str, ...]:
+    """simulate's policies: the loss scalers', then FP8 delayed scaling's (pandas: loaded
+    only when a --policy is checked)."""
+    from fpaudit.rules import delayed
+
+    return (*scalers.POLICIES, *delayed.POLICIES)
 
 
 # -- options several commands share with one meaning --------------------------------
@@ -276,13 +339,20 @@ REPORT_FORMAT = Option(
     None, "fp16, bf16, fp8_e4m3fn or fp8_e5m2", kind="format", shown="the report's first",
     short="-f",
 )  # fmt: skip
-HEADROOM_BITS = Option(DEFAULT_HEADROOM_BITS, "Binades kept free below the format's max")
+HEADROOM_BITS = Option(
+    DEFAULT_HEADROOM_BITS, "Binades kept free below the format's max",
+    bounds=Bounds(minimum=0, maximum=MAX_HEADROOM_BITS),
+)  # fmt: skip
 # recommend and gate: unset, the report's own setting (scan --include-loss) holds
 INCLUDE_LOSS = flag("Let the loss seed and <loss> ops limit the scale", off="--exclude-loss")
-DRIFT_WINDOW = Option(None, "Steps per window for the drift check", shown="the run in ten windows")
+DRIFT_WINDOW = Option(
+    None, "Steps per window for the drift check", shown="the run in ten windows",
+    bounds=AT_LEAST_1,
+)  # fmt: skip
 DRIFT_BINADES = Option(
-    defaults.DRIFT_BINADES, "Warn when per-window recommendations span more binades than this"
-)
+    defaults.DRIFT_BINADES, "Warn when per-window recommendations span more binades than this",
+    bounds=Bounds(minimum=0),
+)  # fmt: skip
 JSON = flag("Print JSON instead of a table", default=False)
 RECIPES = Option(help=RECIPES_HELP, kind="recipes", shown="none")
 
@@ -303,7 +373,7 @@ class ScanArgs(CommandOptions):
     config_file: Path | None = None
     seed: int = SEED()
     loss_scale: str = Option("1", "Run backward with this power-of-two loss scale", kind="scale")()
-    top: int = Option(8, "Modules in the summary table")()
+    top: int = Option(8, "Modules in the summary table", bounds=AT_LEAST_1)()
     force: bool = FORCE()
     every: int = Option(
         defaults.SCAN_EVERY, "Capture every K-th step only; the others run unaudited"
@@ -376,17 +446,22 @@ class ShowArgs(CommandOptions):
         "1", "Power-of-two scale (1024, 2^10) or 'recommended'", kind="scale", short="-s"
     )()
     top: int | None = Option(
-        None, "Only the N rows with the highest underflow fraction", shown="all"
-    )()
+        None, "Only the N rows with the highest underflow fraction", shown="all",
+        bounds=AT_LEAST_1,
+    )()  # fmt: skip
     kind: str = Option(
         KIND_BACKWARD,
         "backward (op outputs), grad (parameter gradients) or forward (--forward scans)",
+        bounds=Bounds(choices=lambda: KINDS),
     )()
-    by: str = Option("module", "module, or op (module, autograd node and aten op)")()
+    by: str = Option(
+        "module", "module, or op (module, autograd node and aten op)",
+        bounds=Bounds(choices=lambda: GROUPINGS),
+    )()  # fmt: skip
     steps: bool = flag(
         "The steps table instead: scale, skips, clipping, findings (fpaudit run)", default=False
     )()
-    limit: int = Option(40, "With --steps: rows shown, first and last")()
+    limit: int = Option(40, "With --steps: rows shown, first and last", bounds=Bounds(minimum=2))()
     origins: bool = flag(
         "The ops that made inf/NaN (scan --origins), and those predicted at --scale",
         off="",
@@ -421,7 +496,7 @@ class RecommendArgs(CommandOptions):
 @dataclass(frozen=True, kw_only=True)
 class SimulateArgs(CommandOptions):
     COMMAND: ClassVar[str] = "simulate"
-    policy: str = Option("torch", _POLICY_CHOICES)()
+    policy: str = Option("torch", _POLICY_CHOICES, bounds=Bounds(choices=_policies))()
     format: str | None = REPORT_FORMAT()
     # the loss-scaler settings: unset, the policy's own
     init_scale: str | None = Option(
@@ -478,7 +553,7 @@ class PlotArgs(CommandOptions):
 class GateArgs(CommandOptions):
     COMMAND: ClassVar[str] = "gate"
     max_underflow: float | None = Option(
-        help="Largest acceptable underflow fraction, 0..1 (required)"
+        help="Largest acceptable underflow fraction, 0..1 (required)", bounds=FRACTION
     )()
     format: str | None = REPORT_FORMAT()
     scale: str | None = Option(
@@ -563,7 +638,7 @@ class VerifyArgs(CommandOptions):  # no config file
 @dataclass(frozen=True, kw_only=True)
 class Fp16PlanArgs(CommandOptions):  # no config file
     COMMAND: ClassVar[str] = "fp16-plan"
-    steps: int = Option(defaults.FP16_PLAN_STEPS, "fp32 steps to scan")()
+    steps: int = Option(defaults.FP16_PLAN_STEPS, "fp32 steps to scan", bounds=AT_LEAST_1)()
     headroom_bits: int = Option(
         defaults.FP16_PLAN_HEADROOM_BITS, "Keep amax * S at most 65504 / 2^H"
     )()

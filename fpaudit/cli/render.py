@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fpaudit.numerics.formats import Format
+from fpaudit.rules.summary import json_rows
 from fpaudit.text import count, module_in_prose, module_label, percent, power, scale_text
 
 if TYPE_CHECKING:
@@ -87,10 +88,7 @@ def print_json(data: Any) -> None:
 
 def json_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     """Rows as JSON-ready dicts: NaN and infinities become null."""
-    return [
-        {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-        for row in frame.to_dict(orient="records")
-    ]
+    return json_rows(frame)
 
 
 def _json_default(value: Any) -> Any:

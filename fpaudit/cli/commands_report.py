@@ -1,0 +1,394 @@
+"""The commands that read a report (``show``, ``recommend``, ``simulate``, ``plot``,
+``gate``, ``plan``) and those that list what fpaudit knows (``formats``, ``recipes``).
+
+Each reads the report, calls one library function for its view (most in
+:mod:`fpaudit.rules.summary`) and renders it: a table, or with ``--json`` its
+``to_dict()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+from fpaudit.cli import config, render, render_blocks, render_run
+from fpaudit.cli import options as specs
+from fpaudit.cli.common import (
+    EXIT_GATE_FAILED,
+    EXIT_OK,
+    JsonOption,
+    ReportArgument,
+    from_report,
+    outside_report,
+    scale,
+    verdict,
+    with_options,
+)
+from fpaudit.cli.options import GateArgs, PlanArgs, PlotArgs, RecommendArgs, ShowArgs, SimulateArgs
+from fpaudit.errors import UsageError
+from fpaudit.numerics.formats import FORMATS, get_format
+from fpaudit.numerics.recipes import RECIPES
+
+
+def formats_command(json_output: JsonOption = None) -> None:
+    """List the formats and their thresholds.
+
+    Example: fpaudit formats --json
+    """
+    render.formats(FORMATS.values(), bool(json_output))
+    if not json_output:  # `fpaudit recipes --json` lists them as JSON
+        render_blocks.recipes(RECIPES.values(), False)
+
+
+def recipes_command(json_output: JsonOption = None) -> None:
+    """List the block-scaled recipes (--recipe): element format, block, scale rule.
+
+    Example: fpaudit recipes --json
+    """
+    render_blocks.recipes(RECIPES.values(), bool(json_output))
+
+
+def _show_origins(report_path: Path, options: ShowArgs) -> None:
+    """``show --origins``: live origins and propagation, and predicted origins at S."""
+    from fpaudit.report.store import Report
+    from fpaudit.rules.summary import origins_view, reading_format
+
+    log2_scale = scale(options.scale)
+    report = Report.read(report_path)
+    render.report_notes(report)
+    if report.origins is None:
+        raise UsageError(f"{report_path} has no origins: scan it with --origins")
+    view = origins_view(report, reading_format(report, options.format), log2_scale)
+    if options.json:
+        render.print_json(view.to_dict())
+    else:
+        render_run.origins_view(
+            view.live, view.predicted, view.format, view.log2_scale, top=options.top or 10
+        )
+
+
+@with_options(ShowArgs)
+def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
+    """Per-module table of zeros, underflow, flush and overflow at a scale (or --steps).
+
+    Example: fpaudit show report --format fp16 --scale 2^12 --top 5
+    """
+    from fpaudit.report.store import Report
+    from fpaudit.rules.summary import module_view, reading_format, steps_view
+
+    if options.origins:
+        _show_origins(report_path, options)
+        return
+    if options.steps:
+        report = Report.read(report_path)
+        render.report_notes(report)
+        steps = steps_view(report)
+        if options.json:
+            render.print_json(steps.to_dict())
+        else:
+            render_run.steps_view(report, options.limit, list(steps.findings))
+        return
+    if options.recipe is not None:
+        _show_blocks(report_path, options, options.recipe)
+        return
+    log2_scale = scale(options.scale)
+    report = Report.read(report_path)
+    render.report_notes(report)
+    view = module_view(
+        report, reading_format(report, options.format), log2_scale,
+        kind=options.kind, by=options.by, top=options.top,
+    )  # fmt: skip
+    if options.json:
+        render.print_json(view.rows())
+    else:
+        render.show(
+            view.table,
+            view.format,
+            view.log2_scale,
+            kind=view.kind,
+            by=view.by,
+            top=view.top,
+            scale_source=view.scale_source,
+        )
+        from fpaudit.capture import autocast
+
+        render.autocast_prediction(autocast.summary(report))
+
+
+def _show_blocks(report_path: Path, options: ShowArgs, recipe_name: str) -> None:
+    """show --recipe: block statistics of --kind's rows per module, or per module and op."""
+    from fpaudit.numerics.recipes import get_recipe
+    from fpaudit.report.store import Report
+    from fpaudit.rules.blockplan import block_table
+
+    recipe = get_recipe(recipe_name)
+    report = Report.read(report_path)
+    render.report_notes(report)
+    by = ("module",) if options.by == "module" else ("module", "kind", "op")
+    table = block_table(report, recipe, by, kind=options.kind)
+    if options.top is not None:
+        table = table.sort_values("flush_fraction", ascending=False, kind="stable")
+        table = table.head(options.top)
+    if options.json:
+        render.print_json(render_blocks.block_rows(table))
+    else:
+        render_blocks.block_table(table, recipe.name, options.by, kind=options.kind)
+
+
+@with_options(RecommendArgs)
+def recommend_command(report_path: ReportArgument, options: RecommendArgs) -> None:
+    """Recommend a power-of-two static loss scale, and say what limited it.
+
+    Example: fpaudit recommend report --format fp16 --headroom-bits 4 --json
+    """
+    from fpaudit.report.store import Report
+    from fpaudit.rules.summary import reading_format, recommendation_view
+
+    report = Report.read(report_path)
+    render.report_notes(report)
+    view = recommendation_view(
+        report, reading_format(report, options.format),
+        from_report(options, "headroom_bits", report),
+        include_loss=bool(from_report(options, "include_loss", report)),
+        worst_window=options.worst_window, window_steps=options.drift_window,
+        threshold_binades=options.drift_binades,
+    )  # fmt: skip
+    worst = view.window
+    if options.worst_window and worst is None:
+        raise UsageError(f"--worst-window: {report_path} has no window with nonzero values")
+    if options.json:
+        render.print_json(view.to_dict())
+        return
+    if worst is not None:
+        render.stdout().print(
+            f"Worst window: steps {worst.first_step}-{worst.last_step} "
+            f"({worst.captured_steps} captured step(s)); the recommendation below is its own."
+        )
+    render.recommendation(view.recommendation)
+    for line in render_run.drift_lines(view.drift):
+        render.stdout().print(line)
+
+
+@with_options(SimulateArgs)
+def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None:
+    """Replay a loss-scaler policy over a report's steps: skips, scales, underflow.
+
+    With --policy te-delayed or msamp-delayed, replay FP8 delayed scaling per op instead.
+
+    Example: fpaudit simulate run-report --policy deepspeed --hysteresis 2 --min-scale 1
+    """
+    from fpaudit.report.store import Report
+    from fpaudit.rules import scalers
+    from fpaudit.rules.simulation import ScalerOverrides, simulate
+    from fpaudit.rules.summary import reading_format
+
+    if options.policy not in scalers.POLICIES:  # the declared choices: FP8 delayed scaling
+        _simulate_delayed(report_path, options)
+        return
+    for name in _FP8_SETTINGS:  # a config file may hold them for another --policy
+        if name in options.flagged:
+            flag = specs.spec("simulate", name).flag
+            raise UsageError(f"{flag} applies to --policy te-delayed or msamp-delayed only")
+    scales = {"init_scale": options.init_scale, "min_scale": options.min_scale,
+              "max_scale": options.max_scale, "static_scale": options.static_scale}  # fmt: skip
+    numbers = {
+        name: config.parse_number(text, name) if text is not None else None
+        for name, text in scales.items()
+    }
+    overrides = ScalerOverrides(
+        init_scale=numbers["init_scale"],
+        growth_factor=options.growth_factor,
+        backoff_factor=options.backoff_factor,
+        growth_interval=options.growth_interval,
+        hysteresis=options.hysteresis,
+        min_scale=numbers["min_scale"],
+        max_scale=numbers["max_scale"],
+    )
+    if options.policy == "static":
+        if numbers["init_scale"] is not None:
+            raise UsageError("--policy static takes its scale from --static-scale")
+        overrides = dataclasses.replace(overrides, init_scale=numbers["static_scale"])
+    report = Report.read(report_path)
+    render.report_notes(report)
+    fmt = reading_format(report, options.format)
+    headroom = from_report(options, "headroom_bits", report)
+    result = simulate(
+        report, fmt, options.policy, overrides, numbers["static_scale"],
+        headroom_bits=headroom,
+    )  # fmt: skip
+    if options.json:
+        render.print_json(result.to_dict())
+    else:
+        render_run.simulation(result)
+
+
+_FP8_SETTINGS = ("amax_history_len", "margin", "amax_compute_algo", "sweep", "max_overflow_steps")
+
+
+def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
+    """``simulate --policy te-delayed|msamp-delayed``: FP8 delayed scaling, one or a sweep."""
+    from fpaudit.report.store import Report
+    from fpaudit.rules import delayed
+
+    loss_scaler = {"init_scale": options.init_scale, "growth_factor": options.growth_factor,
+                   "backoff_factor": options.backoff_factor,
+                   "growth_interval": options.growth_interval, "hysteresis": options.hysteresis,
+                   "min_scale": options.min_scale, "max_scale": options.max_scale,
+                   "static_scale": options.static_scale}  # fmt: skip
+    for name, value in loss_scaler.items():
+        if value is not None:
+            flag = specs.spec("simulate", name).flag
+            raise UsageError(f"{flag} is a loss-scaler setting; --policy {options.policy} "
+                             "takes --amax-history-len, --margin, --amax-compute-algo")  # fmt: skip
+    algo = options.amax_compute_algo
+    fmt = get_format(options.format) if options.format is not None else None
+    report = Report.read(report_path)
+    render.report_notes(report)
+    if options.sweep:
+        for name in ("amax_history_len", "margin"):
+            if name in options.given:
+                flag = specs.spec("simulate", name).flag
+                raise UsageError(f"--sweep tries every {flag}; drop {flag}")
+        swept = delayed.sweep(
+            report, options.policy, amax_compute_algo=algo,
+            max_overflow_steps=options.max_overflow_steps, fmt=fmt,
+        )  # fmt: skip
+        if options.json:
+            render.print_json(swept.to_dict())
+        else:
+            render_run.fp8_sweep(swept)
+        return
+    if "max_overflow_steps" in options.given:
+        raise UsageError("--max-overflow-steps is the gate of --sweep; add --sweep")
+    settings = delayed.Settings(options.policy, options.amax_history_len, options.margin, algo)
+    result = delayed.replay(report, settings, fmt)
+    if options.json:
+        render.print_json(result.to_dict())
+    else:
+        render_run.fp8_replay(result)
+
+
+@with_options(PlotArgs)
+def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
+    """Draw a report: value histogram against the format's bands, modules x binades, scale.
+
+    With --recipe (a scan or run with --recipe): the scale codes of every block and the
+    flushed fraction per module and recipe instead.
+
+    Example: fpaudit plot report -o report.png --format fp16 --scale recommended
+    """
+    from fpaudit.cli.plot import image_format, plot_report
+    from fpaudit.report.store import Report
+    from fpaudit.rules.summary import reading_format
+
+    if options.output is None:
+        raise UsageError("plot needs --output FILE.png or FILE.svg (-o for short)")
+    output = Path(options.output)
+    image_format(output)  # a bad suffix fails before the report is read
+    if options.recipe:
+        from fpaudit.cli.plot import plot_blocks
+
+        report = Report.read(report_path)
+        render.report_notes(report)
+        written = plot_blocks(report, output, options.recipe)
+        render.stdout().print(f"Wrote {written}")
+        return
+    log2_scale = scale(options.scale)
+    report = Report.read(report_path)
+    render.report_notes(report)
+    fmt = reading_format(report, options.format)
+    headroom = from_report(options, "headroom_bits", report)
+    written = plot_report(report, output, fmt, log2_scale, headroom_bits=headroom)
+    render.stdout().print(f"Wrote {written}")
+
+
+@with_options(GateArgs)
+def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
+    """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale,
+    or when the report measured nothing, holds inf/NaN, no completed step, or a run's error.
+
+    Example: fpaudit gate report --max-underflow 0.001 --format fp16 --per-module
+    """
+    from fpaudit.report.store import Report
+    from fpaudit.rules.gating import gate as run_gate
+    from fpaudit.rules.summary import reading_format
+
+    if options.recipe is not None or options.max_flush is not None:
+        _gate_blocks(report_path, options)
+    limit = options.max_underflow
+    if limit is None:
+        raise UsageError(
+            "gate needs --max-underflow FRACTION (for example 0.001), or max_underflow in --config"
+        )
+    log2_scale = scale(options.scale)
+    if options.junit is not None:
+        outside_report(Path(options.junit), report_path, "--junit")
+    report = Report.read(report_path)
+    render.report_notes(report, incomplete=False)  # the verdict says if it is incomplete
+    fmt = reading_format(report, options.format)
+    headroom = from_report(options, "headroom_bits", report)
+    include = bool(from_report(options, "include_loss", report))
+    result = run_gate(
+        report, fmt, limit, log2_scale=log2_scale, per_module=options.per_module,
+        headroom_bits=headroom, include_loss=include, allow_incomplete=options.allow_incomplete,
+        allow_nonfinite=options.allow_nonfinite, fail_unscalable=options.fail_unscalable,
+        allow_errors=options.allow_errors,
+    )  # fmt: skip
+    if options.junit is not None:
+        from fpaudit.cli import ci
+
+        modules = ci.gate_modules(report, result, include_loss=include)
+        text = ci.junit_xml(result, modules, report_path=str(report_path))
+        ci.write_junit(text, Path(options.junit))
+    if options.json:
+        render.print_json(result.to_dict(flags=True))  # reasons name the flags
+    else:
+        render.gate(result)
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        from fpaudit.cli import ci
+
+        stream = sys.stderr if options.json else sys.stdout  # keep --json parseable
+        for line in ci.github_annotations(result, report_path=str(report_path)):
+            stream.write(line + "\n")
+    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+
+
+def _gate_blocks(report_path: Path, options: GateArgs) -> None:
+    """gate --recipe R --max-flush F: judge block statistics (per module), exit 0 or 1."""
+    from fpaudit.report.store import Report
+    from fpaudit.rules.blockplan import block_gate
+
+    if options.recipe is None or options.max_flush is None:
+        raise UsageError("a block gate needs both --recipe R and --max-flush FRACTION")
+    report = Report.read(report_path)
+    render.report_notes(report)
+    result = block_gate(report, options.recipe, options.max_flush, options.max_saturate)
+    verdict(result, options.json, render_blocks.block_gate)
+
+
+@with_options(PlanArgs)
+def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
+    """Per module, the cheapest block-scaled recipe that passes, and which must stay in bf16.
+
+    Example: fpaudit plan report --recipe mxfp4 --recipe mxfp8-e4m3 --max-flush 0.01
+    """
+    from fpaudit.report.store import Report
+    from fpaudit.rules.blockplan import plan
+
+    if options.max_flush is None:
+        raise UsageError(
+            "plan needs --max-flush FRACTION, the flushed fraction your model tolerates per "
+            "module (0.01 is a common start), or max_flush in --config"
+        )
+    report = Report.read(report_path)
+    render.report_notes(report)
+    wanted = options.recipe or report.recipes
+    if not wanted:
+        raise UsageError(f"{report_path} has no block statistics; scan or run with --recipe R")
+    result = plan(report, list(wanted), options.max_flush, options.max_saturate)
+    output = "json" if options.json else "names" if options.names else "table"
+    render_blocks.plan(result, output)
