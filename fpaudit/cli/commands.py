@@ -27,6 +27,7 @@ from typing import Annotated, Any
 import typer
 
 from fpaudit import __version__
+from fpaudit._process import Owner
 from fpaudit.cli import commands_report, commands_run, render
 from fpaudit.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, state
 from fpaudit.errors import FpauditError, Interrupted, MonitorFailure
@@ -174,7 +175,7 @@ def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     state["argv"] = argv
     state["debug"] = "--debug" in argv
-    state["pid"] = os.getpid()  # the process that owns this command's output
+    state["owner"] = Owner()  # the process that owns this command's output
     try:
         with _sigterm_raises():  # SIGTERM anywhere in a command: exit 143, as shells expect
             result = _command().main(args=argv, prog_name="fpaudit", standalone_mode=False)

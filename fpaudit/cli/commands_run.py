@@ -124,7 +124,7 @@ def _new_report_path(options: ScanArgs | RunArgs) -> Path:
 def _forked() -> bool:
     """True in a child that model code forked (os.fork, a DataLoader worker that came
     back here): it never writes the report, never unlocks, never prints a summary."""
-    return os.getpid() != int(state["pid"])
+    return not state["owner"].here()
 
 
 def _write_partial(

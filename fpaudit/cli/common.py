@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
 import typer
 
+from fpaudit._process import Owner
 from fpaudit.cli import config, render
 from fpaudit.cli import options as specs
 from fpaudit.cli.options import CONFIG_FIELD, CommandOptions
@@ -30,7 +30,7 @@ EXIT_INTERRUPTED = 130  # SIGINT, as shells report it
 EXIT_TERMINATED = 143  # SIGTERM
 
 # --debug, the command line (a report keeps it) and the process that owns the output
-state: dict[str, Any] = {"debug": False, "argv": [], "pid": os.getpid()}
+state: dict[str, Any] = {"debug": False, "argv": [], "owner": Owner()}
 
 # -- options ---------------------------------------------------------------
 # A command's flags are built from its options class (fpaudit.cli.options): one

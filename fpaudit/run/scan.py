@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from fpaudit import defaults
+from fpaudit._process import Owner
 from fpaudit.capture import compiled
 from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, ModelExit, ModelFileError, Named, OptionError, UsageError
@@ -203,10 +203,10 @@ def _scan(
     # the first batch, for the autocast probe after the steps: kept only when a probe
     # can run (an fp32 scan)
     first: list[Any] | None = [] if options.amp is None else None
-    owner = os.getpid()  # a child the model code forks runs on, but never probes
+    owner = Owner()  # a child the model code forks runs on, but never probes
     ran = _run_steps(setup, batches, on_step, first)
     report = setup.audit.report
-    if first and (ran.interrupted, ran.exited, os.getpid()) == (None, None, owner):
+    if first and (ran.interrupted, ran.exited) == (None, None) and owner.here():
         # an fp32 scan: what would fp16 autocast hold? One forward after the steps, so
         # that the steps run as they would without it
         probed = _probe_autocast(path, setup.model, setup.spec, first[0], setup.device)
