@@ -233,3 +233,24 @@ def test_every_option_spelled_otherwise_is_a_declared_flag() -> None:
     assert set(LIBRARY_NAMES) <= declared, set(LIBRARY_NAMES) - declared
     assert flag("modules") == "--module" and flag("exclude_ops") == "--exclude-op"
     assert flag("max_steps") == "--max-steps" and flag("-o") == "-o"
+
+
+def test_the_library_and_the_command_line_check_a_bound_from_one_declaration() -> None:
+    """A bound is declared once, as a :class:`fpaudit.bounds.Bounds`: ``--max-underflow``'s
+    CLI declaration is the object ``gate`` checks with; scan's ``--steps``, ``--every``
+    and ``--window`` have none in the CLI, as ``ScanOptions`` checks them for both."""
+    from fpaudit import bounds
+    from fpaudit.cli import options
+    from fpaudit.errors import OptionError
+    from fpaudit.rules.gating import gate
+    from fpaudit.run.scan import ScanOptions
+
+    assert options.spec("scan", "steps").bounds is None  # ScanOptions checks it, once
+    assert options.spec("gate", "max_underflow").bounds is bounds.FRACTION
+    for name in ("steps", "every", "window"):
+        with pytest.raises(OptionError) as caught:
+            ScanOptions(**{name: 0})
+        assert str(caught.value) == f"{name} must be at least 1, got 0"
+    with pytest.raises(OptionError) as caught:
+        gate(None, "fp16", max_underflow=1.5)  # type: ignore[arg-type]  # checked first
+    assert str(caught.value) == "max_underflow must be a fraction between 0 and 1, got 1.5"

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from fpaudit import defaults
+from fpaudit.bounds import AT_LEAST_1
 from fpaudit.numerics import limits
 from fpaudit.numerics.formats import Format
 from fpaudit.report.store import Report
@@ -89,8 +90,7 @@ def drift(
 ) -> Drift:
     """Per-window recommendations of ``report`` for ``fmt`` (windows of ``window_steps``
     steps; default: the run in about ten windows)."""
-    if window_steps is not None and window_steps < 1:
-        raise ValueError("window_steps must be at least 1")
+    AT_LEAST_1.check("window_steps", window_steps)  # None: about ten windows
     scope = analysis.default_scope(report, include_loss)
     records = scope.select(report.records)
     steps = report.steps["step"].to_numpy(dtype=np.int64)

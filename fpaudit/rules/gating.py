@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from fpaudit.bounds import FRACTION
 from fpaudit.errors import Named, Wording
 from fpaudit.numerics.formats import Format, as_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
@@ -176,8 +177,7 @@ def gate(
 ) -> GateResult:
     """Judge ``report`` at ``2**log2_scale`` (default: the recommended scale)."""
     fmt = as_format(fmt)
-    if not 0.0 <= max_underflow <= 1.0:
-        raise ValueError("max_underflow must be a fraction between 0 and 1")
+    FRACTION.check("max_underflow", max_underflow)
     scale_source = "given"
     if log2_scale is None:
         recommended = recommend(report, fmt, headroom_bits, include_loss=include_loss)

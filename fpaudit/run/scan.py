@@ -23,6 +23,7 @@ import torch
 
 from fpaudit import defaults
 from fpaudit._process import Owner
+from fpaudit.bounds import AT_LEAST_1
 from fpaudit.capture import compiled
 from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, ModelExit, ModelFileError, Named, OptionError, UsageError
@@ -55,12 +56,8 @@ class ScanOptions:
     def __post_init__(self) -> None:
         for name in self.recipes:
             get_recipe(name)  # an unknown name is a one-line UsageError
-        if self.steps < 1:
-            raise OptionError("steps", f"must be at least 1, got {self.steps}")
-        if self.every < 1:
-            raise OptionError("every", f"must be at least 1, got {self.every}")
-        if self.window < 1:
-            raise OptionError("window", f"must be at least 1, got {self.window}")
+        for name in ("steps", "every", "window"):
+            AT_LEAST_1.check(name, getattr(self, name))
         if self.amp is not None and self.amp not in AMP_DTYPES:
             raise OptionError("amp", f"must be one of {', '.join(AMP_DTYPES)}, got {self.amp!r}")
         if self.shadow and self.amp is None:

@@ -51,6 +51,7 @@ from torch import nn
 
 import fpaudit
 from fpaudit import defaults
+from fpaudit.bounds import AT_LEAST_1
 from fpaudit.capture import _torch_patches as patches
 from fpaudit.capture import compiled
 from fpaudit.capture._torch_patches import Call
@@ -119,16 +120,13 @@ class RunOptions:
     def __post_init__(self) -> None:
         for name in self.recipes:
             get_recipe(name)  # an unknown name is a one-line UsageError, before the script runs
-        if self.max_steps is not None and self.max_steps < 1:
-            raise OptionError("max_steps", f"must be at least 1, got {self.max_steps}")
+        AT_LEAST_1.check("max_steps", self.max_steps)  # None: until the script ends
         if self.capture_every < 0:
             raise OptionError(
                 "capture_every", f"must be 0 (never) or more, got {self.capture_every}"
             )
-        if self.window < 1:
-            raise OptionError("window", f"must be at least 1, got {self.window}")
-        if self.max_backoffs < 1:
-            raise OptionError("max_backoffs", f"must be at least 1, got {self.max_backoffs}")
+        AT_LEAST_1.check("window", self.window)
+        AT_LEAST_1.check("max_backoffs", self.max_backoffs)
         if not 0.0 <= self.max_skip_rate <= 1.0:
             raise OptionError("max_skip_rate", f"must be between 0 and 1, got {self.max_skip_rate}")
 
