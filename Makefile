@@ -46,9 +46,10 @@ test-fast: setup
 # The tests that touch torch's internals or lean on its numerics: the capture, the oracles,
 # the patches, the private-torch seam, transparency, the CLI, the cross-release identity,
 # torch.compile's backward (Inductor's internals) and autocast's op lists.
-TORCH_TESTS := tests/test_capture.py tests/test_histogram.py tests/test_formats.py \
-	tests/test_torch_patches.py tests/test_torch_seam.py tests/test_transparency.py \
-	tests/test_cli.py tests/test_release_identity.py tests/test_compiled.py tests/test_autocast.py
+TORCH_TESTS := tests/capture/test_capture.py tests/capture/test_torch_patches.py \
+	tests/capture/test_compiled.py tests/capture/test_autocast.py \
+	tests/kernels/test_histogram.py tests/numerics/test_formats.py tests/test_torch_seam.py \
+	tests/run/test_transparency.py tests/cli/test_cli.py tests/project/test_release_identity.py
 TORCH_TEST_DEPS := pytest hypothesis transformers accelerate
 
 # fpaudit installed without its torch pin (--no-deps), so TORCH_SPEC's release is the one tested

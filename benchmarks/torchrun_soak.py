@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/torchrun_soak.py 100
 
-Each launch runs two ranks on gloo (CPU), cycling through the jobs tests/test_distributed.py
+Each launch runs two ranks on gloo (CPU), cycling through the jobs tests/run/test_distributed.py
 launches. A launch *aborts* when a rank dies with "terminate called without an active
 exception" (the gloo teardown crash of pytorch/pytorch#179291) or on a signal; any other
 unexpected exit code is a *failure*. Prints one line per launch and a summary; exit 0 only

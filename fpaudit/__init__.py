@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 # The public names, each declared once here with the module it lives in; ``__all__`` is
 # derived from it. The imports above repeat them for type checkers only (``X as X``: a
 # name loaded lazily has no other way to be seen, and re-exported, by mypy);
-# tests/test_architecture.py checks the two agree.
+# tests/project/test_architecture.py checks the two agree.
 # Names load on first use (no module of the package shares a name with one of these, or
 # importing it would shadow the name): capturing needs torch but not pandas or pyarrow
 # (about 70 MB a training process need not carry); reading a report needs

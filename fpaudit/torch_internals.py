@@ -52,7 +52,7 @@ where torch keeps a built extension (to tell whether a build is cached).
 torch as an oracle say which release does what): an eager cast to
 ``float8_e4m3fn`` of a value past 464 gives NaN on torch 2.10.0, 2.11.0 and 2.12.1
 and saturates to 448 on 2.13.0, 2.14.1 and 2.15.0 (pytorch/pytorch#178817;
-``tests/test_formats.py`` pins both). fpaudit's FP8 counts come from its own
+``tests/numerics/test_formats.py`` pins both). fpaudit's FP8 counts come from its own
 integer arithmetic (``formats.fate``) and count either result as overflow; its one
 cast to ``float8_e4m3fn`` (the NVFP4 block scale) is of a value already clamped to
 E4M3's range.

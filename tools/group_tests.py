@@ -86,6 +86,7 @@ ROOMS = {
     "test_simulation.py": "rules",
     "test_delayed.py": "rules",
     "test_misuse_rules.py": "rules",  # rules/findings.py
+    "test_summaries.py": "rules",  # rules/summary.py: what the commands print, computed
     # capture/
     "test_capture.py": "capture",
     "test_audit_lifecycle.py": "capture",

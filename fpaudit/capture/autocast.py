@@ -50,7 +50,7 @@ FP16, FP32, MIXED, UNKNOWN = "fp16", "fp32", "mixed", "unknown"
 # Ops that autocast runs in fp32 whatever their inputs (a public name each, as torch's
 # "torch.amp" documentation lists them; aten/src/ATen/autocast_mode.cpp registers them
 # with CastPolicy fp32, fp32_set_opt_dtype or fp32_append_dtype). Data, for explaining a
-# prediction; tests/test_autocast.py runs each under autocast and checks its output is
+# prediction; tests/capture/test_autocast.py runs each under autocast and checks its output is
 # fp32 on this torch. The probe does not need them: it sees what autocast did.
 _CUDA_FP32 = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",

@@ -53,7 +53,7 @@ def library_options(cls: type[L], args: ScanArgs | RunArgs, **parsed: Any) -> L:
     --exclude-module/--op/--exclude-op keep, ``recipes`` from each --recipe once, and
     ``parsed`` (what the command parses first, scan's loss scale) over them; a field none
     of these gives keeps its library default. A new option of the same name as its
-    library field needs nothing here (tests/test_options.py checks every field is fed)."""
+    library field needs nothing here (tests/cli/test_options.py checks every field is fed)."""
     from fpaudit.capture.audit import Selection
 
     selection = Selection(

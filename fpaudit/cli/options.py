@@ -19,8 +19,8 @@ the order their ``--help`` shows them.
 
 Adding an option to a command is one edit: a field in its class, here, e.g.
 ``max_backoffs: int = Option(5, "More consecutive scale back-offs than this is a
-finding")()``; then the command reads ``options.max_backoffs``. tests/test_options.py
-and tests/test_help.py check that fields, flags, help, TOML and library agree. No typer
+finding")()``; then the command reads ``options.max_backoffs``. tests/cli/test_options.py
+and tests/cli/test_help.py check that fields, flags, help, TOML and library agree. No typer
 here: the defaults the library shares live in fpaudit.defaults.
 """
 

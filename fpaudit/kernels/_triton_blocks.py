@@ -8,7 +8,7 @@ adds the whole statistics vector (layout of :mod:`fpaudit.kernels.blockstats`) t
 device buffer with atomics; no host sync. ``nvfp4`` and the per-tensor rules
 (``amax``, ``amax-pow2``), whose scales need the whole tensor's maximum, keep the
 pure-torch path on CUDA. The tests run it in Triton's interpreter against the
-pure-torch reference (``tests/test_triton_kernel.py``); ``benchmarks/gpu_check.py``
+pure-torch reference (``tests/kernels/test_triton_kernel.py``); ``benchmarks/gpu_check.py``
 compares it on a GPU with the CPU kernel.
 
 Each program takes ``ROWS`` blocks and, per block: its maximum |x| bits, the scale

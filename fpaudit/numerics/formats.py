@@ -130,7 +130,7 @@ class Format:
         return (mantissa, exponent)
 
 
-# Written out so that no torch import is needed; tests/test_formats.py checks
+# Written out so that no torch import is needed; tests/numerics/test_formats.py checks
 # every one against Format.from_dtype (torch.finfo).
 FP32 = Format("fp32", "float32", 23, -126, math.ldexp(2 - 2**-23, 127))
 

@@ -10,7 +10,7 @@ binade ``b`` to binade ``b + k`` and keeps ``g``, so whether ``(x * S)``
 rounds to zero or overflows in a format depends only on ``(b + k, g)``, and
 within one binade only on where ``g`` sits relative to a few breakpoints.
 The class lower bounds below are the union of those breakpoints over every
-supported format (``tests/test_histogram.py`` re-derives them with
+supported format (``tests/kernels/test_histogram.py`` re-derives them with
 ``formats.fate``), so counts per (binade, class) give exact underflow, flush
 and overflow counts at *every* power-of-two scale:
 

@@ -152,7 +152,7 @@ LOSS_MODULE = "<loss>"
 
 
 class RecordKey(NamedTuple):
-    """KEY_COLUMNS (tests/test_report.py checks the two agree) and scales_with_loss."""
+    """KEY_COLUMNS (tests/report/test_report.py checks the two agree) and scales_with_loss."""
 
     kind: str
     module: str

@@ -2,7 +2,7 @@
 
 loss = sum(w * c) with w = 0, so dloss/dw = c (times the loss scale, 1). With
 FPAUDIT_PAIR=sorted the two magnitudes are sorted into separate 32-blocks;
-otherwise they alternate (interleaved). tests/test_blocks_cli.py scans it with
+otherwise they alternate (interleaved). tests/cli/test_blocks_cli.py scans it with
 --recipe mxfp8-e4m3 and --recipe fp8-tensor-e4m3.
 """
 

@@ -1,7 +1,7 @@
 """A small pre-norm transformer block stack whose blocks run under activation
 checkpointing (non-reentrant): backward recomputes each block's forward, which the
 capture must count as forward work, not as backward values. Used by the
-cross-release identity test (tests/test_release_identity.py)."""
+cross-release identity test (tests/project/test_release_identity.py)."""
 
 import torch
 from torch import nn

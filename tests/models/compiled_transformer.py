@@ -1,6 +1,6 @@
 """A 2-block pre-norm transformer with SDPA attention, as a model file returns it
 compiled: ``model()`` is ``torch.compile(net)`` (the default backend, Inductor).
-FPAUDIT_COMPILED=eager returns the eager net instead: its twin. tests/test_compiled.py
+FPAUDIT_COMPILED=eager returns the eager net instead: its twin. tests/capture/test_compiled.py
 scans both."""
 
 import os

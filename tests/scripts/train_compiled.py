@@ -1,5 +1,5 @@
 """A plain training loop over a torch.compile'd model (Inductor, the default), for
-`fpaudit run`: tests/test_compiled.py checks the compiled backward is audited from the
+`fpaudit run`: tests/capture/test_compiled.py checks the compiled backward is audited from the
 first step on, under the model's own names. --params PATH saves the parameters after
 the last step (bit identity with and without fpaudit)."""
 

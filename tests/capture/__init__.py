@@ -1,0 +1,1 @@
+"""Tests of fpaudit/capture/: the audit of autograd and modules, autocast, compile."""

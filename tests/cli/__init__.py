@@ -1,0 +1,1 @@
+"""Tests of fpaudit/cli/: the command line, its options, config, rendering, CI, plots."""

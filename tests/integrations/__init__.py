@@ -1,0 +1,1 @@
+"""Tests of fpaudit/integrations/: the Lightning and Hugging Face callbacks."""

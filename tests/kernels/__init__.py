@@ -1,0 +1,1 @@
+"""Tests of fpaudit/kernels/: tensors to exact counts (C++, Triton, block statistics)."""

@@ -1,0 +1,1 @@
+"""Tests of fpaudit/numerics/: formats, recipes, the bin layout."""

@@ -1,0 +1,1 @@
+"""Tests of the whole product: its shape, sizes, docs, install, samples, batteries."""

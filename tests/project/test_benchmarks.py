@@ -1,0 +1,89 @@
+"""The benchmark and GPU check scripts keep working (smoke runs on the CPU, not timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..conftest import ROOT
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["exact"] and summary["amax_exact"] and summary["no_host_sync_during_capture"]
+    assert summary["backward_records_per_step"] > 0
+
+
+@pytest.mark.slow
+def test_benchmark_runs_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    steps = data["steps"][0]
+    assert steps["ratio"]["plain"] == 1.0 and steps["ratio"]["fpaudit"] > 0
+    assert steps["backward_values_per_step"] > 0
+    assert data["memory"]["peak_ratio"] > 0
+    assert data["scan"]["report_bytes_per_output_per_step"] > 0
+    assert data["read"]["histogram_rows"] > 0 and data["read"]["gate_seconds"] > 0
+    assert "step overhead" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("code", "absent"),
+    [
+        # Reading reports must not pay torch's start-up (1.6 s); capturing must not carry
+        # pandas and pyarrow (about 70 MB) in the training process.
+        ("import fpaudit.cli.commands", ("torch",)),
+        ("import fpaudit; fpaudit.Report; fpaudit.recommend; fpaudit.gate", ("torch",)),
+        ("import fpaudit; fpaudit.audit; fpaudit.Selection", ("pandas", "pyarrow")),
+        ("import fpaudit.run.scan", ("pandas", "pyarrow")),
+    ],
+)
+def test_import_weight(code: str, absent: tuple[str, ...]) -> None:
+    check = f"{code}\nimport sys\nprint(sorted(m for m in {absent!r} if m in sys.modules))"
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_package_names_are_not_shadowed_by_submodules() -> None:
+    # A lazily loaded name that is also a submodule would turn into the module as soon
+    # as something imports the submodule.
+    code = (
+        "import fpaudit, fpaudit.cli.commands, fpaudit.rules.recommendation, fpaudit.rules.gating, fpaudit.capture.audit\n"
+        "import types\n"
+        "bad = [n for n in fpaudit.__all__ if isinstance(getattr(fpaudit, n), types.ModuleType)]\n"
+        "print(bad)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

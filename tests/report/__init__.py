@@ -1,0 +1,1 @@
+"""Tests of fpaudit/report/: the report's tables, files, checks and metadata."""

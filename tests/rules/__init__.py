@@ -1,0 +1,1 @@
+"""Tests of fpaudit/rules/: the pure functions over a report's tables."""
