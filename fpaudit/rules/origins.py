@@ -17,7 +17,7 @@ values, in execution order; see ``fpaudit.capture.origin_probe``). No torch.
   op whose largest finite input, or output, is exactly float32's largest value (a
   ``torch.finfo(float32).min`` mask cast to fp16 becomes ``-inf``). Live, they are
   listed apart; predicted, they are left out. ``scan``'s first non-finite forward
-  op (``fpaudit.capture.audit``), ``show --origins`` and ``fp16-plan`` apply this rule.
+  op (``fpaudit.capture.mode``), ``show --origins`` and ``fp16-plan`` apply this rule.
 * **Predicted origin at S** (from an fp32 reference run): an op call whose
   values, at scale S, reach the format's overflow edge (65520 for fp16: under
   round-to-nearest-even 65520 rounds to inf) while its inputs stay below it.
