@@ -61,6 +61,14 @@ def report_headroom(report: Report) -> int:
     return DEFAULT_HEADROOM_BITS if stored is None else stored
 
 
+def recommended_log2(report: Report, fmt: Format) -> int:
+    """log2 of the scale recommended for ``fmt`` at the report's own headroom (0 when
+    nothing limits it): the scale ``show`` and ``show --origins`` read at by default."""
+    from fpaudit.rules.recommendation import recommend
+
+    return recommend(report, fmt, report_headroom(report)).log2_scale or 0
+
+
 # -- scan ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FormatSummary:
@@ -224,11 +232,10 @@ def module_view(
     """Range loss at ``log2_scale`` (``None``: the recommended scale at the report's
     headroom), the ``top`` rows with the most underflow first when ``top`` is given."""
     from fpaudit.rules import analysis
-    from fpaudit.rules.recommendation import recommend
 
     scale_source = "given"
     if log2_scale is None:
-        log2_scale = recommend(report, fmt, report_headroom(report)).log2_scale or 0
+        log2_scale = recommended_log2(report, fmt)
         scale_source = "recommended"
     group = ("module",) if by == "module" else ("module", "node", "op")
     scope = analysis.Scope(kinds=(kind,), include_loss=True)
@@ -311,12 +318,11 @@ def origins_view(report: Report, fmt: Format, log2_scale: int | None) -> Origins
     """The report's origins (it must have them) at ``log2_scale``, ``None``: the
     recommended scale at the report's headroom."""
     from fpaudit.rules import origins
-    from fpaudit.rules.recommendation import recommend
 
     if report.origins is None:
         raise ValueError("the report has no origins")
     if log2_scale is None:
-        log2_scale = recommend(report, fmt, report_headroom(report)).log2_scale or 0
+        log2_scale = recommended_log2(report, fmt)
     live = origins.live(report.origins)
     predicted = origins.predicted(report.origins, fmt, math.ldexp(1.0, log2_scale))
     return OriginsView(live, predicted, fmt, log2_scale)
