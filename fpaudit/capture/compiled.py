@@ -340,14 +340,11 @@ def observed(model: nn.Module) -> tuple[nn.Module, str | None]:
     compiled again (from its eager module, with the same mode) through fpaudit's
     backend; any other module is returned as it is. The second value is the line that
     says what is not covered, or None."""
-    parts = _compile_internals.compiled_module_parts(model)
-    if parts is None:
-        return model, None
-    name, options = parts
+    options = inductor_options(model)
+    if options is None:  # not compiled, or another backend (or already fpaudit's): the
+        return model, None  # audit says what it does not cover
     eager = _compile_internals.eager_module(model)
     assert eager is not None
-    if name != "inductor":
-        return model, None  # another backend (or already fpaudit's): the audit says so
     if options.get("triton.cudagraphs"):
         return model, (
             "the model runs under CUDA graphs (mode='reduce-overhead'): its compiled "
