@@ -50,19 +50,19 @@ class CompiledReceiver:
                 return
             prefix = name
         known = self._clock.known_names
+
+        def named(module_path: str) -> str:  # the graph's module path, as the model names it
+            return _known_module(".".join(p for p in (prefix, model_name(module_path)) if p), known)
+
         with self._lock:
             self._runs += 1
         for site, value in zip(graph.sites, values, strict=False):
             if not isinstance(value, torch.Tensor):
                 continue
-            path = ".".join(p for p in (prefix, model_name(site.module)) if p)
-            module = _known_module(path, known)
-            self._recorder.record(KIND_BACKWARD, module, compiled.COMPILED_NODE, site.op, 0,
-                                  site.scales_with_loss, value)  # fmt: skip
+            self._recorder.record(KIND_BACKWARD, named(site.module), compiled.COMPILED_NODE,
+                                  site.op, 0, site.scales_with_loss, value)  # fmt: skip
         for module_path, ops in graph.fused_away.items():
-            path = ".".join(p for p in (prefix, model_name(module_path)) if p)
-            module = _known_module(path, known)
-            self._fused_away.setdefault(module, set()).update(ops)
+            self._fused_away.setdefault(named(module_path), set()).update(ops)
 
     def note_not_covered(self, line: str) -> None:
         """Note what this audit cannot observe (a compiled backward without the observer)."""
