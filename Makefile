@@ -73,7 +73,9 @@ RELEASE ?= 2.15.0
 RELEASE_CACHE ?= $(HOME)/.cache/fpaudit
 RELEASE_VENV := $(RELEASE_CACHE)/torch-$(RELEASE)
 RELEASE_PIP := PIP_CONFIG_FILE=/dev/null $(RELEASE_VENV)/bin/python -m pip
-test-release:
+RELEASE_REFERENCE := $(RELEASE_CACHE)/identity-reference.json
+test-release: setup
+	$(BIN)/python tests/project/test_release_identity.py --write $(RELEASE_REFERENCE)
 	test -x $(RELEASE_VENV)/bin/python || $(PYTHON) -m venv $(RELEASE_VENV)
 	$(RELEASE_PIP) install --quiet torch==$(RELEASE)
 	$(RELEASE_PIP) uninstall --quiet --yes fpaudit 2>/dev/null || true
@@ -81,7 +83,8 @@ test-release:
 	$(RELEASE_VENV)/bin/python -c "import sys, torch; v = torch.__version__.split('+')[0]; \
 		print('testing on torch', torch.__version__); \
 		sys.exit(0 if v == '$(RELEASE)' else f'installing fpaudit changed torch $(RELEASE) to {v}')"
-	FPAUDIT_REQUIRE_KERNEL=1 $(RELEASE_VENV)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider $(TORCH_TESTS)
+	FPAUDIT_REQUIRE_KERNEL=1 FPAUDIT_IDENTITY_REFERENCE=$(RELEASE_REFERENCE) \
+		$(RELEASE_VENV)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider $(TORCH_TESTS)
 
 lint: setup
 	$(BIN)/ruff check .
