@@ -47,7 +47,7 @@ test-fast: setup
 # the patches, the private-torch seam, transparency, the CLI, the cross-release identity,
 # torch.compile's backward (Inductor's internals) and autocast's op lists.
 TORCH_TESTS := tests/capture/test_capture.py tests/capture/test_torch_patches.py \
-	tests/capture/test_compiled.py tests/capture/test_autocast.py \
+	tests/capture/test_compiled.py tests/capture/test_compiled_zoo.py tests/capture/test_autocast.py \
 	tests/kernels/test_histogram.py tests/numerics/test_formats.py tests/test_torch_seam.py \
 	tests/run/test_transparency.py tests/cli/test_cli.py tests/project/test_release_identity.py
 TORCH_TEST_DEPS := pytest hypothesis transformers accelerate

@@ -17,8 +17,11 @@ tests on 2.10.0 and 2.15.0.
 * ``torch._inductor.graph.GraphLowering.codegen``: wrapped for one compile (a lock
   keeps other threads' compiles out) to read, after the scheduler ran,
   ``GraphLowering.buffers`` (``get_name``, ``get_dtype``, ``layout``,
-  ``get_origins``, ``get_origin_node``/``origin_node``), ``removed_buffers`` and
-  ``torch._inductor.ir.MultiOutputLayout`` (a buffer that is a tuple of others).
+  ``get_origins``, ``get_origin_node``/``origin_node``), ``removed_buffers``,
+  ``torch._inductor.ir.MultiOutputLayout`` (a buffer that is a tuple of others) and
+  ``torch._inductor.ir.NoneLayout`` (an op that writes into another buffer, as a
+  ``scatter_add`` fallback into the zeros MaxPool's backward starts from: it stores
+  nothing of its own, and the buffer it mutates is read as any other).
 * ``torch._inductor.config``: ``post_grad_custom_post_pass`` (fpaudit's pass adds the
   stored values to the backward graph's outputs), ``fx_graph_cache`` (off, so a cached
   graph never skips the pass).
@@ -62,13 +65,16 @@ _LOCK = threading.Lock()
 @dataclass(frozen=True)
 class StoredBuffer:
     """A buffer Inductor's compiled graph writes to memory: the FX node whose value it
-    holds (None when it is part of another buffer, as a slice of a ``cat``), the dtype it
-    is stored in, and the names of every FX node whose computation it fused."""
+    holds (None when it is part of another buffer, as a slice of a ``cat``, or writes into
+    another buffer, as an in-place scatter), the dtype it is stored in (None when it has
+    no storage of its own), and the names of every FX node whose computation it fused.
+    ``unreadable`` says why a buffer could not be read (its value is then not observed)."""
 
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype | None
     node: str | None
     origins: tuple[str, ...]
+    unreadable: str | None = None
 
 
 def eager_module(model: nn.Module) -> nn.Module | None:
@@ -106,21 +112,33 @@ def context_backend(context: Any) -> tuple[str, dict[str, Any]]:
 
 
 def _stored(graph: Any) -> list[StoredBuffer]:
-    from torch._inductor import ir
-
     removed = set(graph.removed_buffers)
     found = []
     for buffer in graph.buffers:
         name = buffer.get_name()
-        if name in removed or isinstance(getattr(buffer, "layout", None), ir.MultiOutputLayout):
-            continue  # (get_layout() raises on a MultiOutputLayout)
-        getter = getattr(buffer, "get_origin_node", None)
-        node = getter() if getter is not None else getattr(buffer, "origin_node", None)
-        origins = tuple(sorted(o.name for o in buffer.get_origins()))
-        found.append(
-            StoredBuffer(name, buffer.get_dtype(), node.name if node is not None else None, origins)
-        )
+        if name not in removed:
+            try:
+                found.extend(_read_buffer(name, buffer))
+            except Exception as error:  # a buffer kind this torch lays out in a new way
+                reason = f"{type(buffer).__name__}: {type(error).__name__}: {error}"
+                found.append(StoredBuffer(name, None, None, (), reason[:200]))
     return found
+
+
+def _read_buffer(name: str, buffer: Any) -> list[StoredBuffer]:
+    from torch._inductor import ir
+
+    layout = getattr(buffer, "layout", None)
+    if isinstance(layout, ir.MultiOutputLayout):
+        return []  # a tuple of other buffers (get_layout() raises on it)
+    origins = tuple(sorted(o.name for o in buffer.get_origins()))
+    if isinstance(layout, ir.NoneLayout):  # writes into another buffer (get_dtype() raises)
+        return [StoredBuffer(name, None, None, origins)]
+    getter = getattr(buffer, "get_origin_node", None)
+    node = getter() if getter is not None else getattr(buffer, "origin_node", None)
+    return [
+        StoredBuffer(name, buffer.get_dtype(), node.name if node is not None else None, origins)
+    ]
 
 
 @contextlib.contextmanager

@@ -94,6 +94,7 @@ ROOMS = {
     "test_live.py": "capture",  # --amp, the fp32 shadow, the forward phase
     "test_autocast.py": "capture",
     "test_compiled.py": "capture",
+    "test_compiled_zoo.py": "capture",
     "test_torch_patches.py": "capture",  # capture/_torch_patches.py
     # run/
     "test_batches.py": "run",  # run/modelfile.py

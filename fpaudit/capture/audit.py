@@ -367,6 +367,11 @@ class Audit:
 
         report = Report.from_builder(self._builder, run_metadata(self.model), steps)
         report.update_info(out_of_range=self._recorder.out_of_range())
+        records = report.records
+        eager = records[
+            (records["kind"] == KIND_BACKWARD) & (records["node"] != compiled.COMPILED_NODE)
+        ]
+        self._compiled.note_eager_inside(eager["module"].unique())
         compiled_info = self._compiled.info()
         if compiled_info is not None:
             report.update_info(compiled=compiled_info)

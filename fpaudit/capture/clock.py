@@ -59,11 +59,22 @@ def compiled_modules(model: nn.Module) -> set[int]:
     inside them. (Other backends keep their hooks: each a graph break, and the aten ops
     of ``aot_eager``'s backward attributed as in eager.)"""
     found: set[int] = set()
-    for module in model.modules():
+    for wrapper in compiled_wrappers(model):
+        found.update(id(m) for m in wrapper.modules())
+    return found
+
+
+def compiled_wrappers(model: nn.Module) -> list[nn.Module]:
+    """The outermost ``torch.compile`` wrappers (Inductor's) in ``model``: their hooks run
+    before Dynamo's frame starts, so a hook there changes nothing Dynamo compiles."""
+    found: set[int] = set()
+    wrappers = []
+    for module in model.modules():  # (parents before children)
         parts = _compile_internals.compiled_module_parts(module)
         if id(module) not in found and parts is not None and parts[0] in compiled.INDUCTORS:
             found.update(id(m) for m in module.modules())
-    return found
+            wrappers.append(module)
+    return wrappers
 
 
 class ModuleClock:
@@ -124,12 +135,15 @@ class ModuleClock:
 
     def install(self, model: nn.Module, stack: ExitStack) -> None:
         compiled = compiled_modules(model)
+        wrappers = {id(m) for m in compiled_wrappers(model)}
         for name, module in model.named_modules():
             if self._qualified.get(id(module)) != name:
                 continue  # a shared module keeps its first name
-            if id(module) in compiled:
+            if id(module) in compiled and id(module) not in wrappers:
                 # Inside torch.compile: a hook would break the graph and recompile it at
                 # every open; the compiled backward is attributed by its graph instead.
+                # The wrapper's own hooks run outside Dynamo: what Dynamo leaves to eager
+                # (a graph break, an LSTM) is the compiled module's, not the loss's.
                 continue
             reported = self.names[id(module)]
             enter = guarded("module clock", lambda _m, _a, n=reported: self.enter(n))

@@ -36,6 +36,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -155,15 +156,18 @@ def _observing() -> Iterator[None]:
         _state.depth -= 1
 
 
-_ROOT = re.compile(r"^(?:L|G)\[['\"][^'\"]*['\"]\]")
+# The traced frame's module: a local or global, with any subscripts after it
+# (``L['self']``, ``L['args'][0]`` for a ``wrapped(*args, **kwargs)`` forward,
+# ``L['kwargs']['model']``, ``G['net']``)
+_ROOT = re.compile(r"^(?:L|G)\[['\"][^'\"]*['\"]\](?:\[[^\]]*\])*")
 _MODULES = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
 _INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
 
 def module_path(path: str) -> str:
     """A module path as Dynamo writes it (``L['self'].blocks.0.fc1``,
-    ``L['self']._modules['blocks']._modules['0']``) as ``named_modules()`` names it
-    (``blocks.0.fc1``), relative to the module Dynamo traced."""
+    ``L['self']._modules['blocks']._modules['0']``, ``L['args'][0].model.layers.0``) as
+    ``named_modules()`` names it (``blocks.0.fc1``), relative to the module Dynamo traced."""
     path = _ROOT.sub("", path)
     path = _MODULES.sub(r".\1", path)
     path = _INDEX.sub(r".\1", path)
@@ -171,13 +175,20 @@ def module_path(path: str) -> str:
 
 
 def _module_of(node: fx.Node) -> str | None:
+    """The module whose forward made ``node``: the innermost of its module stack; the
+    traced module itself (``""``) for an op of its own forward (a stack recorded empty);
+    None for a node with no stack at all (a gradient sum AOTAutograd added)."""
+    recorded = False
     for key in ("fwd_nn_module_stack", "nn_module_stack"):
-        stack = node.meta.get(key)
+        if key not in node.meta:
+            continue
+        recorded = True
+        stack = node.meta[key]
         if stack:
             last = list(stack.values())[-1]
             path = last[0] if isinstance(last, tuple) else str(last)
             return module_path(str(path))
-    return None
+    return "" if recorded else None
 
 
 def _modules(graph: fx.Graph) -> dict[str, str]:
@@ -279,12 +290,28 @@ def compiled_backend(
         def plan(post_grad: fx.GraphModule, stored: list[Any]) -> list[str]:
             names, sites, fused = plan_graph(post_grad, stored)
             holder.append(CompiledGraph(reference, tuple(sites), fused))
+            for buffer in stored:
+                if buffer.unreadable is not None:
+                    _not_covered_line(
+                        f"a compiled backward's buffer {buffer.name} could not be read "
+                        f"({buffer.unreadable}): its values are not observed"
+                    )
             return names
 
+        spare = copy.deepcopy(gm)  # Inductor's passes change the graph they compile
         with _observing():  # compiling (lazily, inside backward) is not the model's work
-            return _compile_internals.inductor_backward(
-                gm, example_inputs, kwargs, plan, _observer(holder)
-            )
+            try:
+                return _compile_internals.inductor_backward(
+                    gm, example_inputs, kwargs, plan, _observer(holder)
+                )
+            except Exception as error:
+                first = (str(error).splitlines() or [""])[0][:160]
+                _not_covered_line(
+                    "a compiled backward graph could not be compiled with its stored values "
+                    f"as outputs ({type(error).__name__}: {first}): it runs as Inductor "
+                    "compiles it, unobserved"
+                )
+                return _compile_internals.plain_backward(spare, example_inputs, kwargs)
 
     return _compile_internals.compile_backend(backward, dict(options or {}), BACKEND_NAME)
 

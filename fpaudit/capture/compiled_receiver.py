@@ -5,14 +5,15 @@ observe of a compiled model (a line each), for the report's ``compiled`` metadat
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from fpaudit import torch_internals_compile as _compile_internals
 from fpaudit.capture import compiled
-from fpaudit.capture.clock import ModuleClock, compiled_modules, model_name
+from fpaudit.capture.clock import ModuleClock, compiled_wrappers, model_name
 from fpaudit.capture.recorder import Recorder
 from fpaudit.report.records import KIND_BACKWARD
 
@@ -35,9 +36,20 @@ class CompiledReceiver:
         self._runs = 0  # observed compiled backward runs
         self._fused_away: dict[str, set[str]] = {}
         self._not_covered: list[str] = compiled.not_covered_modules(model)
-        # Inductor compiles part of the model: backward values hide in fused kernels, so a
-        # step without an observed compiled backward measured nothing of them
-        self._inductor = bool(compiled_modules(model))
+        wrappers = compiled_wrappers(model)
+        backends = [(_compile_internals.compiled_module_parts(m) or ("",))[0] for m in wrappers]
+        # Inductor compiles part of the model out of fpaudit's sight, or a compiled backward
+        # ran unobserved (a line said why): backward values hide in fused kernels, so a
+        # step without an observed compiled backward measured nothing of them. A model
+        # compiled by fpaudit whose backward had no compiled graph (Dynamo left it all to
+        # eager) hides nothing: its values are the eager ones, captured.
+        self._hidden = any(backend != compiled.BACKEND_NAME for backend in backends)
+        # fpaudit's compiled modules, whose own eager ops (a graph break) carry their name
+        self._observed_wrappers = sorted(
+            clock.names[id(m)]
+            for m, backend in zip(wrappers, backends, strict=True)
+            if backend == compiled.BACKEND_NAME
+        )
 
     def record_compiled(self, graph: compiled.CompiledGraph, values: Sequence[Any]) -> None:
         """Record the values a compiled backward stored (``fpaudit.capture.compiled``), under the
@@ -66,15 +78,32 @@ class CompiledReceiver:
 
     def note_not_covered(self, line: str) -> None:
         """Note what this audit cannot observe (a compiled backward without the observer)."""
+        self._hidden = True
         if line not in self._not_covered:
             self._not_covered.append(line)
+
+    def note_eager_inside(self, modules: Iterable[str]) -> None:
+        """Note the compiled modules of which a step's backward ran aten ops eagerly
+        (``modules``: every module a step recorded a backward op of, outside a compiled
+        backward): Dynamo left part of their forward to eager (a graph break, or a
+        module it does not trace, as ``nn.LSTM``), and those ops carry the compiled
+        module's name, not their own submodule's (no hook runs inside a compiled module)."""
+        for name in sorted(set(modules) & set(self._observed_wrappers)):
+            shown = repr(name) if name else "the model"
+            line = (
+                f"Dynamo ran part of {shown} eagerly (a graph break, or a module it does not "
+                "trace, as nn.LSTM): those backward ops are recorded under "
+                f"{name or '(root)'}, not their own submodules"
+            )
+            if line not in self._not_covered:  # (captured, not hidden)
+                self._not_covered.append(line)
 
     def info(self) -> dict[str, Any] | None:
         """The report's ``compiled`` metadata; None when nothing of the model is compiled."""
         if not (self._runs or self._not_covered or self._fused_away):
             return None
         return {
-            "inductor": self._inductor or self._runs > 0,
+            "inductor": self._hidden or self._runs > 0,
             "observed_backward_runs": self._runs,
             "fused_away": {m: sorted(ops) for m, ops in sorted(self._fused_away.items())},
             "not_covered": list(self._not_covered),

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fpaudit import __version__
+from fpaudit import __version__, _threads
 from fpaudit._process import Owner
 from fpaudit.cli import commands_report, commands_run, render
 from fpaudit.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, state
@@ -220,9 +220,16 @@ def _interrupted(cause: BaseException | None) -> int:
 
 def main() -> None:
     """Console-script entry point."""
-    code = run()
-    _leave_model_threads(code)
+    if _command_name(sys.argv[1:]) == "run":  # (a script's threads are its own business)
+        sys.exit(run())
+    with _threads.watching():
+        code = run()
+        _leave_model_threads(code)
     sys.exit(code)
+
+
+def _command_name(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def _leave_model_threads(code: int) -> None:
@@ -231,13 +238,7 @@ def _leave_model_threads(code: int) -> None:
     command's output is already complete (the report renamed into place, its summary
     printed), so say so and exit with the command's code. ``fpaudit run`` waits for them
     as ``python script`` would: exiting early would change what the script does."""
-    if next((a for a in state.get("argv", []) if not a.startswith("-")), None) == "run":
-        return
-    left = [
-        t
-        for t in threading.enumerate()
-        if t is not threading.main_thread() and not t.daemon and t.is_alive()
-    ]
+    left = _threads.left_by_model()  # (not torch's compile workers)
     if not left:
         return
     names = ", ".join(sorted(repr(t.name) for t in left)[:3])

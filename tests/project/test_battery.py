@@ -573,6 +573,8 @@ def render(outcomes: list[tuple[Case, Outcome]]) -> str:
         "  ends): the report is written and the summary printed, then one note names the",
         "  thread and fpaudit exits with the command's code instead of waiting forever.",
         "  `fpaudit run` waits for a script's threads, as `python script` does.",
+        "  Threads torch starts (Inductor's compile workers) are torch's, not the model's:",
+        "  no note for them.",
         "- A `meta.json` number past float's range (`steps_run` of 10**400): one line naming",
         "  the field, exit 2, from `show`, `recommend` and `gate`.",
         "- A report directory gets the mode `mkdir` gives under the umask (0755 under 022,",
