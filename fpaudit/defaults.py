@@ -29,3 +29,5 @@ DELAYED_AMAX_COMPUTE_ALGO = "max"  # max or most_recent
 FP16_PLAN_STEPS = 4
 FP16_PLAN_HEADROOM_BITS = 1  # keep amax * S at most 65504 / 2^H
 FP16_PLAN_MAX_UNDERFLOW = 0.001
+
+METRICS_TOP = 8  # dashboard metrics: modules with a series of their own

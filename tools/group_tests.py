@@ -95,6 +95,8 @@ ROOMS = {
     "test_autocast.py": "capture",
     "test_compiled.py": "capture",
     "test_compiled_zoo.py": "capture",
+    "test_metrics.py": "rules",
+    "test_tensorboard.py": "integrations",
     "test_torch_patches.py": "capture",  # capture/_torch_patches.py
     # run/
     "test_batches.py": "run",  # run/modelfile.py

@@ -98,7 +98,7 @@ from fpaudit.capture.recorder import Recorder
 from fpaudit.capture.selection import Selection
 from fpaudit.kernels.blockstats import BlockRecorder
 from fpaudit.numerics.recipes import Recipe, as_recipe
-from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE, ReportBuilder
+from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE, ReportBuilder, StepRecords
 
 if TYPE_CHECKING:
     from fpaudit.report.store import Report
@@ -186,6 +186,8 @@ class Audit:
         )
         self._stack: ExitStack | None = None
         self._step_started = time.perf_counter()
+        self._last_step: tuple[StepRecords, float | None, float] | None = None  # metrics()
+        self._metric_modules: dict[tuple[str, int], list[str]] = {}
         # torch.compile: observed compiled backward runs, ops fused away, what is not covered
         self._compiled = CompiledReceiver(model, self._clock, self._recorder)
 
@@ -316,6 +318,7 @@ class Audit:
         if scale_value is None:
             scale_value = self.loss_scale if loss_scale is None else float(loss_scale)
         self._provenance.clear()
+        self._last_step = (records, loss_value, scale_value)  # (metrics())
         with _signals.deferred():  # a step is recorded whole or not at all
             self._builder.add_step(
                 records,
@@ -355,6 +358,35 @@ class Audit:
     def report(self) -> Report:
         """Everything recorded so far, as a :class:`~fpaudit.report.store.Report`."""
         return self.build_report()
+
+    def metrics(self, fmt: str | None = "fp16", *, top: int = 8) -> dict[str, float]:
+        """The dashboard metrics of the last closed step (names and meanings:
+        :data:`fpaudit.rules.metrics.METRICS`), for users who log them themselves;
+        empty before a step is closed. ``fmt`` None: the format of the dtype the step held
+        its backward values in (bf16 under bf16 autocast), else fp16. It reads that step's
+        records alone (its cost does not grow with the run); the per-module series are the
+        ``top`` modules the first call found losing the most, kept for the run so their
+        names stay. Block-scaled recipes' flush is in the report, not here."""
+        from fpaudit.report.store import Report
+        from fpaudit.rules.metrics import step_metrics, worst_modules
+
+        if self._last_step is None:
+            return {}
+        records, loss, loss_scale = self._last_step
+        builder = ReportBuilder(modules=self._builder.modules, rank=self._builder.rank)
+        index = self._builder.last_index
+        builder.add_step(records, loss=loss, loss_scale=loss_scale, seconds=0.0, index=index)
+        step = Report.from_builder(builder, {})
+        if fmt is None:
+            from fpaudit.report.runinfo import AMP_NAMES
+            from fpaudit.rules.analysis import held_dtype
+
+            fmt = AMP_NAMES.get(held_dtype(step) or "", "fp16")
+        modules = self._metric_modules.setdefault((fmt, top), worst_modules(step, fmt, top))
+        found = step_metrics(step, fmt, modules=modules)
+        if not found:
+            return {}
+        return {**found[-1].values, "fpaudit/skipped_steps": float(self._builder.skipped_steps)}
 
     def step_rows(self) -> dict[str, list[Any]]:
         """The steps table of the captured steps so far, column by column."""

@@ -74,6 +74,7 @@ COMMANDS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = (
     ("plot", commands_report.plot_command, {}),
     ("gate", commands_report.gate_command, {}),
     ("plan", commands_report.plan_command, {}),
+    ("export", commands_report.export_command, {}),
     ("verify", commands_run.verify_command, {}),
     ("fp16-plan", commands_run.fp16_plan_command, {}),
 )

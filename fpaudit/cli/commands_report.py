@@ -28,7 +28,15 @@ from fpaudit.cli.common import (
     verdict,
     with_options,
 )
-from fpaudit.cli.options import GateArgs, PlanArgs, PlotArgs, RecommendArgs, ShowArgs, SimulateArgs
+from fpaudit.cli.options import (
+    ExportArgs,
+    GateArgs,
+    PlanArgs,
+    PlotArgs,
+    RecommendArgs,
+    ShowArgs,
+    SimulateArgs,
+)
 from fpaudit.errors import UsageError
 from fpaudit.numerics.formats import FORMATS, get_format
 from fpaudit.numerics.recipes import RECIPES
@@ -392,3 +400,29 @@ def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
     result = plan(report, list(wanted), options.max_flush, options.max_saturate)
     output = "json" if options.json else "names" if options.names else "table"
     render_blocks.plan(result, output)
+
+
+@with_options(ExportArgs)
+def export_command(report_path: ReportArgument, options: ExportArgs) -> None:
+    """Write a report's dashboard metrics and per-module binade histograms as TensorBoard
+    event files, one point per captured step (tensorboard --logdir DIR shows them).
+
+    Example: fpaudit export report --tensorboard runs/fpaudit --format fp16 --top 8
+    """
+    from fpaudit.integrations.tensorboard import summary_writer, write_report
+    from fpaudit.report.store import Report
+    from fpaudit.rules.summary import reading_format
+
+    if options.tensorboard is None:
+        raise UsageError("export needs --tensorboard DIR")
+    report = Report.read(report_path)
+    render.report_notes(report)
+    fmt = reading_format(report, options.format).name
+    writer = summary_writer(options.tensorboard)  # a missing package fails before writing
+    try:
+        steps = write_report(report, options.tensorboard, fmt, top=options.top, writer=writer)
+    finally:
+        writer.close()
+    render.stdout().print(
+        f"Wrote {steps} step(s) of fpaudit metrics ({fmt}) to {options.tensorboard}"
+    )

@@ -607,9 +607,22 @@ class Fp16PlanArgs(CommandOptions):  # no config file
     json: bool = JSON()
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExportArgs(CommandOptions):  # no config file
+    COMMAND: ClassVar[str] = "export"
+    tensorboard: str | None = Option(
+        help="Write TensorBoard event files to DIR (required)", path=True
+    )()
+    format: str | None = REPORT_FORMAT()
+    top: int = Option(
+        defaults.METRICS_TOP, "Modules with a series of their own: the N losing the most",
+        bounds=AT_LEAST_1,
+    )()  # fmt: skip
+
+
 COMMAND_ARGS: tuple[type[CommandOptions], ...] = (
     ScanArgs, RunArgs, ShowArgs, RecommendArgs, SimulateArgs, PlotArgs, GateArgs, PlanArgs,
-    VerifyArgs, Fp16PlanArgs,
+    VerifyArgs, Fp16PlanArgs, ExportArgs,
 )  # fmt: skip
 
 

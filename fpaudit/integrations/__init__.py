@@ -185,6 +185,13 @@ class AuditSession:
         """The last closed step, until :meth:`mark_optimizer_step` records its outcome."""
         return self._pending
 
+    def metrics(self, top: int) -> dict[str, float]:
+        """The dashboard metrics of the last closed step (:meth:`Audit.metrics`), in the
+        session's first format (default: the dtype the step held its values in, else fp16)."""
+        if self.audit is None:
+            return {}
+        return self.audit.metrics(self.formats[0] if self.formats else None, top=top)
+
     def mark_optimizer_step(self, stepped: bool, skipped: bool = False) -> None:
         """Whether the optimizer stepped after the last closed step, or skipped for inf/NaN."""
         if self.audit is not None and self._pending is not None:

@@ -365,6 +365,11 @@ class ReportBuilder:
             self._steps["optimizer_step"][-1] = stepped
             self._steps["skipped"][-1] = skipped
 
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped (inf/NaN gradients) among the steps closed so far."""
+        return sum(bool(s) for s in self._steps["skipped"])
+
     def step_rows(self) -> dict[str, list[Any]]:
         """The steps table so far, column by column (copies)."""
         return {name: list(values) for name, values in self._steps.items()}

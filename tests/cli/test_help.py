@@ -19,7 +19,10 @@ COMMANDS = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-def
 # Options with no default to show: given or not (None means "not given"), or required.
 # Every option shows its default, a flag too (the switch that is on unless given);
 # only a required option has none.
-REQUIRED = {("plot", "--output"), ("gate", "--max-underflow"), ("verify", "--scale")}
+REQUIRED = {
+    ("plot", "--output"), ("gate", "--max-underflow"), ("verify", "--scale"),
+    ("export", "--tensorboard"),
+}  # fmt: skip
 # Required only in one mode of a command (gate --recipe), or checked by the command itself.
 REQUIRED_WHEN = {("gate", "--max-flush"), ("plan", "--max-flush")}
 

@@ -170,13 +170,15 @@ def test_the_worked_example_is_what_fpaudit_prints(cli, tmp_path: Path, monkeypa
     assert quoted, "README.md quotes no scan output"
     assert scan.stdout.rstrip("\n") == quoted.group(1)
     checked = []
-    for page in (README, COMMAND_PAGES / "gate.md", COMMAND_PAGES / "show.md"):
+    for page in (README, *(COMMAND_PAGES / f"{name}.md" for name in ("gate", "show", "export"))):
         for args, output in transcripts(page):
             if args[:1] == ["fpaudit"] and args[2:3] == ["fpaudit-report"]:
                 done = cli(*args[1:])
                 assert done.stdout.rstrip("\n") == output, (page.name, args)
                 checked.append((page.name, args[1]))
-    assert sorted(set(checked)) == [("README.md", "gate"), ("gate.md", "gate"), ("show.md", "show")]
+    assert sorted(set(checked)) == [
+        ("README.md", "gate"), ("export.md", "export"), ("gate.md", "gate"), ("show.md", "show")
+    ]  # fmt: skip
 
 
 def test_the_verify_page_quotes_what_fpaudit_prints(cli, monkeypatch) -> None:
@@ -194,3 +196,11 @@ def test_the_formats_and_recipes_pages_quote_what_fpaudit_prints(cli) -> None:
     assert printed == recipes[1]
     # formats prints its own table and note, then the recipes table (the page says so)
     assert cli("formats").stdout.rstrip("\n") == f"{formats[1]}\n{printed}"
+
+
+def test_the_export_page_lists_every_metric_as_declared() -> None:
+    from fpaudit.rules.metrics import METRICS
+
+    page = (COMMAND_PAGES / "export.md").read_text()
+    rows = re.findall(r"^\| `(fpaudit/[^`]+)` \| (.+) \|$", page, re.M)
+    assert rows == [(m.name, m.meaning) for m in METRICS]
