@@ -12,6 +12,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -28,10 +29,27 @@ from fpaudit.cli.common import (
     verdict,
     with_options,
 )
-from fpaudit.cli.options import GateArgs, PlanArgs, PlotArgs, RecommendArgs, ShowArgs, SimulateArgs
+from fpaudit.cli.options import (
+    DiffArgs,
+    GateArgs,
+    PlanArgs,
+    PlotArgs,
+    RecommendArgs,
+    ShowArgs,
+    SimulateArgs,
+)
 from fpaudit.errors import UsageError
 from fpaudit.numerics.formats import FORMATS, get_format
 from fpaudit.numerics.recipes import RECIPES
+
+if TYPE_CHECKING:
+    from fpaudit.report.store import Report
+
+BaseArgument = Annotated[
+    Path, typer.Argument(help="The report to compare against (what main measured).",
+                         show_default=False),
+]  # fmt: skip
+NewArgument = Annotated[Path, typer.Argument(help="The report of the change.", show_default=False)]
 
 
 def formats_command(json_output: JsonOption = None) -> None:
@@ -320,14 +338,16 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
     if options.recipe is not None or options.max_flush is not None:
         _gate_blocks(report_path, options)
     limit = options.max_underflow
-    if limit is None:
+    if limit is None and options.baseline is None and options.max_increase is None:
         raise UsageError(
-            "gate needs --max-underflow FRACTION (for example 0.001), or max_underflow in --config"
+            "gate needs --max-underflow FRACTION (for example 0.001), --baseline BASE with "
+            "--max-increase FRACTION, or max_underflow in --config"
         )
     log2_scale = scale(options.scale)
     if options.junit is not None:
         outside_report(Path(options.junit), report_path, "--junit")
     report = Report.read(report_path)
+    baseline = _baseline(options.baseline, report_path)
     render.report_notes(report, incomplete=False)  # the verdict says if it is incomplete
     fmt = reading_format(report, options.format)
     headroom = from_report(options, "headroom_bits", report)
@@ -336,7 +356,7 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
         report, fmt, limit, log2_scale=log2_scale, per_module=options.per_module,
         headroom_bits=headroom, include_loss=include, allow_incomplete=options.allow_incomplete,
         allow_nonfinite=options.allow_nonfinite, fail_unscalable=options.fail_unscalable,
-        allow_errors=options.allow_errors,
+        allow_errors=options.allow_errors, baseline=baseline, max_increase=options.max_increase,
     )  # fmt: skip
     if options.junit is not None:
         from fpaudit.cli import ci
@@ -355,6 +375,21 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
         for line in ci.github_annotations(result, report_path=str(report_path)):
             stream.write(line + "\n")
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+
+
+def _baseline(path: str | None, report_path: Path) -> Report | None:
+    """gate --baseline: the report to gate against, read (not the report itself)."""
+    from fpaudit.errors import ReportError
+    from fpaudit.report.store import Report
+
+    if path is None:
+        return None
+    if Path(path).resolve() == report_path.resolve():
+        raise UsageError(f"--baseline {path} is the report being gated; name the baseline's report")
+    try:
+        return Report.read(path)
+    except ReportError as error:
+        raise ReportError(f"--baseline: {error.as_flag()}") from None
 
 
 def _gate_blocks(report_path: Path, options: GateArgs) -> None:
@@ -392,3 +427,29 @@ def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
     result = plan(report, list(wanted), options.max_flush, options.max_saturate)
     output = "json" if options.json else "names" if options.names else "table"
     render_blocks.plan(result, output)
+
+
+@with_options(DiffArgs)
+def diff_command(base: BaseArgument, new: NewArgument, options: DiffArgs) -> None:
+    """Compare two reports in one format at one scale, per module (or op): underflow and
+    overflow in each, their change, the move of amax; the largest rise of underflow first.
+
+    Example: fpaudit diff main-report pr-report --format fp16 --by op --json
+    """
+    from fpaudit.report.store import Report
+    from fpaudit.rules.comparison import compare
+
+    log2_scale = scale(options.scale)
+    if base.resolve() == new.resolve():
+        raise UsageError(f"BASE and NEW are the same report ({new}); compare two reports")
+    base_report, new_report = Report.read(base), Report.read(new)
+    for report in (base_report, new_report):
+        render.report_notes(report)
+    result = compare(
+        base_report, new_report, options.format, log2_scale=log2_scale, by=options.by,
+        sort=options.sort, headroom_bits=options.headroom_bits, include_loss=options.include_loss,
+    )  # fmt: skip
+    if options.json:
+        render.print_json(result.to_dict())
+    else:
+        render.comparison(result)
