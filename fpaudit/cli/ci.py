@@ -283,17 +283,7 @@ def junit_xml(
     root = ET.Element("testsuites", {"name": _xml_text(suite_name), **counts})
     suite = _sub(root, "testsuite", name=suite_name, **counts)
     properties = _sub(suite, "properties")
-    for key, value in (
-        ("format", result.format),
-        ("scale", scale_text(result.log2_scale)),
-        ("log2_scale", str(result.log2_scale)),
-        ("scale_source", result.scale_source),
-        *_limits(result),
-        ("mode", "per-module" if result.per_module else "overall"),
-        ("report", report_path),
-        ("complete", "true" if result.complete else "false"),
-        ("passed", "true" if result.passed else "false"),
-    ):
+    for key, value in _properties(result, report_path):
         _sub(properties, "property", name=key, value=value)
     for name, system_out in cases:
         case = _sub(suite, "testcase", classname=classname, name=name, time="0")
@@ -304,6 +294,21 @@ def junit_xml(
             _sub(case, "system-out", system_out)
     ET.indent(root, space="  ")
     return XML_DECLARATION + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def _properties(result: GateResult, report_path: str) -> list[tuple[str, str]]:
+    """The suite's properties: the gate's format, scale, limits, mode and verdict."""
+    return [
+        ("format", result.format),
+        ("scale", scale_text(result.log2_scale)),
+        ("log2_scale", str(result.log2_scale)),
+        ("scale_source", result.scale_source),
+        *_limits(result),
+        ("mode", "per-module" if result.per_module else "overall"),
+        ("report", report_path),
+        ("complete", "true" if result.complete else "false"),
+        ("passed", "true" if result.passed else "false"),
+    ]
 
 
 def _rows(modules: pd.DataFrame) -> Iterable[dict[str, Any]]:

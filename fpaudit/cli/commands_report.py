@@ -1,5 +1,6 @@
 """The commands that read a report (``show``, ``recommend``, ``simulate``, ``plot``,
-``gate``, ``plan``) and those that list what fpaudit knows (``formats``, ``recipes``).
+``gate``, ``plan``; ``diff`` reads two) and those that list what fpaudit knows
+(``formats``, ``recipes``).
 
 Each reads the report, calls one library function for its view (most in
 :mod:`fpaudit.rules.summary`) and renders it: a table, or with ``--json`` its
@@ -445,6 +446,9 @@ def diff_command(base: BaseArgument, new: NewArgument, options: DiffArgs) -> Non
     base_report, new_report = Report.read(base), Report.read(new)
     for report in (base_report, new_report):
         render.report_notes(report)
+    if options.recipe is not None:
+        _diff_blocks(base_report, new_report, options)
+        return
     result = compare(
         base_report, new_report, options.format, log2_scale=log2_scale, by=options.by,
         sort=options.sort, headroom_bits=options.headroom_bits, include_loss=options.include_loss,
@@ -453,3 +457,20 @@ def diff_command(base: BaseArgument, new: NewArgument, options: DiffArgs) -> Non
         render.print_json(result.to_dict())
     else:
         render.comparison(result)
+
+
+def _diff_blocks(base: Report, new: Report, options: DiffArgs) -> None:
+    """diff --recipe R: the flushed and saturated fractions of R per module."""
+    from fpaudit.rules.comparison import compare_blocks
+
+    for name in ("format", "scale", "by", "sort", "headroom_bits", "include_loss"):
+        if name in options.flagged:
+            flag = specs.spec("diff", name).flag
+            raise UsageError(
+                f"{flag} does not apply to --recipe (per module, at each block's scale)"
+            )
+    result = compare_blocks(base, new, str(options.recipe))
+    if options.json:
+        render.print_json(result.to_dict())
+    else:
+        render_blocks.block_comparison(result)

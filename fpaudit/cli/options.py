@@ -604,6 +604,11 @@ class DiffArgs(CommandOptions):  # no config file
         shown="each report's own", bounds=Bounds(minimum=0, maximum=MAX_HEADROOM_BITS),
     )()  # fmt: skip
     include_loss: bool = flag("Let the loss seed and <loss> ops count", default=False)()
+    recipe: str | None = Option(
+        help="Diff this block-scaled recipe's flushed and saturated fractions per module "
+        "instead (both reports scanned with it)",
+        shown="none: the underflow table",
+    )()
     json: bool = JSON()
 
 

@@ -383,14 +383,14 @@ def gate(result: GateResult) -> None:
 
 
 # -- diff ------------------------------------------------------------------
-def _change_text(change: float | None) -> str:
+def change_text(change: float | None) -> str:
     """A change of a fraction in percentage points: ``+5.19%``, ``-0.0123%``, ``0%``."""
     if change is None:
         return "-"
     return ("+" if change > 0 else "-" if change < 0 else "") + percent(abs(change))
 
 
-def _fraction_text(fraction: float | None) -> str:
+def fraction_text(fraction: float | None) -> str:
     return "-" if fraction is None else percent(fraction)
 
 
@@ -401,10 +401,10 @@ def comparison_summary(result: Comparison) -> str:
     binades = "" if moved is None else f" ({moved:+d} binades)"
     return (
         f"{result.format} at S = {scale_text(result.log2_scale)} ({result.scale_source}): "
-        f"underflow {_fraction_text(overall.base_underflow)} -> "
-        f"{_fraction_text(overall.new_underflow)} ({_change_text(overall.underflow_change)}), "
-        f"overflow {_fraction_text(overall.base_overflow)} -> "
-        f"{_fraction_text(overall.new_overflow)}; recommended S "
+        f"underflow {fraction_text(overall.base_underflow)} -> "
+        f"{fraction_text(overall.new_underflow)} ({change_text(overall.underflow_change)}), "
+        f"overflow {fraction_text(overall.base_overflow)} -> "
+        f"{fraction_text(overall.new_overflow)}; recommended S "
         f"{power_text(result.base_recommended)} -> {power_text(result.new_recommended)}"
         f"{binades}; steps: BASE {result.base_steps}, NEW {result.new_steps}."
     )
@@ -430,7 +430,7 @@ def comparison(result: Comparison) -> None:
     columns = ("BASE under", "NEW under", "change", "BASE over", "NEW over", "amax moved",
                "BASE values", "NEW values")  # fmt: skip
     for name in columns:  # numbers never truncate; module names give way
-        grid.add_column(name, justify="right", no_wrap=True, min_width=len(name))
+        grid.add_column(name, justify="right", no_wrap=True, min_width=max(len(name), 8))
     for row in result.rows:
         first = [module_label(row.module)]
         if result.by == "op":
@@ -438,11 +438,11 @@ def comparison(result: Comparison) -> None:
         alone = {"base": "only in BASE", "new": "only in NEW"}.get(row.present)
         moved = row.amax_change_binades
         cells = [
-            _fraction_text(row.base_underflow),
-            _fraction_text(row.new_underflow),
-            alone or _change_text(row.underflow_change),
-            _fraction_text(row.base_overflow),
-            _fraction_text(row.new_overflow),
+            fraction_text(row.base_underflow),
+            fraction_text(row.new_underflow),
+            alone or change_text(row.underflow_change),
+            fraction_text(row.base_overflow),
+            fraction_text(row.new_overflow),
             "-" if moved is None else f"{moved:+d}",
             "-" if row.base_nonzero is None else count(row.base_nonzero),
             "-" if row.new_nonzero is None else count(row.new_nonzero),

@@ -25,8 +25,9 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from fpaudit.errors import UsageError
+from fpaudit.errors import Named, UsageError
 from fpaudit.numerics.formats import Format, get_format
+from fpaudit.report.records import LOSS_MODULE
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis
 from fpaudit.rules.recommendation import recommend
@@ -149,7 +150,9 @@ def common_format(base: Report, new: Report, name: str | None = None) -> Format:
     if not shared:
         raise UsageError(
             f"no common format: BASE was summarised in {', '.join(base_formats)}, NEW in "
-            f"{', '.join(new_formats)}; pass --format F to read both in F"
+            f"{', '.join(new_formats)}; pass ",
+            Named("format"),
+            " F to read both in F",
         )
     return get_format(shared[0])
 
@@ -351,3 +354,125 @@ def _sorted(rows: list[Change], sort: str) -> list[Change]:
         return abs(row.amax_change_binades or 0)
 
     return sorted(compared, key=size, reverse=True) + alone
+
+
+# -- block-scaled recipes (diff --recipe) ----------------------------------------------
+@dataclass(frozen=True)
+class BlockChange:
+    """One module's flushed and saturated fractions of a recipe in both reports (or one:
+    the other's are ``None``), of each report's own nonzero values."""
+
+    module: str
+    present: str  # BOTH, BASE_ONLY or NEW_ONLY
+    base_flush: float | None
+    new_flush: float | None
+    flush_change: float | None
+    base_saturate: float | None
+    new_saturate: float | None
+    saturate_change: float | None
+    base_nonzero: int | None
+    new_nonzero: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BlockComparison:
+    """``diff --recipe``: each module's change of ``recipe``'s flushed fraction, the
+    largest rise first, then the modules of one report only."""
+
+    recipe: str
+    base_report: str
+    new_report: str
+    base_steps: int
+    new_steps: int
+    overall: BlockChange
+    rows: tuple[BlockChange, ...]
+    notes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe,
+            "base": {"report": self.base_report, "steps": self.base_steps},
+            "new": {"report": self.new_report, "steps": self.new_steps},
+            "notes": list(self.notes),
+            "overall": self.overall.to_dict(),
+            "modules": [change.to_dict() for change in self.rows],
+        }
+
+
+def compare_blocks(base: Report, new: Report, recipe: str) -> BlockComparison:
+    """BASE's and NEW's block statistics of ``recipe`` per module (backward values,
+    ``<loss>`` left out, as ``gate --recipe`` judges them); both reports must hold it."""
+    from fpaudit.rules.blockplan import block_table
+
+    why = refusal(base, new)
+    if why is not None:
+        raise UsageError(why)
+    lacking = [name for name, report in (("BASE", base), ("NEW", new))
+               if recipe not in report.recipes]  # fmt: skip
+    if lacking:
+        held = "; ".join(f"{name}: {', '.join(r.recipes) or 'none'}"
+                         for name, r in (("BASE", base), ("NEW", new)))  # fmt: skip
+        raise UsageError(
+            f"{' and '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no block "
+            f"statistics of {recipe} (recipes {held}); scan both with ",
+            Named("recipe", recipe),
+        )
+    tables = []
+    for report in (base, new):
+        table = block_table(report, recipe)
+        tables.append(table[table["module"] != LOSS_MODULE].to_dict(orient="records"))
+    in_base = {str(row["module"]): row for row in tables[0]}
+    in_new = {str(row["module"]): row for row in tables[1]}
+    rows = [_block_change(in_base.get(str(row["module"])), row) for row in tables[1]]
+    rows += [_block_change(row, None) for row in tables[0] if str(row["module"]) not in in_new]
+    compared = sorted((r for r in rows if r.present == BOTH),
+                      key=lambda r: r.flush_change or 0.0, reverse=True)  # fmt: skip
+    totals = [_block_total(table) for table in tables]
+    return BlockComparison(
+        recipe=recipe,
+        base_report=str(base.path or ""),
+        new_report=str(new.path or ""),
+        base_steps=_steps(base),
+        new_steps=_steps(new),
+        overall=replace(_block_change(*totals), module=OVERALL),
+        rows=tuple(compared + [r for r in rows if r.present != BOTH]),
+        notes=notes(base, new),
+    )
+
+
+def _block_total(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    total: dict[str, Any] = {"module": OVERALL}
+    for column in ("flushed", "saturated", "nonzero"):
+        total[column] = sum(row[column] for row in rows)
+    nonzero = total["nonzero"]
+    total["flush_fraction"] = total["flushed"] / nonzero if nonzero else 0.0
+    total["saturate_fraction"] = total["saturated"] / nonzero if nonzero else 0.0
+    return total
+
+
+def _block_change(base_row: dict[str, Any] | None, new_row: dict[str, Any] | None) -> BlockChange:
+    named = new_row if new_row is not None else base_row
+    assert named is not None
+    both = base_row is not None and new_row is not None
+
+    def value(row: dict[str, Any] | None, column: str) -> Any:
+        return None if row is None else row[column]
+
+    flush = (value(base_row, "flush_fraction"), value(new_row, "flush_fraction"))
+    saturate = (value(base_row, "saturate_fraction"), value(new_row, "saturate_fraction"))
+    nonzero = (value(base_row, "nonzero"), value(new_row, "nonzero"))
+    return BlockChange(
+        module=str(named["module"]),
+        present=BOTH if both else BASE_ONLY if new_row is None else NEW_ONLY,
+        base_flush=None if flush[0] is None else float(flush[0]),
+        new_flush=None if flush[1] is None else float(flush[1]),
+        flush_change=float(flush[1] - flush[0]) if both else None,
+        base_saturate=None if saturate[0] is None else float(saturate[0]),
+        new_saturate=None if saturate[1] is None else float(saturate[1]),
+        saturate_change=float(saturate[1] - saturate[0]) if both else None,
+        base_nonzero=None if nonzero[0] is None else int(nonzero[0]),
+        new_nonzero=None if nonzero[1] is None else int(nonzero[1]),
+    )

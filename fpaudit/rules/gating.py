@@ -211,28 +211,17 @@ def gate(
     overall = analysis.totals(report, fmt, log2_scale, scope=scope)
     where = f"{fmt.name} at S = {scale_text(log2_scale)} ({scale_source})"
 
-    failures: list[Failure] = []
-    offenders: list[Offender] = []
-    if max_underflow is not None:
-        failures, offenders = _range_failures(
-            report, fmt, log2_scale, scope, overall, per_module, max_underflow, fail_unscalable,
-            where,
-        )  # fmt: skip
-    compared = regressions = None
-    if baseline is not None and max_increase is not None:
-        compared = comparison.compare(
-            baseline, report, fmt, log2_scale=log2_scale, headroom_bits=headroom_bits,
-            include_loss=include_loss,
-        )  # fmt: skip
-        regressions = _regressions(compared, per_module, max_increase)
-        failures += [_regression_failure(change, max_increase, where) for change in regressions]
+    failures, offenders = _range_failures(
+        report, fmt, log2_scale, scope, overall, per_module, max_underflow, fail_unscalable, where
+    )
+    compared = None if baseline is None else comparison.compare(
+        baseline, report, fmt, log2_scale=log2_scale, headroom_bits=headroom_bits,
+        include_loss=include_loss,
+    )  # fmt: skip
+    regressions = _regressions(compared, per_module, max_increase)
+    failures += [_regression_failure(change, max_increase or 0.0, where) for change in regressions]
     evidence = _all_evidence(report, scope, overall, allow_nonfinite, include_loss)
-    failures += evidence.failures
-    if not report.complete and not allow_incomplete:
-        failures.append(_INCOMPLETE_FAILURE)
-    errors = [finding for finding in report.info.findings if finding.severity == "error"]
-    if not allow_errors:
-        failures += [_finding_failure(item) for item in errors]
+    failures += evidence.failures + _run_failures(report, allow_incomplete, allow_errors)
     if baseline is not None:
         failures += _baseline_failures(baseline, fmt, log2_scale, allow_nonfinite, include_loss,
                                        allow_incomplete, allow_errors)  # fmt: skip
@@ -261,12 +250,12 @@ def gate(
         unscalable_underflow=int(overall["unscalable_underflow"]),
         unscalable_overflow=int(overall["unscalable_overflow"]),
         fail_unscalable=fail_unscalable,
-        error_findings=errors,
+        error_findings=_errors(report),
         errors_allowed=allow_errors,
         baseline=None if baseline is None else str(baseline.path or ""),
         max_increase=max_increase,
         baseline_overall=None if compared is None else compared.overall,
-        regressions=regressions or [],
+        regressions=regressions,
         failures=failures,
     )
 
@@ -327,20 +316,35 @@ def _baseline_failures(
     scope = analysis.default_scope(baseline, include_loss)
     overall = analysis.totals(baseline, fmt, log2_scale, scope=scope)
     found = _all_evidence(baseline, scope, overall, allow_nonfinite, include_loss).failures
-    if not baseline.complete and not allow_incomplete:
-        found.append(_INCOMPLETE_FAILURE)
-    if not allow_errors:
-        errors = [finding for finding in baseline.info.findings if finding.severity == "error"]
-        found += [_finding_failure(item) for item in errors]
+    found += _run_failures(baseline, allow_incomplete, allow_errors)
     return [
         Failure(BASELINE, failure.kinds, Wording("the baseline: ", *failure.wording.parts))
         for failure in found
     ]
 
 
-def _regressions(compared: comparison.Comparison, per_module: bool, limit: float) -> list[Change]:
+def _errors(report: Report) -> list[Finding]:
+    """The run's error findings (``fpaudit run``'s misuse rules of severity ``error``)."""
+    return [finding for finding in report.info.findings if finding.severity == "error"]
+
+
+def _run_failures(report: Report, allow_incomplete: bool, allow_errors: bool) -> list[Failure]:
+    """An interrupted run (unless allowed), then one failure per error finding (unless
+    allowed)."""
+    failures = [] if report.complete or allow_incomplete else [_INCOMPLETE_FAILURE]
+    if not allow_errors:
+        failures += [_finding_failure(item) for item in _errors(report)]
+    return failures
+
+
+def _regressions(
+    compared: comparison.Comparison | None, per_module: bool, limit: float | None
+) -> list[Change]:
     """The modules (with ``per_module``; those in both reports) and the whole model whose
-    underflow rose by more than ``limit`` or that overflow where the baseline did not."""
+    underflow rose by more than ``limit`` or that overflow where the baseline did not
+    (none without a baseline)."""
+    if compared is None or limit is None:
+        return []
     rows = [row for row in compared.rows if row.present == comparison.BOTH] if per_module else []
     return [change for change in [*rows, compared.overall] if _regressed(change, limit)]
 
@@ -379,13 +383,16 @@ def _range_failures(
     scope: analysis.Scope,
     overall: dict[str, Any],
     per_module: bool,
-    max_underflow: float,
+    max_underflow: float | None,
     fail_unscalable: bool,
     where: str,
 ) -> tuple[list[Failure], list[Offender]]:
-    """The underflow/overflow failures (each module's, then the overall one) and offenders."""
+    """The underflow/overflow failures (each module's, then the overall one) and offenders;
+    none without ``max_underflow`` (a gate against a baseline alone)."""
     failures: list[Failure] = []
     offenders: list[Offender] = []
+    if max_underflow is None:
+        return failures, offenders
     if per_module:
         for row in analysis.module_table(report, fmt, log2_scale, scope=scope).itertuples():
             numbers = row._asdict()

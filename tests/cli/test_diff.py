@@ -12,6 +12,9 @@ x is exactly a power of two (mantissa class 0).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -20,7 +23,8 @@ import pytest
 
 from fpaudit.report.store import Report
 
-from ..conftest import MODELS, one_error_line
+from ..conftest import MODELS, ROOT, one_error_line
+from ..project.test_docs import COMMAND_PAGES, PORTABLE_NUMERICS, transcripts
 
 MODEL = MODELS / "residual_shrink.py"
 FORMAT = "fp8_e5m2"
@@ -30,16 +34,20 @@ SHRUNK = ("blocks.1", "blocks.1.linear")  # the block whose output NEW multiplie
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """BASE, BASE2 (the same scan again) and NEW (FPAUDIT_SHRINK=12), 2 steps each."""
-    from fpaudit.cli.commands import run
-
+    """BASE (``main``), BASE2 (``main2``, the same scan again) and NEW (``pr``,
+    FPAUDIT_SHRINK=12), 2 steps each, scanned as docs/commands/diff.md's are: in a process
+    of their own, under PORTABLE_NUMERICS (the pages quote these reports)."""
     root = tmp_path_factory.mktemp("pair")
     out = {}
-    with pytest.MonkeyPatch.context() as patch:
-        for name, shrink in (("base", "0"), ("base2", "0"), ("new", "12")):
-            patch.setenv("FPAUDIT_SHRINK", shrink)
-            out[name] = root / name
-            assert run(["scan", str(MODEL), "--steps", "2", "--out", str(out[name])]) == 0
+    for name, folder, shrink in (("base", "main", "0"), ("base2", "main2", "0"),
+                                 ("new", "pr", "12")):  # fmt: skip
+        env = {**os.environ, **PORTABLE_NUMERICS, "PYTHONPATH": str(ROOT),
+               "FPAUDIT_SHRINK": shrink}  # fmt: skip
+        command = [sys.executable, "-m", "fpaudit", "scan", str(MODEL), "--steps", "2"]
+        done = subprocess.run([*command, "--out", folder], cwd=root, env=env,
+                              capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        out[name] = root / folder
     return out
 
 
@@ -158,25 +166,6 @@ def test_diff_by_op_and_a_given_scale(cli, pair: dict[str, Path]) -> None:
     assert ops["modules"][0]["module"] in SHRUNK
 
 
-def test_a_module_in_one_report_only_is_a_row_of_its_own(tmp_path: Path) -> None:
-    import torch
-
-    from fpaudit.rules.comparison import compare
-
-    from ..reports import report_from
-
-    # a: 4 of 8 values at 2**-30 (under fp16's edge 2**-25 at S = 1), 4 at 1.0 -> 0.5
-    a = torch.tensor([2.0**-30] * 4 + [1.0] * 4)
-    base = report_from({"a": a, "old": torch.ones(8)})
-    new = report_from({"a": torch.ones(8), "renamed": torch.ones(8)})
-    result = compare(base, new, "fp16", log2_scale=0)
-    rows = {row.module: row for row in result.rows}
-    assert rows["a"].underflow_change == 0.0 - 0.5  # 0 of 8 underflow in NEW
-    assert rows["renamed"].present == "new" and rows["renamed"].base_underflow is None
-    assert rows["old"].present == "base" and rows["old"].underflow_change is None
-    assert [row.module for row in result.rows][-2:] == ["renamed", "old"]  # one-sided last
-
-
 def test_bad_input_is_one_line(cli, pair: dict[str, Path], tmp_path: Path) -> None:
     new = pair["new"]
     cases = {
@@ -202,3 +191,18 @@ def test_a_baseline_that_measured_nothing_fails_the_gate(cli, pair, tmp_path: Pa
     result = cli("gate", pair["new"], "--baseline", tmp_path / "empty", "--max-increase", "1")
     assert result.code == 1
     assert "  the baseline: measured nothing" in result.stdout
+
+
+def test_the_diff_and_gate_pages_quote_what_fpaudit_prints(
+    cli, pair: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(pair["new"].parent)  # the pages name the reports main and pr
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
+    checked = []
+    for page in ("diff", "gate"):
+        for args, output in transcripts(COMMAND_PAGES / f"{page}.md"):
+            if "pr" in args[2:4]:  # gate's other transcripts quote other reports
+                assert cli(*args[1:]).stdout.rstrip("\n") == output, args
+                checked.append((page, args[1]))
+    assert checked == [("diff", "diff"), ("gate", "gate"), ("gate", "gate")]

@@ -4,8 +4,11 @@ by 2**-K in forward (the multiplication is the block's own op in both versions: 
 ``x = x + block(x)``: the gradient reaching block 1's output is the one arriving at the
 sum, so block 1's own backward values (its mul, tanh and linear ops, its parameter
 gradients) are those of the model without the factor times exactly 2**-K (a power of two
-scales fp32 values exactly), K binades down. The residual path carries the gradient past
-it unchanged; the other modules move only as far as their forward inputs do.
+scales fp32 values exactly), K binades down; but one: the sum where the gradient of the
+block's input joins the residual path's (an aten.add autograd records under
+blocks.1.linear) is mostly the residual's, and moves little. The residual path carries the
+gradient past the block unchanged; the other modules move only as far as their forward
+inputs do.
 tests/rules/test_comparison.py scans it with K = 0 and K = 12 and diffs the two.
 """
 
