@@ -400,6 +400,11 @@ def _gate_blocks(report_path: Path, options: GateArgs) -> None:
 
     if options.recipe is None or options.max_flush is None:
         raise UsageError("a block gate needs both --recipe R and --max-flush FRACTION")
+    if options.baseline is not None or options.max_increase is not None:
+        raise UsageError(
+            "--baseline does not apply to a block gate (--recipe): compare block statistics "
+            "with `fpaudit diff BASE NEW --recipe R`"
+        )
     report = Report.read(report_path)
     render.report_notes(report)
     result = block_gate(report, options.recipe, options.max_flush, options.max_saturate)

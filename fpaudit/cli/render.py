@@ -418,6 +418,16 @@ def comparison(result: Comparison) -> None:
     """diff: the summary line, one note per difference, then the table of rows."""
     console = stdout()
     console.print(comparison_summary(result))
+    run = result.run
+    if run is not None:
+        ranges = [f"{power(low)}..{power(high)}" for low, high in
+                  (run.base_loss_scale, run.new_loss_scale)]  # fmt: skip
+        console.print(
+            f"run: skipped {count(run.base_skipped)} of {count(run.base_steps)} steps after "
+            f"calibration ({percent(run.base_skip_rate)}) -> {count(run.new_skipped)} of "
+            f"{count(run.new_steps)} ({percent(run.new_skip_rate)}); loss scale {ranges[0]} -> "
+            f"{ranges[1]}."
+        )
     for note in result.notes:
         console.print(f"note: {note}")
     by = "module" if result.by == "module" else "module and op"

@@ -75,6 +75,55 @@ class Change:
 
 
 @dataclass(frozen=True)
+class RunChange:
+    """Two ``fpaudit run`` reports' loss scalers: the skip rate after calibration (the
+    leading skips of a fresh dynamic scaler backing off are expected; see
+    :func:`fpaudit.rules.findings.skip_statistics`) and the range of the loss scale."""
+
+    base_skipped: int  # skipped steps after calibration
+    new_skipped: int
+    base_steps: int  # steps after calibration
+    new_steps: int
+    base_skip_rate: float
+    new_skip_rate: float
+    skip_rate_change: float
+    base_loss_scale: tuple[float, float]  # (smallest, largest) scale in force
+    new_loss_scale: tuple[float, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["base_loss_scale"], data["new_loss_scale"] = (
+            list(self.base_loss_scale), list(self.new_loss_scale))  # fmt: skip
+        return data
+
+
+def run_change(base: Report, new: Report) -> RunChange | None:
+    """The scalers' change between two ``fpaudit run`` reports; None unless both are."""
+    from fpaudit.rules.findings import skip_statistics
+
+    if base.info.command != "run" or new.info.command != "run":
+        return None
+    stats, scales = [], []
+    for report in (base, new):
+        steps = report.steps[report.steps["rank"] == report.steps["rank"].min()]
+        stats.append(skip_statistics(steps["skipped"].to_numpy(dtype=bool)))
+        scale = steps["loss_scale"]
+        scales.append((float(scale.min()), float(scale.max())) if len(scale) else (1.0, 1.0))
+    rates = [each["skip_rate_after_calibration"] for each in stats]
+    return RunChange(
+        base_skipped=stats[0]["skipped_after_calibration"],
+        new_skipped=stats[1]["skipped_after_calibration"],
+        base_steps=stats[0]["steps_after_calibration"],
+        new_steps=stats[1]["steps_after_calibration"],
+        base_skip_rate=rates[0],
+        new_skip_rate=rates[1],
+        skip_rate_change=rates[1] - rates[0],
+        base_loss_scale=scales[0],
+        new_loss_scale=scales[1],
+    )
+
+
+@dataclass(frozen=True)
 class Comparison:
     """:func:`compare`'s answer: the summary (the whole model's change, each report's
     recommended scale and steps), the notes on what differs, and the rows in ``sort``'s
@@ -94,6 +143,7 @@ class Comparison:
     overall: Change
     rows: tuple[Change, ...]
     notes: tuple[str, ...]
+    run: RunChange | None = None  # two fpaudit run reports: their scalers
 
     @property
     def scale(self) -> float:
@@ -134,6 +184,7 @@ class Comparison:
             "recommended_change_binades": self.recommended_change,
             "notes": list(self.notes),
             "overall": self.overall.to_dict(),
+            "run": self.run.to_dict() if self.run is not None else None,
             "modules": [change.to_dict(self.by) for change in self.rows],
         }
 
@@ -261,6 +312,7 @@ def compare(
         overall=replace(_change(totals[0], totals[1]), module=OVERALL),
         rows=tuple(_sorted(rows, sort)),
         notes=notes(base, new),
+        run=run_change(base, new),
     )
 
 

@@ -177,6 +177,18 @@ def test_bad_input_is_one_line(cli, pair: dict[str, Path], tmp_path: Path) -> No
         "needs --baseline": ("gate", new, "--max-increase", "0.1"),
         "same report (": ("diff", new, new),
         "does not exist": ("diff", tmp_path / "nothing", new),
+        "does not apply to a block gate": (
+            "gate",
+            new,
+            "--baseline",
+            pair["base"],
+            "--max-increase",
+            "0.1",
+            "--recipe",
+            "mxfp4",
+            "--max-flush",
+            "0.1",
+        ),
     }
     for named, args in cases.items():
         assert named in one_error_line(cli(*args)), args

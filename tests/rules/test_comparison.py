@@ -66,3 +66,24 @@ def test_refusals_and_notes() -> None:
     new.update_info(compiled={"inductor": True})
     with pytest.raises(UsageError, match="NEW is a compiled report"):
         compare(base, new, "fp16")
+
+
+def test_two_run_reports_diff_their_skip_rates_and_loss_scale_ranges() -> None:
+    base = report_from({"a": torch.ones(8)}, steps=4)
+    new = report_from({"a": torch.ones(8)}, steps=4)
+    assert compare(base, new, "fp16").run is None  # scans: no scaler to compare
+    for report, skipped, scales in (
+        (base, [False, True, False, False], [2.0**16, 2.0**15, 2.0**15, 2.0**15]),
+        (new, [True, False, True, True], [2.0**16, 2.0**15, 2.0**15, 2.0**14]),
+    ):
+        report.update_info(command="run")
+        report.steps["skipped"] = skipped
+        report.steps["loss_scale"] = scales
+    run = compare(base, new, "fp16").run
+    assert run is not None
+    # BASE: no calibration skip (step 0 not skipped): 1 of 4 -> 0.25. NEW: step 0's skip is
+    # calibration (the leading run of skips), then 2 of the 3 steps after it -> 2/3.
+    assert (run.base_skipped, run.base_steps, run.base_skip_rate) == (1, 4, 0.25)
+    assert (run.new_skipped, run.new_steps, run.new_skip_rate) == (2, 3, 2 / 3)
+    assert run.skip_rate_change == 2 / 3 - 0.25
+    assert run.base_loss_scale == (2.0**15, 2.0**16) and run.new_loss_scale == (2.0**14, 2.0**16)
