@@ -50,6 +50,11 @@ BaseArgument = Annotated[
     Path, typer.Argument(help="The report to compare against (what main measured).",
                          show_default=False),
 ]  # fmt: skip
+NewOptionalArgument = Annotated[
+    Path | None,
+    typer.Argument(help="plot BASE NEW: a second report, drawn against the first.",
+                   show_default=False),
+]  # fmt: skip
 NewArgument = Annotated[Path, typer.Argument(help="The report of the change.", show_default=False)]
 
 
@@ -292,11 +297,14 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
 
 
 @with_options(PlotArgs)
-def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
+def plot_command(
+    report_path: ReportArgument, new: NewOptionalArgument = None, *, options: PlotArgs
+) -> None:
     """Draw a report: value histogram against the format's bands, modules x binades, scale.
 
     With --recipe (a scan or run with --recipe): the scale codes of every block and the
-    flushed fraction per module and recipe instead.
+    flushed fraction per module and recipe instead. With two reports (BASE NEW): both
+    histograms overlaid at one scale, and each module's change of underflow.
 
     Example: fpaudit plot report -o report.png --format fp16 --scale recommended
     """
@@ -308,6 +316,9 @@ def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
         raise UsageError("plot needs --output FILE.png or FILE.svg (-o for short)")
     output = Path(options.output)
     image_format(output)  # a bad suffix fails before the report is read
+    if new is not None:
+        _plot_comparison(report_path, new, output, options)
+        return
     if options.recipe:
         from fpaudit.cli.plot import plot_blocks
 
@@ -322,6 +333,26 @@ def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
     fmt = reading_format(report, options.format)
     headroom = from_report(options, "headroom_bits", report)
     written = plot_report(report, output, fmt, log2_scale, headroom_bits=headroom)
+    render.stdout().print(f"Wrote {written}")
+
+
+def _plot_comparison(base: Path, new: Path, output: Path, options: PlotArgs) -> None:
+    """plot BASE NEW: the comparison of ``fpaudit diff`` drawn (one format, one scale)."""
+    from fpaudit.cli.plot_diff import plot_comparison
+    from fpaudit.report.store import Report
+    from fpaudit.rules.comparison import compare
+
+    if options.recipe:
+        raise UsageError("--recipe draws one report; compare recipes with `fpaudit diff --recipe`")
+    if base.resolve() == new.resolve():
+        raise UsageError(f"BASE and NEW are the same report ({new}); compare two reports")
+    base_report, new_report = Report.read(base), Report.read(new)
+    for report in (base_report, new_report):
+        render.report_notes(report)
+    headroom = options.headroom_bits if "headroom_bits" in options.given else None
+    result = compare(base_report, new_report, options.format, log2_scale=scale(options.scale),
+                     headroom_bits=headroom)  # fmt: skip
+    written = plot_comparison(result, base_report, new_report, output)
     render.stdout().print(f"Wrote {written}")
 
 
