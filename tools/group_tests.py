@@ -77,6 +77,7 @@ ROOMS = {
     "test_blockstats_torchao.py": "kernels",
     # rules/
     "test_analysis.py": "rules",
+    "test_comparison.py": "rules",
     "test_scale_oracle.py": "rules",  # the prediction at 2**k against a real backward
     "test_unscalable.py": "rules",
     "test_origins.py": "rules",
@@ -117,6 +118,7 @@ ROOMS = {
     "test_render.py": "cli",
     "test_render_wording.py": "cli",
     "test_ci.py": "cli",
+    "test_diff.py": "cli",
     "test_plot.py": "cli",
     "test_blocks_cli.py": "cli",  # scan/show/gate/plan --recipe end to end
     # project/: the whole product

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from fpaudit.report.store import Report
+    from fpaudit.rules.comparison import Change
     from fpaudit.rules.gating import Failure, GateResult
 
 __all__ = [
@@ -58,7 +59,10 @@ OVERALL = "overall"
 COMPLETE = "complete"
 EVIDENCE = "evidence"
 FINDINGS = "findings"
+BASELINE = "baseline"  # the baseline report (gate --baseline) is no evidence
 XML_DECLARATION = '<?xml version="1.0" encoding="UTF-8"?>\n'
+
+_NOT_MODULES = (OVERALL, EVIDENCE, COMPLETE, FINDINGS, BASELINE)
 
 # Characters XML 1.0 cannot hold at all (ElementTree writes them unescaped, which
 # breaks every parser); lone surrogates come from undecodable file names.
@@ -92,13 +96,24 @@ class _Failure:
     details: str
 
 
+def _limits(result: GateResult) -> list[tuple[str, str]]:
+    """The gate's limits as (key, value): ``max_underflow``, and against a baseline
+    ``baseline`` and ``max_increase``."""
+    pairs = []
+    if result.max_underflow is not None:
+        pairs.append(("max_underflow", f"{result.max_underflow:g}"))
+    if result.max_increase is not None:
+        pairs += [("baseline", str(result.baseline)), ("max_increase", f"{result.max_increase:g}")]
+    return pairs
+
+
 def _numbers_text(numbers: _Numbers, result: GateResult) -> str:
     """Every number of a testcase, one ``key: value`` per line."""
     return "\n".join(
         [
             f"format: {result.format}",
             f"scale: {scale_text(result.log2_scale)} ({result.scale_source})",
-            f"max_underflow: {result.max_underflow:g}",
+            *(f"{key}: {value}" for key, value in _limits(result)),
             f"underflow_fraction: {numbers.underflow_fraction:.6g} "
             f"({percent(numbers.underflow_fraction)})",
             f"underflow: {numbers.underflow}",
@@ -121,18 +136,39 @@ def _failure(failure: Failure, result: GateResult, report_path: str) -> _Failure
         name, numbers = EVIDENCE, _evidence_text(result)
     elif failure.subject == gating.FINDINGS:
         name, numbers = FINDINGS, f"error findings: {len(result.error_findings)}"
+    elif failure.subject == gating.BASELINE:
+        name, numbers = BASELINE, f"baseline: {result.baseline}"
     else:
         name = module_label(failure.subject)
         offender = next((o for o in result.offenders if o.module == failure.subject), None)
+        regressed = next((c for c in result.regressions if c.module == failure.subject), None)
         numbers = ""
         if offender is not None:
             counts = (offender.underflow_fraction, offender.underflow, offender.nonzero)
             numbers = _numbers_text(_Numbers(*counts, offender.overflow), result)
+        elif regressed is not None:
+            numbers = _change_text(regressed, result)
     # An overflow is the worse failure: a dynamic scaler skips the step, a static one trains on inf.
     kind = gating.OVERFLOW if gating.OVERFLOW in failure.kinds else failure.kinds[0]
     # The JUnit file and annotations are the command line's output: its flags, not parameters.
     message = failure.as_flag()
     return _Failure(name, kind, message, f"report: {report_path}\n{numbers}".rstrip())
+
+
+def _change_text(change: Change, result: GateResult) -> str:
+    """A regressed module's numbers in both reports, one ``key: value`` per line."""
+    return "\n".join(
+        [
+            f"format: {result.format}",
+            f"scale: {scale_text(result.log2_scale)} ({result.scale_source})",
+            *(f"{key}: {value}" for key, value in _limits(result)),
+            f"baseline_underflow_fraction: {change.base_underflow or 0.0:.6g}",
+            f"underflow_fraction: {change.new_underflow or 0.0:.6g}",
+            f"increase: {change.underflow_change or 0.0:.6g}",
+            f"baseline_overflow: {change.base_overflowed}",
+            f"overflow: {change.new_overflowed}",
+        ]
+    )
 
 
 def _evidence_text(result: GateResult) -> str:
@@ -155,7 +191,7 @@ def _failures(result: GateResult, report_path: str) -> list[_Failure]:
     """Every failing testcase, in file order: modules, ``overall``, ``evidence``, ``complete``."""
     failures = [_failure(f, result, report_path) for f in result.failures]
     # Two failures never share a testcase: modules, overall, evidence, complete are apart.
-    order = {OVERALL: 1, EVIDENCE: 2, COMPLETE: 3, FINDINGS: 4}
+    order = {OVERALL: 1, EVIDENCE: 2, COMPLETE: 3, FINDINGS: 4, BASELINE: 5}
     return sorted(failures, key=lambda f: order.get(f.name, 0))
 
 
@@ -220,7 +256,7 @@ def junit_xml(
         cases.append((name, f"report: {report_path}\n{_numbers_text(_Numbers.of(row), result)}"))
     # Offenders the table lacks (it should hold them all) still get their testcase.
     for missing in failures.values():
-        if missing.name not in seen and missing.name not in (OVERALL, EVIDENCE, COMPLETE, FINDINGS):
+        if missing.name not in seen and missing.name not in _NOT_MODULES:
             cases.append((missing.name, None))
     cases.append((OVERALL, f"report: {report_path}\n{_numbers_text(_overall(result), result)}"))
     if EVIDENCE in failures:  # the report measured nothing, or inf/NaN, or no step
@@ -233,6 +269,8 @@ def junit_xml(
     if result.error_findings:  # fpaudit run's misuse rules of severity error
         allowed = f"allowed by {flag('allow_errors')}" if result.errors_allowed else "not allowed"
         cases.append((FINDINGS, f"error findings: {len(result.error_findings)} ({allowed})"))
+    if BASELINE in failures:  # gate --baseline: the baseline is no evidence
+        cases.append((BASELINE, None))
 
     n_failures = sum(1 for name, _ in cases if name in failures)
     counts = {
@@ -245,17 +283,7 @@ def junit_xml(
     root = ET.Element("testsuites", {"name": _xml_text(suite_name), **counts})
     suite = _sub(root, "testsuite", name=suite_name, **counts)
     properties = _sub(suite, "properties")
-    for key, value in (
-        ("format", result.format),
-        ("scale", scale_text(result.log2_scale)),
-        ("log2_scale", str(result.log2_scale)),
-        ("scale_source", result.scale_source),
-        ("max_underflow", f"{result.max_underflow:g}"),
-        ("mode", "per-module" if result.per_module else "overall"),
-        ("report", report_path),
-        ("complete", "true" if result.complete else "false"),
-        ("passed", "true" if result.passed else "false"),
-    ):
+    for key, value in _properties(result, report_path):
         _sub(properties, "property", name=key, value=value)
     for name, system_out in cases:
         case = _sub(suite, "testcase", classname=classname, name=name, time="0")
@@ -266,6 +294,21 @@ def junit_xml(
             _sub(case, "system-out", system_out)
     ET.indent(root, space="  ")
     return XML_DECLARATION + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def _properties(result: GateResult, report_path: str) -> list[tuple[str, str]]:
+    """The suite's properties: the gate's format, scale, limits, mode and verdict."""
+    return [
+        ("format", result.format),
+        ("scale", scale_text(result.log2_scale)),
+        ("log2_scale", str(result.log2_scale)),
+        ("scale_source", result.scale_source),
+        *_limits(result),
+        ("mode", "per-module" if result.per_module else "overall"),
+        ("report", report_path),
+        ("complete", "true" if result.complete else "false"),
+        ("passed", "true" if result.passed else "false"),
+    ]
 
 
 def _rows(modules: pd.DataFrame) -> Iterable[dict[str, Any]]:

@@ -73,6 +73,7 @@ COMMANDS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = (
     ("simulate", commands_report.simulate_command, {}),
     ("plot", commands_report.plot_command, {}),
     ("gate", commands_report.gate_command, {}),
+    ("diff", commands_report.diff_command, {}),
     ("plan", commands_report.plan_command, {}),
     ("export", commands_report.export_command, {}),
     ("verify", commands_run.verify_command, {}),

@@ -1,5 +1,6 @@
 """The commands that read a report (``show``, ``recommend``, ``simulate``, ``plot``,
-``gate``, ``plan``) and those that list what fpaudit knows (``formats``, ``recipes``).
+``gate``, ``plan``; ``diff`` reads two) and those that list what fpaudit knows
+(``formats``, ``recipes``).
 
 Each reads the report, calls one library function for its view (most in
 :mod:`fpaudit.rules.summary`) and renders it: a table, or with ``--json`` its
@@ -12,6 +13,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -29,6 +31,7 @@ from fpaudit.cli.common import (
     with_options,
 )
 from fpaudit.cli.options import (
+    DiffArgs,
     ExportArgs,
     GateArgs,
     PlanArgs,
@@ -40,6 +43,20 @@ from fpaudit.cli.options import (
 from fpaudit.errors import UsageError
 from fpaudit.numerics.formats import FORMATS, get_format
 from fpaudit.numerics.recipes import RECIPES
+
+if TYPE_CHECKING:
+    from fpaudit.report.store import Report
+
+BaseArgument = Annotated[
+    Path, typer.Argument(help="The report to compare against (what main measured).",
+                         show_default=False),
+]  # fmt: skip
+NewOptionalArgument = Annotated[
+    Path | None,
+    typer.Argument(help="plot BASE NEW: a second report, drawn against the first.",
+                   show_default=False),
+]  # fmt: skip
+NewArgument = Annotated[Path, typer.Argument(help="The report of the change.", show_default=False)]
 
 
 def formats_command(json_output: JsonOption = None) -> None:
@@ -281,11 +298,14 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
 
 
 @with_options(PlotArgs)
-def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
+def plot_command(
+    report_path: ReportArgument, new: NewOptionalArgument = None, *, options: PlotArgs
+) -> None:
     """Draw a report: value histogram against the format's bands, modules x binades, scale.
 
     With --recipe (a scan or run with --recipe): the scale codes of every block and the
-    flushed fraction per module and recipe instead.
+    flushed fraction per module and recipe instead. With two reports (BASE NEW): both
+    histograms overlaid at one scale, and each module's change of underflow.
 
     Example: fpaudit plot report -o report.png --format fp16 --scale recommended
     """
@@ -297,6 +317,9 @@ def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
         raise UsageError("plot needs --output FILE.png or FILE.svg (-o for short)")
     output = Path(options.output)
     image_format(output)  # a bad suffix fails before the report is read
+    if new is not None:
+        _plot_comparison(report_path, new, output, options)
+        return
     if options.recipe:
         from fpaudit.cli.plot import plot_blocks
 
@@ -314,6 +337,26 @@ def plot_command(report_path: ReportArgument, options: PlotArgs) -> None:
     render.stdout().print(f"Wrote {written}")
 
 
+def _plot_comparison(base: Path, new: Path, output: Path, options: PlotArgs) -> None:
+    """plot BASE NEW: the comparison of ``fpaudit diff`` drawn (one format, one scale)."""
+    from fpaudit.cli.plot_diff import plot_comparison
+    from fpaudit.report.store import Report
+    from fpaudit.rules.comparison import compare
+
+    if options.recipe:
+        raise UsageError("--recipe draws one report; compare recipes with `fpaudit diff --recipe`")
+    if base.resolve() == new.resolve():
+        raise UsageError(f"BASE and NEW are the same report ({new}); compare two reports")
+    base_report, new_report = Report.read(base), Report.read(new)
+    for report in (base_report, new_report):
+        render.report_notes(report)
+    headroom = options.headroom_bits if "headroom_bits" in options.given else None
+    result = compare(base_report, new_report, options.format, log2_scale=scale(options.scale),
+                     headroom_bits=headroom)  # fmt: skip
+    written = plot_comparison(result, base_report, new_report, output)
+    render.stdout().print(f"Wrote {written}")
+
+
 @with_options(GateArgs)
 def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
     """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale,
@@ -328,14 +371,16 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
     if options.recipe is not None or options.max_flush is not None:
         _gate_blocks(report_path, options)
     limit = options.max_underflow
-    if limit is None:
+    if limit is None and options.baseline is None and options.max_increase is None:
         raise UsageError(
-            "gate needs --max-underflow FRACTION (for example 0.001), or max_underflow in --config"
+            "gate needs --max-underflow FRACTION (for example 0.001), --baseline BASE with "
+            "--max-increase FRACTION, or max_underflow in --config"
         )
     log2_scale = scale(options.scale)
     if options.junit is not None:
         outside_report(Path(options.junit), report_path, "--junit")
     report = Report.read(report_path)
+    baseline = _baseline(options.baseline, report_path)
     render.report_notes(report, incomplete=False)  # the verdict says if it is incomplete
     fmt = reading_format(report, options.format)
     headroom = from_report(options, "headroom_bits", report)
@@ -344,7 +389,7 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
         report, fmt, limit, log2_scale=log2_scale, per_module=options.per_module,
         headroom_bits=headroom, include_loss=include, allow_incomplete=options.allow_incomplete,
         allow_nonfinite=options.allow_nonfinite, fail_unscalable=options.fail_unscalable,
-        allow_errors=options.allow_errors,
+        allow_errors=options.allow_errors, baseline=baseline, max_increase=options.max_increase,
     )  # fmt: skip
     if options.junit is not None:
         from fpaudit.cli import ci
@@ -365,6 +410,21 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
     raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
 
 
+def _baseline(path: str | None, report_path: Path) -> Report | None:
+    """gate --baseline: the report to gate against, read (not the report itself)."""
+    from fpaudit.errors import ReportError
+    from fpaudit.report.store import Report
+
+    if path is None:
+        return None
+    if Path(path).resolve() == report_path.resolve():
+        raise UsageError(f"--baseline {path} is the report being gated; name the baseline's report")
+    try:
+        return Report.read(path)
+    except ReportError as error:
+        raise ReportError(f"--baseline: {error.as_flag()}") from None
+
+
 def _gate_blocks(report_path: Path, options: GateArgs) -> None:
     """gate --recipe R --max-flush F: judge block statistics (per module), exit 0 or 1."""
     from fpaudit.report.store import Report
@@ -372,6 +432,11 @@ def _gate_blocks(report_path: Path, options: GateArgs) -> None:
 
     if options.recipe is None or options.max_flush is None:
         raise UsageError("a block gate needs both --recipe R and --max-flush FRACTION")
+    if options.baseline is not None or options.max_increase is not None:
+        raise UsageError(
+            "--baseline does not apply to a block gate (--recipe): compare block statistics "
+            "with `fpaudit diff BASE NEW --recipe R`"
+        )
     report = Report.read(report_path)
     render.report_notes(report)
     result = block_gate(report, options.recipe, options.max_flush, options.max_saturate)
@@ -400,6 +465,52 @@ def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
     result = plan(report, list(wanted), options.max_flush, options.max_saturate)
     output = "json" if options.json else "names" if options.names else "table"
     render_blocks.plan(result, output)
+
+
+@with_options(DiffArgs)
+def diff_command(base: BaseArgument, new: NewArgument, options: DiffArgs) -> None:
+    """Compare two reports in one format at one scale, per module (or op): underflow and
+    overflow in each, their change, the move of amax; the largest rise of underflow first.
+
+    Example: fpaudit diff main-report pr-report --format fp16 --by op --json
+    """
+    from fpaudit.report.store import Report
+    from fpaudit.rules.comparison import compare
+
+    log2_scale = scale(options.scale)
+    if base.resolve() == new.resolve():
+        raise UsageError(f"BASE and NEW are the same report ({new}); compare two reports")
+    base_report, new_report = Report.read(base), Report.read(new)
+    for report in (base_report, new_report):
+        render.report_notes(report)
+    if options.recipe is not None:
+        _diff_blocks(base_report, new_report, options)
+        return
+    result = compare(
+        base_report, new_report, options.format, log2_scale=log2_scale, by=options.by,
+        sort=options.sort, headroom_bits=options.headroom_bits, include_loss=options.include_loss,
+    )  # fmt: skip
+    if options.json:
+        render.print_json(result.to_dict())
+    else:
+        render.comparison(result)
+
+
+def _diff_blocks(base: Report, new: Report, options: DiffArgs) -> None:
+    """diff --recipe R: the flushed and saturated fractions of R per module."""
+    from fpaudit.rules.comparison import compare_blocks
+
+    for name in ("format", "scale", "by", "sort", "headroom_bits", "include_loss"):
+        if name in options.flagged:
+            flag = specs.spec("diff", name).flag
+            raise UsageError(
+                f"{flag} does not apply to --recipe (per module, at each block's scale)"
+            )
+    result = compare_blocks(base, new, str(options.recipe))
+    if options.json:
+        render.print_json(result.to_dict())
+    else:
+        render_blocks.block_comparison(result)
 
 
 @with_options(ExportArgs)

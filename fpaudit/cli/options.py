@@ -265,6 +265,13 @@ def _policies() -> tuple[str, ...]:
     return (*scalers.POLICIES, *delayed.POLICIES)
 
 
+def _diff_sorts() -> tuple[str, ...]:
+    """diff's --sort: the comparison's own (pandas: loaded only when one is checked)."""
+    from fpaudit.rules import comparison
+
+    return comparison.SORTS
+
+
 # -- options several commands share with one meaning --------------------------------
 RECIPES_HELP = "Block-scaled recipe, e.g. mxfp8-e4m3, mxfp4, nvfp4 (repeatable; fpaudit recipes)"
 _POLICYS = "the policy's"
@@ -510,7 +517,19 @@ class PlotArgs(CommandOptions):
 class GateArgs(CommandOptions):
     COMMAND: ClassVar[str] = "gate"
     max_underflow: float | None = Option(
-        help="Largest acceptable underflow fraction, 0..1 (required)", bounds=FRACTION
+        help="Largest acceptable underflow fraction, 0..1 (required unless --baseline)",
+        bounds=FRACTION,
+    )()
+    baseline: str | None = Option(
+        help="A report to gate against (what main measured): fail on a rise of underflow "
+        "over it at the same scale (with --max-increase)",
+        path=True,
+        shown="none",
+    )()
+    max_increase: float | None = Option(
+        help="With --baseline: largest acceptable rise of the underflow fraction over the "
+        "baseline's, absolute, 0..1 (required with --baseline)",
+        bounds=FRACTION,
     )()
     format: str | None = REPORT_FORMAT()
     scale: str | None = Option(
@@ -557,6 +576,40 @@ class GateArgs(CommandOptions):
     max_saturate: float = Option(0.0, "With --recipe: largest saturated fraction")()
     json: bool = JSON()
     config_file: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffArgs(CommandOptions):  # no config file
+    COMMAND: ClassVar[str] = "diff"
+    format: str | None = Option(
+        None, "fp16, bf16, fp8_e4m3fn or fp8_e5m2", kind="format",
+        shown="NEW's first that BASE has too", short="-f",
+    )()  # fmt: skip
+    scale: str | None = Option(
+        None, "Power-of-two scale both are read at (4096, 2^12) or 'recommended'",
+        kind="scale", shown="NEW's recommended one", short="-s",
+    )()  # fmt: skip
+    by: str = Option(
+        "module", "module, or op (module, autograd node and aten op)",
+        bounds=Bounds(choices=lambda: GROUPINGS),
+    )()  # fmt: skip
+    sort: str = Option(
+        "underflow",
+        "underflow (its increase), overflow (its increase), amax (its largest move) or order "
+        "(the model's)",
+        bounds=Bounds(choices=_diff_sorts),
+    )()
+    headroom_bits: int | None = Option(
+        None, "Binades kept free below the format's max, for each recommended scale",
+        shown="each report's own", bounds=Bounds(minimum=0, maximum=MAX_HEADROOM_BITS),
+    )()  # fmt: skip
+    include_loss: bool = flag("Let the loss seed and <loss> ops count", default=False)()
+    recipe: str | None = Option(
+        help="Diff this block-scaled recipe's flushed and saturated fractions per module "
+        "instead (both reports scanned with it)",
+        shown="none: the underflow table",
+    )()
+    json: bool = JSON()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -621,8 +674,8 @@ class ExportArgs(CommandOptions):  # no config file
 
 
 COMMAND_ARGS: tuple[type[CommandOptions], ...] = (
-    ScanArgs, RunArgs, ShowArgs, RecommendArgs, SimulateArgs, PlotArgs, GateArgs, PlanArgs,
-    VerifyArgs, Fp16PlanArgs, ExportArgs,
+    ScanArgs, RunArgs, ShowArgs, RecommendArgs, SimulateArgs, PlotArgs, GateArgs, DiffArgs,
+    PlanArgs, VerifyArgs, Fp16PlanArgs, ExportArgs,
 )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from fpaudit.capture.autocast import Summary as AutocastSummary
     from fpaudit.report.store import Report
+    from fpaudit.rules.comparison import Comparison
     from fpaudit.rules.gating import GateResult
     from fpaudit.rules.recommendation import Recommendation
     from fpaudit.run.scan import StepProgress
@@ -344,11 +345,17 @@ def gate(result: GateResult) -> None:
         if result.shadow_nonzero
         else ""
     )
+    limits = [] if result.max_underflow is None else [f"limit {percent(result.max_underflow)}"]
+    base = result.baseline_overall
+    if base is not None and result.max_increase is not None:
+        limits.insert(0, f"baseline {percent(base.base_underflow or 0.0)}, increase limit "
+                         f"{result.max_increase:g}")  # fmt: skip
+    against = f" (baseline {count(base.base_overflowed or 0)})" if base is not None else ""
     console.print(
         f"{verdict}: {result.format} at S = {scale_text(result.log2_scale)} "
         f"({result.scale_source}): underflow {percent(result.underflow_fraction)} of "
-        f"{count(result.nonzero)} nonzero backward values (limit "
-        f"{percent(result.max_underflow)}), overflow {count(result.overflow)}{lost}."
+        f"{count(result.nonzero)} nonzero backward values ({'; '.join(limits)}), overflow "
+        f"{count(result.overflow)}{against}{lost}."
     )
     unscalable = unscalable_counts(result.unscalable_overflow, result.unscalable_underflow)
     if unscalable:
@@ -373,6 +380,90 @@ def gate(result: GateResult) -> None:
         console.print("  inf/NaN values were judged anyway, allowed by --allow-nonfinite.")
     for failure in result.failures:
         console.print(f"  {failure.as_flag()}")
+
+
+# -- diff ------------------------------------------------------------------
+def change_text(change: float | None) -> str:
+    """A change of a fraction in percentage points: ``+5.19%``, ``-0.0123%``, ``0%``."""
+    if change is None:
+        return "-"
+    return ("+" if change > 0 else "-" if change < 0 else "") + percent(abs(change))
+
+
+def fraction_text(fraction: float | None) -> str:
+    return "-" if fraction is None else percent(fraction)
+
+
+def comparison_summary(result: Comparison) -> str:
+    """diff's first line: the whole model's change, the recommended scales, the steps."""
+    overall = result.overall
+    moved = result.recommended_change
+    binades = "" if moved is None else f" ({moved:+d} binades)"
+    return (
+        f"{result.format} at S = {scale_text(result.log2_scale)} ({result.scale_source}): "
+        f"underflow {fraction_text(overall.base_underflow)} -> "
+        f"{fraction_text(overall.new_underflow)} ({change_text(overall.underflow_change)}), "
+        f"overflow {fraction_text(overall.base_overflow)} -> "
+        f"{fraction_text(overall.new_overflow)}; recommended S "
+        f"{power_text(result.base_recommended)} -> {power_text(result.new_recommended)}"
+        f"{binades}; steps: BASE {result.base_steps}, NEW {result.new_steps}."
+    )
+
+
+def power_text(log2_scale: int | None) -> str:
+    return "none" if log2_scale is None else f"2^{log2_scale}"
+
+
+def comparison(result: Comparison) -> None:
+    """diff: the summary line, one note per difference, then the table of rows."""
+    console = stdout()
+    console.print(comparison_summary(result))
+    run = result.run
+    if run is not None:
+        ranges = [f"{power(low)}..{power(high)}" for low, high in
+                  (run.base_loss_scale, run.new_loss_scale)]  # fmt: skip
+        console.print(
+            f"run: skipped {count(run.base_skipped)} of {count(run.base_steps)} steps after "
+            f"calibration ({percent(run.base_skip_rate)}) -> {count(run.new_skipped)} of "
+            f"{count(run.new_steps)} ({percent(run.new_skip_rate)}); loss scale {ranges[0]} -> "
+            f"{ranges[1]}."
+        )
+    for note in result.notes:
+        console.print(f"note: {note}")
+    by = "module" if result.by == "module" else "module and op"
+    grid = Table(title=f"BASE {result.base_report} vs NEW {result.new_report}, per {by}",
+                 title_justify="left")  # fmt: skip
+    grid.add_column("module", no_wrap=True)
+    if result.by == "op":
+        grid.add_column("node", no_wrap=True, overflow="ellipsis", max_width=24)
+        grid.add_column("op", no_wrap=True, overflow="ellipsis", max_width=24)
+    columns = ("BASE under", "NEW under", "change", "BASE over", "NEW over", "amax moved",
+               "BASE values", "NEW values")  # fmt: skip
+    for name in columns:  # numbers never truncate; module names give way
+        grid.add_column(name, justify="right", no_wrap=True, min_width=max(len(name), 8))
+    for row in result.rows:
+        first = [module_label(row.module)]
+        if result.by == "op":
+            first += [str(row.node), short_op(str(row.op))]
+        alone = {"base": "only in BASE", "new": "only in NEW"}.get(row.present)
+        moved = row.amax_change_binades
+        cells = [
+            fraction_text(row.base_underflow),
+            fraction_text(row.new_underflow),
+            alone or change_text(row.underflow_change),
+            fraction_text(row.base_overflow),
+            fraction_text(row.new_overflow),
+            "-" if moved is None else f"{moved:+d}",
+            "-" if row.base_nonzero is None else count(row.base_nonzero),
+            "-" if row.new_nonzero is None else count(row.new_nonzero),
+        ]
+        worse = (row.underflow_change or 0.0) > 0 or (row.overflow_change or 0.0) > 0
+        grid.add_row(*first, *cells, style="red" if worse else None)
+    console.print(grid)
+    console.print(
+        "(fractions of each report's own nonzero values; amax moved: binades of the "
+        "unscaled amax; a renamed module is two rows)"
+    )
 
 
 # -- verify ----------------------------------------------------------------

@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from fpaudit.cli.render import json_records, print_json, stdout, table_power
+from fpaudit.cli.render import (
+    change_text,
+    fraction_text,
+    json_records,
+    print_json,
+    stdout,
+    table_power,
+)
 from fpaudit.numerics.recipes import Recipe, as_recipe
 from fpaudit.text import count, expected_count, module_label, percent
 
@@ -17,6 +24,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from fpaudit.rules.blockplan import BlockGateResult, Plan
+    from fpaudit.rules.comparison import BlockComparison
 
 
 # -- block-scaled recipes (--recipe) -----------------------------------------
@@ -227,3 +235,41 @@ def plan(result: Plan, output: str) -> None:
     expected = [name for name in result.recipes if as_recipe(name).expected]
     if expected:
         console.print(f"{', '.join(expected)}: {EXPECTED_NOTE}; fractions are expected ones.")
+
+
+# -- diff --recipe -----------------------------------------------------------
+def block_comparison(result: BlockComparison) -> None:
+    """diff --recipe: the whole model's change, one note per difference, the table."""
+    console = stdout()
+    overall = result.overall
+    console.print(
+        f"{result.recipe}: flushed {fraction_text(overall.base_flush)} -> "
+        f"{fraction_text(overall.new_flush)} ({change_text(overall.flush_change)}), saturated "
+        f"{fraction_text(overall.base_saturate)} -> {fraction_text(overall.new_saturate)}; "
+        f"steps: BASE {result.base_steps}, NEW {result.new_steps}."
+    )
+    for note in result.notes:
+        console.print(f"note: {note}")
+    grid = Table(
+        title=f"BASE {result.base_report} vs NEW {result.new_report}, {result.recipe} per module",
+        title_justify="left",
+    )
+    grid.add_column("module", no_wrap=True)
+    columns = ("BASE flush", "NEW flush", "change", "BASE sat", "NEW sat", "BASE values",
+               "NEW values")  # fmt: skip
+    for name in columns:
+        grid.add_column(name, justify="right", no_wrap=True, min_width=max(len(name), 8))
+    for row in result.rows:
+        alone = {"base": "only in BASE", "new": "only in NEW"}.get(row.present)
+        cells = [
+            fraction_text(row.base_flush),
+            fraction_text(row.new_flush),
+            alone or change_text(row.flush_change),
+            fraction_text(row.base_saturate),
+            fraction_text(row.new_saturate),
+            "-" if row.base_nonzero is None else count(row.base_nonzero),
+            "-" if row.new_nonzero is None else count(row.new_nonzero),
+        ]
+        worse = (row.flush_change or 0.0) > 0 or (row.saturate_change or 0.0) > 0
+        grid.add_row(module_label(row.module), *cells, style="red" if worse else None)
+    console.print(grid)

@@ -22,7 +22,13 @@ the flags instead (``--max-underflow``, ``--allow-incomplete``). The gate fails
 * on an interrupted run, unless ``allow_incomplete``;
 * on the run's **error findings** (``fpaudit run``'s misuse rules of severity
   ``error``, such as clipping gradients still multiplied by the loss scale), one
-  failure per finding, unless ``allow_errors``.
+  failure per finding, unless ``allow_errors``;
+* against a **baseline** (``baseline`` and ``max_increase``): when the underflow
+  fraction rose by more than ``max_increase`` (absolute) over the baseline's at the
+  same scale, overall and with ``per_module`` in every module both reports hold, or
+  when values overflow where the baseline had none (:mod:`fpaudit.rules.comparison`
+  measures the change). The evidence rules above judge the baseline too: a baseline
+  that measured nothing cannot pass anything. ``max_underflow`` may then be left out.
 
 Values that do not scale with the loss and underflow or overflow at every scale
 (:mod:`fpaudit.rules.analysis`'s ``unscalable_*`` counts) are not a loss-scale problem:
@@ -42,12 +48,13 @@ from typing import Any
 import numpy as np
 
 from fpaudit.bounds import FRACTION
-from fpaudit.errors import Named, Wording
+from fpaudit.errors import Named, UsageError, Wording
 from fpaudit.numerics.formats import Format, as_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.report.runinfo import Finding
 from fpaudit.report.store import Report
-from fpaudit.rules import analysis
+from fpaudit.rules import analysis, comparison
+from fpaudit.rules.comparison import Change
 from fpaudit.rules.recommendation import recommend
 from fpaudit.text import count, module_label, percent, scale_text
 
@@ -61,12 +68,15 @@ NO_STEPS = "no-steps"
 INCOMPLETE = "incomplete"
 UNSCALABLE = "unscalable"
 ERROR_FINDING = "error-finding"
+UNDERFLOW_INCREASE = "underflow-increase"  # against a baseline
+NEW_OVERFLOW = "new-overflow"
 
 # Subjects that are not modules.
 OVERALL = "(all modules)"
 EVIDENCE = "(evidence)"
 COMPLETE = "(complete)"
 FINDINGS = "(findings)"
+BASELINE = "(baseline)"  # the baseline report is no evidence
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,7 @@ class GateResult:
     log2_scale: int
     scale: float
     scale_source: str  # "recommended" or "given"
-    max_underflow: float
+    max_underflow: float | None  # None: judged against a baseline alone
     underflow_fraction: float
     underflow: int
     nonzero: int
@@ -144,12 +154,23 @@ class GateResult:
     fail_unscalable: bool = False
     error_findings: list[Finding] = field(default_factory=list)  # the run's errors
     errors_allowed: bool = False
+    # against a baseline: its path, the limit, the whole model's change, what regressed
+    baseline: str | None = None
+    max_increase: float | None = None
+    baseline_overall: Change | None = None
+    regressions: list[Change] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)  # empty exactly when passed
 
     def to_dict(self, *, flags: bool = False) -> dict[str, Any]:
         """Every field as JSON values; ``flags``: the reasons as the command line says
         them (what ``gate --json`` prints)."""
-        data = asdict(replace(self, offenders=[], error_findings=[], failures=[]))
+        data = asdict(
+            replace(self, offenders=[], error_findings=[], failures=[], regressions=[],
+                    baseline_overall=None)
+        )  # fmt: skip
+        overall = self.baseline_overall
+        data["baseline_overall"] = overall.to_dict() if overall is not None else None
+        data["regressions"] = [change.to_dict() for change in self.regressions]
         data["offenders"] = [offender.to_dict() for offender in self.offenders]
         data["error_findings"] = [finding.to_dict() for finding in self.error_findings]
         data["failures"] = [failure.to_dict(flags=flags) for failure in self.failures]
@@ -164,7 +185,7 @@ class GateResult:
 def gate(
     report: Report,
     fmt: Format | str,
-    max_underflow: float,
+    max_underflow: float | None,
     *,
     log2_scale: int | None = None,
     per_module: bool = False,
@@ -174,10 +195,13 @@ def gate(
     allow_nonfinite: bool = False,
     fail_unscalable: bool = False,
     allow_errors: bool = False,
+    baseline: Report | None = None,
+    max_increase: float | None = None,
 ) -> GateResult:
-    """Judge ``report`` at ``2**log2_scale`` (default: the recommended scale)."""
+    """Judge ``report`` at ``2**log2_scale`` (default: the recommended scale), against
+    ``max_underflow``, against ``baseline`` with ``max_increase``, or both."""
     fmt = as_format(fmt)
-    FRACTION.check("max_underflow", max_underflow)
+    _check_limits(max_underflow, baseline, max_increase)
     scale_source = "given"
     if log2_scale is None:
         recommended = recommend(report, fmt, headroom_bits, include_loss=include_loss)
@@ -190,16 +214,17 @@ def gate(
     failures, offenders = _range_failures(
         report, fmt, log2_scale, scope, overall, per_module, max_underflow, fail_unscalable, where
     )
-    steps_run = _steps_run(report)
-    nonfinite, loss_steps = _nonfinite(report, scope)
-    failures += _evidence(
-        report, overall, steps_run, nonfinite, loss_steps, allow_nonfinite, include_loss
-    )
-    if not report.complete and not allow_incomplete:
-        failures.append(_INCOMPLETE_FAILURE)
-    errors = [finding for finding in report.info.findings if finding.severity == "error"]
-    if not allow_errors:
-        failures += [_finding_failure(item) for item in errors]
+    compared = None if baseline is None else comparison.compare(
+        baseline, report, fmt, log2_scale=log2_scale, headroom_bits=headroom_bits,
+        include_loss=include_loss,
+    )  # fmt: skip
+    regressions = _regressions(compared, per_module, max_increase)
+    failures += [_regression_failure(change, max_increase or 0.0, where) for change in regressions]
+    evidence = _all_evidence(report, scope, overall, allow_nonfinite, include_loss)
+    failures += evidence.failures + _run_failures(report, allow_incomplete, allow_errors)
+    if baseline is not None:
+        failures += _baseline_failures(baseline, fmt, log2_scale, allow_nonfinite, include_loss,
+                                       allow_incomplete, allow_errors)  # fmt: skip
     return GateResult(
         passed=not failures,
         format=fmt.name,
@@ -215,9 +240,9 @@ def gate(
         offenders=offenders,
         complete=report.complete,
         incomplete_allowed=allow_incomplete,
-        steps_run=steps_run,
-        nonfinite=nonfinite,
-        nonfinite_loss_steps=loss_steps,
+        steps_run=evidence.steps_run,
+        nonfinite=evidence.nonfinite,
+        nonfinite_loss_steps=evidence.loss_steps,
         nonfinite_allowed=allow_nonfinite,
         shadow_nonzero=int(overall["shadow_nonzero"]),
         lost=int(overall["lost"]),
@@ -225,10 +250,130 @@ def gate(
         unscalable_underflow=int(overall["unscalable_underflow"]),
         unscalable_overflow=int(overall["unscalable_overflow"]),
         fail_unscalable=fail_unscalable,
-        error_findings=errors,
+        error_findings=_errors(report),
         errors_allowed=allow_errors,
+        baseline=None if baseline is None else str(baseline.path or ""),
+        max_increase=max_increase,
+        baseline_overall=None if compared is None else compared.overall,
+        regressions=regressions,
         failures=failures,
     )
+
+
+def _check_limits(
+    max_underflow: float | None, baseline: Report | None, max_increase: float | None
+) -> None:
+    """A gate needs a limit: ``max_underflow``, or a ``baseline`` with ``max_increase``."""
+    FRACTION.check("max_underflow", max_underflow)
+    FRACTION.check("max_increase", max_increase)
+    if (baseline is None) != (max_increase is None):
+        given, missing = ("baseline", "max_increase") if max_increase is None else (
+            "max_increase", "baseline")  # fmt: skip
+        raise UsageError(Named(given), " needs ", Named(missing), " too")
+    if max_underflow is None and baseline is None:
+        raise UsageError(
+            "a gate needs a limit: ", Named("max_underflow"), ", or ", Named("baseline"), " with ",
+            Named("max_increase"),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Evidence:
+    """What the evidence rules found in one report, and their failures."""
+
+    steps_run: int
+    nonfinite: int
+    loss_steps: int
+    failures: list[Failure]
+
+
+def _all_evidence(
+    report: Report,
+    scope: analysis.Scope,
+    overall: dict[str, Any],
+    allow_nonfinite: bool,
+    include_loss: bool,
+) -> _Evidence:
+    steps_run = _steps_run(report)
+    nonfinite, loss_steps = _nonfinite(report, scope)
+    failures = _evidence(
+        report, overall, steps_run, nonfinite, loss_steps, allow_nonfinite, include_loss
+    )
+    return _Evidence(steps_run, nonfinite, loss_steps, failures)
+
+
+def _baseline_failures(
+    baseline: Report,
+    fmt: Format,
+    log2_scale: int,
+    allow_nonfinite: bool,
+    include_loss: bool,
+    allow_incomplete: bool,
+    allow_errors: bool,
+) -> list[Failure]:
+    """The evidence rules, the complete rule and the error findings, on the baseline:
+    each failure said as the baseline's (``BASELINE``)."""
+    scope = analysis.default_scope(baseline, include_loss)
+    overall = analysis.totals(baseline, fmt, log2_scale, scope=scope)
+    found = _all_evidence(baseline, scope, overall, allow_nonfinite, include_loss).failures
+    found += _run_failures(baseline, allow_incomplete, allow_errors)
+    return [
+        Failure(BASELINE, failure.kinds, Wording("the baseline: ", *failure.wording.parts))
+        for failure in found
+    ]
+
+
+def _errors(report: Report) -> list[Finding]:
+    """The run's error findings (``fpaudit run``'s misuse rules of severity ``error``)."""
+    return [finding for finding in report.info.findings if finding.severity == "error"]
+
+
+def _run_failures(report: Report, allow_incomplete: bool, allow_errors: bool) -> list[Failure]:
+    """An interrupted run (unless allowed), then one failure per error finding (unless
+    allowed)."""
+    failures = [] if report.complete or allow_incomplete else [_INCOMPLETE_FAILURE]
+    if not allow_errors:
+        failures += [_finding_failure(item) for item in _errors(report)]
+    return failures
+
+
+def _regressions(
+    compared: comparison.Comparison | None, per_module: bool, limit: float | None
+) -> list[Change]:
+    """The modules (with ``per_module``; those in both reports) and the whole model whose
+    underflow rose by more than ``limit`` or that overflow where the baseline did not
+    (none without a baseline)."""
+    if compared is None or limit is None:
+        return []
+    rows = [row for row in compared.rows if row.present == comparison.BOTH] if per_module else []
+    return [change for change in [*rows, compared.overall] if _regressed(change, limit)]
+
+
+def _regressed(change: Change, limit: float) -> tuple[str, ...]:
+    kinds = []
+    if (change.underflow_change or 0.0) > limit:
+        kinds.append(UNDERFLOW_INCREASE)
+    if change.base_overflowed == 0 and (change.new_overflowed or 0) > 0:
+        kinds.append(NEW_OVERFLOW)
+    return tuple(kinds)
+
+
+def _regression_failure(change: Change, limit: float, where: str) -> Failure:
+    kinds = _regressed(change, limit)
+    overall = change.module == comparison.OVERALL
+    subject = "overall" if overall else f"module {module_label(change.module)}"
+    base, new = change.base_underflow or 0.0, change.new_underflow or 0.0
+    parts: list[str | Named] = [
+        f"{subject}: underflow {percent(new)} vs the baseline's {percent(base)} "
+        f"(+{new - base:.6g}, "
+    ]
+    parts += [Named("max_increase"), f" {limit:g})"]
+    if NEW_OVERFLOW in kinds:
+        parts.append(
+            f"; {count(change.new_overflowed or 0)} value(s) overflow where the baseline had none"
+        )
+    parts.append(f"; {where}")
+    return Failure(OVERALL if overall else change.module, kinds, Wording(*parts))
 
 
 def _range_failures(
@@ -238,13 +383,16 @@ def _range_failures(
     scope: analysis.Scope,
     overall: dict[str, Any],
     per_module: bool,
-    max_underflow: float,
+    max_underflow: float | None,
     fail_unscalable: bool,
     where: str,
 ) -> tuple[list[Failure], list[Offender]]:
-    """The underflow/overflow failures (each module's, then the overall one) and offenders."""
+    """The underflow/overflow failures (each module's, then the overall one) and offenders;
+    none without ``max_underflow`` (a gate against a baseline alone)."""
     failures: list[Failure] = []
     offenders: list[Offender] = []
+    if max_underflow is None:
+        return failures, offenders
     if per_module:
         for row in analysis.module_table(report, fmt, log2_scale, scope=scope).itertuples():
             numbers = row._asdict()

@@ -388,3 +388,30 @@ def test_the_recipes_command_lists_every_recipe_with_its_thresholds(cli) -> None
     assert table.code == 0
     (sr,) = [line for line in table.stdout.splitlines() if "nvfp4-sr" in line]
     assert "< 2^-1" in sr and " SR " in sr
+
+
+def test_diff_recipe_compares_flushed_fractions_per_module(
+    cli, pair_reports: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    interleaved, ordered = pair_reports["interleaved"], pair_reports["sorted"]
+    result = cli("diff", ordered, interleaved, "--recipe", "mxfp8-e4m3", "--json")
+    assert result.code == 0, result.stderr
+    diff = json.loads(result.stdout)
+    (root,) = [row for row in diff["modules"] if row["module"] == ""]
+    # mxfp8-e4m3 scales each 32-block so its amax lands at 2**8; e4m3 rounds below 2**-10 to
+    # zero. Interleaved: each block holds 16 x 1.0 and 16 x 2**-20 -> 2**-12: 16 of 32 flush,
+    # 0.5. Sorted: the 2**-20 block is scaled up on its own: none flush, 0.
+    assert (root["base_flush"], root["new_flush"], root["flush_change"]) == (0.0, 0.5, 0.5)
+    table = cli("diff", ordered, interleaved, "--recipe", "mxfp8-e4m3")
+    assert table.code == 0 and table.stdout.startswith("mxfp8-e4m3: flushed 0% -> ")
+    missing = cli("diff", ordered, interleaved, "--recipe", "nvfp4")
+    assert "have no block statistics of nvfp4" in one_error_line(missing)
+    mixed = cli("diff", ordered, interleaved, "--recipe", "mxfp8-e4m3", "--by", "op")
+    assert "--by does not apply to --recipe" in one_error_line(mixed)
+    # docs/commands/diff.md quotes the table (exact values: the same on every machine)
+    from tests.project.test_docs import COMMAND_PAGES, transcripts
+
+    monkeypatch.chdir(ordered.parent)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    (quoted,) = [t for t in transcripts(COMMAND_PAGES / "diff.md") if "--recipe" in t[0]]
+    assert cli(*quoted[0][1:]).stdout.rstrip("\n") == quoted[1]

@@ -19,12 +19,15 @@ COMMANDS = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-def
 # Options with no default to show: given or not (None means "not given"), or required.
 # Every option shows its default, a flag too (the switch that is on unless given);
 # only a required option has none.
-REQUIRED = {
-    ("plot", "--output"), ("gate", "--max-underflow"), ("verify", "--scale"),
-    ("export", "--tensorboard"),
-}  # fmt: skip
-# Required only in one mode of a command (gate --recipe), or checked by the command itself.
-REQUIRED_WHEN = {("gate", "--max-flush"), ("plan", "--max-flush")}
+REQUIRED = {("plot", "--output"), ("verify", "--scale"), ("export", "--tensorboard")}
+# Required only in one mode of a command (gate --recipe, gate --baseline), or checked by the
+# command itself.
+REQUIRED_WHEN = {
+    ("gate", "--max-flush"),
+    ("plan", "--max-flush"),
+    ("gate", "--max-underflow"),
+    ("gate", "--max-increase"),
+}
 
 
 def _help(cli, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
@@ -75,7 +78,7 @@ def test_every_option_shows_its_default_and_a_readable_type(
         if (name, flags[0]) in REQUIRED:
             assert "(required)" in row, row
         elif (name, flags[0]) in REQUIRED_WHEN:
-            assert re.search(r"\(required( with --[a-z-]+)?\)", row), row
+            assert re.search(r"\(required( (with|unless) --[a-z-]+)?\)", row), row
         else:
             assert re.search(r"\[default: [^\]]+\]", row), f"{name} {flags[0]}: {row}"
 

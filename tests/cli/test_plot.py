@@ -463,3 +463,32 @@ def test_log_axis_tick_labels_render_and_module_names_stay_literal(
     texts = ["".join(e.itertext()).strip() for e in root.iter() if e.tag.endswith("}text")]
     assert not [t for t in texts if "mathdefault" in t]
     assert [t for t in texts if "$" in t] == ["layers.$\\nocommand$"]
+
+
+def test_plot_base_new_overlays_fractions_and_draws_each_module_s_change(
+    cli, tmp_path: Path
+) -> None:
+    from fpaudit.cli.plot import AXIS
+    from fpaudit.cli.plot_diff import binade_fractions, build_comparison_figure
+    from fpaudit.rules.comparison import compare
+
+    # NEW a: 4 of 8 values at 2**-30 (under fp16's edge 2**-25 at S = 1), BASE a: none
+    # -> a change of +0.5, a bar of 50 percentage points; b is the same in both: 0.
+    base = report_from({"a": torch.ones(8), "b": torch.ones(4)})
+    new = report_from({"a": torch.tensor([2.0**-30] * 4 + [1.0] * 4), "b": torch.ones(4)})
+    fractions = binade_fractions(new, 0)
+    # 12 nonzero values: 4 in binade -30, 8 in binade 0
+    assert fractions[AXIS == -30][0] == 4 / 12 and fractions[AXIS == 0][0] == 8 / 12
+    result = compare(base, new, "fp16", log2_scale=0)
+    figure = build_comparison_figure(result, base, new)
+    strip = figure.axes[1]
+    widths = [patch.get_width() for patch in strip.patches]
+    assert widths == [50.0, 0.0]
+    assert [label.get_text() for label in strip.get_yticklabels()] == ["a", "b"]
+    base.write(tmp_path / "base")
+    new.write(tmp_path / "new")
+    done = cli("plot", tmp_path / "base", tmp_path / "new", "-o", tmp_path / "diff.png")
+    assert done.code == 0, done.stderr
+    assert (tmp_path / "diff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    same = cli("plot", tmp_path / "new", tmp_path / "new", "-o", tmp_path / "same.png")
+    assert "same report" in same.stderr and same.code == 2
