@@ -316,19 +316,23 @@ class Audit:
         if scale_value is None:
             scale_value = self.loss_scale if loss_scale is None else float(loss_scale)
         self._provenance.clear()
-        with _signals.deferred():  # a step is recorded whole or not at all
-            self._builder.add_step(
-                records,
-                loss=loss_value,
-                loss_scale=scale_value,
-                seconds=time.perf_counter() - self._step_started,
-                index=index,
-                first_nonfinite=collected.first_nonfinite,
-            )
-            blocks = self._recorder.blocks
-            if blocks is not None:  # dropped with the records when the loss is not finite
-                finite = loss_value is None or math.isfinite(loss_value)
-                blocks.close_step(self._builder.last_index, self._builder.rank, finite)
+        try:
+            with _signals.deferred():  # a step is recorded whole or not at all
+                self._builder.add_step(
+                    records,
+                    loss=loss_value,
+                    loss_scale=scale_value,
+                    seconds=time.perf_counter() - self._step_started,
+                    index=index,
+                    first_nonfinite=collected.first_nonfinite,
+                )
+                blocks = self._recorder.blocks
+                if blocks is not None:  # dropped with the records when the loss is not finite
+                    finite = loss_value is None or math.isfinite(loss_value)
+                    blocks.close_step(self._builder.last_index, self._builder.rank, finite)
+            nonfinite_grads = records.nonfinite(KIND_GRAD)
+        finally:
+            self._recorder.release()  # the records may be the table's rows: read by now
         if self.origins is not None:
             self.origins.collect(self._builder.last_index, scale_value)
         self._clock.forget()
@@ -337,7 +341,7 @@ class Audit:
             step=self._builder.last_index,
             loss=loss_value,
             loss_finite=loss_value is None or math.isfinite(loss_value),
-            nonfinite_grads=records.nonfinite(KIND_GRAD),
+            nonfinite_grads=nonfinite_grads,
             records=len(records.keys),
         )
 

@@ -214,6 +214,29 @@ class HistogramTable:
         else:
             self._add_device(row, x)
 
+    def add_many(self, rows: list[int], tensors: list[torch.Tensor]) -> None:
+        """``add(rows[i], tensors[i])`` for every i, in as few kernel calls as the device
+        allows: on the CPU with the compiled kernel, one call for all of them (float64
+        ones aside, which ``add`` takes with their out-of-range count); elsewhere one
+        ``add`` each. The counts are those of the ``add`` calls, in any order."""
+        kernel = kernels.cpu_kernel(on_build=_warn_build) if self.device.type == "cpu" else None
+        if kernel is None:
+            for row, x in zip(rows, tensors, strict=True):
+                self.add(row, x)
+            return
+        batch_rows: list[int] = []
+        batch: list[torch.Tensor] = []
+        calls = self.calls
+        for row, x in zip(rows, tensors, strict=True):
+            if x.dtype == torch.float64 or x.device.type != "cpu":
+                self.add(row, x)
+                continue
+            calls[row] += 1
+            batch_rows.append(row)
+            batch.append(x)
+        if batch:
+            kernel.histogram_add_many(batch, self.table, batch_rows, _CLASS_BOUNDS)
+
     def _count_out_of_range(self, x: torch.Tensor) -> None:
         """Count the nonzero finite fp64 values that fp32 turns into zero or inf (no sync)."""
         values = x.detach()
@@ -306,7 +329,14 @@ class HistogramTable:
         self._raise_amax(row, finite_amax_bits(bits) if int(raw[_RAW_INF:].sum()) else bits.amax())
 
     def collect(self, scalars: tuple[torch.Tensor, ...] = ()) -> tuple[np.ndarray, list[float]]:
-        """All rows (and a few 0-dim float tensors on this device) in one host transfer."""
+        """All rows (and a few 0-dim float tensors on this device) in one host transfer.
+
+        On the CPU the rows are the table itself, not a copy (a step's table is tens of
+        MB, and copying it was most of closing a step): valid until the next ``add`` or
+        ``reset``."""
+        if self.device.type == "cpu":
+            values = [float(s.detach().reshape(()).to(torch.float64)) for s in scalars]
+            return self.table[: self.rows].numpy(), values
         parts = [self.table[: self.rows].reshape(-1)]
         parts += [s.detach().reshape(1).to(torch.float64).view(torch.int64) for s in scalars]
         packed = torch.cat(parts).cpu().numpy()  # the one sync

@@ -354,7 +354,9 @@ class ReportBuilder:
         for name in RECORD_COLUMNS:
             self._records[name].append(np.asarray(columns[name]))
         finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
-        rows, offsets = np.nonzero(finite)
+        # np.nonzero's row-major order, from one pass over a bool mask (several times
+        # faster than np.nonzero of the int64 counts: this is most of a step's emit)
+        rows, offsets = np.divmod(np.flatnonzero(finite != 0), finite.shape[1])
         self._bins["record_id"].append(ids[rows])
         self._bins["offset"].append(offsets)
         self._bins["count"].append(finite[rows, offsets])
