@@ -53,6 +53,8 @@ class Recorder:
         self._rows: dict[RecordKey, Place] = {}
         self._row_keys: dict[torch.device, list[RecordKey]] = {}
         self._lock = threading.Lock()
+        # what _place found for a key, dtype and device (None: not selected)
+        self._places: dict[tuple[object, ...], tuple[RecordKey, Place] | None] = {}
         # (parameter name, dtype, device) -> its gradient's row (None: not selected)
         self._grad_rows: dict[tuple[str, torch.dtype, torch.device], Place | None] = {}
 
@@ -90,6 +92,25 @@ class Recorder:
     ) -> tuple[RecordKey, Place] | None:
         """The record key of ``tensor`` here and its row (made on first use), or None
         where the selection leaves it out."""
+        where = (kind, module, node, op, output, scales_with_loss, tensor.dtype, tensor.device)
+        try:
+            return self._places[where]
+        except KeyError:  # the first time: once per key
+            found = self._places[where] = self._new_place(
+                kind, module, node, op, output, scales_with_loss, tensor
+            )
+            return found
+
+    def _new_place(
+        self,
+        kind: str,
+        module: str,
+        node: str,
+        op: str,
+        output: int,
+        scales_with_loss: bool,
+        tensor: torch.Tensor,
+    ) -> tuple[RecordKey, Place] | None:
         accepted = self._accepted.get((kind, module, op))
         if accepted is None:
             accepted = self._accepted[(kind, module, op)] = self.selection.accepts(kind, module, op)

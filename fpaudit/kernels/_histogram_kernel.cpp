@@ -189,6 +189,45 @@ void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
              table.data_ptr<int64_t>() + row * table.size(1), bounds);
 }
 
+namespace {
+Bounds stored_bounds{};
+bool bounds_stored = false;
+
+// x as fp32 values to bin in place: widened (exact for fp16, bf16, fp8) and, unless its
+// elements fill a block of memory once in some order of its dimensions, copied.
+torch::Tensor as_binnable(torch::Tensor x) {
+  if (x.scalar_type() != torch::kFloat32) x = x.to(torch::kFloat32);
+  if (!x.is_non_overlapping_and_dense()) x = x.contiguous();
+  return x;
+}
+
+void check_binnable(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.layout() == torch::kStrided && x.is_floating_point() &&
+                  x.scalar_type() != torch::kFloat64,
+              "histogram_add_many needs strided floating CPU tensors other than float64");
+}
+}  // namespace
+
+// The class bounds histogram_add_tensor uses, given once (fpaudit.numerics.layout's).
+void set_class_bounds(const std::vector<int64_t>& class_bounds) {
+  stored_bounds = bounds_of(class_bounds);
+  bounds_stored = true;
+}
+
+// histogram_add of one tensor of any layout and dtype histogram_add_many takes, with the
+// class bounds given to set_class_bounds: the per-op call, with no Python work before it.
+void histogram_add_tensor(const torch::Tensor& x, torch::Tensor& table, int64_t row) {
+  TORCH_CHECK(bounds_stored, "set_class_bounds first");
+  check_table(table);
+  TORCH_CHECK(row >= 0 && row < table.size(0), "row ", row, " out of range");
+  check_binnable(x);
+  if (x.numel() == 0) return;
+  at::NoGradGuard no_grad;
+  const torch::Tensor values = as_binnable(x);
+  add_values(reinterpret_cast<const uint32_t*>(values.data_ptr<float>()), values.numel(),
+             table.data_ptr<int64_t>() + row * table.size(1), stored_bounds);
+}
+
 // histogram_add for many tensors in one call (closing a step: every parameter gradient):
 // xs[i] is added to row rows[i]. Each is a strided floating CPU tensor of any layout and
 // of a dtype that widens to fp32 exactly (fp32, fp16, bf16, fp8; fp64 is the caller's,
@@ -202,17 +241,12 @@ void histogram_add_many(const std::vector<torch::Tensor>& xs, torch::Tensor& tab
   const Bounds bounds = bounds_of(class_bounds);
   for (size_t i = 0; i < xs.size(); ++i) {
     TORCH_CHECK(rows[i] >= 0 && rows[i] < table.size(0), "row ", rows[i], " out of range");
-    const torch::Tensor& x = xs[i];
-    TORCH_CHECK(x.device().is_cpu() && x.layout() == torch::kStrided && x.is_floating_point() &&
-                    x.scalar_type() != torch::kFloat64,
-                "histogram_add_many needs strided floating CPU tensors other than float64");
+    check_binnable(xs[i]);
   }
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < xs.size(); ++i) {
-    torch::Tensor x = xs[i];
-    if (x.numel() == 0) continue;
-    if (x.scalar_type() != torch::kFloat32) x = x.to(torch::kFloat32);  // exact widening
-    if (!x.is_non_overlapping_and_dense()) x = x.contiguous();
+    if (xs[i].numel() == 0) continue;
+    const torch::Tensor x = as_binnable(xs[i]);
     add_values(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), x.numel(),
                table.data_ptr<int64_t>() + rows[i] * table.size(1), bounds);
   }
@@ -657,6 +691,8 @@ torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double elem
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("histogram_add", &histogram_add, "Exact fp32 magnitude histogram (fpaudit layout)");
+  m.def("set_class_bounds", &set_class_bounds, "The class bounds histogram_add_tensor uses");
+  m.def("histogram_add_tensor", &histogram_add_tensor, "histogram_add of any strided fp32/16/8 tensor");
   m.def("histogram_add_many", &histogram_add_many, "histogram_add of many tensors, one row each");
   m.def("block_stats", &block_stats, "Block-scaled statistics of every recipe's scale rule");
   m.def("block_stats_add", &block_stats_add, "block_stats, added to a running total in place");

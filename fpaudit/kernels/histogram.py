@@ -178,6 +178,7 @@ class HistogramTable:
 
     def __init__(self, device: torch.device, capacity: int = 64) -> None:
         self.device = device
+        self._cpu = device.type == "cpu"
         self.table = torch.zeros((capacity, WIDTH), dtype=torch.int64, device=device)
         self.calls: list[int] = []  # tensors added to each row since the last reset
         # fp64 values that fp32 (the binned range) cannot hold: nonzero finite values
@@ -200,12 +201,15 @@ class HistogramTable:
         self.calls[row] += 1
         if x.numel() == 0:
             return
-        if x.dtype == torch.float64:
+        wide = x.dtype == torch.float64
+        if wide:
             self._count_out_of_range(x)
-        if x.device.type == "cpu":
-            kernel = kernels.cpu_kernel(on_build=_warn_build)
+        if self._cpu:  # a table holds the rows of its device's tensors
+            kernel = _cpu_kernel()
             if kernel is None:
                 self._add_cpu_torch(row, x)
+            elif not wide and type(x) is torch.Tensor and x.layout == torch.strided:
+                kernel.histogram_add_tensor(x, self.table, row)  # widens and flattens in C++
             else:
                 values = x.detach()
                 if values.dtype != torch.float32:
@@ -219,7 +223,7 @@ class HistogramTable:
         allows: on the CPU with the compiled kernel, one call for all of them (float64
         ones aside, which ``add`` takes with their out-of-range count); elsewhere one
         ``add`` each. The counts are those of the ``add`` calls, in any order."""
-        kernel = kernels.cpu_kernel(on_build=_warn_build) if self.device.type == "cpu" else None
+        kernel = _cpu_kernel() if self.device.type == "cpu" else None
         if kernel is None:
             for row, x in zip(rows, tensors, strict=True):
                 self.add(row, x)
@@ -346,6 +350,18 @@ class HistogramTable:
     def reset(self) -> None:
         self.table[: self.rows].zero_()
         self.calls = [0] * self.rows
+
+
+_bounds_given: set[int] = set()  # ids of the kernel modules given the class bounds
+
+
+def _cpu_kernel() -> ModuleType | None:
+    """``kernels.cpu_kernel()``, given the class bounds once (``histogram_add_tensor``)."""
+    kernel = kernels.cpu_kernel(on_build=_warn_build)
+    if kernel is not None and id(kernel) not in _bounds_given:
+        kernel.set_class_bounds(_CLASS_BOUNDS)
+        _bounds_given.add(id(kernel))
+    return kernel
 
 
 def _warn_build() -> None:

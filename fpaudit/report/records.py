@@ -338,7 +338,7 @@ class ReportBuilder:
             "step": step,
             "steps": steps,
             "calls": calls,
-            "elements": counts.sum(axis=1),
+            "elements": None,  # below, from the nonzero bins: no second pass over counts
             # copies, not views: a view would keep the step's whole matrix alive
             "zeros": counts[:, layout.ZERO_BIN].copy(),
             "infs": counts[:, layout.INF_BIN].copy(),
@@ -351,15 +351,22 @@ class ReportBuilder:
             columns[name] = shadow[:, column].copy()
         for field_name in RecordKey._fields:
             columns[field_name] = np.array([getattr(k, field_name) for k in keys])
-        for name in RECORD_COLUMNS:
-            self._records[name].append(np.asarray(columns[name]))
         finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
         # np.nonzero's row-major order, from one pass over a bool mask (several times
         # faster than np.nonzero of the int64 counts: this is most of a step's emit)
         rows, offsets = np.divmod(np.flatnonzero(finite != 0), finite.shape[1])
+        values = finite[rows, offsets]
+        # each row's sum of finite counts, exactly (int64), from its run of nonzero bins
+        running = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values)])
+        ends = np.searchsorted(rows, np.arange(n + 1))
+        columns["elements"] = (
+            columns["zeros"] + columns["infs"] + columns["nans"] + np.diff(running[ends])
+        )
+        for name in RECORD_COLUMNS:
+            self._records[name].append(np.asarray(columns[name]))
         self._bins["record_id"].append(ids[rows])
         self._bins["offset"].append(offsets)
-        self._bins["count"].append(finite[rows, offsets])
+        self._bins["count"].append(values)
 
     def mark_optimizer_step(self, stepped: bool, skipped: bool = False) -> None:
         """Whether the last closed step was followed by an optimizer step, or skipped one."""

@@ -100,3 +100,23 @@ def test_an_empty_batch_and_a_tensor_the_kernel_refuses() -> None:
             [torch.ones(3)], table.table, [table.table.shape[0]], list(H.CLASS_LOWER_BOUNDS)
         )
     assert not table.table.any()  # a refused batch adds nothing
+
+
+def test_the_per_op_call_equals_the_fp32_call_on_its_flattened_values() -> None:
+    # histogram_add_tensor widens and flattens in C++ what the Python path widened with
+    # .to(float32) and flattened with dense_flat before histogram_add
+    kernel = compiled_cpu_kernel()
+    tensors = [x for x in _tensors() if x.dtype != torch.float64]
+    table = H.HistogramTable(torch.device("cpu"))
+    direct, flattened = table.new_row(), table.new_row()
+    for x in tensors:
+        table.add(direct, x)  # histogram_add_tensor
+        kernel.histogram_add(
+            H.dense_flat(x.to(torch.float32)), table.table, flattened, list(H.CLASS_LOWER_BOUNDS)
+        )
+        rows, _ = table.collect()
+        assert np.array_equal(rows[direct], rows[flattened])
+        counts, amax = _reference(x)
+        host = H.HostHistogram.from_row(rows[direct], 1)
+        assert np.array_equal(host.counts, counts) and host.amax == amax
+        table.reset()
