@@ -93,9 +93,9 @@ class _Op:
 
     __slots__ = ("func", "movement", "mutable", "name", "never_new")
 
-    def __init__(self, func: OpOverload) -> None:
+    def __init__(self, func: OpOverload, name: str) -> None:
         self.func = func  # kept alive: the mode's table is keyed by its id
-        self.name = str(func)
+        self.name = name
         self.mutable = _internals.is_mutable(func)
         # ``creates_new_values``: always False for views, uninitialised buffers and
         # collectives, always True for other ops but data movement, which depends on the
@@ -222,7 +222,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             return  # a hook's work (an optimizer step, an EMA): not the model's gradient
         info = self._ops.get(id(func))  # OpOverload hashes in Python: id is cheaper
         if info is None:
-            info = self._ops[id(func)] = _Op(func)
+            info = self._ops[id(func)] = _Op(func, self._op_name(func))
         provenance = self._provenance
         fixed = provenance.all_fixed(_inputs(args, kwargs))
         if fixed:
