@@ -71,6 +71,7 @@ ROOMS = {
     "test_reliability.py": "report",  # report/files.py: incomplete runs, the output lock
     # kernels/
     "test_histogram.py": "kernels",
+    "test_histogram_many.py": "kernels",
     "test_triton_kernel.py": "kernels",
     "test_blockstats.py": "kernels",
     "test_blockstats_sr.py": "kernels",

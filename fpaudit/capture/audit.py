@@ -98,7 +98,7 @@ from fpaudit.capture.recorder import Recorder
 from fpaudit.capture.selection import Selection
 from fpaudit.kernels.blockstats import BlockRecorder
 from fpaudit.numerics.recipes import Recipe, as_recipe
-from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE, ReportBuilder, StepRecords
+from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE, ReportBuilder
 
 if TYPE_CHECKING:
     from fpaudit.report.store import Report
@@ -186,7 +186,6 @@ class Audit:
         )
         self._stack: ExitStack | None = None
         self._step_started = time.perf_counter()
-        self._last_step: tuple[StepRecords, float | None, float] | None = None  # metrics()
         self._metric_modules: dict[tuple[str, int], list[str]] = {}
         # torch.compile: observed compiled backward runs, ops fused away, what is not covered
         self._compiled = CompiledReceiver(model, self._clock, self._recorder)
@@ -318,20 +317,23 @@ class Audit:
         if scale_value is None:
             scale_value = self.loss_scale if loss_scale is None else float(loss_scale)
         self._provenance.clear()
-        self._last_step = (records, loss_value, scale_value)  # (metrics())
-        with _signals.deferred():  # a step is recorded whole or not at all
-            self._builder.add_step(
-                records,
-                loss=loss_value,
-                loss_scale=scale_value,
-                seconds=time.perf_counter() - self._step_started,
-                index=index,
-                first_nonfinite=collected.first_nonfinite,
-            )
-            blocks = self._recorder.blocks
-            if blocks is not None:  # dropped with the records when the loss is not finite
-                finite = loss_value is None or math.isfinite(loss_value)
-                blocks.close_step(self._builder.last_index, self._builder.rank, finite)
+        try:
+            with _signals.deferred():  # a step is recorded whole or not at all
+                self._builder.add_step(
+                    records,
+                    loss=loss_value,
+                    loss_scale=scale_value,
+                    seconds=time.perf_counter() - self._step_started,
+                    index=index,
+                    first_nonfinite=collected.first_nonfinite,
+                )
+                blocks = self._recorder.blocks
+                if blocks is not None:  # dropped with the records when the loss is not finite
+                    finite = loss_value is None or math.isfinite(loss_value)
+                    blocks.close_step(self._builder.last_index, self._builder.rank, finite)
+            nonfinite_grads = records.nonfinite(KIND_GRAD)
+        finally:
+            self._recorder.release()  # the records may be the table's rows: read by now
         if self.origins is not None:
             self.origins.collect(self._builder.last_index, scale_value)
         self._clock.forget()
@@ -340,7 +342,7 @@ class Audit:
             step=self._builder.last_index,
             loss=loss_value,
             loss_finite=loss_value is None or math.isfinite(loss_value),
-            nonfinite_grads=records.nonfinite(KIND_GRAD),
+            nonfinite_grads=nonfinite_grads,
             records=len(records.keys),
         )
 
@@ -364,19 +366,16 @@ class Audit:
         :data:`fpaudit.rules.metrics.METRICS`), for users who log them themselves;
         empty before a step is closed. ``fmt`` None: the format of the dtype the step held
         its backward values in (bf16 under bf16 autocast), else fp16. It reads that step's
-        records alone (its cost does not grow with the run); the per-module series are the
-        ``top`` modules the first call found losing the most, kept for the run so their
-        names stay. Block-scaled recipes' flush is in the report, not here."""
+        records alone (its cost does not grow with the run; with ``window`` > 1, the
+        window's so far); the per-module series are the ``top`` modules the first call
+        found losing the most, kept for the run so their names stay."""
         from fpaudit.report.store import Report
         from fpaudit.rules.metrics import step_metrics, worst_modules
 
-        if self._last_step is None:
+        last = self._builder.last_step()
+        if last is None:
             return {}
-        records, loss, loss_scale = self._last_step
-        builder = ReportBuilder(modules=self._builder.modules, rank=self._builder.rank)
-        index = self._builder.last_index
-        builder.add_step(records, loss=loss, loss_scale=loss_scale, seconds=0.0, index=index)
-        step = Report.from_builder(builder, {})
+        step = Report.from_builder(last, {})
         if fmt is None:
             from fpaudit.report.runinfo import AMP_NAMES
             from fpaudit.rules.analysis import held_dtype

@@ -17,6 +17,7 @@ from fpaudit.capture import compiled
 from fpaudit.capture.clock import ModuleClock, model_name
 from fpaudit.capture.oprules import (
     ACCUMULATE_GRAD,
+    DATA_MOVEMENT,
     as_contracted,
     constant_op,
     creates_new_values,
@@ -70,6 +71,49 @@ def _upcast(value: Any) -> Any:
     return value
 
 
+def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The op's input tensors as ``origin_probe.tensors_in`` finds them (tensors, and
+    tensors in a list argument when there are no keyword arguments), built as one list:
+    this runs for every backward op."""
+    if kwargs:
+        found = [a for a in args if isinstance(a, torch.Tensor)]
+        found += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        return found
+    found = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, list | tuple):
+            found += [t for t in a if isinstance(t, torch.Tensor)]
+    return found
+
+
+class _Op:
+    """What the mode decides once per op overload (``OpOverload``), not per call."""
+
+    __slots__ = ("func", "movement", "mutable", "name", "never_new")
+
+    def __init__(self, func: OpOverload, name: str) -> None:
+        self.func = func  # kept alive: the mode's table is keyed by its id
+        self.name = name
+        self.mutable = _internals.is_mutable(func)
+        # ``creates_new_values``: always False for views, uninitialised buffers and
+        # collectives, always True for other ops but data movement, which depends on the
+        # call's dtypes (asked per call)
+        self.movement = func in DATA_MOVEMENT
+        self.never_new = not self.movement and not creates_new_values(func, (), None)
+
+
+def _float_outputs(output: Any) -> list[tuple[int, torch.Tensor]]:
+    """``float_tensors(output)`` as a list, a single tensor output without the walk."""
+    if type(output) is torch.Tensor:
+        if output.layout == torch.strided and not output.is_meta and output.is_floating_point():
+            return [(0, output)]
+        if not output.is_complex():
+            return []
+    return list(float_tensors(output))
+
+
 class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves the mode untyped
     """Sees every aten op; hands backward (and, in a forward pass, forward) outputs on."""
 
@@ -90,6 +134,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self._recorder = recorder
         self._record = recorder.record
         self._op_names: dict[OpOverload, str] = {}
+        self._ops: dict[int, _Op] = {}
         self._unshadowable: set[OpOverload] = set()
         self._origins = audit.origins  # scan --origins: None unless asked for
         self.grad_mode_means_recompute = False
@@ -175,31 +220,38 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             node_name == ACCUMULATE_GRAD and not works_on_grad(func, args, kwargs, output, node)
         ):
             return  # a hook's work (an optimizer step, an EMA): not the model's gradient
-        inputs = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
-        fixed = self._provenance.all_fixed(inputs)
+        info = self._ops.get(id(func))  # OpOverload hashes in Python: id is cheaper
+        if info is None:
+            info = self._ops[id(func)] = _Op(func, self._op_name(func))
+        provenance = self._provenance
+        fixed = provenance.all_fixed(_inputs(args, kwargs))
         if fixed:
-            self._provenance.mark(_tensors(output))
-        elif self._provenance.has_fixed() and _internals.is_mutable(func):
+            provenance.mark(_tensors(output))
+        elif info.mutable and provenance.has_fixed():
             # e.g. buffer[i].copy_(scaled value): the whole storage now carries the scale
-            self._provenance.unmark(written(func, args, kwargs, output))
-        if not creates_new_values(func, args, output):
+            provenance.unmark(written(func, args, kwargs, output))
+        if info.never_new or (info.movement and not creates_new_values(func, args, output)):
             return
-        op = self._op_name(func)
+        outputs = _float_outputs(output)
+        if not outputs and origins is None and self._gemm_modules is None:
+            return  # nothing that can be recorded (indices, masks, counts)
+        op = info.name
         module = self._module_of(node)
+        record = self._record
         places = [
-            (self._record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor), tensor)
-            for index, tensor in float_tensors(output)
+            (record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor), tensor)
+            for index, tensor in outputs
         ]
         if origins is not None:
-            origins.after(before, KIND_BACKWARD, module, node_name, op,
-                          list(float_tensors(output)), not fixed)  # fmt: skip
+            origins.after(before, KIND_BACKWARD, module, node_name, op, outputs,
+                          not fixed)  # fmt: skip
         if self._gemm_modules is not None and module in self._gemm_modules:
             operands = gemm_operands(func, args)
             for index, operand in enumerate(operands):
                 scaled = not self._provenance.is_fixed(operand)
                 contracted = as_contracted(operand, index)
                 self._recorder.record_operand(module, node_name, op, index, scaled, contracted)
-        if self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
+        if places and self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
             self._compare_with_fp32(func, args, kwargs, places)
 
     def _record_forward(self, func: OpOverload, args: tuple[Any, ...], output: Any) -> None:

@@ -22,7 +22,7 @@ _aten = torch.ops.aten
 # Ops that only copy, move or zero-pad values: their outputs hold no value
 # that is not already in an input (when the dtype is kept). ``SplitBackward0``,
 # for one, concatenates gradients that were recorded when they were made.
-_DATA_MOVEMENT = frozenset(
+DATA_MOVEMENT = frozenset(
     {
         _aten.clone.default,
         _aten._unsafe_view.default,
@@ -100,7 +100,7 @@ def works_on_grad(
     rather than being a post-accumulate-grad hook's bookkeeping (an optimizer's or an
     average's state). FSDP1's hook on its flat parameter is gradient work: the padded,
     divided gradient it reduce-scatters is recorded."""
-    if func.is_view or func in _DATA_MOVEMENT:
+    if func.is_view or func in DATA_MOVEMENT:
         return True  # the first gradient, kept as is: nothing new to record anyway
     variable = getattr(node, "variable", None)
     if _internals.is_flat_param(variable):
@@ -185,7 +185,7 @@ def creates_new_values(func: OpOverload, args: tuple[Any, ...], output: Any) -> 
         )
     if is_view:
         return False
-    if func in _DATA_MOVEMENT:
+    if func in DATA_MOVEMENT:
         source = args[1] if func is _aten.copy_.default else next(_tensors(args), None)
         target = output if isinstance(output, torch.Tensor) else None
         return not (source is not None and target is not None and source.dtype == target.dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -56,10 +56,19 @@ class Provenance:
         ref = self._fixed.get(id(storage))
         return ref is not None and ref() is storage
 
-    def all_fixed(self, tensors: Iterator[torch.Tensor]) -> bool:
-        if not self._fixed:  # the common case: no storage lookups
-            return all(t.requires_grad or t.dtype in _UNSCALABLE for t in tensors)
-        return all(self.is_fixed(t) for t in tensors)
+    def all_fixed(self, tensors: Iterable[torch.Tensor]) -> bool:
+        fixed = self._fixed
+        unscalable = _UNSCALABLE
+        for tensor in tensors:  # is_fixed, inlined: this runs for every backward op
+            if tensor.requires_grad or tensor.dtype in unscalable:
+                continue
+            if not fixed:  # the common case: no storage lookups
+                return False
+            storage = storage_of(tensor)
+            ref = fixed.get(id(storage))
+            if ref is None or ref() is not storage:
+                return False
+        return True
 
     def mark(self, tensors: Iterator[torch.Tensor]) -> None:
         for tensor in tensors:

@@ -53,6 +53,10 @@ class Recorder:
         self._rows: dict[RecordKey, Place] = {}
         self._row_keys: dict[torch.device, list[RecordKey]] = {}
         self._lock = threading.Lock()
+        # what _place found for a key, dtype and device (None: not selected)
+        self._places: dict[tuple[object, ...], tuple[RecordKey, Place] | None] = {}
+        # (parameter name, dtype, device) -> its gradient's row (None: not selected)
+        self._grad_rows: dict[tuple[str, torch.dtype, torch.device], Place | None] = {}
 
     def record(
         self,
@@ -65,13 +69,53 @@ class Recorder:
         tensor: torch.Tensor,
     ) -> Place | None:
         """Add ``tensor``'s values to the open step's record for this key; its place."""
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()  # a DTensor (FSDP2, tensor parallel): this rank's shard
+        found = self._place(kind, module, node, op, output, scales_with_loss, tensor)
+        if found is None:
+            return None
+        key, place = found
+        place[0].add(place[1], tensor)
+        if self.blocks is not None:
+            self.blocks.add(key, tensor)
+        return place
+
+    def _place(
+        self,
+        kind: str,
+        module: str,
+        node: str,
+        op: str,
+        output: int,
+        scales_with_loss: bool,
+        tensor: torch.Tensor,
+    ) -> tuple[RecordKey, Place] | None:
+        """The record key of ``tensor`` here and its row (made on first use), or None
+        where the selection leaves it out."""
+        where = (kind, module, node, op, output, scales_with_loss, tensor.dtype, tensor.device)
+        try:
+            return self._places[where]
+        except KeyError:  # the first time: once per key
+            found = self._places[where] = self._new_place(
+                kind, module, node, op, output, scales_with_loss, tensor
+            )
+            return found
+
+    def _new_place(
+        self,
+        kind: str,
+        module: str,
+        node: str,
+        op: str,
+        output: int,
+        scales_with_loss: bool,
+        tensor: torch.Tensor,
+    ) -> tuple[RecordKey, Place] | None:
         accepted = self._accepted.get((kind, module, op))
         if accepted is None:
             accepted = self._accepted[(kind, module, op)] = self.selection.accepts(kind, module, op)
         if not accepted:
             return None
-        if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
-            tensor = tensor.to_local()  # a DTensor (FSDP2, tensor parallel): this rank's shard
         dtype = str(tensor.dtype).removeprefix("torch.")
         key = RecordKey(kind, module, node, op, output, dtype, scales_with_loss)
         place = self._rows.get(key)
@@ -83,10 +127,7 @@ class Recorder:
                     self._row_keys[tensor.device] = []
                 place = self._rows[key] = (table, table.new_row())
                 self._row_keys[tensor.device].append(key)
-        place[0].add(place[1], tensor)
-        if self.blocks is not None:
-            self.blocks.add(key, tensor)
-        return place
+        return key, place
 
     def record_operand(
         self,
@@ -110,9 +151,32 @@ class Recorder:
         self.blocks.add(key, tensor)
 
     def record_parameter_gradients(self, model: nn.Module) -> None:
+        """Record every parameter's gradient (kind ``grad``): plain floating gradients in
+        one kernel call per device (``HistogramTable.add_many``), their rows looked up
+        once per parameter name, dtype and device; others (complex, DTensor, with block
+        statistics) one :meth:`record` each."""
+        batches: dict[histogram.HistogramTable, tuple[list[int], list[torch.Tensor]]] = {}
+        rows = self._grad_rows
         for name, param in model.named_parameters():
             grad = param.grad
             if grad is None or grad.layout != torch.strided:
+                continue
+            if type(grad) is torch.Tensor and self.blocks is None and grad.is_floating_point():
+                where = (name, grad.dtype, grad.device)
+                if where in rows:
+                    place = rows[where]
+                else:
+                    module, _, param_name = name.rpartition(".")
+                    found = self._place(
+                        KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad
+                    )
+                    place = rows[where] = None if found is None else found[1]
+                if place is not None:
+                    batch = batches.get(place[0])
+                    if batch is None:
+                        batch = batches[place[0]] = ([], [])
+                    batch[0].append(place[1])
+                    batch[1].append(grad)
                 continue
             if grad.is_complex():
                 grad = torch.view_as_real(grad.resolve_conj())
@@ -120,6 +184,8 @@ class Recorder:
                 continue
             module, _, param_name = name.rpartition(".")
             self.record(KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad)
+        for table, (table_rows, grads) in batches.items():
+            table.add_many(table_rows, grads)
 
     def next_forward_op(self) -> int:
         self._forward_ops += 1
@@ -139,10 +205,11 @@ class Recorder:
 
     def collect(self, loss: torch.Tensor | None, scale_tensor: torch.Tensor | None) -> Collected:
         """Close the step: each device's rows, with ``loss`` and ``scale_tensor`` where they
-        are on that device, in one transfer; the rows are then empty for the next step."""
+        are on that device, in one transfer. The records may be the CPU table's own rows
+        (no copy): read them, then :meth:`release` the rows for the next step."""
         keys: list[RecordKey] = []
         blocks: list[np.ndarray] = []
-        calls: list[int] = []
+        calls: list[np.ndarray] = []
         loss_value: float | None = None
         scale_value: float | None = None
         for device, table in self._tables.items():
@@ -156,21 +223,30 @@ class Recorder:
                 loss_value = values[0]
             if carries_scale:
                 scale_value = values[-1]
-            used = [row for row in range(table.rows) if table.calls[row]]
-            keys += [self._row_keys[device][row] for row in used]
-            blocks.append(rows[used])
-            calls += [table.calls[row] for row in used]
-            table.reset()
+            row_calls = np.array(table.calls, dtype=np.int64)
+            used = np.flatnonzero(row_calls)
+            row_keys = self._row_keys[device]
+            if len(used) == table.rows:  # every row: the rows as they are, no copy
+                keys += row_keys
+                blocks.append(rows)
+                calls.append(row_calls)
+            else:
+                keys += [row_keys[row] for row in used]
+                blocks.append(rows[used])
+                calls.append(row_calls[used])
         if loss is not None and loss_value is None:  # no records on the loss's device
             loss_value = float(loss.detach().reshape(()))
         if scale_tensor is not None and scale_value is None:
             scale_value = float(scale_tensor.detach().reshape(()))
-        rows = np.concatenate(blocks) if blocks else np.zeros((0, histogram.WIDTH), np.int64)
+        if len(blocks) == 1:
+            rows = blocks[0]
+        else:
+            rows = np.concatenate(blocks) if blocks else np.zeros((0, histogram.WIDTH), np.int64)
         records = StepRecords(
             keys=keys,
             counts=rows[:, : histogram.N_BINS],
             amax=histogram.amax_from_bits(rows[:, histogram.AMAX_COLUMN]),
-            calls=np.array(calls, dtype=np.int64),
+            calls=np.concatenate(calls) if calls else np.zeros(0, dtype=np.int64),
             shadow=rows[:, histogram.SHADOW_COLUMNS].copy(),
         )
         first_nonfinite = ""
@@ -180,6 +256,11 @@ class Recorder:
             first_nonfinite = f"{first.module or '(root)'} {first.op}"
         self._forward_ops = 0
         return Collected(records, first_nonfinite, loss_value, scale_value)
+
+    def release(self) -> None:
+        """Empty the rows for the next step (after a collected step's records are read)."""
+        for table in self._tables.values():
+            table.reset()
 
     def discard(self) -> None:
         """Drop the open step's records (and its block statistics)."""

@@ -93,30 +93,24 @@ uint32_t subnormal_bin(uint32_t bits, const Bounds& b) {
   return kFirstFinite + uint32_t(top) * kClasses + cls;
 }
 
-}  // namespace
-
-// Adds the values of the contiguous fp32 CPU tensor x to row `row` of `table` (int64,
-// rows x at least kBins + 1 columns): columns 0..kBins-1 are the counts, column kBins
-// the bit pattern of the largest finite |x| seen, raised here if x has a larger one.
-// Further columns belong to the caller.
-void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
-                   const std::vector<int64_t>& class_bounds) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "histogram_add needs a contiguous float32 CPU tensor");
+void check_table(const torch::Tensor& table) {
   TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == torch::kInt64 && table.dim() == 2 &&
                   table.size(1) > kBins && table.is_contiguous(),
               "table must be a contiguous int64 CPU tensor of shape [rows, > ", kBins, "]");
-  TORCH_CHECK(row >= 0 && row < table.size(0), "row ", row, " out of range");
-  TORCH_CHECK(class_bounds.size() == kClasses && class_bounds[0] == 0, "expected ", kClasses, " class bounds");
-  const Bounds bounds{uint32_t(class_bounds[1]), uint32_t(class_bounds[2]), uint32_t(class_bounds[3]),
-                      uint32_t(class_bounds[4]), uint32_t(class_bounds[5]), uint32_t(class_bounds[6]),
-                      uint32_t(class_bounds[7])};
+}
 
-  const auto* data = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
-  int64_t* total = table.data_ptr<int64_t>() + row * table.size(1);
+Bounds bounds_of(const std::vector<int64_t>& class_bounds) {
+  TORCH_CHECK(class_bounds.size() == kClasses && class_bounds[0] == 0, "expected ", kClasses, " class bounds");
+  return Bounds{uint32_t(class_bounds[1]), uint32_t(class_bounds[2]), uint32_t(class_bounds[3]),
+                uint32_t(class_bounds[4]), uint32_t(class_bounds[5]), uint32_t(class_bounds[6]),
+                uint32_t(class_bounds[7])};
+}
+
+// Adds the n fp32 values at data to the row that starts at total (see histogram_add).
+void add_values(const uint32_t* data, int64_t n, int64_t* total, const Bounds& bounds) {
   int64_t* amax_out = total + kBins;
   std::mutex merge;
-  const int64_t n = x.numel();
+  if (n == 0) return;
   const int64_t grain = std::max<int64_t>(int64_t(1) << 16, (n + at::get_num_threads() - 1) / at::get_num_threads());
 
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
@@ -176,6 +170,86 @@ void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
     }
     *amax_out = std::max<int64_t>(*amax_out, int64_t(largest));
   });
+}
+
+}  // namespace
+
+// Adds the values of the contiguous fp32 CPU tensor x to row `row` of `table` (int64,
+// rows x at least kBins + 1 columns): columns 0..kBins-1 are the counts, column kBins
+// the bit pattern of the largest finite |x| seen, raised here if x has a larger one.
+// Further columns belong to the caller.
+void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
+                   const std::vector<int64_t>& class_bounds) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "histogram_add needs a contiguous float32 CPU tensor");
+  check_table(table);
+  TORCH_CHECK(row >= 0 && row < table.size(0), "row ", row, " out of range");
+  const Bounds bounds = bounds_of(class_bounds);
+  add_values(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), x.numel(),
+             table.data_ptr<int64_t>() + row * table.size(1), bounds);
+}
+
+namespace {
+Bounds stored_bounds{};
+bool bounds_stored = false;
+
+// x as fp32 values to bin in place: widened (exact for fp16, bf16, fp8) and, unless its
+// elements fill a block of memory once in some order of its dimensions, copied.
+torch::Tensor as_binnable(torch::Tensor x) {
+  if (x.scalar_type() != torch::kFloat32) x = x.to(torch::kFloat32);
+  if (!x.is_non_overlapping_and_dense()) x = x.contiguous();
+  return x;
+}
+
+void check_binnable(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.layout() == torch::kStrided && x.is_floating_point() &&
+                  x.scalar_type() != torch::kFloat64,
+              "histogram_add_many needs strided floating CPU tensors other than float64");
+}
+}  // namespace
+
+// The class bounds histogram_add_tensor uses, given once (fpaudit.numerics.layout's).
+void set_class_bounds(const std::vector<int64_t>& class_bounds) {
+  stored_bounds = bounds_of(class_bounds);
+  bounds_stored = true;
+}
+
+// histogram_add of one tensor of any layout and dtype histogram_add_many takes, with the
+// class bounds given to set_class_bounds: the per-op call, with no Python work before it.
+void histogram_add_tensor(const torch::Tensor& x, torch::Tensor& table, int64_t row) {
+  TORCH_CHECK(bounds_stored, "set_class_bounds first");
+  check_table(table);
+  TORCH_CHECK(row >= 0 && row < table.size(0), "row ", row, " out of range");
+  check_binnable(x);
+  if (x.numel() == 0) return;
+  at::NoGradGuard no_grad;
+  const torch::Tensor values = as_binnable(x);
+  add_values(reinterpret_cast<const uint32_t*>(values.data_ptr<float>()), values.numel(),
+             table.data_ptr<int64_t>() + row * table.size(1), stored_bounds);
+}
+
+// histogram_add for many tensors in one call (closing a step: every parameter gradient):
+// xs[i] is added to row rows[i]. Each is a strided floating CPU tensor of any layout and
+// of a dtype that widens to fp32 exactly (fp32, fp16, bf16, fp8; fp64 is the caller's,
+// with its out-of-range count). A tensor whose elements fill a block of memory once (any
+// order of its dimensions) is read in place, as histogram.dense_flat does; others are
+// copied, and narrower dtypes widened, here: a histogram does not depend on the order.
+void histogram_add_many(const std::vector<torch::Tensor>& xs, torch::Tensor& table,
+                        const std::vector<int64_t>& rows, const std::vector<int64_t>& class_bounds) {
+  check_table(table);
+  TORCH_CHECK(xs.size() == rows.size(), "histogram_add_many needs one row per tensor");
+  const Bounds bounds = bounds_of(class_bounds);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < table.size(0), "row ", rows[i], " out of range");
+    check_binnable(xs[i]);
+  }
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (xs[i].numel() == 0) continue;
+    const torch::Tensor x = as_binnable(xs[i]);
+    add_values(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), x.numel(),
+               table.data_ptr<int64_t>() + rows[i] * table.size(1), bounds);
+  }
 }
 
 // ---- Block-scaled statistics (fpaudit/blockstats.py) ----
@@ -617,6 +691,9 @@ torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double elem
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("histogram_add", &histogram_add, "Exact fp32 magnitude histogram (fpaudit layout)");
+  m.def("set_class_bounds", &set_class_bounds, "The class bounds histogram_add_tensor uses");
+  m.def("histogram_add_tensor", &histogram_add_tensor, "histogram_add of any strided fp32/16/8 tensor");
+  m.def("histogram_add_many", &histogram_add_many, "histogram_add of many tensors, one row each");
   m.def("block_stats", &block_stats, "Block-scaled statistics of every recipe's scale rule");
   m.def("block_stats_add", &block_stats_add, "block_stats, added to a running total in place");
 }

@@ -51,7 +51,10 @@ _failure: str | None = None
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    raw = os.environ.get(ENV)
+    if raw is None:  # asked once per histogram call: the common case first
+        return "auto"
+    value = raw.strip().lower() or "auto"
     if value not in MODES:
         raise UsageError(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
     return value

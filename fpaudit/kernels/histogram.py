@@ -178,6 +178,7 @@ class HistogramTable:
 
     def __init__(self, device: torch.device, capacity: int = 64) -> None:
         self.device = device
+        self._cpu = device.type == "cpu"
         self.table = torch.zeros((capacity, WIDTH), dtype=torch.int64, device=device)
         self.calls: list[int] = []  # tensors added to each row since the last reset
         # fp64 values that fp32 (the binned range) cannot hold: nonzero finite values
@@ -200,12 +201,15 @@ class HistogramTable:
         self.calls[row] += 1
         if x.numel() == 0:
             return
-        if x.dtype == torch.float64:
+        wide = x.dtype == torch.float64
+        if wide:
             self._count_out_of_range(x)
-        if x.device.type == "cpu":
-            kernel = kernels.cpu_kernel(on_build=_warn_build)
+        if self._cpu:  # a table holds the rows of its device's tensors
+            kernel = _cpu_kernel()
             if kernel is None:
                 self._add_cpu_torch(row, x)
+            elif not wide and type(x) is torch.Tensor and x.layout == torch.strided:
+                kernel.histogram_add_tensor(x, self.table, row)  # widens and flattens in C++
             else:
                 values = x.detach()
                 if values.dtype != torch.float32:
@@ -213,6 +217,29 @@ class HistogramTable:
                 kernel.histogram_add(dense_flat(values), self.table, row, _CLASS_BOUNDS)
         else:
             self._add_device(row, x)
+
+    def add_many(self, rows: list[int], tensors: list[torch.Tensor]) -> None:
+        """``add(rows[i], tensors[i])`` for every i, in as few kernel calls as the device
+        allows: on the CPU with the compiled kernel, one call for all of them (float64
+        ones aside, which ``add`` takes with their out-of-range count); elsewhere one
+        ``add`` each. The counts are those of the ``add`` calls, in any order."""
+        kernel = _cpu_kernel() if self.device.type == "cpu" else None
+        if kernel is None:
+            for row, x in zip(rows, tensors, strict=True):
+                self.add(row, x)
+            return
+        batch_rows: list[int] = []
+        batch: list[torch.Tensor] = []
+        calls = self.calls
+        for row, x in zip(rows, tensors, strict=True):
+            if x.dtype == torch.float64 or x.device.type != "cpu":
+                self.add(row, x)
+                continue
+            calls[row] += 1
+            batch_rows.append(row)
+            batch.append(x)
+        if batch:
+            kernel.histogram_add_many(batch, self.table, batch_rows, _CLASS_BOUNDS)
 
     def _count_out_of_range(self, x: torch.Tensor) -> None:
         """Count the nonzero finite fp64 values that fp32 turns into zero or inf (no sync)."""
@@ -306,7 +333,14 @@ class HistogramTable:
         self._raise_amax(row, finite_amax_bits(bits) if int(raw[_RAW_INF:].sum()) else bits.amax())
 
     def collect(self, scalars: tuple[torch.Tensor, ...] = ()) -> tuple[np.ndarray, list[float]]:
-        """All rows (and a few 0-dim float tensors on this device) in one host transfer."""
+        """All rows (and a few 0-dim float tensors on this device) in one host transfer.
+
+        On the CPU the rows are the table itself, not a copy (a step's table is tens of
+        MB, and copying it was most of closing a step): valid until the next ``add`` or
+        ``reset``."""
+        if self.device.type == "cpu":
+            values = [float(s.detach().reshape(()).to(torch.float64)) for s in scalars]
+            return self.table[: self.rows].numpy(), values
         parts = [self.table[: self.rows].reshape(-1)]
         parts += [s.detach().reshape(1).to(torch.float64).view(torch.int64) for s in scalars]
         packed = torch.cat(parts).cpu().numpy()  # the one sync
@@ -316,6 +350,18 @@ class HistogramTable:
     def reset(self) -> None:
         self.table[: self.rows].zero_()
         self.calls = [0] * self.rows
+
+
+_bounds_given: set[int] = set()  # ids of the kernel modules given the class bounds
+
+
+def _cpu_kernel() -> ModuleType | None:
+    """``kernels.cpu_kernel()``, given the class bounds once (``histogram_add_tensor``)."""
+    kernel = kernels.cpu_kernel(on_build=_warn_build)
+    if kernel is not None and id(kernel) not in _bounds_given:
+        kernel.set_class_bounds(_CLASS_BOUNDS)
+        _bounds_given.add(id(kernel))
+    return kernel
 
 
 def _warn_build() -> None:

@@ -223,6 +223,7 @@ class ReportBuilder:
         self._pending: dict[tuple[RecordKey, float], list[Any]] = {}
         self._pending_first = -1
         self._pending_steps = 0
+        self._step_chunks = 0  # where the last closed step's emitted rows start
         self.steps = 0  # steps closed
         self.last_index = -1  # training-step number of the last closed step
 
@@ -245,6 +246,7 @@ class ReportBuilder:
             raise ValueError(f"step index {step} does not follow {self.last_index}")
         self.last_index = step
         self.steps += 1
+        self._step_chunks = len(self._records["record_id"])  # where this step's rows start
         loss_finite = loss is None or math.isfinite(loss)
         kept = len(records.keys) if loss_finite else 0
         if self.window == 1:
@@ -338,7 +340,7 @@ class ReportBuilder:
             "step": step,
             "steps": steps,
             "calls": calls,
-            "elements": counts.sum(axis=1),
+            "elements": None,  # below, from the nonzero bins: no second pass over counts
             # copies, not views: a view would keep the step's whole matrix alive
             "zeros": counts[:, layout.ZERO_BIN].copy(),
             "infs": counts[:, layout.INF_BIN].copy(),
@@ -351,19 +353,45 @@ class ReportBuilder:
             columns[name] = shadow[:, column].copy()
         for field_name in RecordKey._fields:
             columns[field_name] = np.array([getattr(k, field_name) for k in keys])
+        finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
+        # np.nonzero's row-major order, from one pass over a bool mask (several times
+        # faster than np.nonzero of the int64 counts: this is most of a step's emit)
+        rows, offsets = np.divmod(np.flatnonzero(finite != 0), finite.shape[1])
+        values = finite[rows, offsets]
+        # each row's sum of finite counts, exactly (int64), from its run of nonzero bins
+        running = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values)])
+        ends = np.searchsorted(rows, np.arange(n + 1))
+        columns["elements"] = (
+            columns["zeros"] + columns["infs"] + columns["nans"] + np.diff(running[ends])
+        )
         for name in RECORD_COLUMNS:
             self._records[name].append(np.asarray(columns[name]))
-        finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
-        rows, offsets = np.nonzero(finite)
         self._bins["record_id"].append(ids[rows])
         self._bins["offset"].append(offsets)
-        self._bins["count"].append(finite[rows, offsets])
+        self._bins["count"].append(values)
 
     def mark_optimizer_step(self, stepped: bool, skipped: bool = False) -> None:
         """Whether the last closed step was followed by an optimizer step, or skipped one."""
         if self._steps["optimizer_step"]:
             self._steps["optimizer_step"][-1] = stepped
             self._steps["skipped"][-1] = skipped
+
+    def last_step(self) -> ReportBuilder | None:
+        """A builder holding the last closed step alone (its records as emitted, renumbered
+        from 0, and its steps row), None before a step closed. With ``window`` > 1 it is
+        the window that step is in, as far as it has filled."""
+        if not self.steps:
+            return None
+        alone = ReportBuilder(self.modules, rank=self.rank)
+        if self.window > 1 and self._pending:
+            chunk = _Chunk.of(self, 0, pending=True)
+        else:
+            chunk = _Chunk.of(self, self._step_chunks, pending=False)
+        chunk.into(alone)
+        for name in STEP_COLUMNS:
+            alone._steps[name].append(self._steps[name][-1])
+        alone.steps, alone.last_index = 1, self.last_index
+        return alone
 
     @property
     def skipped_steps(self) -> int:
@@ -408,3 +436,31 @@ class ReportBuilder:
             for name, dtype in RECORD_COLUMNS.items()
         }
         return records, bins, self.step_rows()
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Some emitted rows of a builder (records and their bins), to copy into another."""
+
+    records: dict[str, list[np.ndarray]]
+    bins: dict[str, list[np.ndarray]]
+
+    @staticmethod
+    def of(builder: ReportBuilder, start: int, *, pending: bool) -> _Chunk:
+        if pending:  # a window still filling: emit it into a scratch builder
+            scratch = ReportBuilder(builder.modules, rank=builder.rank)
+            scratch._emit(*builder._pending_block())
+            builder = scratch
+        return _Chunk(
+            {name: parts[start:] for name, parts in builder._records.items()},
+            {name: parts[start:] for name, parts in builder._bins.items()},
+        )
+
+    def into(self, builder: ReportBuilder) -> None:
+        ids = self.records["record_id"]
+        first = int(ids[0][0]) if ids and len(ids[0]) else 0
+        for name, parts in self.records.items():
+            builder._records[name] = [p - first if name == "record_id" else p for p in parts]
+        for name, parts in self.bins.items():
+            builder._bins[name] = [p - first if name == "record_id" else p for p in parts]
+        builder._next_record = sum(len(p) for p in builder._records["record_id"])

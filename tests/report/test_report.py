@@ -14,6 +14,7 @@ import torch
 
 from fpaudit.errors import ReportError
 from fpaudit.kernels import histogram
+from fpaudit.report.records import KIND_BACKWARD, RecordKey, ReportBuilder, StepRecords
 from fpaudit.report.schema import BINS_SCHEMA, RECORDS_SCHEMA, SCHEMA_VERSION, STEPS_SCHEMA
 from fpaudit.report.store import Report
 
@@ -357,3 +358,46 @@ def test_the_record_key_is_declared_once_and_every_table_lays_it_out_in_order() 
         start = names.index("kind")
         assert names[start : start + len(KEY_COLUMNS)] == list(KEY_COLUMNS)
         assert all(table[name] == KEY_COLUMNS[name] for name in KEY_COLUMNS)
+
+
+# -- the last closed step alone (Audit.metrics reads it) ---------------------------------
+def _builder_of(steps: list[list[float]], window: int) -> ReportBuilder:
+    from fpaudit.kernels import histogram
+
+    builder = ReportBuilder(modules=["a", "b"], window=window)
+    for values in steps:
+        records = {}
+        for module, tensor in (("a", torch.tensor(values)), ("b", torch.tensor(values) * 4)):
+            hist = histogram.Histogram(tensor.device)
+            hist.add(tensor)
+            key = RecordKey(KIND_BACKWARD, module, "MulBackward0", "aten.mul.Tensor", 0,
+                            "float32", True)  # fmt: skip
+            records[key] = hist.host()
+        builder.add_step(StepRecords.from_histograms(records), loss=1.0, loss_scale=1.0,
+                         seconds=0.0)  # fmt: skip
+    return builder
+
+
+def test_the_last_step_alone_is_what_the_whole_report_holds_of_it() -> None:
+    from fpaudit.rules.drift import window_report
+
+    steps = [[1.0, 2.0**-30, 0.0], [0.5, 0.25], [3.0, -2.0**-20, 2.0**-140, 7.0]]
+    builder = _builder_of(steps, window=1)
+    last = builder.last_step()
+    assert last is not None
+    alone = Report.from_builder(last, {})
+    whole = window_report(Report.from_builder(builder, {}), 2, 2)
+    assert alone.records.drop(columns="record_id").equals(whole.records.drop(columns="record_id"))
+    assert alone.bins.equals(whole.bins)  # renumbered from 0 in both
+    assert alone.steps["step"].tolist() == [2]
+    # step 2 of module "a": 4 values, none zero; "b" the same values times 4
+    assert alone.records["elements"].tolist() == [4, 4]
+
+
+def test_with_a_window_the_last_step_is_its_window_so_far() -> None:
+    builder = _builder_of([[1.0, 2.0], [4.0], [8.0, 16.0, 32.0]], window=2)
+    last = builder.last_step()  # step 2 opens the second window: it alone so far
+    assert last is not None
+    records = Report.from_builder(last, {}).records
+    assert records["elements"].tolist() == [3, 3] and records["steps"].tolist() == [1, 1]
+    assert ReportBuilder(modules=["a"]).last_step() is None
