@@ -381,7 +381,7 @@ def _builder_of(steps: list[list[float]], window: int) -> ReportBuilder:
 def test_the_last_step_alone_is_what_the_whole_report_holds_of_it() -> None:
     from fpaudit.rules.drift import window_report
 
-    steps = [[1.0, 2.0**-30, 0.0], [0.5, 0.25], [3.0, -2.0**-20, 2.0**-140, 7.0]]
+    steps = [[1.0, 2.0**-30, 0.0], [0.5, 0.25], [3.0, -(2.0**-20), 2.0**-140, 7.0]]
     builder = _builder_of(steps, window=1)
     last = builder.last_step()
     assert last is not None
