@@ -39,14 +39,15 @@ def summary_writer(directory: Path | str) -> Any:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as error:
         raise UsageError(
-            f"--tensorboard needs the tensorboard package ({error}); {INSTALL_HINT}"
+            f"writing TensorBoard event files needs the tensorboard package ({error}); "
+            f"{INSTALL_HINT}"
         ) from None
     try:
         target.mkdir(parents=True, exist_ok=True)
         if not os.access(target, os.W_OK | os.X_OK):
             raise PermissionError(f"{target} is not writable")
     except OSError as error:
-        raise UsageError(f"--tensorboard {target}: cannot write there ({error})") from None
+        raise UsageError(f"cannot write TensorBoard event files to {target} ({error})") from None
     return SummaryWriter(log_dir=str(target))
 
 

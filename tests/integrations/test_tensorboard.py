@@ -74,7 +74,9 @@ def test_export_needs_a_directory_and_names_a_bad_one(
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     line = one_error_line(cli("export", report_dir, "--tensorboard", blocker / "tb"))
-    assert line.startswith(f"fpaudit: error: --tensorboard {blocker / 'tb'}: cannot write there")
+    assert line.startswith(
+        f"fpaudit: error: cannot write TensorBoard event files to {blocker / 'tb'} ("
+    )
     line = one_error_line(cli("export", tmp_path / "nope", "--tensorboard", tmp_path / "tb"))
     assert "nope" in line
 
