@@ -381,7 +381,9 @@ class Audit:
             from fpaudit.rules.analysis import held_dtype
 
             fmt = AMP_NAMES.get(held_dtype(step) or "", "fp16")
-        modules = self._metric_modules.setdefault((fmt, top), worst_modules(step, fmt, top))
+        modules = self._metric_modules.get((fmt, top))
+        if modules is None:  # chosen once, at the first call: the series keep their names
+            modules = self._metric_modules[(fmt, top)] = worst_modules(step, fmt, top)
         found = step_metrics(step, fmt, modules=modules)
         if not found:
             return {}

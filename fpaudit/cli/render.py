@@ -394,6 +394,26 @@ def fraction_text(fraction: float | None) -> str:
     return "-" if fraction is None else percent(fraction)
 
 
+def only_in(present: str) -> str | None:
+    """A diff row's change cell for a row present in one report only (else None)."""
+    from fpaudit.rules.comparison import BASE_ONLY, NEW_ONLY
+
+    return {BASE_ONLY: "only in BASE", NEW_ONLY: "only in NEW"}.get(present)
+
+
+def comparison_grid(
+    title: str, leading: Iterable[tuple[str, int | None]], columns: Iterable[str]
+) -> Table:
+    """A diff table: its ``leading`` name columns (name, max width or None), then the
+    number columns, which never truncate (the names give way)."""
+    grid = Table(title=title, title_justify="left")
+    for name, width in leading:
+        grid.add_column(name, no_wrap=True, overflow="ellipsis", max_width=width)
+    for name in columns:
+        grid.add_column(name, justify="right", no_wrap=True, min_width=max(len(name), 8))
+    return grid
+
+
 def comparison_summary(result: Comparison) -> str:
     """diff's first line: the whole model's change, the recommended scales, the steps."""
     overall = result.overall
@@ -431,26 +451,23 @@ def comparison(result: Comparison) -> None:
     for note in result.notes:
         console.print(f"note: {note}")
     by = "module" if result.by == "module" else "module and op"
-    grid = Table(title=f"BASE {result.base_report} vs NEW {result.new_report}, per {by}",
-                 title_justify="left")  # fmt: skip
-    grid.add_column("module", no_wrap=True)
+    leading: list[tuple[str, int | None]] = [("module", None)]
     if result.by == "op":
-        grid.add_column("node", no_wrap=True, overflow="ellipsis", max_width=24)
-        grid.add_column("op", no_wrap=True, overflow="ellipsis", max_width=24)
+        leading += [("node", 24), ("op", 24)]
     columns = ("BASE under", "NEW under", "change", "BASE over", "NEW over", "amax moved",
                "BASE values", "NEW values")  # fmt: skip
-    for name in columns:  # numbers never truncate; module names give way
-        grid.add_column(name, justify="right", no_wrap=True, min_width=max(len(name), 8))
+    grid = comparison_grid(
+        f"BASE {result.base_report} vs NEW {result.new_report}, per {by}", leading, columns
+    )
     for row in result.rows:
         first = [module_label(row.module)]
         if result.by == "op":
             first += [str(row.node), short_op(str(row.op))]
-        alone = {"base": "only in BASE", "new": "only in NEW"}.get(row.present)
         moved = row.amax_change_binades
         cells = [
             fraction_text(row.base_underflow),
             fraction_text(row.new_underflow),
-            alone or change_text(row.underflow_change),
+            only_in(row.present) or change_text(row.underflow_change),
             fraction_text(row.base_overflow),
             fraction_text(row.new_overflow),
             "-" if moved is None else f"{moved:+d}",

@@ -11,8 +11,10 @@ from rich.table import Table
 
 from fpaudit.cli.render import (
     change_text,
+    comparison_grid,
     fraction_text,
     json_records,
+    only_in,
     print_json,
     stdout,
     table_power,
@@ -250,21 +252,15 @@ def block_comparison(result: BlockComparison) -> None:
     )
     for note in result.notes:
         console.print(f"note: {note}")
-    grid = Table(
-        title=f"BASE {result.base_report} vs NEW {result.new_report}, {result.recipe} per module",
-        title_justify="left",
-    )
-    grid.add_column("module", no_wrap=True)
     columns = ("BASE flush", "NEW flush", "change", "BASE sat", "NEW sat", "BASE values",
                "NEW values")  # fmt: skip
-    for name in columns:
-        grid.add_column(name, justify="right", no_wrap=True, min_width=max(len(name), 8))
+    title = f"BASE {result.base_report} vs NEW {result.new_report}, {result.recipe} per module"
+    grid = comparison_grid(title, [("module", None)], columns)
     for row in result.rows:
-        alone = {"base": "only in BASE", "new": "only in NEW"}.get(row.present)
         cells = [
             fraction_text(row.base_flush),
             fraction_text(row.new_flush),
-            alone or change_text(row.flush_change),
+            only_in(row.present) or change_text(row.flush_change),
             fraction_text(row.base_saturate),
             fraction_text(row.new_saturate),
             "-" if row.base_nonzero is None else count(row.base_nonzero),

@@ -23,8 +23,7 @@ import numpy as np
 
 from fpaudit.errors import UsageError
 from fpaudit.report.store import Report
-from fpaudit.rules.drift import window_report
-from fpaudit.rules.metrics import DEFAULT_TOP, bin_series, module_tag, step_metrics, worst_modules
+from fpaudit.rules.metrics import DEFAULT_TOP, bin_series, each_step, module_tag, worst_modules
 
 __all__ = ["summary_writer", "write_report"]
 
@@ -82,10 +81,9 @@ def write_report(
     try:
         modules = worst_modules(report, fmt, top)
         written = 0
-        for metrics in step_metrics(report, fmt, top=top):
+        for metrics, window in each_step(report, fmt, modules=modules):
             for name, value in metrics.values.items():
                 writer.add_scalar(name, value, metrics.step)
-            window = window_report(report, metrics.step, metrics.step)
             for module in modules:
                 edges, counts = bin_series(window, module)
                 if counts.sum() > 0:

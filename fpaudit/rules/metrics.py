@@ -21,7 +21,7 @@ the whole run sizes S on the run's largest value, which can be smaller).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,11 +122,24 @@ def step_metrics(
 ) -> list[StepMetrics]:
     """The metrics of every captured step of ``report``, in step order; per-module
     series for ``modules`` (default: the ``top`` modules of the report losing the most)."""
+    found = each_step(report, fmt, top=top, headroom_bits=headroom_bits, modules=modules)
+    return [metrics for metrics, _ in found]
+
+
+def each_step(
+    report: Report,
+    fmt: str = "fp16",
+    *,
+    top: int = DEFAULT_TOP,
+    headroom_bits: int = DEFAULT_HEADROOM_BITS,
+    modules: Sequence[str] | None = None,
+) -> Iterator[tuple[StepMetrics, Report]]:
+    """:func:`step_metrics`, each with the step's own report (its records alone), for a
+    writer that also draws the step's histograms (:func:`bin_series`)."""
     name = as_format(fmt).name
     modules = list(modules) if modules is not None else worst_modules(report, name, top)
     steps = report.steps.drop_duplicates("step").sort_values("step")
     skipped = np.cumsum(steps["skipped"].to_numpy(dtype=bool))
-    found = []
     for (_, row), skipped_so_far in zip(steps.iterrows(), skipped, strict=True):
         if not bool(row["captured"]):
             continue
@@ -134,8 +147,7 @@ def step_metrics(
         window = window_report(report, step, step)
         values = _window_metrics(window, name, modules, headroom_bits, float(row["loss_scale"]))
         values["fpaudit/skipped_steps"] = float(skipped_so_far)
-        found.append(StepMetrics(step, values))
-    return found
+        yield StepMetrics(step, values), window
 
 
 def _window_metrics(

@@ -22,18 +22,18 @@ VALUES = torch.tensor(_values + [-v for v in _values], dtype=torch.float32)
 
 
 class Probe(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, size: int = len(VALUES)) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(len(VALUES)))
+        self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, c: torch.Tensor) -> torch.Tensor:
         return (self.weight * c).sum()
 
 
 class Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, size: int = len(VALUES)) -> None:
         super().__init__()
-        self.probe = Probe()
+        self.probe = Probe(size)
 
     def forward(self, c: torch.Tensor) -> torch.Tensor:
         return self.probe(c)

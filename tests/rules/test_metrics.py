@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 import fpaudit
 from fpaudit.report.store import Report
 from fpaudit.rules import metrics
+from tests.models.known_grads import Model
 
 STEPS = [
     [2.0**-26, 2.0**-25, 2.0**-24, 0.5],  # 2 of 4 underflow: 0.5
@@ -25,26 +25,8 @@ STEPS = [
 ]
 
 
-class Probe(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(4))
-
-    def forward(self, c: torch.Tensor) -> torch.Tensor:
-        return (self.weight * c).sum()
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.probe = Probe()
-
-    def forward(self, c: torch.Tensor) -> torch.Tensor:
-        return self.probe(c)
-
-
 def audited(live: list[dict[str, float]] | None = None) -> Report:
-    model = Model()
+    model = Model(size=4)  # known_grads' probe: its backward value is c
     with fpaudit.audit(model) as audit:
         for values in STEPS:
             model.zero_grad(set_to_none=True)
