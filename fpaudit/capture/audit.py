@@ -102,6 +102,7 @@ from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE, Report
 
 if TYPE_CHECKING:
     from fpaudit.report.store import Report
+    from fpaudit.rules.metrics import StepView
 
 __all__ = ["Audit", "Selection", "StepSummary", "audit"]
 
@@ -368,26 +369,23 @@ class Audit:
         its backward values in (bf16 under bf16 autocast), else fp16. It reads that step's
         records alone (its cost does not grow with the run; with ``window`` > 1, the
         window's so far); the per-module series are the ``top`` modules the first call
-        found losing the most, kept for the run so their names stay."""
+        found losing the most, kept for the run so their names stay (modules with values
+        only in later steps join them while fewer than ``top`` have a series)."""
+        view = self.last_step_view(fmt, top=top)
+        return {} if view is None else dict(view.metrics.values)
+
+    def last_step_view(self, fmt: str | None = "fp16", *, top: int = 8) -> StepView | None:
+        """:meth:`metrics` with what a dashboard draws from: the last closed step's records
+        alone as a report, and the modules with a series of their own (for
+        :func:`fpaudit.rules.metrics.bin_series`); None before a step is closed."""
         from fpaudit.report.store import Report
-        from fpaudit.rules.metrics import step_metrics, worst_modules
+        from fpaudit.rules.metrics import step_view
 
         last = self._builder.last_step()
         if last is None:
-            return {}
+            return None
         step = Report.from_builder(last, {})
-        if fmt is None:
-            from fpaudit.report.runinfo import AMP_NAMES
-            from fpaudit.rules.analysis import held_dtype
-
-            fmt = AMP_NAMES.get(held_dtype(step) or "", "fp16")
-        modules = self._metric_modules.get((fmt, top))
-        if modules is None:  # chosen once, at the first call: the series keep their names
-            modules = self._metric_modules[(fmt, top)] = worst_modules(step, fmt, top)
-        found = step_metrics(step, fmt, modules=modules)
-        if not found:
-            return {}
-        return {**found[-1].values, "fpaudit/skipped_steps": float(self._builder.skipped_steps)}
+        return step_view(step, fmt, top, self._metric_modules, self._builder.skipped_steps)
 
     def step_rows(self) -> dict[str, list[Any]]:
         """The steps table of the captured steps so far, column by column."""

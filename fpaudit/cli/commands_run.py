@@ -38,6 +38,7 @@ from fpaudit.report.runinfo import RunMeta
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
+    from fpaudit.integrations.tensorboard import LiveWriter
     from fpaudit.report.store import Report
     from fpaudit.run.training import RunOutcome
 
@@ -167,6 +168,18 @@ def _write(write: Any, report: Report) -> None:
         raise typer.Exit(stopped.exit_code) from None
 
 
+def _dashboard(
+    directory: str | None, fmt: str | None, *, skips_at_end: bool = False
+) -> LiveWriter | None:
+    """--tensorboard DIR: the live writer (a missing package or an unwritable DIR is one
+    line, before the run); a write that fails later is a warning and the run goes on."""
+    if directory is None:
+        return None
+    from fpaudit.integrations.tensorboard import LiveWriter
+
+    return LiveWriter(directory, fmt, skips_at_end=skips_at_end, warn=render.warning_line)
+
+
 def _load_cpu_kernel() -> None:
     """Build or load the CPU kernel now (saying so if it compiles), not mid-step."""
     from fpaudit.kernels import build as kernels
@@ -210,7 +223,13 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
     )  # fmt: skip
     # Under torchrun every rank runs this command; rank 0 locks, shows progress and sums up.
     lead = distributed.leads()
-    report = _scan_and_write(model_file, scan_options, options, out_path, meta, lead=lead)
+    # --tensorboard: rank 0 writes its own steps' metrics as they close
+    live = _dashboard(options.tensorboard, formats[0].name) if lead else None
+    try:
+        report = _scan_and_write(model_file, scan_options, options, out_path, meta, live)
+    finally:
+        if live is not None and not _forked():  # a child model code forked never writes
+            live.close()
     if distributed.active():
         distributed.shutdown()  # every rank wrote its part: meet at a barrier, then leave
         if not lead:
@@ -227,23 +246,26 @@ def _scan_and_write(
     options: ScanArgs,
     out_path: Path,
     meta: RunMeta,
-    *,
-    lead: bool,
+    live: LiveWriter | None,
 ) -> Report:
-    """Scan and write the report (``lead``: this rank locks and shows progress); a
-    stopped scan keeps its completed steps and exits, a scan whose model code exited
-    keeps them and fails."""
+    """Scan and write the report (the lead rank locks and shows progress; ``live``: the
+    dashboard each captured step goes to); a stopped scan keeps its completed steps and
+    exits, a scan whose model code exited keeps them and fails."""
     from fpaudit.report.files import output_lock
     from fpaudit.run import distributed
     from fpaudit.run.scan import ScanExited, ScanInterrupted, scan
 
+    lead = distributed.leads()
     lock = output_lock(out_path) if lead else contextlib.nullcontext()
+    on_captured = live.write_step if live is not None else None
     shown = str(options.out)
     with lock:
         try:
             progress = render.step_progress(scan_options.steps) if lead else no_progress()
             with progress as advance:
-                report = scan(model_file, scan_options, on_step=advance, meta=meta)
+                report = scan(
+                    model_file, scan_options, on_step=advance, on_captured=on_captured, meta=meta
+                )
         except ScanInterrupted as stopped:  # keep the completed steps
             if _forked():
                 raise typer.Exit(stopped.exit_code) from None
@@ -335,8 +357,20 @@ def run_command(ctx: typer.Context, script: ScriptArgument, options: RunArgs) ->
     if run_options.capture_every and not torch.cuda.is_available():
         _load_cpu_kernel()
     meta = _meta(options, headroom_bits=options.headroom_bits)
+    # --tensorboard: skips are read when the run ends (one transfer), written then
+    live = _dashboard(options.tensorboard, fmt.name if fmt else None, skips_at_end=True)
     with output_lock(out_path):
-        outcome = run_script(script, list(ctx.args), run_options, meta=meta)
+        on_captured = live.write_step if live is not None else None
+        try:
+            outcome = run_script(
+                script, list(ctx.args), run_options, meta=meta, on_captured=on_captured
+            )
+        except BaseException:
+            if live is not None and not _forked():
+                live.close()  # what was written stays readable
+            raise
+        if live is not None and not _forked():
+            live.close(outcome.report)
         if _forked():  # the script's os.fork() child ended its script: exit as it would
             raise typer.Exit(outcome.exit_status)
         report = outcome.report

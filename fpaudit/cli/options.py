@@ -319,6 +319,10 @@ DRIFT_BINADES = Option(
 )  # fmt: skip
 JSON = flag("Print JSON instead of a table", default=False)
 RECIPES = Option(help=RECIPES_HELP, kind="recipes", shown="none")
+TENSORBOARD = Option(
+    None, "Write each captured step's metrics and histograms to TensorBoard files in DIR",
+    path=True, shown="off",
+)  # fmt: skip
 
 
 # -- the commands, each option in its help row's place ------------------------------
@@ -367,6 +371,7 @@ class ScanArgs(CommandOptions):
     compile: bool = flag(
         "Compile the model (torch.compile, Inductor); audit what its backward stores"
     )()
+    tensorboard: str | None = TENSORBOARD()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -400,6 +405,7 @@ class RunArgs(CommandOptions):
     replace_partial: bool = REPLACE_PARTIAL()
     config_file: Path | None = None
     recipe: tuple[str, ...] = RECIPES()
+    tensorboard: str | None = TENSORBOARD()
 
 
 @dataclass(frozen=True, kw_only=True)

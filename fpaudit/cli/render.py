@@ -83,6 +83,11 @@ def error_line(message: str) -> None:
     sys.stderr.write(f"fpaudit: error: {' '.join(message.split())}\n")
 
 
+def warning_line(message: str) -> None:
+    """A warning the command goes on after, in one line."""
+    sys.stderr.write(f"fpaudit: warning: {' '.join(message.split())}\n")
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, allow_nan=False, default=_json_default) + "\n")
 

@@ -6,7 +6,11 @@ each of the ``top`` modules' backward values as a TensorBoard histogram whose bu
 are the binades (upper edges ``2**(b+1)``, in unscaled units): TensorBoard's histogram
 view then shows each module's distribution against the format over steps. It uses
 ``torch.utils.tensorboard.SummaryWriter``, which needs the ``tensorboard`` package
-(``pip install 'fpaudit[tensorboard]'``).
+(``pip install 'fpaudit[tensorboard]'``). :class:`LiveWriter` writes the same as a run
+goes (``fpaudit scan --tensorboard DIR``, ``fpaudit run --tensorboard DIR``): each
+captured step's metrics and histograms right after the step closes, from the step's own
+records (:meth:`fpaudit.Audit.last_step_view`), so a dashboard shows them while training
+runs and they equal what ``export`` writes from the finished report.
 
 Known limitations: histograms count nonzero finite values only (zeros and inf/NaN are
 the scalars' business); a histogram's ``min``, ``max``, ``sum`` and ``sum_squares``
@@ -16,16 +20,30 @@ are those of its bucket edges (the report keeps counts per binade, not the value
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fpaudit.errors import UsageError
 from fpaudit.report.store import Report
-from fpaudit.rules.metrics import DEFAULT_TOP, bin_series, each_step, module_tag, worst_modules
+from fpaudit.rules.metrics import (
+    DEFAULT_TOP,
+    SKIPPED_STEPS,
+    StepView,
+    bin_series,
+    each_step,
+    module_tag,
+    skipped_series,
+    worst_modules,
+)
 
-__all__ = ["summary_writer", "write_report"]
+if TYPE_CHECKING:
+    from fpaudit.capture.audit import Audit
+
+__all__ = ["LiveWriter", "summary_writer", "write_report"]
 
 INSTALL_HINT = "pip install 'fpaudit[tensorboard]'"
 
@@ -33,7 +51,11 @@ INSTALL_HINT = "pip install 'fpaudit[tensorboard]'"
 def summary_writer(directory: Path | str) -> Any:
     """A ``SummaryWriter`` on ``directory``; one clear line (UsageError) when the
     ``tensorboard`` package is missing or the directory cannot be written."""
-    target = Path(directory)
+    writer_class = _writer_class()
+    return writer_class(log_dir=str(_writable(Path(directory))))
+
+
+def _writer_class() -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as error:
@@ -41,13 +63,17 @@ def summary_writer(directory: Path | str) -> Any:
             f"writing TensorBoard event files needs the tensorboard package ({error}); "
             f"{INSTALL_HINT}"
         ) from None
+    return SummaryWriter
+
+
+def _writable(target: Path) -> Path:
     try:
         target.mkdir(parents=True, exist_ok=True)
         if not os.access(target, os.W_OK | os.X_OK):
             raise PermissionError(f"{target} is not writable")
     except OSError as error:
         raise UsageError(f"cannot write TensorBoard event files to {target} ({error})") from None
-    return SummaryWriter(log_dir=str(target))
+    return target
 
 
 def _histogram(writer: Any, tag: str, edges: np.ndarray, counts: np.ndarray, step: int) -> None:
@@ -66,6 +92,19 @@ def _histogram(writer: Any, tag: str, edges: np.ndarray, counts: np.ndarray, ste
     )
 
 
+def _write_step(writer: Any, view: StepView, leave_out: Iterable[str] = ()) -> None:
+    """One step's scalars (less ``leave_out``) and its modules' binade histograms."""
+    left_out = set(leave_out)
+    step = view.metrics.step
+    for name, value in view.metrics.values.items():
+        if name not in left_out:
+            writer.add_scalar(name, value, step)
+    for module in view.modules:
+        edges, counts = bin_series(view.window, module)
+        if counts.sum() > 0:
+            _histogram(writer, f"fpaudit/backward/{module_tag(module)}", edges, counts, step)
+
+
 def write_report(
     report: Report,
     directory: Path | str,
@@ -82,16 +121,88 @@ def write_report(
         modules = worst_modules(report, fmt, top)
         written = 0
         for metrics, window in each_step(report, fmt, modules=modules):
-            for name, value in metrics.values.items():
-                writer.add_scalar(name, value, metrics.step)
-            for module in modules:
-                edges, counts = bin_series(window, module)
-                if counts.sum() > 0:
-                    tag = f"fpaudit/backward/{module_tag(module)}"
-                    _histogram(writer, tag, edges, counts, metrics.step)
+            _write_step(writer, StepView(metrics, window, tuple(modules)))
             written += 1
         writer.flush()
         return written
     finally:
         if own:
             writer.close()
+
+
+class LiveWriter:
+    """TensorBoard event files in ``directory`` written as a run goes: call
+    :meth:`write_step` after each captured step closes (and its optimizer step is
+    marked), :meth:`close` when the run ends. ``fmt`` None: the format of the dtype the
+    steps hold their backward values in, else fp16; ``top``: modules with a series and a
+    histogram of their own (chosen at the first step, kept for the run).
+
+    ``skips_at_end``: the run learns which steps were skipped only when it ends (``fpaudit
+    run`` reads its step scalars in one transfer then): ``fpaudit/skipped_steps`` is left
+    out of each step and written for every captured step by :meth:`close`, from the
+    finished report. Opening the directory fails with one clear line
+    (:class:`~fpaudit.errors.UsageError`); a write that fails during the run is warned
+    about once (``warn``, default :func:`warnings.warn`), and the run and its report go on
+    without the dashboard. The event file is made at the first step written."""
+
+    def __init__(
+        self,
+        directory: Path | str,
+        fmt: str | None = None,
+        *,
+        top: int = DEFAULT_TOP,
+        skips_at_end: bool = False,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        self._writer_class = _writer_class()  # a missing package first: nothing made
+        self.directory = _writable(Path(directory))
+        self.fmt, self.top, self.skips_at_end = fmt, top, skips_at_end
+        self._warn = warn if warn is not None else _warn
+        self._writer: Any = None
+        self.steps_written = 0
+        self.failed: str | None = None
+
+    @property
+    def writer(self) -> Any:
+        """The ``SummaryWriter`` (made on first use)."""
+        if self._writer is None:
+            self._writer = self._writer_class(log_dir=str(self.directory))
+        return self._writer
+
+    def write_step(self, audit: Audit) -> None:
+        """The last closed step's metrics and histograms (nothing before a step closed)."""
+        if self.failed is None:
+            self._guarded(lambda: self._write_last(audit))
+
+    def _write_last(self, audit: Audit) -> None:
+        view = audit.last_step_view(self.fmt, top=self.top)
+        if view is not None:
+            _write_step(self.writer, view, (SKIPPED_STEPS,) if self.skips_at_end else ())
+            self.writer.flush()  # on disk now: a dashboard shows the step while the run goes
+            self.steps_written += 1
+
+    def close(self, report: Report | None = None) -> None:
+        """Write the skip counts (``skips_at_end``, from ``report``), flush and close."""
+        if self.failed is None and self.skips_at_end and report is not None:
+            series = skipped_series(report)
+            self._guarded(lambda: [self.writer.add_scalar(SKIPPED_STEPS, n, s) for s, n in series])
+        if self._writer is not None:
+            self._guarded(self._writer.close)
+
+    def _guarded(self, write: Any) -> None:
+        try:
+            write()
+        except Exception as error:  # never stop a run (or lose its report) for a dashboard
+            self._failed(error)
+
+    def _failed(self, error: Exception) -> None:
+        if self.failed is None:
+            self.failed = f"{type(error).__name__}: {error}"
+            self._warn(
+                f"writing TensorBoard event files to {self.directory} failed "
+                f"({self.failed}); the audit goes on without them"
+            )
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"fpaudit: {message}", stacklevel=4)

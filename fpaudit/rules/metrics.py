@@ -12,7 +12,7 @@ in the format at the loss scale the step ran at (1 without a scaler; a scale tha
 a power of two is judged at the power of two below it), or at the scale recommended
 from that step alone. Per-module series are the ``top`` modules with the highest
 underflow fraction over the whole report given (so their names stay the same across
-the steps of one export); the model's own ops are ``(root)``.
+the steps of one export); the model's own ops are ``_root_``.
 
 Known limitations: a step's recommendation is that step's alone (``recommend`` over
 the whole run sizes S on the run's largest value, which can be smaller).
@@ -31,12 +31,18 @@ from fpaudit import defaults
 from fpaudit.numerics.formats import as_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
+from fpaudit.report.runinfo import AMP_NAMES
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis, blockplan
 from fpaudit.rules.drift import window_report
 from fpaudit.rules.recommendation import recommend
 
-ROOT_NAME = "(root)"
+# A metric name in MLflow holds only letters, digits and ``_-. :/``, and MLflow's file
+# store keeps each metric in a file named by it: no name is the folder of another (so the
+# per-module series are not under ``.../underflow/``), and the model's own ops are
+# ``_root_`` (a module attribute is never named so in practice; "(root)" elsewhere)
+ROOT_NAME = "_root_"
+SKIPPED_STEPS = "fpaudit/skipped_steps"
 DEFAULT_TOP = defaults.METRICS_TOP
 
 
@@ -66,9 +72,9 @@ METRICS = (
         "log2 of the static loss scale recommended from the step's values (absent: none)",
     ),
     Metric("fpaudit/loss_scale_log2", "log2 of the loss scale the step ran at (0: no scaler)"),
-    Metric("fpaudit/skipped_steps", "optimizer steps skipped for inf/NaN gradients so far"),
+    Metric(SKIPPED_STEPS, "optimizer steps skipped for inf/NaN gradients so far"),
     Metric(
-        "fpaudit/{format}/underflow/{module}",
+        "fpaudit/{format}/module_underflow/{module}",
         "per module, for the `top` modules losing the most: its underflow fraction at the "
         "step's loss scale",
     ),
@@ -88,6 +94,42 @@ class StepMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "values": dict(self.values)}
+
+
+@dataclass(frozen=True)
+class StepView:
+    """What a dashboard draws from one captured step: its metrics, the step's own records
+    as a report (for :func:`bin_series`) and the modules with a series of their own."""
+
+    metrics: StepMetrics
+    window: Report
+    modules: tuple[str, ...]
+
+
+def step_view(
+    step: Report,
+    fmt: str | None,
+    top: int,
+    chosen: dict[tuple[str, int], list[str]],
+    skipped_steps: int,
+) -> StepView | None:
+    """The view of a run's last closed step (``step``: its records alone), as the run goes:
+    ``fmt`` None is the format of the dtype the step held its backward values in (bf16
+    under bf16 autocast), else fp16; the per-module series are the ``top`` modules the
+    first step found losing the most, kept in ``chosen`` for the run so their names stay
+    (modules with values only in later steps join them while fewer than ``top`` have a
+    series); ``skipped_steps``: the run's so far. None for a step with no captured row."""
+    if fmt is None:
+        fmt = AMP_NAMES.get(analysis.held_dtype(step) or "", "fp16")
+    modules = chosen.setdefault((fmt, top), [])
+    if len(modules) < top:
+        modules += [m for m in worst_modules(step, fmt, top) if m not in modules]
+        del modules[top:]
+    found = step_metrics(step, fmt, modules=modules)
+    if not found:
+        return None
+    values = {**found[-1].values, SKIPPED_STEPS: float(skipped_steps)}
+    return StepView(StepMetrics(found[-1].step, values), step, tuple(modules))
 
 
 def module_tag(module: str) -> str:
@@ -138,16 +180,29 @@ def each_step(
     writer that also draws the step's histograms (:func:`bin_series`)."""
     name = as_format(fmt).name
     modules = list(modules) if modules is not None else worst_modules(report, name, top)
-    steps = report.steps.drop_duplicates("step").sort_values("step")
-    skipped = np.cumsum(steps["skipped"].to_numpy(dtype=bool))
-    for (_, row), skipped_so_far in zip(steps.iterrows(), skipped, strict=True):
+    skipped = dict(skipped_series(report))
+    for _, row in _steps(report).iterrows():
         if not bool(row["captured"]):
             continue
         step = int(row["step"])
         window = window_report(report, step, step)
         values = _window_metrics(window, name, modules, headroom_bits, float(row["loss_scale"]))
-        values["fpaudit/skipped_steps"] = float(skipped_so_far)
+        values[SKIPPED_STEPS] = skipped[step]
         yield StepMetrics(step, values), window
+
+
+def _steps(report: Report) -> Any:
+    return report.steps.drop_duplicates("step").sort_values("step")
+
+
+def skipped_series(report: Report) -> list[tuple[int, float]]:
+    """``fpaudit/skipped_steps`` at each captured step of ``report``: (step, optimizer
+    steps skipped for inf/NaN gradients up to and including it)."""
+    steps = _steps(report)
+    skipped = np.cumsum(steps["skipped"].to_numpy(dtype=bool))
+    captured = steps["captured"].to_numpy(dtype=bool)
+    numbers = steps["step"].to_numpy(dtype=np.int64)
+    return [(int(n), float(k)) for n, k, c in zip(numbers, skipped, captured, strict=True) if c]
 
 
 def _window_metrics(
@@ -170,7 +225,7 @@ def _window_metrics(
         for module in modules:
             if module in table.index and int(table.at[module, "nonzero"]) > 0:
                 fraction = float(table.at[module, "judged_underflow_fraction"])
-                values[f"fpaudit/{fmt}/underflow/{module_tag(module)}"] = fraction
+                values[f"fpaudit/{fmt}/module_underflow/{module_tag(module)}"] = fraction
     for recipe in window.recipes:
         blocks = blockplan.block_table(window, recipe, by=("module",))
         blocks = blocks[blocks["module"] != LOSS_MODULE]

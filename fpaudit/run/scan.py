@@ -145,16 +145,21 @@ def scan(
     options: ScanOptions = ScanOptions(),
     *,
     on_step: Callable[[StepProgress], None] | None = None,
+    on_captured: Callable[[Audit], None] | None = None,
     meta: RunMeta | None = None,
 ) -> Report:
     """Scan ``model_path`` for ``options.steps`` steps and return the report (not written).
+
+    ``on_step`` gets each step's progress; ``on_captured`` gets the audit after each
+    captured step closed and its optimizer step was marked (a dashboard reads
+    :meth:`Audit.last_step_view` there).
 
     Raises :class:`ScanInterrupted` on SIGINT/SIGTERM and :class:`ScanExited` when model
     code calls ``sys.exit`` or ``os._exit`` after a completed step; both carry the
     completed steps as a report marked incomplete.
     """
     with modelfile.exits_caught():
-        return _scan(Path(model_path), options, on_step, meta)
+        return _scan(Path(model_path), options, _Listeners(on_step, on_captured), meta)
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,13 @@ class _Setup:
         return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.options.amp])
 
 
+class _Listeners(NamedTuple):
+    """Who hears of each step: its progress, and (captured steps) the audit."""
+
+    on_step: Callable[[StepProgress], None] | None
+    on_captured: Callable[[Audit], None] | None
+
+
 class _Ran(NamedTuple):
     """How the steps ended: how many completed, and what stopped them early."""
 
@@ -187,12 +199,7 @@ class _Ran(NamedTuple):
     exited: ModelExit | None
 
 
-def _scan(
-    path: Path,
-    options: ScanOptions,
-    on_step: Callable[[StepProgress], None] | None,
-    meta: RunMeta | None,
-) -> Report:
+def _scan(path: Path, options: ScanOptions, listeners: _Listeners, meta: RunMeta | None) -> Report:
     setup = _set_up(path, options)
     # Under torchrun each rank takes every world-th batch: its own shard of the data.
     world = setup.world
@@ -201,7 +208,7 @@ def _scan(
     # can run (an fp32 scan)
     first: list[Any] | None = [] if options.amp is None else None
     owner = Owner()  # a child the model code forks runs on, but never probes
-    ran = _run_steps(setup, batches, on_step, first)
+    ran = _run_steps(setup, batches, listeners, first)
     report = setup.audit.report
     if first and (ran.interrupted, ran.exited) == (None, None) and owner.here():
         # an fp32 scan: what would fp16 autocast hold? One forward after the steps, so
@@ -260,10 +267,7 @@ def _set_up(path: Path, options: ScanOptions) -> _Setup:
 
 
 def _run_steps(
-    setup: _Setup,
-    batches: Iterator[Any],
-    on_step: Callable[[StepProgress], None] | None,
-    first: list[Any] | None,
+    setup: _Setup, batches: Iterator[Any], listeners: _Listeners, first: list[Any] | None
 ) -> _Ran:
     """Run a step per batch until the batches end, an interruption or an exit in model
     code (once a step completed: before that, the exit stands)."""
@@ -272,8 +276,10 @@ def _run_steps(
         for step, batch in enumerate(batches):
             progress = _step(setup, step, batch, first)
             steps_run = step + 1
-            if on_step is not None:
-                on_step(progress)
+            if listeners.on_captured is not None and progress.summary is not None:
+                listeners.on_captured(setup.audit)
+            if listeners.on_step is not None:
+                listeners.on_step(progress)
     except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
         return _Ran(steps_run, error if isinstance(error, Interrupted) else Interrupted(), None)
     except ModelExit as error:  # sys.exit/os._exit in model code: keep what was done

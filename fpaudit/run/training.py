@@ -38,7 +38,7 @@ import os
 import runpy
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,8 +156,11 @@ class BackwardCapture:
     """Capture of every backward op of a step, every K-th step (``capture_every``), by
     the core audit of the first model with trainable parameters the script calls."""
 
-    def __init__(self, options: RunOptions) -> None:
+    def __init__(
+        self, options: RunOptions, on_captured: Callable[[Audit], None] | None = None
+    ) -> None:
         self.options = options
+        self.on_captured = on_captured
         self.audit: Audit | None = None
         self.audited_model: nn.Module | None = None
         self.models: list[str] = []  # class names of top-level modules with trainable parameters
@@ -208,6 +211,8 @@ class BackwardCapture:
             self.audit.close()
         step.captured = True
         step.capture = False
+        if self.on_captured is not None:
+            self.on_captured(self.audit)
 
     def discard(self) -> None:
         """The run ended inside a step: drop it."""
@@ -220,10 +225,14 @@ class TrainingMonitor:
     """Instruments torch's training APIs while installed (see the module docstring):
     translates the patched calls into updates of its :class:`RunState`."""
 
-    def __init__(self, options: RunOptions = RunOptions()) -> None:
+    def __init__(
+        self,
+        options: RunOptions = RunOptions(),
+        on_captured: Callable[[Audit], None] | None = None,
+    ) -> None:
         self.options = options
         self.state = RunState(options.capture_every, options.max_steps)
-        self.capture = BackwardCapture(options)
+        self.capture = BackwardCapture(options, on_captured)
         self.update_site: tuple[str, int] | None = None
         self._depth = 0  # module call depth
         self._optimizer_depth = 0
@@ -471,17 +480,21 @@ def run_script(
     options: RunOptions = RunOptions(),
     *,
     meta: RunMeta | None = None,
+    on_captured: Callable[[Audit], None] | None = None,
 ) -> RunOutcome:
     """Run ``script`` with ``args`` as ``python script args`` would, under a monitor.
 
     Whatever way the script ends (finishes, reaches ``max_steps``, raises,
     exits, is interrupted) the steps done so far come back as a report.
+    ``on_captured`` gets the audit after each captured step closed (a dashboard reads
+    :meth:`Audit.last_step_view` there; which steps were skipped is known only once the
+    run ends).
     """
     path = Path(script)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ModelFileError(f"training script {path} {what}")
-    monitor = TrainingMonitor(options)
+    monitor = TrainingMonitor(options, on_captured)
     ending = _run_as_main(monitor, path, args)
     table, values = monitor.steps_table()
     findings = monitor.judge(table, values)

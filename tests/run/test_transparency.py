@@ -164,6 +164,21 @@ def test_block_statistics_leave_the_script_alone(twice) -> None:
     assert set(read.blocks["step"]) == set(range(read.meta["steps_run"]))  # every step
 
 
+def test_a_live_tensorboard_dashboard_leaves_the_script_alone(twice, tmp_path: Path) -> None:
+    # --tensorboard: each captured step's metrics and histograms are written inside the
+    # script's step (after the capture closes); the weights stay bit for bit the plain run's
+    pytest.importorskip("tensorboard")
+    board = tmp_path / "tb"
+    (plain_code, plain_out, plain_weights), (code, out, err, weights), _ = twice(
+        "adamw_groups.py", "--capture-every", "1", "--tensorboard", str(board)
+    )
+    assert code == plain_code == 0, err
+    assert weights == plain_weights
+    assert out.startswith(plain_out)
+    assert _without_hooks_warning(err) == plain_stderr["adamw_groups.py"]
+    assert list(board.glob("events.out.tfevents.*"))
+
+
 def test_keyword_calls_are_judged_at_their_lines(twice) -> None:
     from fpaudit.report.store import Report
 
