@@ -99,6 +99,7 @@ ROOMS = {
     "test_compiled_zoo.py": "capture",
     "test_metrics.py": "rules",
     "test_tensorboard.py": "integrations",
+    "test_trackers.py": "integrations",
     "test_torch_patches.py": "capture",  # capture/_torch_patches.py
     # run/
     "test_batches.py": "run",  # run/modelfile.py

@@ -25,13 +25,14 @@ audit, the audit of the open step, and the report's metadata.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
+from fpaudit import defaults
 from fpaudit.capture import compiled
 from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.errors import UsageError
@@ -295,8 +296,13 @@ class SessionCallback:
         formats: Sequence[str] | None = None,
         force: bool = True,
         selection: Selection | None = None,
+        *,
+        log_metrics: bool = True,
+        metrics_top: int = defaults.METRICS_TOP,
     ) -> None:
         super().__init__()
+        self.log_metrics = log_metrics  # each audited step's metrics to the trainer's loggers
+        self.metrics_top = metrics_top
         self.session = AuditSession(
             self.COMMAND,
             out=out,
@@ -323,6 +329,23 @@ class SessionCallback:
         except BaseException:
             self._put_back_compiled()
             raise
+
+    def _log_metrics(
+        self, loggers: Iterable[Any], log: Callable[[Any, dict[str, float]], object]
+    ) -> None:
+        """With ``log_metrics``, the last closed step's metrics to each of ``loggers``
+        (``log(logger, metrics)``); a logger that fails is warned about and training goes
+        on. No host sync: the step close already read what the metrics need."""
+        metrics = self.session.metrics(self.metrics_top) if self.log_metrics else {}
+        for logger in loggers if metrics else ():
+            try:
+                log(logger, dict(metrics))
+            except Exception as error:  # the user's logger: never stop training for it
+                warnings.warn(
+                    f"fpaudit: {type(logger).__name__} failed to log fpaudit's metrics "
+                    f"({type(error).__name__}: {error}); the audit goes on",
+                    stacklevel=3,
+                )
 
     def _put_back_compiled(self) -> None:
         """Put back the methods the callback compiled through fpaudit's backend."""

@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -35,6 +36,8 @@ from fpaudit.integrations import SessionCallback, scale_tensor, unscaled
 try:
     import transformers
     from transformers import TrainerCallback
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+    from transformers.trainer_callback import CallbackHandler
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "fpaudit.integrations.huggingface needs Hugging Face transformers: "
@@ -87,6 +90,17 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
     ends. Every buffer the compiled backward stores is recorded under the model's own
     names, in the dtype it is stored in (``docs/compile.md``).
 
+    Metrics (``log_metrics``, default on; ``metrics_top`` modules with a series of their
+    own): after each audited optimizer step, its dashboard metrics
+    (``fpaudit.rules.metrics.METRICS``) go to the Trainer's ``report_to`` integrations
+    (TensorBoard, W&B, MLflow, ...) through their own ``on_log``, at the Trainer's step
+    numbering (``state.global_step`` after that optimizer step, where the Trainer logs
+    the step's loss: fpaudit's step k is logged at k + 1). The Trainer calls its reporting
+    callbacks before a user's, so a user callback that edits ``logs`` comes too late;
+    fpaudit finds the reporters in the Trainer's callback handler when training starts.
+    They are not added to ``state.log_history`` or printed. A reporter that raises is
+    warned about and the audit goes on.
+
     Not supported: DeepSpeed and FSDP (their engines unscale and clip
     elsewhere: gradients would be recorded after clipping), ``torch_compile`` with
     another ``torch_compile_backend``, several GPUs in one process
@@ -98,6 +112,8 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
     COMMAND = "huggingface"
 
     def _reset(self) -> None:
+        self._reporters: list[Any] = []
+        self._to_log = False
         self._last_step = 0
         self._meta: dict[str, Any] = {}
         self._patches = Patches()
@@ -117,6 +133,7 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
             warnings.warn(f"fpaudit: {reason}; nothing is audited", stacklevel=2)
             return
         model = kwargs["model"]
+        self._reporters = _reporters(self) if self.log_metrics else []
         self._first_step = self._last_step = int(state.global_step)
         self._start(model, _observed_in_place(args, model))
         self._meta = {
@@ -151,11 +168,21 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
         if self._active and self.session.pending is not None:
             skipped = bool(getattr(kwargs.get("optimizer"), "step_was_skipped", False))
             self.session.mark_optimizer_step(stepped=not skipped, skipped=skipped)
+            self._to_log = True  # once the step is counted (on_step_end)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._active:
             return
         self._last_step = int(state.global_step)
+        if self._to_log:
+            self._to_log = False
+            model = kwargs.get("model")
+            self._log_metrics(
+                self._reporters,
+                lambda reporter, logs: reporter.on_log(
+                    args, state, control, logs=logs, model=model
+                ),
+            )
         if self.session.is_open:  # no on_pre_optimizer_step (transformers < 4.45)
             self._close_or_drop(ok=False)
 
@@ -238,6 +265,27 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
         self._before_gradients_change()
         self._unscaled = True
         yield
+
+
+def _reporters(callback: FpauditTrainerCallback) -> list[Any]:
+    """The ``report_to`` callbacks of the Trainer whose handler is calling ``callback``
+    now (its ``CallbackHandler.call_event`` frame: no public API names the Trainer or its
+    handler to a callback); empty, with a warning, when it cannot be found."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(4):  # call_event, then on_train_begin's callers
+        if frame is None:
+            break
+        handler = frame.f_locals.get("self")
+        if isinstance(handler, CallbackHandler) and any(c is callback for c in handler.callbacks):
+            kinds = tuple(INTEGRATION_TO_CALLBACK.values())
+            return [c for c in handler.callbacks if isinstance(c, kinds)]
+        frame = frame.f_back
+    warnings.warn(
+        "fpaudit: the Trainer's callback handler was not found; fpaudit's metrics are not "
+        "logged to report_to (read them with callback.session.metrics)",
+        stacklevel=3,
+    )
+    return []
 
 
 def _unsupported(args: Any) -> str | None:

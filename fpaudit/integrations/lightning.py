@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from fpaudit import defaults
 from fpaudit.capture import compiled
 from fpaudit.integrations import SessionCallback, scale_tensor, unscaled
 
@@ -94,17 +93,6 @@ class FpauditCallback(SessionCallback, Callback):
 
     COMMAND = "lightning"
 
-    def __init__(
-        self,
-        *args: Any,
-        log_metrics: bool = True,
-        metrics_top: int = defaults.METRICS_TOP,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.log_metrics = log_metrics
-        self.metrics_top = metrics_top
-
     def _reset(self) -> None:
         self._scale: torch.Tensor | None = None
 
@@ -166,8 +154,10 @@ class FpauditCallback(SessionCallback, Callback):
             # A GradScaler skips the optimizer step on inf/NaN gradients; otherwise it steps.
             skipped = self._scale is not None and summary.nonfinite_grads > 0
             self.session.mark_optimizer_step(stepped=not skipped, skipped=skipped)
-            if self.log_metrics:
-                _log(trainer, self.session.metrics(self.metrics_top), summary.step)
+            self._log_metrics(
+                getattr(trainer, "loggers", ()),
+                lambda logger, metrics: logger.log_metrics(metrics, step=summary.step),
+            )
         elif self.session.is_open and not _accumulating(trainer):
             self.session.abort()  # training_step returned None: no backward to record
 
@@ -235,18 +225,3 @@ def _accumulating(trainer: Any) -> bool:
     ready = epoch_loop.batch_progress.current.ready
     last = ready == trainer.num_training_batches or epoch_loop.batch_progress.is_last_batch
     return ready % trainer.accumulate_grad_batches != 0 and not last
-
-
-def _log(trainer: Any, metrics: dict[str, float], step: int) -> None:
-    """Hand the step's metrics to each of the trainer's loggers (TensorBoard, W&B, MLflow,
-    CSV) at the audited step's global step; a logger that fails is warned about and
-    training goes on."""
-    for logger in getattr(trainer, "loggers", ()) if metrics else ():
-        try:
-            logger.log_metrics(metrics, step=step)
-        except Exception as error:  # the user's logger: never stop training for it
-            warnings.warn(
-                f"fpaudit: {type(logger).__name__}.log_metrics failed "
-                f"({type(error).__name__}: {error}); the audit goes on",
-                stacklevel=2,
-            )

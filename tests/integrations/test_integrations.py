@@ -243,6 +243,7 @@ def _train(
             "gradient_accumulation_steps",
             "max_grad_norm",
             "max_steps",
+            "report_to",
             "torch_compile",
         )
         if k in options
@@ -250,12 +251,11 @@ def _train(
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "trainer"),
         per_device_train_batch_size=4,
-        report_to=[],
         use_cpu=True,
         save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
-        **{"max_steps": 3, **args_options},
+        **{"max_steps": 3, "report_to": [], **args_options},
     )
     callback = FpauditTrainerCallback(out=tmp_path / "report", **options)
     callbacks = [callback] + ([extra] if extra is not None else [])

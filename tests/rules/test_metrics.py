@@ -60,7 +60,7 @@ def test_each_steps_metrics_equal_the_hand_count() -> None:
             "fpaudit/fp16/recommended_log2_scale": log2_scale,
             "fpaudit/loss_scale_log2": 0.0,
             "fpaudit/skipped_steps": 0.0,
-            "fpaudit/fp16/underflow/probe": underflow,  # the only module
+            "fpaudit/fp16/module_underflow/probe": underflow,  # the only module
         }
 
 
