@@ -33,7 +33,7 @@ from fpaudit.rules.metrics import (
     DEFAULT_TOP,
     SKIPPED_STEPS,
     StepView,
-    bin_series,
+    bin_series_of,
     each_step,
     module_tag,
     skipped_series,
@@ -99,8 +99,7 @@ def _write_step(writer: Any, view: StepView, leave_out: Iterable[str] = ()) -> N
     for name, value in view.metrics.values.items():
         if name not in left_out:
             writer.add_scalar(name, value, step)
-    for module in view.modules:
-        edges, counts = bin_series(view.window, module)
+    for module, (edges, counts) in bin_series_of(view.window, view.modules).items():
         if counts.sum() > 0:
             _histogram(writer, f"fpaudit/backward/{module_tag(module)}", edges, counts, step)
 

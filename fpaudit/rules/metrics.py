@@ -240,15 +240,27 @@ def bin_series(window: Report, module: str) -> tuple[np.ndarray, np.ndarray]:
     (the report's own bins; a value that scales with the loss shifted down by its
     record's loss scale): the upper edge of each binade (``2**(b+1)``, lowest first) and
     its count of nonzero finite values."""
+    return bin_series_of(window, [module])[module]
+
+
+def bin_series_of(
+    window: Report, modules: Sequence[str]
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """:func:`bin_series` of each of ``modules``, from one join of the bins with the
+    records (a dashboard draws several modules a step)."""
     records = window.records
-    mine = records[(records["kind"] == KIND_BACKWARD) & (records["module"] == module)]
-    columns = ["record_id", "loss_scale", "scales_with_loss"]
+    mine = records[(records["kind"] == KIND_BACKWARD) & records["module"].isin(list(modules))]
+    columns = ["record_id", "module", "loss_scale", "scales_with_loss"]
     rows = window.bins.merge(mine[columns], on="record_id")
-    if rows.empty:
-        return np.zeros(0), np.zeros(0, dtype=np.int64)
     scale_log2 = np.frexp(rows["loss_scale"].to_numpy(dtype=np.float64))[1] - 1
     shift = np.where(rows["scales_with_loss"].to_numpy(dtype=bool), scale_log2, 0)
     binades = rows["binade"].to_numpy(dtype=np.int64) - shift
-    unique, inverse = np.unique(binades, return_inverse=True)
-    counts = np.bincount(inverse, weights=rows["count"].to_numpy(dtype=np.float64))
-    return np.ldexp(1.0, unique + 1), counts.astype(np.int64)
+    counts = rows["count"].to_numpy(dtype=np.float64)
+    names = rows["module"].to_numpy()
+    found: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for module in modules:
+        here = names == module
+        unique, inverse = np.unique(binades[here], return_inverse=True)
+        summed = np.bincount(inverse, weights=counts[here], minlength=len(unique))
+        found[module] = (np.ldexp(1.0, unique + 1), summed.astype(np.int64))
+    return found
