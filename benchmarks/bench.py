@@ -14,7 +14,11 @@ plain, ...), so machine noise hits every variant alike. Sections:
   every backward op; fpaudit with ``--every 4``; fpaudit limited to one block
   (``--module 'blocks.0*'``); W&B ``watch(log="gradients", log_freq=1)``
   offline and TensorBoard ``add_histogram`` of every parameter gradient each
-  step (both only when installed: ``pip install wandb tensorboard``);
+  step (both only when installed: ``pip install wandb tensorboard``); and, on
+  the transformer, fpaudit with its dashboard metrics read each step (what the
+  Lightning and Hugging Face callbacks log) and with ``--tensorboard``'s live
+  writer (metrics and 8 modules' binade histograms, flushed each step);
+  ``--skip recipes`` leaves out the ``--recipe`` variants (the slowest);
 * peak memory: peak RSS of N plain steps vs N audited steps, in fresh processes;
 * report size: bytes per captured op output per step, from a real scan;
 * ``fpaudit scan`` end to end vs the same steps in a plain script (processes);
@@ -84,6 +88,7 @@ def step_variants(
     tmp: Path,
     knobs: bool,
     all_recipes: bool = False,
+    recipes: bool = True,
 ) -> tuple[dict[str, Callable[[], None]], fpaudit.Audit]:
     """The step functions to time, and the audit capturing every backward op."""
     import fpaudit
@@ -114,8 +119,9 @@ def step_variants(
     variants: dict[str, Callable[[], None]] = {"plain": plain, "fpaudit": audited}
     # Block-scaled statistics (--recipe): one MX recipe, and every registered recipe.
     one_recipe = fpaudit.audit(model, recipes=["mxfp8-e4m3"])
-    variants["fpaudit --recipe mxfp8-e4m3"] = lambda: audited(one_recipe)
-    if knobs and all_recipes:  # every recipe: about 50x a plain step, not in --quick
+    if recipes:
+        variants["fpaudit --recipe mxfp8-e4m3"] = lambda: audited(one_recipe)
+    if knobs and all_recipes and recipes:  # every recipe: about 50x a plain step, not in --quick
         from fpaudit.numerics.recipes import RECIPES
 
         all_recipes = fpaudit.audit(model, recipes=list(RECIPES))
@@ -123,6 +129,7 @@ def step_variants(
     if knobs:
         variants["fpaudit --every 4"] = every_4
         variants["fpaudit --module 'blocks.0*'"] = lambda: audited(one_block)
+        variants.update(_dashboard_variants(model, audited, tmp))
     with contextlib.suppress(ImportError):
         import wandb
 
@@ -157,11 +164,47 @@ def step_variants(
     return variants, full
 
 
+def _dashboard_variants(
+    model: torch.nn.Module, audited: Callable[[fpaudit.Audit], None], tmp: Path
+) -> dict[str, Callable[[], None]]:
+    """The audit with its metrics read each step (what the Lightning and HF callbacks log),
+    and with ``--tensorboard``'s live writer (metrics and 8 modules' histograms, flushed)."""
+    import fpaudit
+
+    variants: dict[str, Callable[[], None]] = {}
+    metered = fpaudit.audit(model)
+
+    def with_metrics() -> None:
+        audited(metered)
+        metered.metrics()
+
+    variants["fpaudit + metrics() each step"] = with_metrics
+    with contextlib.suppress(ImportError):
+        from fpaudit.integrations.tensorboard import LiveWriter
+
+        live, watched = LiveWriter(tmp / "fpaudit-live", "fp16"), fpaudit.audit(model)
+
+        def with_live() -> None:
+            audited(watched)
+            live.write_step(watched)
+
+        variants["fpaudit --tensorboard (live)"] = with_live
+    return variants
+
+
 def measure_steps(
-    model_name: str, reps: int, warmup: int, quick: bool, tmp: Path, knobs: bool
+    model_name: str,
+    reps: int,
+    warmup: int,
+    quick: bool,
+    tmp: Path,
+    knobs: bool,
+    recipes: bool = True,
 ) -> dict[str, Any]:
     model, ids, loss_fn = build(model_name, quick)
-    variants, audit = step_variants(model, ids, loss_fn, tmp, knobs, all_recipes=not quick)
+    variants, audit = step_variants(
+        model, ids, loss_fn, tmp, knobs, all_recipes=not quick, recipes=recipes
+    )
     for _ in range(warmup):
         for step in variants.values():
             step()
@@ -438,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         "--skip",
         action="append",
         default=[],
-        choices=["steps", "gpt2", "memory", "scan", "read", "compile"],
+        choices=["steps", "gpt2", "memory", "scan", "read", "compile", "recipes"],
         help="skip a section",
     )
     parser.add_argument(
@@ -469,7 +512,9 @@ def main(argv: list[str] | None = None) -> int:
             model_reps = reps if model_name == "transformer" else max(1, min(reps, 5))
             knobs = model_name == "transformer"
             results["steps"].append(
-                measure_steps(model_name, model_reps, 1, args.quick, tmp, knobs)
+                measure_steps(
+                    model_name, model_reps, 1, args.quick, tmp, knobs, "recipes" not in args.skip
+                )
             )
         if "memory" not in args.skip:
             results["memory"] = measure_memory(args.steps, args.quick, 1 if args.quick else 5)
