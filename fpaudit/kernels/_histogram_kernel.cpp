@@ -106,11 +106,34 @@ Bounds bounds_of(const std::vector<int64_t>& class_bounds) {
                 uint32_t(class_bounds[7])};
 }
 
+// A tensor of at most kSmall values (most backward outputs of small models, many of
+// large ones): binned into the row directly, with no counter copies to merge and clear.
+// What it reads and writes is the values, their bins and the row's counters they hit,
+// so a call that finds the caches cold (the engine and Python ran since the last one)
+// costs little more than a warm one. Same bins as the blocked path (block_bins).
+constexpr int64_t kSmall = kBlock;
+
+void add_small(const uint32_t* data, int count, int64_t* total, const Bounds& bounds) {
+  uint32_t bins[kSmall];  // written before read: no initialisation
+  BlockSummary block = block_bins(data, bins, count, bounds);
+  if (__builtin_expect(block.subnormals != 0, 0)) {
+    for (int j = 0; j < count; ++j) {
+      if (bins[j] - kRawSubnormalFirst < kClasses - 1) bins[j] = subnormal_bin(data[j], bounds);
+    }
+  }
+  for (int j = 0; j < count; ++j) ++total[bins[j]];
+  total[kBins] = std::max<int64_t>(total[kBins], int64_t(block.largest));
+}
+
 // Adds the n fp32 values at data to the row that starts at total (see histogram_add).
 void add_values(const uint32_t* data, int64_t n, int64_t* total, const Bounds& bounds) {
   int64_t* amax_out = total + kBins;
   std::mutex merge;
   if (n == 0) return;
+  if (n <= kSmall) {
+    add_small(data, int(n), total, bounds);
+    return;
+  }
   const int64_t grain = std::max<int64_t>(int64_t(1) << 16, (n + at::get_num_threads() - 1) / at::get_num_threads());
 
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
@@ -119,7 +142,7 @@ void add_values(const uint32_t* data, int64_t n, int64_t* total, const Bounds& b
     // are flushed into int64 ones long before they could overflow.
     thread_local std::vector<uint32_t> local(size_t(kCopies) * kBins, 0u);
     thread_local std::vector<int64_t> wide(kBins, 0);
-    std::array<uint32_t, kBlock> bins{};
+    std::array<uint32_t, kBlock> bins;  // written before read
     uint32_t largest = 0, low = kBins, high = 0;
     int64_t since_flush = 0;
     auto flush = [&]() {
@@ -220,8 +243,8 @@ void histogram_add_tensor(const torch::Tensor& x, torch::Tensor& table, int64_t 
   TORCH_CHECK(bounds_stored, "set_class_bounds first");
   check_table(table);
   TORCH_CHECK(row >= 0 && row < table.size(0), "row ", row, " out of range");
+  if (x.numel() == 0) return;  // as HistogramTable.add: nothing to bin, whatever its dtype
   check_binnable(x);
-  if (x.numel() == 0) return;
   at::NoGradGuard no_grad;
   const torch::Tensor values = as_binnable(x);
   add_values(reinterpret_cast<const uint32_t*>(values.data_ptr<float>()), values.numel(),

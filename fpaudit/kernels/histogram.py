@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -163,6 +164,9 @@ _RAW_INF = 277 * N_CLASSES
 _FIRST_NORMAL_OFFSET = 23  # offset of binade -126, fp32's smallest normal
 _NORMAL = slice(_FIRST_NORMAL_OFFSET * N_CLASSES, _RAW_INF)
 _CLASS_BOUNDS = list(CLASS_LOWER_BOUNDS)
+_UNRESOLVED = object()
+_FLOAT64 = torch.float64
+_STRIDED = torch.strided
 
 
 class HistogramTable:
@@ -179,6 +183,7 @@ class HistogramTable:
     def __init__(self, device: torch.device, capacity: int = 64) -> None:
         self.device = device
         self._cpu = device.type == "cpu"
+        self._kernel: Any = _UNRESOLVED  # see _resolve_kernel
         self.table = torch.zeros((capacity, WIDTH), dtype=torch.int64, device=device)
         self.calls: list[int] = []  # tensors added to each row since the last reset
         # fp64 values that fp32 (the binned range) cannot hold: nonzero finite values
@@ -199,24 +204,38 @@ class HistogramTable:
 
     def add(self, row: int, x: torch.Tensor) -> None:
         self.calls[row] += 1
+        kernel = self._kernel
+        if kernel is _UNRESOLVED:
+            kernel = self._resolve_kernel()
+        if (
+            kernel is not None
+            and type(x) is torch.Tensor
+            and x.dtype is not _FLOAT64
+            and x.layout is _STRIDED
+        ):
+            kernel.histogram_add_tensor(x, self.table, row)  # widens and flattens in C++
+            return
         if x.numel() == 0:
             return
         wide = x.dtype == torch.float64
         if wide:
             self._count_out_of_range(x)
-        if self._cpu:  # a table holds the rows of its device's tensors
-            kernel = _cpu_kernel()
-            if kernel is None:
-                self._add_cpu_torch(row, x)
-            elif not wide and type(x) is torch.Tensor and x.layout == torch.strided:
-                kernel.histogram_add_tensor(x, self.table, row)  # widens and flattens in C++
-            else:
-                values = x.detach()
-                if values.dtype != torch.float32:
-                    values = values.to(torch.float32)  # exact for fp16, bf16, fp8
-                kernel.histogram_add(dense_flat(values), self.table, row, _CLASS_BOUNDS)
+        if kernel is not None:
+            values = x.detach()
+            if values.dtype != torch.float32:
+                values = values.to(torch.float32)  # exact for fp16, bf16, fp8
+            kernel.histogram_add(dense_flat(values), self.table, row, _CLASS_BOUNDS)
+        elif self._cpu:  # a table holds the rows of its device's tensors
+            self._add_cpu_torch(row, x)
         else:
             self._add_device(row, x)
+
+    def _resolve_kernel(self) -> ModuleType | None:
+        """The CPU kernel this table bins with (None: the pure-torch or device path),
+        chosen at its first ``add`` (``FPAUDIT_KERNEL`` as it is then): asking the
+        environment on every call cost as much as binning a small tensor."""
+        kernel = self._kernel = _cpu_kernel() if self._cpu else None
+        return kernel
 
     def add_many(self, rows: list[int], tensors: list[torch.Tensor]) -> None:
         """``add(rows[i], tensors[i])`` for every i, in as few kernel calls as the device
