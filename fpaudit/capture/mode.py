@@ -146,6 +146,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self.grad_mode_means_recompute = False
         self.optimizer_steps = 0  # optimizer steps running now (optimizer in backward)
         self._owners: list[str] = []  # of the nested (reentrant checkpoint) backward passes
+        self._last_node: tuple[torch.autograd.graph.Node | None, str] = (None, LOSS_MODULE)
         # --recipe: the modules whose backward GEMMs' operands get block statistics
         self._gemm_modules = weight_modules(audit.model) if recorder.blocks is not None else None
 
@@ -155,10 +156,28 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         method's own ops) belong to the module that called ``checkpoint``."""
         owner = self._module_of(node) if node is not None else LOSS_MODULE
         self._owners.append(owner)
+        self.forget_node()
 
     def exit_nested(self) -> None:
         if self._owners:
             self._owners.pop()
+        self.forget_node()
+
+    def forget_node(self) -> None:
+        """Drop the last node's module (``_node_module``), and the node with it: at the
+        end of a backward pass, and where the modules of nodes may change."""
+        self._last_node = (None, LOSS_MODULE)
+
+    def _node_module(self, node: torch.autograd.graph.Node) -> str:
+        """``_module_of(node)``, looked up once for the node's ops in a row (a node runs
+        several: a Linear's backward two matrix multiplies and a sum). Holding the node
+        keeps its Python object, so the engine hands back the same one for its next op."""
+        last = self._last_node  # one tuple: read whole, whichever thread wrote it
+        if last[0] is node:
+            return last[1]
+        module = self._module_of(node)
+        self._last_node = (node, module)
+        return module
 
     def _module_of(self, node: torch.autograd.graph.Node) -> str:
         module = self._clock.module_of(node)
@@ -246,7 +265,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             return
         outputs = _float_outputs(output)
         if outputs:
-            module = self._module_of(node)
+            module = self._node_module(node)
             record = self._record
             scaled = not fixed
             places = [
@@ -256,7 +275,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         elif self._origins is None and self._gemm_modules is None:
             return  # nothing that can be recorded (indices, masks, counts)
         else:
-            module, places = self._module_of(node), []
+            module, places = self._node_module(node), []
         if self._origins is not None or self._gemm_modules is not None:
             self._observe_extras(func, args, node_name, info.name, module, outputs, fixed, before)
         if places and self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):

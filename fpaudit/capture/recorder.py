@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ class _Registrations:
 
 
 _registrations = _Registrations()
+_NEW: Any = object()  # not looked up yet (a key's place is a pair, or None)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,10 @@ class Recorder:
         """Add ``tensor``'s values to the open step's record for this key; its place."""
         if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
             tensor = tensor.to_local()  # a DTensor (FSDP2, tensor parallel): this rank's shard
-        found = self._place(kind, module, node, op, output, scales_with_loss, tensor)
+        where = (kind, module, node, op, output, scales_with_loss, tensor.dtype, tensor.device)
+        found: tuple[RecordKey, Place] | None = self._places.get(where, _NEW)  # every output
+        if found is _NEW:
+            found = self._place(kind, module, node, op, output, scales_with_loss, tensor)
         if found is None:
             return None
         key, place = found
