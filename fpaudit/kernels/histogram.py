@@ -267,7 +267,7 @@ class HistogramTable:
         batch: list[torch.Tensor] = []
         calls = self.calls
         for row, x in zip(rows, tensors, strict=True):
-            if x.dtype == torch.float64 or x.device.type != "cpu":
+            if x.dtype is _FLOAT64 or not x.is_cpu:
                 self.add(row, x)
                 continue
             calls[row] += 1
