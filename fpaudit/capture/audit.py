@@ -338,6 +338,8 @@ class Audit:
         if self.origins is not None:
             self.origins.collect(self._builder.last_index, scale_value)
         self._clock.forget()
+        if self._mode is not None:
+            self._mode.forget_node()
         self._step_started = time.perf_counter()
         return StepSummary(
             step=self._builder.last_index,

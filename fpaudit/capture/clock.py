@@ -77,6 +77,15 @@ def compiled_wrappers(model: nn.Module) -> list[nn.Module]:
     return wrappers
 
 
+class _Frames(threading.local):
+    """The modules running forward on each thread, innermost last: a list on every thread
+    from its first look (a missing attribute of a ``threading.local`` costs several
+    times a present one, and the dispatch mode asks for every backward op)."""
+
+    def __init__(self) -> None:
+        self.frames: list[str] = []
+
+
 class ModuleClock:
     """Remembers, by autograd sequence number, which module was innermost in forward."""
 
@@ -96,26 +105,23 @@ class ModuleClock:
                 if flat is not None:
                     self.param_owner.setdefault(id(flat), (model_name(name), "_flat_param"))
         self.known_names = frozenset(self.names.values())
-        self._stack = threading.local()
+        self._stack = _Frames()
         self._starts: list[int] = []
         self._modules: list[str] = []
         self._cache: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def _frames(self) -> list[str]:
-        frames = getattr(self._stack, "frames", None)
-        if frames is None:
-            frames = self._stack.frames = []
-        return frames
+        return self._stack.frames
 
     def current_module(self) -> str:
         """The innermost module running forward on this thread, or the loss pseudo-module."""
-        frames = getattr(self._stack, "frames", None)
+        frames = self._stack.frames
         return frames[-1] if frames else LOSS_MODULE
 
     def in_forward(self) -> bool:
         """True while a module of the model runs forward on this thread (also recomputation)."""
-        return bool(getattr(self._stack, "frames", None))
+        return bool(self._stack.frames)  # asked for every backward op
 
     def _mark(self, module_name: str) -> None:
         with self._lock:

@@ -74,6 +74,7 @@ def activate_during_backward(mode: BackwardMode) -> Callable[[], None] | None:
             finally:
                 depth.n = 0
                 mode.grad_mode_means_recompute = False
+                mode.forget_node()
 
         return run_backward
 

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 _aten = torch.ops.aten
 current_autograd_node = _internals.current_autograd_node
+is_grad_enabled = torch.is_grad_enabled
+_COMPILED_NODE = compiled.COMPILED_NODE
 
 
 def weight_modules(model: nn.Module) -> frozenset[str]:
@@ -91,17 +93,21 @@ def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]
 class _Op:
     """What the mode decides once per op overload (``OpOverload``), not per call."""
 
-    __slots__ = ("func", "movement", "mutable", "name", "never_new")
+    __slots__ = ("func", "grad_work", "movement", "mutable", "name", "never_new", "view")
 
     def __init__(self, func: OpOverload, name: str) -> None:
         self.func = func  # kept alive: the mode's table is keyed by its id
         self.name = name
         self.mutable = _internals.is_mutable(func)
+        self.view = bool(func.is_view)
         # ``creates_new_values``: always False for views, uninitialised buffers and
         # collectives, always True for other ops but data movement, which depends on the
         # call's dtypes (asked per call)
         self.movement = func in DATA_MOVEMENT
         self.never_new = not self.movement and not creates_new_values(func, (), None)
+        # ``works_on_grad``'s first test: under an AccumulateGrad node, a view or a move
+        # of the gradient is always the node's own work
+        self.grad_work = self.view or self.movement
 
 
 def _float_outputs(output: Any) -> list[tuple[int, torch.Tensor]]:
@@ -140,6 +146,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self.grad_mode_means_recompute = False
         self.optimizer_steps = 0  # optimizer steps running now (optimizer in backward)
         self._owners: list[str] = []  # of the nested (reentrant checkpoint) backward passes
+        self._last_node: tuple[torch.autograd.graph.Node | None, str] = (None, LOSS_MODULE)
         # --recipe: the modules whose backward GEMMs' operands get block statistics
         self._gemm_modules = weight_modules(audit.model) if recorder.blocks is not None else None
 
@@ -149,10 +156,28 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         method's own ops) belong to the module that called ``checkpoint``."""
         owner = self._module_of(node) if node is not None else LOSS_MODULE
         self._owners.append(owner)
+        self.forget_node()
 
     def exit_nested(self) -> None:
         if self._owners:
             self._owners.pop()
+        self.forget_node()
+
+    def forget_node(self) -> None:
+        """Drop the last node's module (``_node_module``), and the node with it: at the
+        end of a backward pass, and where the modules of nodes may change."""
+        self._last_node = (None, LOSS_MODULE)
+
+    def _node_module(self, node: torch.autograd.graph.Node) -> str:
+        """``_module_of(node)``, looked up once for the node's ops in a row (a node runs
+        several: a Linear's backward two matrix multiplies and a sum). Holding the node
+        keeps its Python object, so the engine hands back the same one for its next op."""
+        last = self._last_node  # one tuple: read whole, whichever thread wrote it
+        if last[0] is node:
+            return last[1]
+        module = self._module_of(node)
+        self._last_node = (node, module)
+        return module
 
     def _module_of(self, node: torch.autograd.graph.Node) -> str:
         module = self._clock.module_of(node)
@@ -173,15 +198,17 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         origins = self._origins
-        try:
-            # inputs are read before the op runs: an in-place op overwrites them
-            before = (
-                origins.before(args, kwargs) if origins is not None and not func.is_view else None
-            )
-        except Exception as error:
-            raise MonitorFailure(f"capturing {func}", error) from error
+        if origins is None:
+            before = None
+        else:
+            try:
+                # inputs are read before the op runs: an in-place op overwrites them
+                before = None if func.is_view else origins.before(args, kwargs)
+            except Exception as error:
+                raise MonitorFailure(f"capturing {func}", error) from error
         output = func(*args, **kwargs)  # the op itself: its errors are the script's
         try:
             self._observe(func, args, kwargs, output, before)
@@ -197,62 +224,94 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         output: Any,
         before: Any,
     ) -> None:
-        """Record what ``func`` made (``output``), if it is forward or backward work."""
-        origins = self._origins
+        """Record what ``func`` made (``output``), if it is forward or backward work.
+
+        This runs for every op the engine runs: what is the same for every call of an
+        op overload is decided once (``_Op``), and an op whose outputs cannot be
+        recorded (views, detach, moves) stops at its provenance."""
         node = current_autograd_node()
         if node is None:
             if self._recorder.forward_active:
-                self._record_forward(func, args, output)
-                if origins is not None and creates_new_values(func, args, output):
-                    origins.after(before, KIND_FORWARD, self._clock.current_module(), "",
-                                  self._op_name(func), list(float_tensors(output)),
-                                  False)  # fmt: skip
+                self._observe_forward(func, args, output, before)
             return
-        if self._clock.in_forward() or (self.grad_mode_means_recompute and torch.is_grad_enabled()):
+        if self._clock.in_forward() or (self.grad_mode_means_recompute and is_grad_enabled()):
             # Forward work in backward: activation checkpointing recomputing a module, a
             # method or a function (the engine runs backward with grad mode off unless
             # create_graph; checkpointing turns it on to rebuild the graph).
             return
         node_name = node.name()
-        if node_name == compiled.COMPILED_NODE and compiled.inside_observed_backward():
+        if node_name == _COMPILED_NODE and compiled.inside_observed_backward():
             return  # its stored values come from its outputs (compiled_receiver)
-        if self.optimizer_steps or (
-            node_name == ACCUMULATE_GRAD and not works_on_grad(func, args, kwargs, output, node)
-        ):
-            return  # a hook's work (an optimizer step, an EMA): not the model's gradient
         info = self._ops.get(id(func))  # OpOverload hashes in Python: id is cheaper
         if info is None:
             info = self._ops[id(func)] = _Op(func, self._op_name(func))
+        if self.optimizer_steps or (
+            node_name == ACCUMULATE_GRAD
+            and not info.grad_work
+            and not works_on_grad(func, args, kwargs, output, node)
+        ):
+            return  # a hook's work (an optimizer step, an EMA): not the model's gradient
         provenance = self._provenance
         fixed = provenance.all_fixed(_inputs(args, kwargs))
         if fixed:
-            provenance.mark(_tensors(output))
+            if type(output) is torch.Tensor:
+                provenance.mark_one(output)
+            else:
+                provenance.mark(_tensors(output))
         elif info.mutable and provenance.has_fixed():
             # e.g. buffer[i].copy_(scaled value): the whole storage now carries the scale
             provenance.unmark(written(func, args, kwargs, output))
         if info.never_new or (info.movement and not creates_new_values(func, args, output)):
             return
         outputs = _float_outputs(output)
-        if not outputs and origins is None and self._gemm_modules is None:
+        if outputs:
+            module = self._node_module(node)
+            record = self._record
+            scaled = not fixed
+            places = [
+                (record(KIND_BACKWARD, module, node_name, info.name, index, scaled, tensor), tensor)
+                for index, tensor in outputs
+            ]
+        elif self._origins is None and self._gemm_modules is None:
             return  # nothing that can be recorded (indices, masks, counts)
-        op = info.name
-        module = self._module_of(node)
-        record = self._record
-        places = [
-            (record(KIND_BACKWARD, module, node_name, op, index, not fixed, tensor), tensor)
-            for index, tensor in outputs
-        ]
-        if origins is not None:
-            origins.after(before, KIND_BACKWARD, module, node_name, op, outputs,
-                          not fixed)  # fmt: skip
+        else:
+            module, places = self._node_module(node), []
+        if self._origins is not None or self._gemm_modules is not None:
+            self._observe_extras(func, args, node_name, info.name, module, outputs, fixed, before)
+        if places and self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
+            self._compare_with_fp32(func, args, kwargs, places)
+
+    def _observe_forward(
+        self, func: OpOverload, args: tuple[Any, ...], output: Any, before: Any
+    ) -> None:
+        self._record_forward(func, args, output)
+        origins = self._origins
+        if origins is not None and creates_new_values(func, args, output):
+            origins.after(before, KIND_FORWARD, self._clock.current_module(), "",
+                          self._op_name(func), list(float_tensors(output)),
+                          False)  # fmt: skip
+
+    def _observe_extras(
+        self,
+        func: OpOverload,
+        args: tuple[Any, ...],
+        node_name: str,
+        op: str,
+        module: str,
+        outputs: list[tuple[int, torch.Tensor]],
+        fixed: bool,
+        before: Any,
+    ) -> None:
+        """``scan --origins`` and ``--recipe``'s GEMM operands, for a backward op."""
+        if self._origins is not None:
+            self._origins.after(before, KIND_BACKWARD, module, node_name, op, outputs,
+                                not fixed)  # fmt: skip
         if self._gemm_modules is not None and module in self._gemm_modules:
             operands = gemm_operands(func, args)
             for index, operand in enumerate(operands):
                 scaled = not self._provenance.is_fixed(operand)
                 contracted = as_contracted(operand, index)
                 self._recorder.record_operand(module, node_name, op, index, scaled, contracted)
-        if places and self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
-            self._compare_with_fp32(func, args, kwargs, places)
 
     def _record_forward(self, func: OpOverload, args: tuple[Any, ...], output: Any) -> None:
         if not creates_new_values(func, args, output):

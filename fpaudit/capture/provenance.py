@@ -72,10 +72,13 @@ class Provenance:
 
     def mark(self, tensors: Iterator[torch.Tensor]) -> None:
         for tensor in tensors:
-            storage = storage_of(tensor)
-            key = id(storage)
-            if storage is not None and key not in self._fixed:
-                self._fixed[key] = weakref.ref(storage, functools.partial(self._forget, key))
+            self.mark_one(tensor)
+
+    def mark_one(self, tensor: torch.Tensor) -> None:
+        storage = storage_of(tensor)
+        key = id(storage)
+        if storage is not None and key not in self._fixed:
+            self._fixed[key] = weakref.ref(storage, functools.partial(self._forget, key))
 
     def has_fixed(self) -> bool:
         return bool(self._fixed)

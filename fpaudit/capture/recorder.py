@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,35 @@ from fpaudit.report.records import (
 )
 
 Place = tuple[histogram.HistogramTable, int]
+_Parameter = tuple[nn.Module | None, str, str, nn.Parameter]
+
+
+class _Registrations:
+    """Counts parameters and submodules registered on any module (torch's global
+    registration hooks, installed once, on first use): a model's parameters are walked
+    again only when the count moved."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._installed = False
+        self._lock = threading.Lock()
+
+    def _bump(self, *_: object) -> None:
+        self._count += 1
+
+    def count(self) -> int:
+        if not self._installed:
+            with self._lock:
+                if not self._installed:
+                    module_hooks = nn.modules.module
+                    module_hooks.register_module_parameter_registration_hook(self._bump)
+                    module_hooks.register_module_module_registration_hook(self._bump)
+                    self._installed = True
+        return self._count
+
+
+_registrations = _Registrations()
+_NEW: Any = object()  # not looked up yet (a key's place is a pair, or None)
 
 
 @dataclass(frozen=True)
@@ -57,6 +87,10 @@ class Recorder:
         self._places: dict[tuple[object, ...], tuple[RecordKey, Place] | None] = {}
         # (parameter name, dtype, device) -> its gradient's row (None: not selected)
         self._grad_rows: dict[tuple[str, torch.dtype, torch.device], Place | None] = {}
+        # (model, registrations count, its parameters): see _parameters
+        self._cached_parameters: tuple[nn.Module, int, list[_Parameter]] | None = None
+        # per device: (rows, the row keys as columns) for StepRecords.key_columns
+        self._key_columns: dict[torch.device, tuple[int, dict[str, np.ndarray]]] = {}
 
     def record(
         self,
@@ -71,7 +105,10 @@ class Recorder:
         """Add ``tensor``'s values to the open step's record for this key; its place."""
         if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
             tensor = tensor.to_local()  # a DTensor (FSDP2, tensor parallel): this rank's shard
-        found = self._place(kind, module, node, op, output, scales_with_loss, tensor)
+        where = (kind, module, node, op, output, scales_with_loss, tensor.dtype, tensor.device)
+        found: tuple[RecordKey, Place] | None = self._places.get(where, _NEW)  # every output
+        if found is _NEW:
+            found = self._place(kind, module, node, op, output, scales_with_loss, tensor)
         if found is None:
             return None
         key, place = found
@@ -154,10 +191,17 @@ class Recorder:
         """Record every parameter's gradient (kind ``grad``): plain floating gradients in
         one kernel call per device (``HistogramTable.add_many``), their rows looked up
         once per parameter name, dtype and device; others (complex, DTensor, with block
-        statistics) one :meth:`record` each."""
+        statistics) one :meth:`record` each. The parameters are the model's
+        ``named_parameters()``, walked again only when they may have changed
+        (:meth:`_parameters`)."""
+        entries = self._parameters(model)
         batches: dict[histogram.HistogramTable, tuple[list[int], list[torch.Tensor]]] = {}
         rows = self._grad_rows
-        for name, param in model.named_parameters():
+        for owner, leaf, name, param in entries:
+            if owner is not None and getattr(owner, leaf, None) is not param:
+                self._cached_parameters = None  # replaced behind the hooks' back: walk again
+                self.record_parameter_gradients(model)
+                return
             grad = param.grad
             if grad is None or grad.layout != torch.strided:
                 continue
@@ -187,6 +231,31 @@ class Recorder:
         for table, (table_rows, grads) in batches.items():
             table.add_many(table_rows, grads)
 
+    def _parameters(self, model: nn.Module) -> list[_Parameter]:
+        """``model.named_parameters()`` as (owning module, attribute, name, parameter),
+        kept between steps while no module registered a parameter or a submodule
+        (torch's global registration hooks count them) and each is still its owner's
+        attribute (checked at each use: a swap straight into the owner's parameters
+        passes no hook). Owner None: not found by its name (a wrapper's own naming);
+        such a model is walked every step."""
+        version = _registrations.count()
+        cached = self._cached_parameters
+        if cached is not None and cached[0] is model and cached[1] == version:
+            return cached[2]
+        entries: list[_Parameter] = []
+        for name, param in model.named_parameters():
+            prefix, _, leaf = name.rpartition(".")
+            try:
+                owner: nn.Module | None = model.get_submodule(prefix) if prefix else model
+            except AttributeError:
+                owner = None
+            if owner is not None and getattr(owner, leaf, None) is not param:
+                owner = None
+            entries.append((owner, leaf, name, param))
+        keep = all(entry[0] is not None for entry in entries)
+        self._cached_parameters = (model, version, entries) if keep else None
+        return entries
+
     def next_forward_op(self) -> int:
         self._forward_ops += 1
         return self._forward_ops
@@ -210,6 +279,8 @@ class Recorder:
         keys: list[RecordKey] = []
         blocks: list[np.ndarray] = []
         calls: list[np.ndarray] = []
+        key_columns: dict[str, np.ndarray] | None = None
+        nonzero: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         loss_value: float | None = None
         scale_value: float | None = None
         for device, table in self._tables.items():
@@ -230,6 +301,9 @@ class Recorder:
                 keys += row_keys
                 blocks.append(rows)
                 calls.append(row_calls)
+                if len(self._tables) == 1:  # the usual case: one device, every row used
+                    nonzero = table.nonzero_bins()
+                    key_columns = self._columns_of(device, row_keys)
             else:
                 keys += [row_keys[row] for row in used]
                 blocks.append(rows[used])
@@ -248,6 +322,8 @@ class Recorder:
             amax=histogram.amax_from_bits(rows[:, histogram.AMAX_COLUMN]),
             calls=np.concatenate(calls) if calls else np.zeros(0, dtype=np.int64),
             shadow=rows[:, histogram.SHADOW_COLUMNS].copy(),
+            nonzero=nonzero,
+            key_columns=key_columns,
         )
         first_nonfinite = ""
         scores = rows[:, histogram.FIRST_NONFINITE_COLUMN] if len(rows) else np.zeros(0)
@@ -257,14 +333,23 @@ class Recorder:
         self._forward_ops = 0
         return Collected(records, first_nonfinite, loss_value, scale_value)
 
+    def _columns_of(self, device: torch.device, row_keys: list[RecordKey]) -> dict[str, np.ndarray]:
+        """``row_keys`` as columns, as ``ReportBuilder`` makes them, made again only when
+        rows were added (rows are only ever added)."""
+        cached = self._key_columns.get(device)
+        if cached is None or cached[0] != len(row_keys):
+            columns = {f: np.array([getattr(k, f) for k in row_keys]) for f in RecordKey._fields}
+            cached = self._key_columns[device] = (len(row_keys), columns)
+        return cached[1]
+
     def release(self) -> None:
         """Empty the rows for the next step (after a collected step's records are read)."""
         for table in self._tables.values():
-            table.reset()
+            table.reset_touched()
 
     def discard(self) -> None:
         """Drop the open step's records (and its block statistics)."""
         for table in self._tables.values():
-            table.reset()
+            table.reset_touched()
         if self.blocks is not None:
             self.blocks.discard_open()

@@ -106,11 +106,50 @@ Bounds bounds_of(const std::vector<int64_t>& class_bounds) {
                 uint32_t(class_bounds[7])};
 }
 
+// A tensor of at most kSmall values (most backward outputs of small models, many of
+// large ones): binned into the row directly, with no counter copies to merge and clear.
+// What it reads and writes is the values, their bins and the row's counters they hit,
+// so a call that finds the caches cold (the engine and Python ran since the last one)
+// costs little more than a warm one. Same bins as the blocked path (block_bins).
+constexpr int64_t kSmall = kBlock;
+
+// A row's span: the range [low, high] of the bins other than zero's that adds have
+// touched since it was cleared (a superset: it may hold zero counts), kept beside the
+// table so that closing a step reads and clears those bins alone (histogram_nonzero,
+// histogram_clear). nullptr: no span kept.
+void widen(int64_t* span, uint32_t low, uint32_t high) {
+  if (span == nullptr) return;
+  span[0] = std::min<int64_t>(span[0], int64_t(low));
+  span[1] = std::max<int64_t>(span[1], int64_t(high));
+}
+
+void add_small(const uint32_t* data, int count, int64_t* total, const Bounds& bounds,
+               int64_t* span) {
+  uint32_t bins[kSmall];  // written before read: no initialisation
+  BlockSummary block = block_bins(data, bins, count, bounds);
+  if (__builtin_expect(block.subnormals != 0, 0)) {
+    for (int j = 0; j < count; ++j) {
+      if (bins[j] - kRawSubnormalFirst < kClasses - 1) {
+        bins[j] = subnormal_bin(data[j], bounds);
+        block.low = std::min(block.low, bins[j]);
+      }
+    }
+  }
+  for (int j = 0; j < count; ++j) ++total[bins[j]];
+  total[kBins] = std::max<int64_t>(total[kBins], int64_t(block.largest));
+  widen(span, block.low, block.high);
+}
+
 // Adds the n fp32 values at data to the row that starts at total (see histogram_add).
-void add_values(const uint32_t* data, int64_t n, int64_t* total, const Bounds& bounds) {
+void add_values(const uint32_t* data, int64_t n, int64_t* total, const Bounds& bounds,
+                int64_t* span = nullptr) {
   int64_t* amax_out = total + kBins;
   std::mutex merge;
   if (n == 0) return;
+  if (n <= kSmall) {
+    add_small(data, int(n), total, bounds, span);
+    return;
+  }
   const int64_t grain = std::max<int64_t>(int64_t(1) << 16, (n + at::get_num_threads() - 1) / at::get_num_threads());
 
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
@@ -119,7 +158,7 @@ void add_values(const uint32_t* data, int64_t n, int64_t* total, const Bounds& b
     // are flushed into int64 ones long before they could overflow.
     thread_local std::vector<uint32_t> local(size_t(kCopies) * kBins, 0u);
     thread_local std::vector<int64_t> wide(kBins, 0);
-    std::array<uint32_t, kBlock> bins{};
+    std::array<uint32_t, kBlock> bins;  // written before read
     uint32_t largest = 0, low = kBins, high = 0;
     int64_t since_flush = 0;
     auto flush = [&]() {
@@ -169,7 +208,18 @@ void add_values(const uint32_t* data, int64_t n, int64_t* total, const Bounds& b
       wide[b] = 0;
     }
     *amax_out = std::max<int64_t>(*amax_out, int64_t(largest));
+    if (low <= high) widen(span, low, high);
   });
+}
+
+// The span of `row` in `spans` (int64 [table rows, 2], see widen), or nullptr if none.
+int64_t* span_of(const c10::optional<torch::Tensor>& spans, const torch::Tensor& table, int64_t row) {
+  if (!spans.has_value()) return nullptr;
+  const torch::Tensor& s = *spans;
+  TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == torch::kInt64 && s.dim() == 2 &&
+                  s.size(0) == table.size(0) && s.size(1) == 2 && s.is_contiguous(),
+              "spans must be a contiguous int64 CPU tensor of shape [table rows, 2]");
+  return s.data_ptr<int64_t>() + row * 2;
 }
 
 }  // namespace
@@ -179,14 +229,15 @@ void add_values(const uint32_t* data, int64_t n, int64_t* total, const Bounds& b
 // the bit pattern of the largest finite |x| seen, raised here if x has a larger one.
 // Further columns belong to the caller.
 void histogram_add(const torch::Tensor& x, torch::Tensor& table, int64_t row,
-                   const std::vector<int64_t>& class_bounds) {
+                   const std::vector<int64_t>& class_bounds,
+                   const c10::optional<torch::Tensor>& spans) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "histogram_add needs a contiguous float32 CPU tensor");
   check_table(table);
   TORCH_CHECK(row >= 0 && row < table.size(0), "row ", row, " out of range");
   const Bounds bounds = bounds_of(class_bounds);
   add_values(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), x.numel(),
-             table.data_ptr<int64_t>() + row * table.size(1), bounds);
+             table.data_ptr<int64_t>() + row * table.size(1), bounds, span_of(spans, table, row));
 }
 
 namespace {
@@ -216,16 +267,18 @@ void set_class_bounds(const std::vector<int64_t>& class_bounds) {
 
 // histogram_add of one tensor of any layout and dtype histogram_add_many takes, with the
 // class bounds given to set_class_bounds: the per-op call, with no Python work before it.
-void histogram_add_tensor(const torch::Tensor& x, torch::Tensor& table, int64_t row) {
+void histogram_add_tensor(const torch::Tensor& x, torch::Tensor& table, int64_t row,
+                          const c10::optional<torch::Tensor>& spans) {
   TORCH_CHECK(bounds_stored, "set_class_bounds first");
   check_table(table);
   TORCH_CHECK(row >= 0 && row < table.size(0), "row ", row, " out of range");
+  if (x.numel() == 0) return;  // as HistogramTable.add: nothing to bin, whatever its dtype
   check_binnable(x);
-  if (x.numel() == 0) return;
   at::NoGradGuard no_grad;
   const torch::Tensor values = as_binnable(x);
   add_values(reinterpret_cast<const uint32_t*>(values.data_ptr<float>()), values.numel(),
-             table.data_ptr<int64_t>() + row * table.size(1), stored_bounds);
+             table.data_ptr<int64_t>() + row * table.size(1), stored_bounds,
+             span_of(spans, table, row));
 }
 
 // histogram_add for many tensors in one call (closing a step: every parameter gradient):
@@ -235,8 +288,10 @@ void histogram_add_tensor(const torch::Tensor& x, torch::Tensor& table, int64_t 
 // order of its dimensions) is read in place, as histogram.dense_flat does; others are
 // copied, and narrower dtypes widened, here: a histogram does not depend on the order.
 void histogram_add_many(const std::vector<torch::Tensor>& xs, torch::Tensor& table,
-                        const std::vector<int64_t>& rows, const std::vector<int64_t>& class_bounds) {
+                        const std::vector<int64_t>& rows, const std::vector<int64_t>& class_bounds,
+                        const c10::optional<torch::Tensor>& spans) {
   check_table(table);
+  span_of(spans, table, 0);  // checked before anything is added
   TORCH_CHECK(xs.size() == rows.size(), "histogram_add_many needs one row per tensor");
   const Bounds bounds = bounds_of(class_bounds);
   for (size_t i = 0; i < xs.size(); ++i) {
@@ -248,7 +303,74 @@ void histogram_add_many(const std::vector<torch::Tensor>& xs, torch::Tensor& tab
     if (xs[i].numel() == 0) continue;
     const torch::Tensor x = as_binnable(xs[i]);
     add_values(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), x.numel(),
-               table.data_ptr<int64_t>() + rows[i] * table.size(1), bounds);
+               table.data_ptr<int64_t>() + rows[i] * table.size(1), bounds,
+               span_of(spans, table, rows[i]));
+  }
+}
+
+// ---- Closing a step: the rows' nonzero bins, and clearing them ----
+
+namespace {
+// The bins of a row to read or clear: its span (see widen), or every bin without one.
+std::pair<int64_t, int64_t> bins_to_visit(const int64_t* spans, int64_t row) {
+  if (spans == nullptr) return {0, int64_t(kBins) - 1};
+  return {std::max<int64_t>(spans[2 * row], 0), std::min<int64_t>(spans[2 * row + 1], kBins - 1)};
+}
+}  // namespace
+
+// The nonzero finite bins (kFirstFinite .. kInf - 1) of rows [0, rows) of `table`, in
+// row-major order: three int64 vectors (row, offset from kFirstFinite, count), what
+// ReportBuilder computes from a bool mask of every bin with numpy. With `spans`, each
+// row's span alone is read (a few cache lines where the whole row is 17 KB).
+std::vector<torch::Tensor> histogram_nonzero(const torch::Tensor& table, int64_t rows,
+                                             const c10::optional<torch::Tensor>& spans) {
+  check_table(table);
+  TORCH_CHECK(rows >= 0 && rows <= table.size(0), "rows ", rows, " out of range");
+  const int64_t* span = rows ? span_of(spans, table, 0) : nullptr;
+  const int64_t width = table.size(1);
+  const int64_t* data = table.data_ptr<int64_t>();
+  std::vector<int64_t> row_of, offset_of, count_of;
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto [low, high] = bins_to_visit(span, r);
+    const int64_t* counts = data + r * width;
+    for (int64_t b = std::max<int64_t>(low, kFirstFinite); b <= std::min<int64_t>(high, kInf - 1); ++b) {
+      if (counts[b] != 0) {
+        row_of.push_back(r);
+        offset_of.push_back(b - kFirstFinite);
+        count_of.push_back(counts[b]);
+      }
+    }
+  }
+  auto vector_of = [](const std::vector<int64_t>& values) {
+    auto out = torch::empty({int64_t(values.size())}, torch::kInt64);
+    if (!values.empty()) std::memcpy(out.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
+    return out;
+  };
+  return {vector_of(row_of), vector_of(offset_of), vector_of(count_of)};
+}
+
+// Zeroes rows [0, rows) of `table`: with `spans`, each row's span, its zero bin and the
+// columns after the bins (amax and the caller's), then empties the spans; without, the
+// whole rows. Either way only entries that are not zero are written: a memset of the
+// whole table wrote (and later wrote back) every cache line of it.
+void histogram_clear(torch::Tensor& table, int64_t rows, const c10::optional<torch::Tensor>& spans) {
+  check_table(table);
+  TORCH_CHECK(rows >= 0 && rows <= table.size(0), "rows ", rows, " out of range");
+  int64_t* span = rows ? span_of(spans, table, 0) : nullptr;
+  const int64_t width = table.size(1);
+  int64_t* data = table.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t* row = data + r * width;
+    const auto [low, high] = bins_to_visit(span, r);
+    for (int64_t b = low; b <= high; ++b) {
+      if (row[b] != 0) row[b] = 0;
+    }
+    row[kZero] = 0;
+    for (int64_t c = kBins; c < width; ++c) row[c] = 0;
+    if (span != nullptr) {
+      span[2 * r] = kBins;
+      span[2 * r + 1] = -1;
+    }
   }
 }
 
@@ -690,10 +812,18 @@ torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double elem
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("histogram_add", &histogram_add, "Exact fp32 magnitude histogram (fpaudit layout)");
+  const auto no_spans = py::arg("spans") = py::none();
+  m.def("histogram_add", &histogram_add, "Exact fp32 magnitude histogram (fpaudit layout)",
+        py::arg("x"), py::arg("table"), py::arg("row"), py::arg("class_bounds"), no_spans);
   m.def("set_class_bounds", &set_class_bounds, "The class bounds histogram_add_tensor uses");
-  m.def("histogram_add_tensor", &histogram_add_tensor, "histogram_add of any strided fp32/16/8 tensor");
-  m.def("histogram_add_many", &histogram_add_many, "histogram_add of many tensors, one row each");
+  m.def("histogram_add_tensor", &histogram_add_tensor, "histogram_add of any strided fp32/16/8 tensor",
+        py::arg("x"), py::arg("table"), py::arg("row"), no_spans);
+  m.def("histogram_add_many", &histogram_add_many, "histogram_add of many tensors, one row each",
+        py::arg("xs"), py::arg("table"), py::arg("rows"), py::arg("class_bounds"), no_spans);
+  m.def("histogram_nonzero", &histogram_nonzero, "The rows' nonzero finite bins, row-major",
+        py::arg("table"), py::arg("rows"), no_spans);
+  m.def("histogram_clear", &histogram_clear, "Zero the rows, writing only nonzero entries",
+        py::arg("table"), py::arg("rows"), no_spans);
   m.def("block_stats", &block_stats, "Block-scaled statistics of every recipe's scale rule");
   m.def("block_stats_add", &block_stats_add, "block_stats, added to a running total in place");
 }

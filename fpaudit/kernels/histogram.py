@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -163,6 +164,19 @@ _RAW_INF = 277 * N_CLASSES
 _FIRST_NORMAL_OFFSET = 23  # offset of binade -126, fp32's smallest normal
 _NORMAL = slice(_FIRST_NORMAL_OFFSET * N_CLASSES, _RAW_INF)
 _CLASS_BOUNDS = list(CLASS_LOWER_BOUNDS)
+_UNRESOLVED = object()
+
+
+def _empty_spans(rows: int) -> torch.Tensor:
+    """Spans (see ``HistogramTable.spans``) of ``rows`` rows no add has touched."""
+    spans = torch.empty((rows, 2), dtype=torch.int64)
+    spans[:, 0] = N_BINS
+    spans[:, 1] = -1
+    return spans
+
+
+_FLOAT64 = torch.float64
+_STRIDED = torch.strided
 
 
 class HistogramTable:
@@ -179,7 +193,10 @@ class HistogramTable:
     def __init__(self, device: torch.device, capacity: int = 64) -> None:
         self.device = device
         self._cpu = device.type == "cpu"
+        self._kernel: Any = _UNRESOLVED  # see _resolve_kernel
         self.table = torch.zeros((capacity, WIDTH), dtype=torch.int64, device=device)
+        # the CPU kernel's spans: per row, the bins its adds touched (histogram_clear)
+        self.spans = _empty_spans(capacity) if self._cpu else None
         self.calls: list[int] = []  # tensors added to each row since the last reset
         # fp64 values that fp32 (the binned range) cannot hold: nonzero finite values
         # that round to zero or to inf. Cumulative: reset() keeps it.
@@ -194,36 +211,54 @@ class HistogramTable:
             grown = torch.zeros((2 * self.rows, WIDTH), dtype=torch.int64, device=self.device)
             grown[: self.rows] = self.table
             self.table = grown
+            if self.spans is not None:
+                spans = _empty_spans(2 * self.rows)
+                spans[: self.rows] = self.spans
+                self.spans = spans
         self.calls.append(0)
         return self.rows - 1
 
     def add(self, row: int, x: torch.Tensor) -> None:
         self.calls[row] += 1
+        kernel = self._kernel
+        if kernel is _UNRESOLVED:
+            kernel = self._resolve_kernel()
+        if (
+            kernel is not None
+            and type(x) is torch.Tensor
+            and x.dtype is not _FLOAT64
+            and x.layout is _STRIDED
+        ):
+            kernel.histogram_add_tensor(x, self.table, row, self.spans)  # widens, flattens
+            return
         if x.numel() == 0:
             return
         wide = x.dtype == torch.float64
         if wide:
             self._count_out_of_range(x)
-        if self._cpu:  # a table holds the rows of its device's tensors
-            kernel = _cpu_kernel()
-            if kernel is None:
-                self._add_cpu_torch(row, x)
-            elif not wide and type(x) is torch.Tensor and x.layout == torch.strided:
-                kernel.histogram_add_tensor(x, self.table, row)  # widens and flattens in C++
-            else:
-                values = x.detach()
-                if values.dtype != torch.float32:
-                    values = values.to(torch.float32)  # exact for fp16, bf16, fp8
-                kernel.histogram_add(dense_flat(values), self.table, row, _CLASS_BOUNDS)
+        if kernel is not None:
+            values = x.detach()
+            if values.dtype != torch.float32:
+                values = values.to(torch.float32)  # exact for fp16, bf16, fp8
+            kernel.histogram_add(dense_flat(values), self.table, row, _CLASS_BOUNDS, self.spans)
+        elif self._cpu:  # a table holds the rows of its device's tensors
+            self._add_cpu_torch(row, x)
         else:
             self._add_device(row, x)
+
+    def _resolve_kernel(self) -> ModuleType | None:
+        """The CPU kernel this table bins with (None: the pure-torch or device path),
+        chosen at its first ``add`` (``FPAUDIT_KERNEL`` as it is then): asking the
+        environment on every call cost as much as binning a small tensor."""
+        kernel = self._kernel = _cpu_kernel() if self._cpu else None
+        return kernel
 
     def add_many(self, rows: list[int], tensors: list[torch.Tensor]) -> None:
         """``add(rows[i], tensors[i])`` for every i, in as few kernel calls as the device
         allows: on the CPU with the compiled kernel, one call for all of them (float64
         ones aside, which ``add`` takes with their out-of-range count); elsewhere one
         ``add`` each. The counts are those of the ``add`` calls, in any order."""
-        kernel = _cpu_kernel() if self.device.type == "cpu" else None
+        kernel = self._kernel if self._kernel is not _UNRESOLVED else self._resolve_kernel()
         if kernel is None:
             for row, x in zip(rows, tensors, strict=True):
                 self.add(row, x)
@@ -232,14 +267,14 @@ class HistogramTable:
         batch: list[torch.Tensor] = []
         calls = self.calls
         for row, x in zip(rows, tensors, strict=True):
-            if x.dtype == torch.float64 or x.device.type != "cpu":
+            if x.dtype is _FLOAT64 or not x.is_cpu:
                 self.add(row, x)
                 continue
             calls[row] += 1
             batch_rows.append(row)
             batch.append(x)
         if batch:
-            kernel.histogram_add_many(batch, self.table, batch_rows, _CLASS_BOUNDS)
+            kernel.histogram_add_many(batch, self.table, batch_rows, _CLASS_BOUNDS, self.spans)
 
     def _count_out_of_range(self, x: torch.Tensor) -> None:
         """Count the nonzero finite fp64 values that fp32 turns into zero or inf (no sync)."""
@@ -347,8 +382,36 @@ class HistogramTable:
         rows = packed[: self.rows * WIDTH].reshape(self.rows, WIDTH)
         return rows, [float(v) for v in packed[self.rows * WIDTH :].view(np.float64)]
 
+    def nonzero_bins(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The rows' nonzero finite bins in row-major order, as (row, offset from
+        ``FIRST_FINITE_BIN``, count) int64 arrays, read by the CPU kernel from the bins
+        this table's adds touched (``spans``) alone; None where there is no such kernel
+        (another device, the pure-torch path): the reader then finds them in the rows.
+        Rows written other than through this table (the kernel called on ``table``
+        directly) are not looked at beyond their spans."""
+        kernel = self._kernel if self._kernel is not _UNRESOLVED else self._resolve_kernel()
+        if kernel is None:
+            return None
+        rows, offsets, counts = kernel.histogram_nonzero(self.table, self.rows, self.spans)
+        return rows.numpy(), offsets.numpy(), counts.numpy()
+
     def reset(self) -> None:
+        """Zero every row (however it was written)."""
         self.table[: self.rows].zero_()
+        if self.spans is not None:
+            self.spans[: self.rows] = _empty_spans(self.rows)
+        self.calls = [0] * self.rows
+
+    def reset_touched(self) -> None:
+        """``reset`` for rows written through this table alone (a recorder's): with the
+        CPU kernel, only the bins its adds touched (``spans``) and the columns after the
+        bins are written, where zeroing the whole table (17 KB a row) was most of closing
+        a step of a model with many small ops."""
+        kernel = self._kernel if self._kernel is not _UNRESOLVED else self._resolve_kernel()
+        if kernel is None:
+            self.reset()
+            return
+        kernel.histogram_clear(self.table, self.rows, self.spans)
         self.calls = [0] * self.rows
 
 

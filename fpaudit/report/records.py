@@ -172,6 +172,12 @@ class StepRecords:
     amax: np.ndarray  # float64 [records], finite amax as recorded
     calls: np.ndarray  # int64 [records], tensors added
     shadow: np.ndarray | None = None  # int64 [records, 4]: layout.SHADOW_COLUMNS
+    # Where the recorder has them (closing a step with the CPU kernel): the nonzero
+    # finite bins, row-major, as (row, offset from layout.FIRST_FINITE_BIN, count), and
+    # the keys as columns (RecordKey's fields), which the builder would otherwise
+    # compute from ``counts`` and ``keys``; None: it does.
+    nonzero: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    key_columns: dict[str, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         if self.shadow is None:
@@ -189,14 +195,19 @@ class StepRecords:
 
     def grad_amax(self, loss_scale: float) -> float:
         """The largest finite parameter gradient magnitude, unscaled (NaN: none recorded)."""
-        mask = np.array([key.kind == KIND_GRAD for key in self.keys], dtype=bool)
+        mask = self._kind_mask(KIND_GRAD)
         if not mask.any():
             return math.nan
         return float(self.amax[mask].max()) / loss_scale
 
+    def _kind_mask(self, kind: str) -> np.ndarray:
+        if self.key_columns is not None:
+            return np.asarray(self.key_columns["kind"] == kind, dtype=bool).reshape(-1)
+        return np.array([key.kind == kind for key in self.keys], dtype=bool)
+
     def nonfinite(self, kind: str) -> int:
         """inf and NaN elements in the records of ``kind``."""
-        mask = np.array([key.kind == kind for key in self.keys], dtype=bool)
+        mask = self._kind_mask(kind)
         special = self.counts[:, layout.INF_BIN] + self.counts[:, layout.NAN_BIN]
         return int(special[mask].sum()) if len(mask) else 0
 
@@ -261,6 +272,8 @@ class ReportBuilder:
                     np.full(n, loss_scale),
                     np.full(n, step, dtype=np.int32),
                     np.ones(n, dtype=np.int32),
+                    nonzero=records.nonzero,
+                    key_columns=records.key_columns,
                 )
         else:
             if self._pending_steps == 0:
@@ -328,6 +341,9 @@ class ReportBuilder:
         loss_scale: np.ndarray,
         step: np.ndarray,
         steps: np.ndarray,
+        *,
+        nonzero: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+        key_columns: dict[str, np.ndarray] | None = None,
     ) -> None:
         n = len(keys)
         if not n:
@@ -352,12 +368,19 @@ class ReportBuilder:
         for column, name in enumerate(("shadow_calls", "shadow_nonzero", "lost", "overflowed")):
             columns[name] = shadow[:, column].copy()
         for field_name in RecordKey._fields:
-            columns[field_name] = np.array([getattr(k, field_name) for k in keys])
-        finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
-        # np.nonzero's row-major order, from one pass over a bool mask (several times
-        # faster than np.nonzero of the int64 counts: this is most of a step's emit)
-        rows, offsets = np.divmod(np.flatnonzero(finite != 0), finite.shape[1])
-        values = finite[rows, offsets]
+            columns[field_name] = (
+                np.array([getattr(k, field_name) for k in keys])
+                if key_columns is None
+                else key_columns[field_name].copy()
+            )
+        if nonzero is None:
+            finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
+            # np.nonzero's row-major order, from one pass over a bool mask (several times
+            # faster than np.nonzero of the int64 counts: this is most of a step's emit)
+            rows, offsets = np.divmod(np.flatnonzero(finite != 0), finite.shape[1])
+            values = finite[rows, offsets]
+        else:  # the same, found by the recorder's kernel
+            rows, offsets, values = nonzero
         # each row's sum of finite counts, exactly (int64), from its run of nonzero bins
         running = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values)])
         ends = np.searchsorted(rows, np.arange(n + 1))
