@@ -151,8 +151,8 @@ class _Panel:
     binades: np.ndarray
     at_1: np.ndarray
     at_scale: np.ndarray
-    totals_at_1: dict[str, Any]
-    totals_at_scale: dict[str, Any]
+    totals_at_1: analysis.Totals
+    totals_at_scale: analysis.Totals
     modules: list[str]
     per_module: np.ndarray  # [module, binade] at S = 1
 
@@ -208,24 +208,22 @@ def _resolve_scale(
     return (0, False) if recommended is None else (recommended, True)
 
 
-def _fraction_lines(panel_totals: Sequence[dict[str, Any]], names: Sequence[str]) -> list[str]:
+def _fraction_lines(panel_totals: Sequence[analysis.Totals], names: Sequence[str]) -> list[str]:
     """The fractions box: one column per scale, one row per kind of loss (monospaced)."""
     rows: list[list[str]] = [["lost to the format", *names]]
-    for label, key in (
-        ("rounds to zero (underflow)", "underflow"),
-        ("below normal (FTZ flushes)", "flushed"),
-        ("overflow", "overflow"),
+    for label, cells in (
+        ("rounds to zero (underflow)", [(t.underflow_fraction, t.underflow) for t in panel_totals]),
+        ("below normal (FTZ flushes)", [(t.flushed_fraction, t.flushed) for t in panel_totals]),
+        ("overflow", [(t.overflow_fraction, t.overflow) for t in panel_totals]),
     ):
-        rows.append(
-            [label] + [f"{percent(t[key + '_fraction'])} ({count(t[key])})" for t in panel_totals]
-        )
+        rows.append([label] + [f"{percent(fraction)} ({count(n)})" for fraction, n in cells])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]  # fmt: skip
     first = panel_totals[0]
     lines.append(
-        f"of {count(first['nonzero'])} nonzero finite values "
-        f"({count(first['zeros'])} zeros, {count(first['nonfinite'])} inf/NaN not counted)"
+        f"of {count(first.nonzero)} nonzero finite values "
+        f"({count(first.zeros)} zeros, {count(first.nonfinite)} inf/NaN not counted)"
     )
     return lines
 
@@ -292,7 +290,7 @@ def _histogram_panel(ax: Axes, panel: _Panel) -> None:
         bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9, "edgecolor": "#bbbbbb"},
     )
     box.set_gid(FRACTIONS_GID)
-    if panel.totals_at_1["nonzero"] == 0:
+    if panel.totals_at_1.nonzero == 0:
         ax.text(0.5, 0.5, "no nonzero backward values in scope", transform=ax.transAxes,
                 ha="center", va="center", fontsize=11)  # fmt: skip
     ax.set_title(

@@ -314,12 +314,10 @@ def unscalable_lines(rec: Recommendation) -> list[str]:
         return []
     groups = []
     for group in rec.unscalable[:3]:
-        modules = group["modules"]
+        modules = group.modules
         named = ", ".join(module_label(m) for m in modules[:2])
         named += f" and {len(modules) - 2} more" if len(modules) > 2 else ""
-        groups.append(
-            f"{group['node']} ({short_op(group['op'])}) in {len(modules)} module(s): {named}"
-        )
+        groups.append(f"{group.node} ({short_op(group.op)}) in {len(modules)} module(s): {named}")
     more = f"; and {len(rec.unscalable) - 3} more op(s)" if len(rec.unscalable) > 3 else ""
     return [
         f"  Apart: {counts} {rec.format} at every scale: {'; '.join(groups)}{more}.",
@@ -345,11 +343,15 @@ def gate(result: GateResult) -> None:
         if result.shadow_nonzero
         else ""
     )
-    limits = [] if result.max_underflow is None else [f"limit {percent(result.max_underflow)}"]
+    limits = (
+        []
+        if result.policy.max_underflow is None
+        else [f"limit {percent(result.policy.max_underflow)}"]
+    )
     base = result.baseline_overall
-    if base is not None and result.max_increase is not None:
+    if base is not None and result.policy.max_increase is not None:
         limits.insert(0, f"baseline {percent(base.base_underflow or 0.0)}, increase limit "
-                         f"{result.max_increase:g}")  # fmt: skip
+                         f"{result.policy.max_increase:g}")  # fmt: skip
     against = f" (baseline {count(base.base_overflowed or 0)})" if base is not None else ""
     console.print(
         f"{verdict}: {result.format} at S = {scale_text(result.log2_scale)} "
@@ -360,23 +362,23 @@ def gate(result: GateResult) -> None:
     unscalable = unscalable_counts(result.unscalable_overflow, result.unscalable_underflow)
     if unscalable:
         judged = (
-            "judged by --fail-unscalable" if result.fail_unscalable
+            "judged by --fail-unscalable" if result.policy.fail_unscalable
             else "not judged: --fail-unscalable fails on them"
         )  # fmt: skip
         console.print(
             f"  Apart: {unscalable} at every scale: they do not scale with the loss, so no "
             f"loss scale fixes them ({judged}; `fpaudit recommend` lists their ops)."
         )
-    if result.error_findings and result.errors_allowed:
+    if result.error_findings and result.policy.allow_errors:
         console.print(
             f"  The run's {len(result.error_findings)} error finding(s) were allowed by "
             "--allow-errors."
         )
-    if not result.complete and result.incomplete_allowed:
+    if not result.complete and result.policy.allow_incomplete:
         console.print(
             "  The report is incomplete (its run was interrupted), allowed by --allow-incomplete."
         )
-    if (result.nonfinite or result.nonfinite_loss_steps) and result.nonfinite_allowed:
+    if (result.nonfinite or result.nonfinite_loss_steps) and result.policy.allow_nonfinite:
         console.print("  inf/NaN values were judged anyway, allowed by --allow-nonfinite.")
     for failure in result.failures:
         console.print(f"  {failure.as_flag()}")

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -18,7 +18,7 @@ from fpaudit.text import module_label, percent, power, scale_text
 if TYPE_CHECKING:
     import pandas as pd
 
-    from fpaudit.report.runinfo import Finding
+    from fpaudit.report.runinfo import Finding, ScalerInfo, SkipStatistics
     from fpaudit.rules.delayed import Replay as DelayedReplay
     from fpaudit.rules.delayed import Sweep as DelayedSweep
     from fpaudit.rules.drift import Drift
@@ -72,25 +72,25 @@ def findings(items: Sequence[Finding], console: Console | None = None) -> None:
         )
 
 
-def skip_lines(stats: Mapping[str, Any], scaler: Mapping[str, Any] | None) -> list[str]:
+def skip_lines(stats: SkipStatistics, scaler: ScalerInfo | None) -> list[str]:
     """Skipped steps, with calibration told apart (expected on a fresh dynamic scaler)."""
-    total, skipped = stats["steps"], stats["skipped"]
+    total, skipped = stats.steps, stats.skipped
     if not scaler:
         return [f"{total} optimizer step(s); no enabled GradScaler, so no step was skipped."]
     lines = [f"Skipped {skipped} of {total} step(s) ({percent(skipped / total if total else 0)})."]
-    calibration = stats["calibration_steps"]
+    calibration = stats.calibration_steps
     if calibration:
         lines.append(
             f"  The first {calibration} skip(s) were calibration: a fresh scaler starts at "
-            f"{power(scaler['init_scale'])} and halves until gradients fit; expected, not a "
+            f"{power(scaler.init_scale)} and halves until gradients fit; expected, not a "
             "problem."
         )
-    if stats["steps_after_calibration"]:
+    if stats.steps_after_calibration:
         lines.append(
-            f"  After calibration: {stats['skipped_after_calibration']} of "
-            f"{stats['steps_after_calibration']} skipped "
-            f"({percent(stats['skip_rate_after_calibration'])}); a dynamic scaler that grows "
-            f"every {scaler['growth_interval']} clean steps skips about 1 in that many by design."
+            f"  After calibration: {stats.skipped_after_calibration} of "
+            f"{stats.steps_after_calibration} skipped "
+            f"({percent(stats.skip_rate_after_calibration)}); a dynamic scaler that grows "
+            f"every {scaler.growth_interval} clean steps skips about 1 in that many by design."
         )
     return lines
 
@@ -469,7 +469,7 @@ def fp16_plan(plan: Fp16Plan) -> None:
     unscalable = unscalable_counts(plan.unscalable_overflow, plan.unscalable_underflow)
     if unscalable:
         ops = "; ".join(
-            f"{g['node']} ({short_op(g['op'])}) in {len(g['modules'])} module(s)"
+            f"{g.node} ({short_op(g.op)}) in {len(g.modules)} module(s)"
             for g in plan.unscalable[:3]
         )
         console.print(

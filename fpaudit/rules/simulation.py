@@ -228,13 +228,17 @@ def _underflow(
     return fractions, underflow, nonzero
 
 
-def default_settings(report: Report, policy: str) -> dict[str, Any]:
+def default_settings(report: Report, policy: str) -> dict[str, float]:
     """The real scaler's settings where the report recorded them (torch policy only)."""
     recorded = report.info.scaler
     if policy != "torch" or recorded is None:
         return {}
-    keys = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
-    return {k: recorded[k] for k in keys if isinstance(recorded.get(k), int | float)}
+    return {
+        "init_scale": recorded.init_scale,
+        "growth_factor": recorded.growth_factor,
+        "backoff_factor": recorded.backoff_factor,
+        "growth_interval": recorded.growth_interval,
+    }
 
 
 def simulate(

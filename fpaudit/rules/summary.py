@@ -23,7 +23,7 @@ from fpaudit.report.records import KIND_BACKWARD
 if TYPE_CHECKING:
     import pandas as pd
 
-    from fpaudit.report.runinfo import Finding
+    from fpaudit.report.runinfo import Finding, ScalerInfo, SkipStatistics
     from fpaudit.report.store import Report
     from fpaudit.rules.drift import Drift, Window
     from fpaudit.rules.origins import Origins
@@ -332,15 +332,15 @@ def origins_view(report: Report, fmt: Format, log2_scale: int | None) -> Origins
 class StepsView:
     """``show --steps``: a run's training and scaler settings, its findings, its steps."""
 
-    training: dict[str, Any] | None
-    scaler: dict[str, Any] | None
+    training: SkipStatistics | None
+    scaler: ScalerInfo | None
     findings: tuple[Finding, ...]
     steps: pd.DataFrame
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "training": self.training,
-            "scaler": self.scaler,
+            "training": self.training.to_dict() if self.training is not None else None,
+            "scaler": self.scaler.to_dict() if self.scaler is not None else None,
             "findings": [finding.to_dict() for finding in self.findings],
             "steps": json_rows(self.steps),
         }
@@ -349,8 +349,8 @@ class StepsView:
 def steps_view(report: Report) -> StepsView:
     info = report.info
     return StepsView(
-        training=dict(info.training) if info.training is not None else None,
-        scaler=dict(info.scaler) if info.scaler is not None else None,
+        training=info.training,
+        scaler=info.scaler,
         findings=tuple(info.findings),
         steps=report.steps,
     )

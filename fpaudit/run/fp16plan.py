@@ -69,7 +69,7 @@ from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS as RECOMMEND_HEADROOM_
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis, origins
-from fpaudit.rules.recommendation import recommend
+from fpaudit.rules.recommendation import UnscalableOp, recommend
 
 # declared once in fpaudit.defaults (4 steps, 1 bit of headroom, 0.001)
 DEFAULT_STEPS = defaults.FP16_PLAN_STEPS
@@ -182,7 +182,7 @@ class Plan:
     # values that over/underflow fp16 at every scale (no scale fixes them), by node and op
     unscalable_overflow: int = 0
     unscalable_underflow: int = 0
-    unscalable: list[dict[str, Any]] = field(default_factory=list)
+    unscalable: list[UnscalableOp] = field(default_factory=list)
 
     @property
     def predicted_skip_rate(self) -> float:
@@ -273,7 +273,7 @@ class Plan:
             "scales_differ_because": self.scales_differ_because(),
             "unscalable_overflow": self.unscalable_overflow,
             "unscalable_underflow": self.unscalable_underflow,
-            "unscalable": self.unscalable,
+            "unscalable": [group.to_dict() for group in self.unscalable],
             "verification": None if self.verification is None else self.verification.to_dict(),
             "passed": self.passed,
             "snippet": self.snippet(),
