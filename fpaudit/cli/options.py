@@ -258,11 +258,8 @@ GROUPINGS = ("module", "op")  # show --by
 
 
 def _policies() -> tuple[str, ...]:
-    """simulate's policies: the loss scalers', then FP8 delayed scaling's (pandas: loaded
-    only when a --policy is checked)."""
-    from fpaudit.rules import delayed
-
-    return (*scalers.POLICIES, *delayed.POLICIES)
+    """simulate's policies: the loss scalers', then FP8 delayed scaling's (one registry)."""
+    return tuple(scalers.REGISTRY)
 
 
 def _diff_sorts() -> tuple[str, ...]:

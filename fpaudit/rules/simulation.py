@@ -24,7 +24,7 @@ that is not a power of two, at the power of two below it: an upper bound).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,28 +40,46 @@ SOURCE_AMAX = "amax"  # estimated from the step's amax
 SOURCE_NONE = "unknown"  # neither: the step never overflows in the replay
 
 
-@dataclass(frozen=True)
 class ScalerOverrides:
-    """The scaler settings a replay changes (``fpaudit simulate``'s flags); ``None`` keeps
-    the policy's (or, for the torch policy, the recorded scaler's) own."""
+    """The scaler settings a replay changes (``fpaudit simulate``'s flags), by the names
+    :data:`fpaudit.rules.scalers.PARAMETERS` declares; ``None`` keeps the policy's (or,
+    for a policy that starts from the recorded scaler, the run's) own. Immutable."""
 
-    init_scale: float | None = None
-    growth_factor: float | None = None
-    backoff_factor: float | None = None
-    growth_interval: int | None = None
-    hysteresis: int | None = None
-    min_scale: float | None = None
-    max_scale: float | None = None
+    __slots__ = ("_given",)
+    _given: dict[str, float | int]
 
-    def to_dict(self) -> dict[str, Any]:
-        """Every setting by name, ``None`` included, in this order (a policy that does
-        not take one is told so about the first)."""
-        return asdict(self)
+    def __init__(self, **settings: float | int | None) -> None:
+        unknown = sorted(set(settings) - set(scalers.PARAMETERS))
+        if unknown:
+            raise TypeError(f"ScalerOverrides() got unknown setting(s) {', '.join(unknown)}")
+        given = {name: value for name in scalers.PARAMETERS
+                 if (value := settings.get(name)) is not None}  # fmt: skip
+        object.__setattr__(self, "_given", given)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"ScalerOverrides is immutable: cannot set {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ScalerOverrides) and self._given == other._given
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._given.items()))
+
+    def __repr__(self) -> str:
+        return f"ScalerOverrides({', '.join(f'{k}={v!r}' for k, v in self._given.items())})"
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        """Every setting by name, ``None`` included, in PARAMETERS' order (a policy that
+        does not take one is told so about the first)."""
+        return {name: self._given.get(name) for name in scalers.PARAMETERS}
 
     @property
-    def given(self) -> dict[str, Any]:
+    def given(self) -> dict[str, float | int]:
         """The settings that are set."""
-        return {name: value for name, value in self.to_dict().items() if value is not None}
+        return dict(self._given)
+
+
+NO_OVERRIDES = ScalerOverrides()  # every setting the policy's own
 
 
 @dataclass(frozen=True)
@@ -231,7 +249,7 @@ def _underflow(
 def default_settings(report: Report, policy: str) -> dict[str, float]:
     """The real scaler's settings where the report recorded them (torch policy only)."""
     recorded = report.info.scaler
-    if policy != "torch" or recorded is None:
+    if not scalers.REGISTRY[policy].recorded or recorded is None:
         return {}
     return {
         "init_scale": recorded.init_scale,
@@ -245,7 +263,7 @@ def simulate(
     report: Report,
     fmt: Format,
     policy: str = "torch",
-    overrides: ScalerOverrides = ScalerOverrides(),
+    overrides: ScalerOverrides = NO_OVERRIDES,
     static_scale: float | None = None,
     *,
     headroom_bits: int = 4,
@@ -263,7 +281,8 @@ def simulate(
     if static_scale is None:
         rec = recommend(report, fmt, headroom_bits)
         static_scale = rec.scale if rec.scale is not None else resolved.init_scale
-        if policy == "static" and "init_scale" not in given:  # one static scale, not two
+        one_scale = scalers.REGISTRY[policy].scale_option == scalers.STATIC_SCALE
+        if one_scale and "init_scale" not in given:  # one static scale, not two
             resolved = scalers.settings(policy, init_scale=static_scale)
         notes.append(
             f"static scale: the recommended one for {fmt.name} ({headroom_bits} headroom bits)"

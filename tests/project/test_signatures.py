@@ -84,8 +84,6 @@ NOT_YET = {
     "fpaudit.report.store.Report.from_builder(steps)",
     "fpaudit.kernels.blockstats.summary->",
     "fpaudit.rules.delayed.Replay.summary->",
-    "fpaudit.rules.scalers.Policy.defaults",
-    "fpaudit.rules.simulation.ScalerOverrides.given->",
     "fpaudit.rules.simulation.Run.settings",
     "fpaudit.rules.simulation.Run.summary->",
 }
