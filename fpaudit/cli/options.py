@@ -725,20 +725,6 @@ def default_int(command: str, name: str) -> int:
     return value
 
 
-def default_str(command: str, name: str) -> str:
-    value = default(command, name)
-    if not isinstance(value, str):
-        raise TypeError(f"{command}'s {name!r} default is not a string: {value!r}")
-    return value
-
-
-def default_float(command: str, name: str) -> float:
-    value = default(command, name)
-    if not isinstance(value, float):
-        raise TypeError(f"{command}'s {name!r} default is not a number: {value!r}")
-    return value
-
-
 def help_text(command: str, name: str) -> str:
     """``command``'s help for ``name``, ending in its ``[default: X]``."""
     return spec(command, name).help_text()

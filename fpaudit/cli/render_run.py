@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from fpaudit.rules.origins import Origins as OriginsResult
     from fpaudit.rules.recommendation import Recommendation
     from fpaudit.rules.simulation import Simulation
-    from fpaudit.run.fp16plan import Plan as Fp16Plan
+    from fpaudit.run.fp16plan import Fp16Plan
 
 # -- training loop (fpaudit run, show --steps, simulate) ----------------------
 SPARK = "▁▂▃▄▅▆▇█"

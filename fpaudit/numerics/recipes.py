@@ -115,7 +115,7 @@ class Recipe:
         return math.frexp(self.element.max_finite)[1] - 1
 
 
-# Cost order (cheapest first), documented in the README: 4-bit elements before
+# Cost order (cheapest first), documented in docs/commands/recipes.md: 4-bit elements before
 # 8-bit, MX (one E8M0 per 32) before finer or wider scales, per-tensor last.
 RECIPES: dict[str, Recipe] = {
     r.name: r

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from fpaudit.numerics.formats import Format
 from fpaudit.report.store import Report
@@ -306,8 +305,3 @@ def simulate(
             "values that would overflow only inside a low-precision op are not seen"
         )
     return Simulation(fmt.name, limits, runs[0], runs[1], notes)
-
-
-def steps_frame(simulation: Simulation) -> pd.DataFrame:
-    """The per-step comparison as a DataFrame."""
-    return pd.DataFrame(simulation.to_dict()["steps"])

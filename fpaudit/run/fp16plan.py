@@ -160,7 +160,7 @@ def growth_skip_rate(interval: int, rate_at_2s: float) -> float:
 
 
 @dataclass
-class Plan:
+class Fp16Plan:
     model_file: str
     format: str
     headroom_bits: int
@@ -287,7 +287,7 @@ def plan_from_report(
     fmt: Format | None = None,
     headroom_bits: int = DEFAULT_HEADROOM_BITS,
     max_underflow: float = DEFAULT_MAX_UNDERFLOW,
-) -> Plan:
+) -> Fp16Plan:
     """The plan from an fp32 report with forward and backward values (no verification)."""
     fmt = fmt or get_format("fp16")
     _check(headroom_bits, max_underflow)
@@ -319,7 +319,7 @@ def plan_from_report(
         chosen += 1  # the same modules still fit one binade higher: more room below
     kept = set(keep_out)
     rate, steps = overflow_rate(report, fmt, math.ldexp(2.0, chosen), kept)
-    return Plan(
+    return Fp16Plan(
         report.info.model_file or "",
         fmt.name,
         headroom_bits,
@@ -364,7 +364,7 @@ def fp16_plan(
     max_underflow: float = DEFAULT_MAX_UNDERFLOW,
     device: str = "auto",
     seed: int | None = 0,
-) -> Plan:
+) -> Fp16Plan:
     """Scan ``model_path`` in fp32 (forward and backward), plan, then verify the plan."""
     from fpaudit.run.scan import ScanOptions, scan
     from fpaudit.run.verify import verify
@@ -405,4 +405,4 @@ def fp16_plan(
     return plan
 
 
-__all__ = ["Plan", "fp16_plan", "module_ranges", "plan_from_report"]
+__all__ = ["Fp16Plan", "fp16_plan", "module_ranges", "plan_from_report"]
