@@ -130,15 +130,7 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
     if options.json:
         render.print_json(view.rows())
     else:
-        render.show(
-            view.table,
-            view.format,
-            view.log2_scale,
-            kind=view.kind,
-            by=view.by,
-            top=view.top,
-            scale_source=view.scale_source,
-        )
+        render.show(view)
         from fpaudit.capture import autocast
 
         render.autocast_prediction(autocast.summary(report))

@@ -48,6 +48,7 @@ import numpy as np
 from fpaudit.errors import Named, OptionError, UsageError
 from fpaudit.numerics import layout, limits
 from fpaudit.numerics.formats import Format, as_format
+from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.outputs import write_atomically
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis
@@ -540,7 +541,7 @@ def build_block_figure(report: Report, recipes: Sequence[str]) -> Figure:
         if not len(used):
             continue
         codes = np.arange(used[0], used[-1] + 1)
-        offset = 0 if name.startswith("nvfp4") else 127
+        offset = get_recipe(name).scale_code_bias
         codes_ax.step(codes - offset, counts[codes], where="mid", label=_literal(name))
     codes_ax.set_yscale("log")
     codes_ax.set_xlabel("scale code (E8M0: log2 of the block scale; nvfp4: E4M3 bits)")

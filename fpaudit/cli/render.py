@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from fpaudit.rules.comparison import Comparison
     from fpaudit.rules.gating import GateResult
     from fpaudit.rules.recommendation import Recommendation
+    from fpaudit.rules.summary import ModuleView
     from fpaudit.run.scan import StepProgress
     from fpaudit.run.verify import Verification
 
@@ -177,16 +178,10 @@ def short_op(op: str) -> str:
     return op.removeprefix("aten.").removesuffix(".default")
 
 
-def show(
-    table: pd.DataFrame,
-    fmt: Format,
-    log2_scale: int,
-    *,
-    kind: str,
-    by: str,
-    top: int | None,
-    scale_source: str,
-) -> None:
+def show(view: ModuleView) -> None:
+    """``show``'s table, each row :meth:`ModuleView.marked` marks in red."""
+    table, fmt, log2_scale, by, top = view.table, view.format, view.log2_scale, view.by, view.top
+    kind, scale_source = view.kind, view.scale_source
     title = f"{fmt.name} at S = {scale_text(log2_scale)} ({scale_source}): {kind} values per {by}"
     grid = Table(title=title, title_justify="left")
     longest = max((len(module_label(str(m))) for m in table["module"]), default=6)
@@ -210,7 +205,7 @@ def show(
         width = max(len(name), 7 if name == "dtype" else 9)
         grid.add_column(name, justify="right", no_wrap=True, min_width=width)
     grid.add_column("amax@1", justify="right", no_wrap=True, min_width=8)
-    for row in table.itertuples():
+    for row, marked in zip(table.itertuples(), view.marked(), strict=True):
         cells = {
             "values": count(row.elements),
             "zeros": count(row.zeros),
@@ -229,8 +224,7 @@ def show(
         first = [module_label(str(row.module))]
         if by == "op":
             first += [str(row.node), short_op(str(row.op))]
-        judged = row.judged_overflow > 0 or row.judged_underflow_fraction > 0.01
-        style = "red" if judged else None
+        style = "red" if marked else None
         grid.add_row(*first, *(cells[name] for name in counts), magnitude(row.amax), style=style)
     console = stdout()
     console.print(grid)

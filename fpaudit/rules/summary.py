@@ -191,6 +191,9 @@ def run_summary(
 
 
 # -- show, recommend -------------------------------------------------------------------
+MARKED_UNDERFLOW = 0.01  # a module losing more than 1% of its judged values is marked
+
+
 @dataclass(frozen=True)
 class ModuleView:
     """``show``'s table: range loss of ``kind``'s values per module (or module and op) at
@@ -207,6 +210,16 @@ class ModuleView:
     def rows(self) -> list[dict[str, Any]]:
         """The table's rows, JSON-ready (what ``show --json`` prints)."""
         return json_rows(self.table)
+
+    def marked(self) -> list[bool]:
+        """Per row, whether it loses what the loss scale answers for: any of its judged
+        values overflow, or more than ``MARKED_UNDERFLOW`` of them underflow (``show``
+        prints such a row in red)."""
+        table = self.table
+        lost = (table["judged_overflow"] > 0) | (
+            table["judged_underflow_fraction"] > MARKED_UNDERFLOW
+        )
+        return [bool(flag) for flag in lost]
 
     def to_dict(self) -> dict[str, Any]:
         return {
