@@ -13,6 +13,7 @@ from rich.text import Text
 
 from fpaudit.cli.render import recommendation_lines, short_op, stdout, unscalable_counts
 from fpaudit.numerics.formats import Format
+from fpaudit.rules import scalers
 from fpaudit.text import module_label, percent, power, scale_text
 
 if TYPE_CHECKING:
@@ -226,7 +227,9 @@ def simulation(result: Simulation) -> None:
     policy, static = result.policy, result.static
     trajectory = policy.trajectory
     settings = {k: v for k, v in policy.settings.items() if v is not None and k != "policy"}
-    described = ", ".join(f"{k} {power(v) if 'scale' in k else v}" for k, v in settings.items())
+    described = ", ".join(
+        f"{k} {power(v) if k in scalers.SCALE_PARAMETERS else v}" for k, v in settings.items()
+    )
     console.print(
         f"Replayed {policy.name} ({described}) over {len(trajectory.scale)} step(s), "
         f"{result.format}:"
@@ -237,7 +240,7 @@ def simulation(result: Simulation) -> None:
         grid.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
     rows = [(policy, f"{policy.name} (dynamic)"),
             (static, f"static {power(static.settings['init_scale'])}")]  # fmt: skip
-    if policy.name == "static":  # --policy static: its row is the static one
+    if scalers.REGISTRY[policy.name].is_static:  # --policy static: its row is the static one
         rows = rows[1:]
     for run, label in rows:
         summary = run.summary()

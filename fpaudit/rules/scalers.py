@@ -345,6 +345,11 @@ class Policy:
     power_of_two: bool = False  # FP8 delayed scaling: the scale rounded to a power of two
 
     @property
+    def is_static(self) -> bool:
+        """Its one scale is the static scale every replay is compared with (``static``)."""
+        return self.scale_option == STATIC_SCALE
+
+    @property
     def delayed(self) -> bool:
         """FP8 delayed scaling, per tensor (not a loss scaler)."""
         return self.scaler is None

@@ -280,8 +280,7 @@ def simulate(
     if static_scale is None:
         rec = recommend(report, fmt, headroom_bits)
         static_scale = rec.scale if rec.scale is not None else resolved.init_scale
-        one_scale = scalers.REGISTRY[policy].scale_option == scalers.STATIC_SCALE
-        if one_scale and "init_scale" not in given:  # one static scale, not two
+        if scalers.REGISTRY[policy].is_static and "init_scale" not in given:  # one, not two
             resolved = scalers.settings(policy, init_scale=static_scale)
         notes.append(
             f"static scale: the recommended one for {fmt.name} ({headroom_bits} headroom bits)"
