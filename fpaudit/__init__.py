@@ -18,6 +18,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import builtins
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +93,8 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     """The public names only (not ``Any``, ``import_module``, ... nor loaded submodules)."""
-    return sorted(__all__)
+    return sorted([*_WHERE, "__version__"])
 
 
-__all__ = sorted([*_WHERE, "__version__"])
+# ``from fpaudit import *`` must not shadow a builtin: ``fpaudit.compile`` is used by name.
+__all__ = sorted(name for name in [*_WHERE, "__version__"] if not hasattr(builtins, name))

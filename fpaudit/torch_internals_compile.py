@@ -35,7 +35,6 @@ tests on 2.10.0 and 2.15.0.
   ``inductor`` backend's wrapper: its mode's options); the same read of a context
   Lightning keeps (``LightningModule._compiler_ctx["dynamo_ctx"]``).
 * ``torch._inductor.list_mode_options``: the options a ``torch.compile`` mode sets.
-* ``torch._dynamo.reset``: forget compiled frames (tests, and ``scan`` after its steps).
 """
 
 from __future__ import annotations
@@ -160,7 +159,7 @@ def _reading_stored(into: list[list[StoredBuffer]]) -> Iterator[None]:
             GraphLowering.codegen = original  # type: ignore[method-assign]
 
 
-Plan = Callable[[fx.GraphModule, list[StoredBuffer]], list[str]]
+BufferPlan = Callable[[fx.GraphModule, list[StoredBuffer]], list[str]]
 Wrap = Callable[[Callable[[list[Any]], Any], int], Callable[[list[Any]], Any]]
 
 
@@ -168,7 +167,7 @@ def inductor_backward(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     kwargs: dict[str, Any],
-    plan: Plan,
+    plan: BufferPlan,
     wrap: Wrap,
 ) -> Any:
     """Compile backward graph ``gm`` with Inductor so that every value it stores is also
@@ -258,10 +257,3 @@ def cudagraphs_requested(kwargs: dict[str, Any]) -> bool:
     """Whether Inductor compiles this graph to run under CUDA graphs."""
     flag = kwargs.get("cudagraphs")
     return bool(getattr(flag, "value", flag))
-
-
-def reset_dynamo() -> None:
-    """Forget every compiled frame (Dynamo's caches)."""
-    import torch._dynamo
-
-    torch._dynamo.reset()

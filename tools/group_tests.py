@@ -126,6 +126,7 @@ ROOMS = {
     # project/: the whole product
     "test_architecture.py": "project",
     "test_sizes.py": "project",
+    "test_signatures.py": "project",
     "test_docs.py": "project",
     "test_install.py": "project",
     "test_release_identity.py": "project",

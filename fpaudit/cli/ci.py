@@ -100,10 +100,13 @@ def _limits(result: GateResult) -> list[tuple[str, str]]:
     """The gate's limits as (key, value): ``max_underflow``, and against a baseline
     ``baseline`` and ``max_increase``."""
     pairs = []
-    if result.max_underflow is not None:
-        pairs.append(("max_underflow", f"{result.max_underflow:g}"))
-    if result.max_increase is not None:
-        pairs += [("baseline", str(result.baseline)), ("max_increase", f"{result.max_increase:g}")]
+    if result.policy.max_underflow is not None:
+        pairs.append(("max_underflow", f"{result.policy.max_underflow:g}"))
+    if result.policy.max_increase is not None:
+        pairs += [
+            ("baseline", str(result.baseline)),
+            ("max_increase", f"{result.policy.max_increase:g}"),
+        ]
     return pairs
 
 
@@ -178,7 +181,7 @@ def _evidence_text(result: GateResult) -> str:
             f"nonzero: {result.nonzero}",
             f"nonfinite: {result.nonfinite}",
             f"nonfinite_loss_steps: {result.nonfinite_loss_steps}",
-            f"allow_nonfinite: {'true' if result.nonfinite_allowed else 'false'}",
+            f"allow_nonfinite: {'true' if result.policy.allow_nonfinite else 'false'}",
         ]
     )
 
@@ -263,11 +266,15 @@ def junit_xml(
         cases.append((EVIDENCE, None))
     if not result.complete:
         allowed = (
-            f"allowed by {flag('allow_incomplete')}" if result.incomplete_allowed else "not allowed"
+            f"allowed by {flag('allow_incomplete')}"
+            if result.policy.allow_incomplete
+            else "not allowed"
         )
         cases.append((COMPLETE, f"the report's run was interrupted ({allowed})"))
     if result.error_findings:  # fpaudit run's misuse rules of severity error
-        allowed = f"allowed by {flag('allow_errors')}" if result.errors_allowed else "not allowed"
+        allowed = (
+            f"allowed by {flag('allow_errors')}" if result.policy.allow_errors else "not allowed"
+        )
         cases.append((FINDINGS, f"error findings: {len(result.error_findings)} ({allowed})"))
     if BASELINE in failures:  # gate --baseline: the baseline is no evidence
         cases.append((BASELINE, None))
@@ -304,7 +311,7 @@ def _properties(result: GateResult, report_path: str) -> list[tuple[str, str]]:
         ("log2_scale", str(result.log2_scale)),
         ("scale_source", result.scale_source),
         *_limits(result),
-        ("mode", "per-module" if result.per_module else "overall"),
+        ("mode", "per-module" if result.policy.per_module else "overall"),
         ("report", report_path),
         ("complete", "true" if result.complete else "false"),
         ("passed", "true" if result.passed else "false"),

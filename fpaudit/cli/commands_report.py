@@ -9,7 +9,6 @@ Each reads the report, calls one library function for its view (most in
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -43,6 +42,7 @@ from fpaudit.cli.options import (
 from fpaudit.errors import UsageError
 from fpaudit.numerics.formats import FORMATS, get_format
 from fpaudit.numerics.recipes import RECIPES
+from fpaudit.rules import scalers
 
 if TYPE_CHECKING:
     from fpaudit.report.store import Report
@@ -130,15 +130,7 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
     if options.json:
         render.print_json(view.rows())
     else:
-        render.show(
-            view.table,
-            view.format,
-            view.log2_scale,
-            kind=view.kind,
-            by=view.by,
-            top=view.top,
-            scale_source=view.scale_source,
-        )
+        render.show(view)
         from fpaudit.capture import autocast
 
         render.autocast_prediction(autocast.summary(report))
@@ -207,42 +199,34 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
     Example: fpaudit simulate run-report --policy deepspeed --hysteresis 2 --min-scale 1
     """
     from fpaudit.report.store import Report
-    from fpaudit.rules import scalers
     from fpaudit.rules.simulation import ScalerOverrides, simulate
     from fpaudit.rules.summary import reading_format
 
-    if options.policy not in scalers.POLICIES:  # the declared choices: FP8 delayed scaling
+    entry = scalers.REGISTRY[options.policy]  # one of the declared choices
+    if entry.delayed:
         _simulate_delayed(report_path, options)
         return
     for name in _FP8_SETTINGS:  # a config file may hold them for another --policy
         if name in options.flagged:
             flag = specs.spec("simulate", name).flag
             raise UsageError(f"{flag} applies to --policy te-delayed or msamp-delayed only")
-    scales = {"init_scale": options.init_scale, "min_scale": options.min_scale,
-              "max_scale": options.max_scale, "static_scale": options.static_scale}  # fmt: skip
-    numbers = {
-        name: config.parse_number(text, name) if text is not None else None
-        for name, text in scales.items()
-    }
-    overrides = ScalerOverrides(
-        init_scale=numbers["init_scale"],
-        growth_factor=options.growth_factor,
-        backoff_factor=options.backoff_factor,
-        growth_interval=options.growth_interval,
-        hysteresis=options.hysteresis,
-        min_scale=numbers["min_scale"],
-        max_scale=numbers["max_scale"],
-    )
-    if options.policy == "static":
-        if numbers["init_scale"] is not None:
-            raise UsageError("--policy static takes its scale from --static-scale")
-        overrides = dataclasses.replace(overrides, init_scale=numbers["static_scale"])
+    # the flags of scalers.PARAMETERS, by name; a scale's as the number its text says
+    values = {name: getattr(options, name) for name in _LOSS_SCALER_SETTINGS}
+    numbers = {name: config.parse_number(text, name) if text is not None else None
+               for name, text in values.items() if name in _SCALE_SETTINGS}  # fmt: skip
+    values.update(numbers)
+    if entry.scale_option != scalers.INIT_SCALE:  # static: one scale, its own option's
+        if values[scalers.INIT_SCALE] is not None:
+            flag = specs.spec("simulate", entry.scale_option).flag
+            raise UsageError(f"--policy {entry.name} takes its scale from {flag}")
+        values[scalers.INIT_SCALE] = values[entry.scale_option]
+    overrides = ScalerOverrides(**{name: values[name] for name in scalers.PARAMETERS})
     report = Report.read(report_path)
     render.report_notes(report)
     fmt = reading_format(report, options.format)
     headroom = from_report(options, "headroom_bits", report)
     result = simulate(
-        report, fmt, options.policy, overrides, numbers["static_scale"],
+        report, fmt, options.policy, overrides, values[scalers.STATIC_SCALE],
         headroom_bits=headroom,
     )  # fmt: skip
     if options.json:
@@ -252,6 +236,9 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
 
 
 _FP8_SETTINGS = ("amax_history_len", "margin", "amax_compute_algo", "sweep", "max_overflow_steps")
+# simulate's loss-scaler flags: every parameter the scalers declare, and the static scale
+_LOSS_SCALER_SETTINGS = (*scalers.PARAMETERS, scalers.STATIC_SCALE)
+_SCALE_SETTINGS = (*scalers.SCALE_PARAMETERS, scalers.STATIC_SCALE)
 
 
 def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
@@ -259,13 +246,8 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
     from fpaudit.report.store import Report
     from fpaudit.rules import delayed
 
-    loss_scaler = {"init_scale": options.init_scale, "growth_factor": options.growth_factor,
-                   "backoff_factor": options.backoff_factor,
-                   "growth_interval": options.growth_interval, "hysteresis": options.hysteresis,
-                   "min_scale": options.min_scale, "max_scale": options.max_scale,
-                   "static_scale": options.static_scale}  # fmt: skip
-    for name, value in loss_scaler.items():
-        if value is not None:
+    for name in _LOSS_SCALER_SETTINGS:
+        if getattr(options, name) is not None:
             flag = specs.spec("simulate", name).flag
             raise UsageError(f"{flag} is a loss-scaler setting; --policy {options.policy} "
                              "takes --amax-history-len, --margin, --amax-compute-algo")  # fmt: skip

@@ -258,11 +258,8 @@ GROUPINGS = ("module", "op")  # show --by
 
 
 def _policies() -> tuple[str, ...]:
-    """simulate's policies: the loss scalers', then FP8 delayed scaling's (pandas: loaded
-    only when a --policy is checked)."""
-    from fpaudit.rules import delayed
-
-    return (*scalers.POLICIES, *delayed.POLICIES)
+    """simulate's policies: the loss scalers', then FP8 delayed scaling's (one registry)."""
+    return tuple(scalers.REGISTRY)
 
 
 def _diff_sorts() -> tuple[str, ...]:
@@ -731,20 +728,6 @@ def default_int(command: str, name: str) -> int:
     value = default(command, name)
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{command}'s {name!r} default is not an integer: {value!r}")
-    return value
-
-
-def default_str(command: str, name: str) -> str:
-    value = default(command, name)
-    if not isinstance(value, str):
-        raise TypeError(f"{command}'s {name!r} default is not a string: {value!r}")
-    return value
-
-
-def default_float(command: str, name: str) -> float:
-    value = default(command, name)
-    if not isinstance(value, float):
-        raise TypeError(f"{command}'s {name!r} default is not a number: {value!r}")
     return value
 
 

@@ -48,6 +48,7 @@ import numpy as np
 from fpaudit.errors import Named, OptionError, UsageError
 from fpaudit.numerics import layout, limits
 from fpaudit.numerics.formats import Format, as_format
+from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.outputs import write_atomically
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis
@@ -151,8 +152,8 @@ class _Panel:
     binades: np.ndarray
     at_1: np.ndarray
     at_scale: np.ndarray
-    totals_at_1: dict[str, Any]
-    totals_at_scale: dict[str, Any]
+    totals_at_1: analysis.Totals
+    totals_at_scale: analysis.Totals
     modules: list[str]
     per_module: np.ndarray  # [module, binade] at S = 1
 
@@ -208,24 +209,22 @@ def _resolve_scale(
     return (0, False) if recommended is None else (recommended, True)
 
 
-def _fraction_lines(panel_totals: Sequence[dict[str, Any]], names: Sequence[str]) -> list[str]:
+def _fraction_lines(panel_totals: Sequence[analysis.Totals], names: Sequence[str]) -> list[str]:
     """The fractions box: one column per scale, one row per kind of loss (monospaced)."""
     rows: list[list[str]] = [["lost to the format", *names]]
-    for label, key in (
-        ("rounds to zero (underflow)", "underflow"),
-        ("below normal (FTZ flushes)", "flushed"),
-        ("overflow", "overflow"),
+    for label, cells in (
+        ("rounds to zero (underflow)", [(t.underflow_fraction, t.underflow) for t in panel_totals]),
+        ("below normal (FTZ flushes)", [(t.flushed_fraction, t.flushed) for t in panel_totals]),
+        ("overflow", [(t.overflow_fraction, t.overflow) for t in panel_totals]),
     ):
-        rows.append(
-            [label] + [f"{percent(t[key + '_fraction'])} ({count(t[key])})" for t in panel_totals]
-        )
+        rows.append([label] + [f"{percent(fraction)} ({count(n)})" for fraction, n in cells])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]  # fmt: skip
     first = panel_totals[0]
     lines.append(
-        f"of {count(first['nonzero'])} nonzero finite values "
-        f"({count(first['zeros'])} zeros, {count(first['nonfinite'])} inf/NaN not counted)"
+        f"of {count(first.nonzero)} nonzero finite values "
+        f"({count(first.zeros)} zeros, {count(first.nonfinite)} inf/NaN not counted)"
     )
     return lines
 
@@ -292,7 +291,7 @@ def _histogram_panel(ax: Axes, panel: _Panel) -> None:
         bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9, "edgecolor": "#bbbbbb"},
     )
     box.set_gid(FRACTIONS_GID)
-    if panel.totals_at_1["nonzero"] == 0:
+    if panel.totals_at_1.nonzero == 0:
         ax.text(0.5, 0.5, "no nonzero backward values in scope", transform=ax.transAxes,
                 ha="center", va="center", fontsize=11)  # fmt: skip
     ax.set_title(
@@ -542,7 +541,7 @@ def build_block_figure(report: Report, recipes: Sequence[str]) -> Figure:
         if not len(used):
             continue
         codes = np.arange(used[0], used[-1] + 1)
-        offset = 0 if name.startswith("nvfp4") else 127
+        offset = get_recipe(name).scale_code_bias
         codes_ax.step(codes - offset, counts[codes], where="mid", label=_literal(name))
     codes_ax.set_yscale("log")
     codes_ax.set_xlabel("scale code (E8M0: log2 of the block scale; nvfp4: E4M3 bits)")

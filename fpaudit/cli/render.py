@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from fpaudit.rules.comparison import Comparison
     from fpaudit.rules.gating import GateResult
     from fpaudit.rules.recommendation import Recommendation
+    from fpaudit.rules.summary import ModuleView
     from fpaudit.run.scan import StepProgress
     from fpaudit.run.verify import Verification
 
@@ -182,16 +183,10 @@ def short_op(op: str) -> str:
     return op.removeprefix("aten.").removesuffix(".default")
 
 
-def show(
-    table: pd.DataFrame,
-    fmt: Format,
-    log2_scale: int,
-    *,
-    kind: str,
-    by: str,
-    top: int | None,
-    scale_source: str,
-) -> None:
+def show(view: ModuleView) -> None:
+    """``show``'s table, each row :meth:`ModuleView.marked` marks in red."""
+    table, fmt, log2_scale, by, top = view.table, view.format, view.log2_scale, view.by, view.top
+    kind, scale_source = view.kind, view.scale_source
     title = f"{fmt.name} at S = {scale_text(log2_scale)} ({scale_source}): {kind} values per {by}"
     grid = Table(title=title, title_justify="left")
     longest = max((len(module_label(str(m))) for m in table["module"]), default=6)
@@ -215,7 +210,7 @@ def show(
         width = max(len(name), 7 if name == "dtype" else 9)
         grid.add_column(name, justify="right", no_wrap=True, min_width=width)
     grid.add_column("amax@1", justify="right", no_wrap=True, min_width=8)
-    for row in table.itertuples():
+    for row, marked in zip(table.itertuples(), view.marked(), strict=True):
         cells = {
             "values": count(row.elements),
             "zeros": count(row.zeros),
@@ -234,8 +229,7 @@ def show(
         first = [module_label(str(row.module))]
         if by == "op":
             first += [str(row.node), short_op(str(row.op))]
-        judged = row.judged_overflow > 0 or row.judged_underflow_fraction > 0.01
-        style = "red" if judged else None
+        style = "red" if marked else None
         grid.add_row(*first, *(cells[name] for name in counts), magnitude(row.amax), style=style)
     console = stdout()
     console.print(grid)
@@ -319,12 +313,10 @@ def unscalable_lines(rec: Recommendation) -> list[str]:
         return []
     groups = []
     for group in rec.unscalable[:3]:
-        modules = group["modules"]
+        modules = group.modules
         named = ", ".join(module_label(m) for m in modules[:2])
         named += f" and {len(modules) - 2} more" if len(modules) > 2 else ""
-        groups.append(
-            f"{group['node']} ({short_op(group['op'])}) in {len(modules)} module(s): {named}"
-        )
+        groups.append(f"{group.node} ({short_op(group.op)}) in {len(modules)} module(s): {named}")
     more = f"; and {len(rec.unscalable) - 3} more op(s)" if len(rec.unscalable) > 3 else ""
     return [
         f"  Apart: {counts} {rec.format} at every scale: {'; '.join(groups)}{more}.",
@@ -350,11 +342,15 @@ def gate(result: GateResult) -> None:
         if result.shadow_nonzero
         else ""
     )
-    limits = [] if result.max_underflow is None else [f"limit {percent(result.max_underflow)}"]
+    limits = (
+        []
+        if result.policy.max_underflow is None
+        else [f"limit {percent(result.policy.max_underflow)}"]
+    )
     base = result.baseline_overall
-    if base is not None and result.max_increase is not None:
+    if base is not None and result.policy.max_increase is not None:
         limits.insert(0, f"baseline {percent(base.base_underflow or 0.0)}, increase limit "
-                         f"{result.max_increase:g}")  # fmt: skip
+                         f"{result.policy.max_increase:g}")  # fmt: skip
     against = f" (baseline {count(base.base_overflowed or 0)})" if base is not None else ""
     console.print(
         f"{verdict}: {result.format} at S = {scale_text(result.log2_scale)} "
@@ -365,23 +361,23 @@ def gate(result: GateResult) -> None:
     unscalable = unscalable_counts(result.unscalable_overflow, result.unscalable_underflow)
     if unscalable:
         judged = (
-            "judged by --fail-unscalable" if result.fail_unscalable
+            "judged by --fail-unscalable" if result.policy.fail_unscalable
             else "not judged: --fail-unscalable fails on them"
         )  # fmt: skip
         console.print(
             f"  Apart: {unscalable} at every scale: they do not scale with the loss, so no "
             f"loss scale fixes them ({judged}; `fpaudit recommend` lists their ops)."
         )
-    if result.error_findings and result.errors_allowed:
+    if result.error_findings and result.policy.allow_errors:
         console.print(
             f"  The run's {len(result.error_findings)} error finding(s) were allowed by "
             "--allow-errors."
         )
-    if not result.complete and result.incomplete_allowed:
+    if not result.complete and result.policy.allow_incomplete:
         console.print(
             "  The report is incomplete (its run was interrupted), allowed by --allow-incomplete."
         )
-    if (result.nonfinite or result.nonfinite_loss_steps) and result.nonfinite_allowed:
+    if (result.nonfinite or result.nonfinite_loss_steps) and result.policy.allow_nonfinite:
         console.print("  inf/NaN values were judged anyway, allowed by --allow-nonfinite.")
     for failure in result.failures:
         console.print(f"  {failure.as_flag()}")

@@ -25,7 +25,7 @@ from fpaudit.text import count, expected_count, module_label, percent
 if TYPE_CHECKING:
     import pandas as pd
 
-    from fpaudit.rules.blockplan import BlockGateResult, Plan
+    from fpaudit.rules.blockplan import BlockGateResult, RecipePlan
     from fpaudit.rules.comparison import BlockComparison
 
 
@@ -178,7 +178,7 @@ def block_gate(result: BlockGateResult) -> None:
         )
 
 
-def plan(result: Plan, output: str) -> None:
+def plan(result: RecipePlan, output: str) -> None:
     if output == "json":
         print_json(result.to_dict())
         return

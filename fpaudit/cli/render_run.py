@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -13,19 +13,20 @@ from rich.text import Text
 
 from fpaudit.cli.render import recommendation_lines, short_op, stdout, unscalable_counts
 from fpaudit.numerics.formats import Format
+from fpaudit.rules import scalers
 from fpaudit.text import module_label, percent, power, scale_text
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from fpaudit.report.runinfo import Finding
+    from fpaudit.report.runinfo import Finding, ScalerInfo, SkipStatistics
     from fpaudit.rules.delayed import Replay as DelayedReplay
     from fpaudit.rules.delayed import Sweep as DelayedSweep
     from fpaudit.rules.drift import Drift
     from fpaudit.rules.origins import Origins as OriginsResult
     from fpaudit.rules.recommendation import Recommendation
     from fpaudit.rules.simulation import Simulation
-    from fpaudit.run.fp16plan import Plan as Fp16Plan
+    from fpaudit.run.fp16plan import Fp16Plan
 
 # -- training loop (fpaudit run, show --steps, simulate) ----------------------
 SPARK = "▁▂▃▄▅▆▇█"
@@ -72,25 +73,25 @@ def findings(items: Sequence[Finding], console: Console | None = None) -> None:
         )
 
 
-def skip_lines(stats: Mapping[str, Any], scaler: Mapping[str, Any] | None) -> list[str]:
+def skip_lines(stats: SkipStatistics, scaler: ScalerInfo | None) -> list[str]:
     """Skipped steps, with calibration told apart (expected on a fresh dynamic scaler)."""
-    total, skipped = stats["steps"], stats["skipped"]
+    total, skipped = stats.steps, stats.skipped
     if not scaler:
         return [f"{total} optimizer step(s); no enabled GradScaler, so no step was skipped."]
     lines = [f"Skipped {skipped} of {total} step(s) ({percent(skipped / total if total else 0)})."]
-    calibration = stats["calibration_steps"]
+    calibration = stats.calibration_steps
     if calibration:
         lines.append(
             f"  The first {calibration} skip(s) were calibration: a fresh scaler starts at "
-            f"{power(scaler['init_scale'])} and halves until gradients fit; expected, not a "
+            f"{power(scaler.init_scale)} and halves until gradients fit; expected, not a "
             "problem."
         )
-    if stats["steps_after_calibration"]:
+    if stats.steps_after_calibration:
         lines.append(
-            f"  After calibration: {stats['skipped_after_calibration']} of "
-            f"{stats['steps_after_calibration']} skipped "
-            f"({percent(stats['skip_rate_after_calibration'])}); a dynamic scaler that grows "
-            f"every {scaler['growth_interval']} clean steps skips about 1 in that many by design."
+            f"  After calibration: {stats.skipped_after_calibration} of "
+            f"{stats.steps_after_calibration} skipped "
+            f"({percent(stats.skip_rate_after_calibration)}); a dynamic scaler that grows "
+            f"every {scaler.growth_interval} clean steps skips about 1 in that many by design."
         )
     return lines
 
@@ -226,7 +227,9 @@ def simulation(result: Simulation) -> None:
     policy, static = result.policy, result.static
     trajectory = policy.trajectory
     settings = {k: v for k, v in policy.settings.items() if v is not None and k != "policy"}
-    described = ", ".join(f"{k} {power(v) if 'scale' in k else v}" for k, v in settings.items())
+    described = ", ".join(
+        f"{k} {power(v) if k in scalers.SCALE_PARAMETERS else v}" for k, v in settings.items()
+    )
     console.print(
         f"Replayed {policy.name} ({described}) over {len(trajectory.scale)} step(s), "
         f"{result.format}:"
@@ -237,7 +240,7 @@ def simulation(result: Simulation) -> None:
         grid.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
     rows = [(policy, f"{policy.name} (dynamic)"),
             (static, f"static {power(static.settings['init_scale'])}")]  # fmt: skip
-    if policy.name == "static":  # --policy static: its row is the static one
+    if scalers.REGISTRY[policy.name].is_static:  # --policy static: its row is the static one
         rows = rows[1:]
     for run, label in rows:
         summary = run.summary()
@@ -469,7 +472,7 @@ def fp16_plan(plan: Fp16Plan) -> None:
     unscalable = unscalable_counts(plan.unscalable_overflow, plan.unscalable_underflow)
     if unscalable:
         ops = "; ".join(
-            f"{g['node']} ({short_op(g['op'])}) in {len(g['modules'])} module(s)"
+            f"{g.node} ({short_op(g.op)}) in {len(g.modules)} module(s)"
             for g in plan.unscalable[:3]
         )
         console.print(

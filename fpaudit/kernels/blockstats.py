@@ -38,6 +38,7 @@ inf). Expected counts are float64 (CPU and CUDA; MPS has no float64).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +49,7 @@ from fpaudit.report.records import (
     BLOCK_HISTOGRAM_COLUMNS,
     BLOCK_HISTOGRAM_WIDTHS,
     BLOCK_KEY_COLUMNS,
+    Window,
 )
 
 if TYPE_CHECKING:
@@ -537,6 +539,16 @@ def dynamic_ranges(vector: np.ndarray) -> np.ndarray:
     return vector[RANGE_OFFSET:]
 
 
+@dataclass
+class _Vectors:
+    """One key's statistics vectors (a row per recipe) merged over a window: they add."""
+
+    vectors: np.ndarray
+
+    def merge(self, other: _Vectors) -> None:
+        self.vectors += other.vectors
+
+
 class BlockRecorder:
     """Per record key, the summed statistics vectors of every requested recipe.
 
@@ -554,9 +566,9 @@ class BlockRecorder:
         # added in the open step, in the order they came.
         self._totals: dict[Any, torch.Tensor] = {}
         self._open: dict[Any, torch.Tensor] = {}
-        self._pending: dict[Any, np.ndarray] = {}  # the window filling, on the host
-        self._pending_first = 0
-        self._pending_steps = 0
+        # the window filling, on the host: keyed by record key alone (the statistics are of
+        # the values as held; unlike the records, two loss scales do not split a row)
+        self._window: Window[Any, _Vectors] = Window(window)
         self._rank = 0
         self._rows: dict[str, list[Any]] = {
             name: [] for name in (*BLOCK_KEY_COLUMNS, *COUNT_COLUMNS, *BLOCK_HISTOGRAM_COLUMNS)
@@ -607,21 +619,11 @@ class BlockRecorder:
             for key, vectors in host_rows.items():
                 self._add_rows(step, rank, key, vectors)
             return
-        if self._pending_steps == 0:
-            self._pending_first = step
-        self._pending_steps += 1
-        for key, vectors in host_rows.items():
-            merged = self._pending.get(key)
-            if merged is None:
-                self._pending[key] = vectors.copy()
-            else:
-                merged += vectors
+        cells = ((key, _Vectors(vectors.copy())) for key, vectors in host_rows.items())
+        full = self._window.add_step(step, cells)
         self._rank = rank
-        if self._pending_steps == self.window:
-            for key, vectors in self._pending.items():
-                self._add_rows(self._pending_first, rank, key, vectors)
-            self._pending.clear()
-            self._pending_steps = 0
+        for key, cell in (full or {}).items():
+            self._add_rows(self._window.first, rank, key, cell.vectors)
 
     def _add_rows(self, step: int, rank: int, key: Any, host: np.ndarray) -> None:
         for recipe, vector in zip(self.recipes, host, strict=True):
@@ -645,11 +647,11 @@ class BlockRecorder:
     def columns(self) -> dict[str, list[Any]]:
         """The rows so far; a window still filling is included as it stands."""
         columns = {name: list(values) for name, values in self._rows.items()}
-        if self._pending:
+        if self._window.cells:
             rows, self._rows = self._rows, columns
             try:
-                for key, vectors in self._pending.items():
-                    self._add_rows(self._pending_first, self._rank, key, vectors)
+                for key, cell in self._window.cells.items():
+                    self._add_rows(self._window.first, self._rank, key, cell.vectors)
             finally:
                 self._rows = rows
         return columns

@@ -110,12 +110,18 @@ class Recipe:
         return "fp32" if self.scale_rule == "amax" else "fp32 pow2"
 
     @property
+    def scale_code_bias(self) -> int:
+        """What is subtracted from a block's scale code to show it: E8M0's bias, so that the
+        code reads as log2 of the scale; nvfp4's codes are E4M3 bits, shown as they are."""
+        return 0 if self.scale_rule == "nvfp4" else E8M0_BIAS
+
+    @property
     def element_max_pow2(self) -> int:
         """floor(log2) of the element format's largest value (8 for E4M3)."""
         return math.frexp(self.element.max_finite)[1] - 1
 
 
-# Cost order (cheapest first), documented in the README: 4-bit elements before
+# Cost order (cheapest first), documented in docs/commands/recipes.md: 4-bit elements before
 # 8-bit, MX (one E8M0 per 32) before finer or wider scales, per-tensor last.
 RECIPES: dict[str, Recipe] = {
     r.name: r

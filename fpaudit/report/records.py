@@ -7,8 +7,9 @@ Plain numpy: a training process that captures never imports pandas or pyarrow
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, Self, TypeVar
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from fpaudit.numerics import layout
 
 if TYPE_CHECKING:
     from fpaudit.kernels.histogram import HostHistogram
+
+K = TypeVar("K")
+C = TypeVar("C", bound="Mergeable")
 
 # The columns of the records and steps tables (report.py turns them into the
 # versioned Parquet schema; the order is the order in the files).
@@ -212,6 +216,73 @@ class StepRecords:
         return int(special[mask].sum()) if len(mask) else 0
 
 
+class Mergeable(Protocol):
+    """What a :class:`Window` merges: a cell that takes another of its kind in."""
+
+    def merge(self, other: Self) -> None: ...
+
+
+class Window(Generic[K, C]):
+    """``--window``'s one rule, for the histogram records and the block statistics alike:
+    W consecutive closed steps merge into one row per key (the cells ``merge``: counts
+    add exactly), numbered by the window's first step. A step counts whether or not it
+    brought cells (a step whose records were dropped still fills its place)."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("window must be at least 1")
+        self.size = size
+        self.cells: dict[K, C] = {}  # the window filling, by key, in the order keys came
+        self.first = -1  # the step that opened it
+        self.steps = 0  # closed steps in it so far
+
+    def add_step(self, step: int, cells: Iterable[tuple[K, C]]) -> dict[K, C] | None:
+        """Merge one closed step's ``cells`` (each the caller's to keep: the first of a
+        key is kept, later ones merged into it); the full window, emptied, once its W-th
+        step closed, else None."""
+        if self.steps == 0:
+            self.first = step
+        self.steps += 1
+        for key, cell in cells:
+            merged = self.cells.get(key)
+            if merged is None:
+                self.cells[key] = cell
+            else:
+                merged.merge(cell)
+        if self.steps < self.size:
+            return None
+        full, self.cells, self.steps = self.cells, {}, 0
+        return full
+
+
+@dataclass
+class RecordCell:
+    """One record's values merged over a window: its bin ``counts``, ``amax`` (the max),
+    its ``calls`` and captured ``steps``, and the ``--shadow`` counts (4 per record)."""
+
+    counts: np.ndarray
+    amax: float
+    calls: int
+    steps: int
+    shadow: np.ndarray
+
+    def merge(self, other: RecordCell) -> None:
+        self.counts += other.counts
+        self.amax = max(self.amax, other.amax)
+        self.calls += other.calls
+        self.steps += other.steps
+        self.shadow += other.shadow
+
+
+class WindowKey(NamedTuple):
+    """What a record merges by in a window: its key, and the loss scale it was captured
+    under (values recorded under two scales are two records: their bins are the scaled
+    values')."""
+
+    record: RecordKey
+    loss_scale: float
+
+
 class ReportBuilder:
     """Collects closed steps, for ``Report.from_builder`` to turn into a report.
 
@@ -222,8 +293,6 @@ class ReportBuilder:
     """
 
     def __init__(self, modules: list[str], window: int = 1, rank: int = 0) -> None:
-        if window < 1:
-            raise ValueError("window must be at least 1")
         self.modules = modules
         self.window = window
         self.rank = rank
@@ -231,9 +300,7 @@ class ReportBuilder:
         self._bins: dict[str, list[np.ndarray]] = {"record_id": [], "offset": [], "count": []}
         self._steps: dict[str, list[Any]] = {name: [] for name in STEP_COLUMNS}
         self._next_record = 0
-        self._pending: dict[tuple[RecordKey, float], list[Any]] = {}
-        self._pending_first = -1
-        self._pending_steps = 0
+        self._window: Window[WindowKey, RecordCell] = Window(window)
         self._step_chunks = 0  # where the last closed step's emitted rows start
         self.steps = 0  # steps closed
         self.last_index = -1  # training-step number of the last closed step
@@ -276,30 +343,16 @@ class ReportBuilder:
                     key_columns=records.key_columns,
                 )
         else:
-            if self._pending_steps == 0:
-                self._pending_first = step
-            self._pending_steps += 1
             assert records.shadow is not None
-            for row, key in enumerate(records.keys[:kept]):
-                merged = self._pending.get((key, loss_scale))
-                if merged is None:
-                    self._pending[(key, loss_scale)] = [
-                        records.counts[row].copy(),
-                        records.amax[row],
-                        records.calls[row],
-                        1,
-                        records.shadow[row].copy(),
-                    ]
-                else:
-                    merged[0] += records.counts[row]
-                    merged[1] = max(merged[1], records.amax[row])
-                    merged[2] += records.calls[row]
-                    merged[3] += 1
-                    merged[4] += records.shadow[row]
-            if self._pending_steps == self.window:
-                self._emit(*self._pending_block())
-                self._pending.clear()
-                self._pending_steps = 0
+            shadow = records.shadow
+            cells = (
+                (WindowKey(key, loss_scale), RecordCell(records.counts[row].copy(),
+                 records.amax[row], records.calls[row], 1, shadow[row].copy()))
+                for row, key in enumerate(records.keys[:kept])
+            )  # fmt: skip
+            full = self._window.add_step(step, cells)
+            if full is not None:
+                self._emit(*self._window_block(full, self._window.first))
         step_row = {
             **STEP_DEFAULTS,
             "step": step,
@@ -317,19 +370,25 @@ class ReportBuilder:
         for name in STEP_COLUMNS:
             self._steps[name].append(step_row[name])
 
-    def _pending_block(self) -> tuple[Any, ...]:
-        entries = list(self._pending.items())
-        n = len(entries)
+    @staticmethod
+    def _window_block(cells: dict[WindowKey, RecordCell], first: int) -> tuple[Any, ...]:
+        """A window's merged records as ``_emit``'s arguments, numbered by step ``first``."""
+        n = len(cells)
+        merged = list(cells.values())
         return (
-            [key for (key, _), _ in entries],
-            np.array([v[0] for _, v in entries], dtype=np.int64).reshape(n, layout.N_BINS),
-            np.array([v[1] for _, v in entries], dtype=np.float64),
-            np.array([v[2] for _, v in entries], dtype=np.int64),
-            np.array([v[4] for _, v in entries], dtype=np.int64).reshape(n, 4),
-            np.array([scale for (_, scale), _ in entries], dtype=np.float64),
-            np.full(n, self._pending_first, dtype=np.int32),
-            np.array([v[3] for _, v in entries], dtype=np.int32),
+            [key.record for key in cells],
+            np.array([c.counts for c in merged], dtype=np.int64).reshape(n, layout.N_BINS),
+            np.array([c.amax for c in merged], dtype=np.float64),
+            np.array([c.calls for c in merged], dtype=np.int64),
+            np.array([c.shadow for c in merged], dtype=np.int64).reshape(n, 4),
+            np.array([key.loss_scale for key in cells], dtype=np.float64),
+            np.full(n, first, dtype=np.int32),
+            np.array([c.steps for c in merged], dtype=np.int32),
         )
+
+    def _filling_block(self) -> tuple[Any, ...]:
+        """The window still filling, as ``_emit``'s arguments."""
+        return self._window_block(self._window.cells, self._window.first)
 
     def _emit(
         self,
@@ -406,7 +465,7 @@ class ReportBuilder:
         if not self.steps:
             return None
         alone = ReportBuilder(self.modules, rank=self.rank)
-        if self.window > 1 and self._pending:
+        if self.window > 1 and self._window.cells:
             chunk = _Chunk.of(self, 0, pending=True)
         else:
             chunk = _Chunk.of(self, self._step_chunks, pending=False)
@@ -430,12 +489,12 @@ class ReportBuilder:
         bins as ``record_id``, ``offset`` into the finite bins and ``count``); a window
         still filling is included as it stands. ``Report.from_builder`` makes the
         report of them: this module stays free of pandas and pyarrow."""
-        if not self._pending:
+        if not self._window.cells:
             return self._columns()
         pending_next = self._next_record
         records_before = {k: len(v) for k, v in self._records.items()}
         bins_before = {k: len(v) for k, v in self._bins.items()}
-        self._emit(*self._pending_block())
+        self._emit(*self._filling_block())
         try:
             return self._columns()
         finally:  # leave the window open: later steps still merge into it
@@ -472,7 +531,7 @@ class _Chunk:
     def of(builder: ReportBuilder, start: int, *, pending: bool) -> _Chunk:
         if pending:  # a window still filling: emit it into a scratch builder
             scratch = ReportBuilder(builder.modules, rank=builder.rank)
-            scratch._emit(*builder._pending_block())
+            scratch._emit(*builder._filling_block())
             builder = scratch
         return _Chunk(
             {name: parts[start:] for name, parts in builder._records.items()},

@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
-__all__ = ["AMP_NAMES", "Finding", "RunInfo", "RunMeta"]
+__all__ = ["AMP_NAMES", "Finding", "RunInfo", "RunMeta", "ScalerInfo", "SkipStatistics"]
 
 AMP_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
 """The name of the format autocast held values in, by dtype (``--amp fp16`` / ``bf16``)."""
@@ -95,6 +95,66 @@ class Finding:
         )
 
 
+def _meta_key(item: dataclasses.Field[Any]) -> str:
+    """The key a field is kept under in meta.json: its name, or its ``metadata["key"]``."""
+    return str(item.metadata.get("key", item.name))
+
+
+class _MetaRecord:
+    """A frozen record meta.json keeps as an object: each field under its key (its name,
+    or its ``metadata["key"]``), checked on read by ``fpaudit.report.checks``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entries in the order meta.json keeps them (sorted), so every JSON output of a
+        read report prints them as it always has."""
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]  # a dataclass's base
+        return dict(sorted((_meta_key(item), getattr(self, item.name)) for item in fields))
+
+    @classmethod
+    def from_dict(cls, item: Mapping[str, Any]) -> Self:
+        """The record in ``item``; a KeyError when an entry is missing. Numbers keep the
+        type they were stored with."""
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        return cls(**{field_.name: item[_meta_key(field_)] for field_ in fields})
+
+
+@dataclass(frozen=True)
+class SkipStatistics(_MetaRecord):
+    """A run's skipped optimizer steps, split at the end of calibration: the leading run
+    of skips while a fresh dynamic scaler backs off from its initial scale (expected, not
+    a problem), until its first step that is not skipped
+    (``fpaudit.rules.findings.skip_statistics``; meta.json's ``training``)."""
+
+    steps: int
+    skipped: int
+    calibration_steps: int
+    steps_after_calibration: int
+    skipped_after_calibration: int
+    skip_rate_after_calibration: float
+
+
+@dataclass(frozen=True)
+class ScalerInfo(_MetaRecord):
+    """The loss scaler ``fpaudit run`` saw (meta.json's ``scaler``): its class, as
+    ``module.qualname``, and its settings."""
+
+    scaler_class: str = field(metadata={"key": "class"})
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+
+def _record(cls: Any, value: Any) -> Any:
+    """meta.json's entry ``value`` as the record ``cls``; None when it is none."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        return cls.from_dict(value)
+    except (KeyError, TypeError):
+        return None
+
+
 def _findings(value: Any) -> tuple[Finding, ...]:
     """meta.json's ``findings``; an entry that is not a finding is dropped."""
     found = []
@@ -162,8 +222,8 @@ class RunInfo:
     out_of_range: int = 0  # fp64 values outside fp32's range (binned as zero or inf)
     recipes: tuple[str, ...] = ()  # block-scaled recipes audited (--recipe)
     # run: the loss scaler's settings and skip statistics (fpaudit.run.training)
-    scaler: Mapping[str, Any] | None = None
-    training: Mapping[str, Any] | None = None
+    scaler: ScalerInfo | None = None
+    training: SkipStatistics | None = None
     # Written beside these by the command (its settings, run's formats) and by
     # fpaudit.run.training (the findings); not stamped by to_meta.
     formats: tuple[str, ...] = ()  # the formats the command summarised, first: the default
@@ -239,8 +299,8 @@ class RunInfo:
             modules=strings("modules"),
             out_of_range=of("out_of_range", int) or 0,
             recipes=strings("recipes"),
-            scaler=of("scaler", dict),
-            training=of("training", dict),
+            scaler=_record(ScalerInfo, meta.get("scaler")),
+            training=_record(SkipStatistics, meta.get("training")),
             formats=strings("formats"),
             headroom_bits=of("headroom_bits", int),
             include_loss=of("include_loss", bool),
@@ -267,6 +327,8 @@ class RunInfo:
             value = getattr(self, name)
             if name == "selection":
                 value = {k: list(v) for k, v in value.items()}
+            elif isinstance(value, _MetaRecord):
+                value = value.to_dict()
             elif isinstance(value, Mapping):
                 value = dict(value)
             elif isinstance(value, tuple):

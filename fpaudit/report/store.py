@@ -1,7 +1,7 @@
 """The report: a directory of Parquet tables plus ``meta.json``, written only here
 (other outputs, JUnit files and images, go through ``fpaudit.report.outputs.write_atomically``).
 
-Schema version 4 (documented in the README, "Report format"; version 1 reports,
+Schema version 4 (documented in docs/report-format.md; version 1 reports,
 whose steps table lacks the training-loop columns, version 2 reports, which
 have no block statistics, and version 3 reports, whose block counts are int64,
 are read too):

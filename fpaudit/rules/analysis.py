@@ -34,11 +34,11 @@ nonzero``). ``underflow`` and ``overflow`` stay what happens to every value at S
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -391,16 +391,54 @@ def range_loss(
     return condense(report, scope, by).at(as_format(fmt), log2_scale)
 
 
-def totals(
-    report: Report, fmt: Format | str, log2_scale: int, *, scope: Scope = Scope()
-) -> dict[str, Any]:
-    """One row of :func:`range_loss` for everything in scope, as a dict."""
+@dataclass(frozen=True)
+class Totals:
+    """One row of :func:`range_loss` for everything in scope (:func:`totals`): the counts
+    and fractions at one scale (see the module's definitions), the finite unscaled
+    ``amax``, the dtypes the values were held in (joined by commas) and what a live
+    ``--shadow`` run lost."""
+
+    dtype: str
+    elements: int
+    zeros: int
+    infs: int
+    nans: int
+    nonfinite: int
+    nonzero: int
+    underflow: int
+    flushed: int
+    subnormal: int
+    overflow: int
+    unscalable_underflow: int
+    unscalable_overflow: int
+    judged_underflow: int
+    judged_overflow: int
+    amax: float
+    underflow_fraction: float
+    flushed_fraction: float
+    overflow_fraction: float
+    judged_underflow_fraction: float
+    shadow_calls: int
+    shadow_nonzero: int
+    lost: int
+    overflowed: int
+    lost_fraction: float
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, object] | pd.Series) -> Totals:
+        """The totals in ``row`` (a row of :meth:`Condensed.at`'s table, whose other
+        columns, the group's keys, are left out), each as its field's type."""
+        kinds = {"int": int, "float": float, "str": str}
+        return cls(**{f.name: kinds[str(f.type)](row[f.name]) for f in dataclasses.fields(cls)})
+
+    def to_dict(self) -> dict[str, int | float | str]:
+        return dataclasses.asdict(self)
+
+
+def totals(report: Report, fmt: Format | str, log2_scale: int, *, scope: Scope = Scope()) -> Totals:
+    """:func:`range_loss` for everything in scope, as one record."""
     condensed = condense(report, scope, ("module",)).total()
-    row = condensed.at(as_format(fmt), log2_scale).iloc[0].to_dict()
-    counted = (*COUNT_COLUMNS, *SHADOW_COLUMNS)
-    return {
-        k: (int(v) if k in counted else v if k == "dtype" else float(v)) for k, v in row.items()
-    }
+    return Totals.from_row(condensed.at(as_format(fmt), log2_scale).iloc[0])
 
 
 def module_table(

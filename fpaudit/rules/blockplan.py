@@ -253,7 +253,7 @@ class SingleLimit:
 
 
 @dataclass(frozen=True)
-class Plan:
+class RecipePlan:
     recipes: list[str]  # cheapest first
     max_flush: float
     max_saturate: float
@@ -280,18 +280,9 @@ class Plan:
         }
 
 
-def gemm_operand_modules(report: Report, recipe: Recipe | str) -> list[str]:
-    """The modules (report order) whose backward GEMM operands have statistics for
-    ``recipe``: the plan's candidates."""
-    blocks = _blocks(report, as_recipe(recipe))
-    seen = set(blocks.loc[blocks["kind"] == KIND_OPERAND, "module"])
-    ordered = [m for m in report.info.modules if m in seen]
-    return ordered + sorted(seen - set(ordered))
-
-
 def plan(
     report: Report, recipes: list[Recipe | str], max_flush: float, max_saturate: float = 0.0
-) -> Plan:
+) -> RecipePlan:
     """Per candidate module (one whose backward GEMM operands were recorded), the
     cheapest of ``recipes`` whose flush and saturation fractions on those operands stay
     within the limits, and the statistic that ruled out the next cheaper recipe (the one
@@ -333,7 +324,9 @@ def plan(
         planned.append(decided)
     kept = [m.module for m in planned if m.recipe == KEEP_FORMAT]
     single = _single_limits(chosen, tables, kept, max_flush, max_saturate)
-    return Plan([r.name for r in chosen], max_flush, max_saturate, planned, not_candidates, single)
+    return RecipePlan(
+        [r.name for r in chosen], max_flush, max_saturate, planned, not_candidates, single
+    )
 
 
 def _single_limits(

@@ -109,12 +109,12 @@ def run_change(base: Report, new: Report) -> RunChange | None:
         stats.append(skip_statistics(steps["skipped"].to_numpy(dtype=bool)))
         scale = steps["loss_scale"]
         scales.append((float(scale.min()), float(scale.max())) if len(scale) else (1.0, 1.0))
-    rates = [each["skip_rate_after_calibration"] for each in stats]
+    rates = [each.skip_rate_after_calibration for each in stats]
     return RunChange(
-        base_skipped=stats[0]["skipped_after_calibration"],
-        new_skipped=stats[1]["skipped_after_calibration"],
-        base_steps=stats[0]["steps_after_calibration"],
-        new_steps=stats[1]["steps_after_calibration"],
+        base_skipped=stats[0].skipped_after_calibration,
+        new_skipped=stats[1].skipped_after_calibration,
+        base_steps=stats[0].steps_after_calibration,
+        new_steps=stats[1].steps_after_calibration,
         base_skip_rate=rates[0],
         new_skip_rate=rates[1],
         skip_rate_change=rates[1] - rates[0],
@@ -288,7 +288,7 @@ def compare(
         log2_scale, scale_source = recommended[1] or 0, "new's recommended"
     scopes = [analysis.default_scope(report, include_loss) for report in (base, new)]
     totals = [
-        analysis.totals(report, fmt, log2_scale, scope=scope)
+        analysis.totals(report, fmt, log2_scale, scope=scope).to_dict()
         for report, scope in zip((base, new), scopes, strict=True)
     ]
     group = ("module",) if by == "module" else ("module", "node", "op")

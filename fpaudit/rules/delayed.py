@@ -86,8 +86,9 @@ from fpaudit.numerics import layout
 from fpaudit.numerics.formats import Format, get_format
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE, OP_KEY_COLUMNS
 from fpaudit.report.store import Report
+from fpaudit.rules import scalers
 
-POLICIES: tuple[str, ...] = ("te-delayed", "msamp-delayed")
+POLICIES: tuple[str, ...] = scalers.DELAYED_POLICIES  # declared in the one policy registry
 AMAX_ALGORITHMS: tuple[str, ...] = ("max", "most_recent")
 SWEEP_HISTORY_LENGTHS: tuple[int, ...] = (1, 16, 64, 256, 1024)
 SWEEP_MARGINS: tuple[int, ...] = (0, 1, 2)
@@ -143,7 +144,7 @@ def scale_update(
     usable = (amax > 0) & np.isfinite(amax)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         quotient = fmax / amax  # float32 / float32: one rounding, as torch does
-        if policy == "te-delayed":
+        if not scalers.REGISTRY[policy].power_of_two:  # te-delayed
             sf = quotient / np.float32(2.0**margin)
             sf = np.where(usable, sf, scale)
             return np.where(np.isinf(sf), _FP32_MAX, sf).astype(np.float32)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fpaudit.report.runinfo import Finding
+from fpaudit.report.runinfo import Finding, SkipStatistics
 from fpaudit.text import power
 
 __all__ = [
@@ -234,7 +234,7 @@ def scheduler_findings(
     :func:`skip_statistics`) are the scaler's design, not the script's mistake: the
     PyTorch AMP recipe steps its scheduler on them too, and is not flagged."""
     found = Findings()
-    calibration = skip_statistics(np.array(table["skipped"], dtype=bool))["calibration_steps"]
+    calibration = skip_statistics(np.array(table["skipped"], dtype=bool)).calibration_steps
     calibrating = set(table["step"][:calibration])
     skipped = dict(zip(table["step"], table["skipped"], strict=True))
     for site, attempt, name in calls:
@@ -265,7 +265,7 @@ def scale_findings(
     backoff = after < before
     stats = skip_statistics(np.array(table["skipped"], dtype=bool))
     # Backing off from the initial scale until gradients fit is calibration, not decay.
-    runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats["calibration_steps"])]
+    runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats.calibration_steps)]
     for start, end in [(start, end) for start, end in runs if end - start > max_backoffs]:
         found.add(
             "scale-falling",
@@ -287,17 +287,14 @@ def scale_findings(
             "gradients are now held smaller than unscaled, so loss scaling only adds "
             "underflow; something overflows at every scale",
         )
-    if (
-        stats["skipped_after_calibration"] >= 3
-        and stats["skip_rate_after_calibration"] > max_skip_rate
-    ):
-        rate = stats["skip_rate_after_calibration"]
-        phase = " after calibration" if stats["calibration_steps"] else ""
+    if stats.skipped_after_calibration >= 3 and stats.skip_rate_after_calibration > max_skip_rate:
+        rate = stats.skip_rate_after_calibration
+        phase = " after calibration" if stats.calibration_steps else ""
         found.add(
             "high-skip-rate",
             site,
-            int(steps[stats["calibration_steps"]]),
-            f"{stats['skipped_after_calibration']} of {stats['steps_after_calibration']} "
+            int(steps[stats.calibration_steps]),
+            f"{stats.skipped_after_calibration} of {stats.steps_after_calibration} "
             f"steps{phase} were skipped ({rate:.1%}, more than {max_skip_rate:.1%}): each "
             "skip discards a batch; look for steps that overflow at every scale, or a "
             "growth interval too short",
@@ -305,21 +302,20 @@ def scale_findings(
     return found.found()
 
 
-def skip_statistics(skipped: np.ndarray) -> dict[str, Any]:
-    """Skipped steps, split at the end of calibration: the leading run of skips while a
-    fresh dynamic scaler backs off from its initial scale (expected, not a problem)
-    until its first step that is not skipped."""
+def skip_statistics(skipped: np.ndarray) -> SkipStatistics:
+    """Skipped steps (``skipped``: one bool per step), split at the end of calibration
+    (see :class:`SkipStatistics`)."""
     # A run that never takes a step never calibrated: its skips all count.
     calibration = int(np.argmin(skipped)) if not skipped.all() else 0
     after = skipped[calibration:]
-    return {
-        "steps": len(skipped),
-        "skipped": int(skipped.sum()),
-        "calibration_steps": calibration,
-        "steps_after_calibration": len(after),
-        "skipped_after_calibration": int(after.sum()),
-        "skip_rate_after_calibration": float(after.mean()) if len(after) else 0.0,
-    }
+    return SkipStatistics(
+        steps=len(skipped),
+        skipped=int(skipped.sum()),
+        calibration_steps=calibration,
+        steps_after_calibration=len(after),
+        skipped_after_calibration=int(after.sum()),
+        skip_rate_after_calibration=float(after.mean()) if len(after) else 0.0,
+    )
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -42,7 +42,7 @@ The scale defaults to the recommended one.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -125,61 +125,107 @@ class Offender:
         return asdict(self)
 
 
+def _shown(default: Any, key: str, after: str) -> Any:
+    """A :class:`GatePolicy` field that :meth:`GateResult.to_dict` shows: under ``key``,
+    after the result's field ``after`` (where ``gate --json`` has always printed it)."""
+    return field(default=default, metadata={"key": key, "after": after})
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    """What a gate judges against (the parameters of :func:`gate`, in its terms): the
+    limits, the rules waived, the headroom of the recommended scale and the scope."""
+
+    max_underflow: float | None = _shown(None, "max_underflow", "scale_source")
+    per_module: bool = _shown(False, "per_module", "overflow")
+    headroom_bits: int = DEFAULT_HEADROOM_BITS
+    include_loss: bool = False
+    allow_incomplete: bool = _shown(False, "incomplete_allowed", "complete")
+    allow_nonfinite: bool = _shown(False, "nonfinite_allowed", "nonfinite_loss_steps")
+    fail_unscalable: bool = _shown(False, "fail_unscalable", "unscalable_overflow")
+    allow_errors: bool = _shown(False, "errors_allowed", "error_findings")
+    max_increase: float | None = _shown(None, "max_increase", "baseline")
+
+    def check(self, baseline: Report | None) -> None:
+        """A gate needs a limit: ``max_underflow``, or a ``baseline`` with ``max_increase``."""
+        max_underflow, max_increase = self.max_underflow, self.max_increase
+        FRACTION.check("max_underflow", max_underflow)
+        FRACTION.check("max_increase", max_increase)
+        if (baseline is None) != (max_increase is None):
+            given, missing = ("baseline", "max_increase") if max_increase is None else (
+                "max_increase", "baseline")  # fmt: skip
+            raise UsageError(Named(given), " needs ", Named(missing), " too")
+        if max_underflow is None and baseline is None:
+            raise UsageError(
+                "a gate needs a limit: ", Named("max_underflow"), ", or ", Named("baseline"),
+                " with ", Named("max_increase"),
+            )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class GateResult:
+    """The verdict (``passed``, and every reason it failed in ``failures``), the numbers at
+    the scale it judged, and the ``policy`` it judged by."""
+
+    policy: GatePolicy
     passed: bool
     format: str
     log2_scale: int
     scale: float
     scale_source: str  # "recommended" or "given"
-    max_underflow: float | None  # None: judged against a baseline alone
     underflow_fraction: float
     underflow: int
     nonzero: int
     overflow: int
-    per_module: bool
     offenders: list[Offender] = field(default_factory=list)
     complete: bool = True  # False: the report's run was interrupted
-    incomplete_allowed: bool = False
     steps_run: int = 0  # completed steps
     nonfinite: int = 0  # inf/NaN backward values in scope (scaler-skipped steps excused)
     nonfinite_loss_steps: int = 0  # steps whose loss was inf or NaN (skipped steps excused)
-    nonfinite_allowed: bool = False
     shadow_nonzero: int = 0  # live --shadow: nonzero values of the fp32 re-runs
     lost: int = 0  # live --shadow: of those, zero on the device
     lost_fraction: float = 0.0
     # values that do not scale with the loss and underflow/overflow at every scale
     unscalable_underflow: int = 0
     unscalable_overflow: int = 0
-    fail_unscalable: bool = False
     error_findings: list[Finding] = field(default_factory=list)  # the run's errors
-    errors_allowed: bool = False
-    # against a baseline: its path, the limit, the whole model's change, what regressed
+    # against a baseline: its path, the whole model's change, what regressed
     baseline: str | None = None
-    max_increase: float | None = None
     baseline_overall: Change | None = None
     regressions: list[Change] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)  # empty exactly when passed
 
     def to_dict(self, *, flags: bool = False) -> dict[str, Any]:
-        """Every field as JSON values; ``flags``: the reasons as the command line says
-        them (what ``gate --json`` prints)."""
-        data = asdict(
-            replace(self, offenders=[], error_findings=[], failures=[], regressions=[],
-                    baseline_overall=None)
-        )  # fmt: skip
-        overall = self.baseline_overall
-        data["baseline_overall"] = overall.to_dict() if overall is not None else None
-        data["regressions"] = [change.to_dict() for change in self.regressions]
-        data["offenders"] = [offender.to_dict() for offender in self.offenders]
-        data["error_findings"] = [finding.to_dict() for finding in self.error_findings]
-        data["failures"] = [failure.to_dict(flags=flags) for failure in self.failures]
+        """Every field as JSON values, the policy's shown among them (see ``_shown``);
+        ``flags``: the reasons as the command line says them (what ``gate --json`` prints)."""
+        shown: dict[str, list[tuple[str, Any]]] = {}
+        for item in fields(self.policy):
+            if "key" in item.metadata:
+                entry = (item.metadata["key"], getattr(self.policy, item.name))
+                shown.setdefault(item.metadata["after"], []).append(entry)
+        data: dict[str, Any] = {}
+        for item in fields(self):
+            if item.name != "policy":
+                data[item.name] = _json_value(getattr(self, item.name), flags)
+                data.update(shown.get(item.name, ()))
         return data
 
     @property
     def reasons(self) -> list[str]:
         """Every failure's one-line reason in the library's terms, in order."""
         return [failure.reason for failure in self.failures]
+
+
+def _json_value(value: Any, flags: bool) -> Any:
+    """A result field as JSON: records by their ``to_dict``, a failure's reason as the
+    command line says it with ``flags``."""
+    if isinstance(value, list):
+        return [_json_value(item, flags) for item in value]
+    if isinstance(value, Failure):
+        return value.to_dict(flags=flags)
+    if isinstance(value, Offender | Finding | Change):
+        return value.to_dict()
+    return value
 
 
 def gate(
@@ -199,82 +245,80 @@ def gate(
     max_increase: float | None = None,
 ) -> GateResult:
     """Judge ``report`` at ``2**log2_scale`` (default: the recommended scale), against
-    ``max_underflow``, against ``baseline`` with ``max_increase``, or both."""
+    ``max_underflow``, against ``baseline`` with ``max_increase``, or both (the
+    parameters of :class:`GatePolicy`)."""
+    policy = GatePolicy(
+        max_underflow=max_underflow, per_module=per_module, headroom_bits=headroom_bits,
+        include_loss=include_loss, allow_incomplete=allow_incomplete,
+        allow_nonfinite=allow_nonfinite, fail_unscalable=fail_unscalable,
+        allow_errors=allow_errors, max_increase=max_increase,
+    )  # fmt: skip
+    return judge(report, fmt, policy, log2_scale=log2_scale, baseline=baseline)
+
+
+def judge(
+    report: Report,
+    fmt: Format | str,
+    policy: GatePolicy,
+    *,
+    log2_scale: int | None = None,
+    baseline: Report | None = None,
+) -> GateResult:
+    """:func:`gate` with its parameters as one :class:`GatePolicy`."""
     fmt = as_format(fmt)
-    _check_limits(max_underflow, baseline, max_increase)
+    policy.check(baseline)
+    include_loss = policy.include_loss
     scale_source = "given"
     if log2_scale is None:
-        recommended = recommend(report, fmt, headroom_bits, include_loss=include_loss)
+        recommended = recommend(report, fmt, policy.headroom_bits, include_loss=include_loss)
         log2_scale = recommended.log2_scale if recommended.log2_scale is not None else 0
         scale_source = "recommended"
     scope = analysis.default_scope(report, include_loss)
     overall = analysis.totals(report, fmt, log2_scale, scope=scope)
     where = f"{fmt.name} at S = {scale_text(log2_scale)} ({scale_source})"
 
-    failures, offenders = _range_failures(
-        report, fmt, log2_scale, scope, overall, per_module, max_underflow, fail_unscalable, where
-    )
+    failures, offenders = _range_failures(report, fmt, log2_scale, scope, overall, policy, where)
     compared = None if baseline is None else comparison.compare(
-        baseline, report, fmt, log2_scale=log2_scale, headroom_bits=headroom_bits,
+        baseline, report, fmt, log2_scale=log2_scale, headroom_bits=policy.headroom_bits,
         include_loss=include_loss,
     )  # fmt: skip
-    regressions = _regressions(compared, per_module, max_increase)
-    failures += [_regression_failure(change, max_increase or 0.0, where) for change in regressions]
-    evidence = _all_evidence(report, scope, overall, allow_nonfinite, include_loss)
-    failures += evidence.failures + _run_failures(report, allow_incomplete, allow_errors)
+    regressions = _regressions(compared, policy.per_module, policy.max_increase)
+    failures += [
+        _regression_failure(change, policy.max_increase or 0.0, where) for change in regressions
+    ]
+    evidence = _all_evidence(report, scope, overall, policy.allow_nonfinite, include_loss)
+    failures += evidence.failures + _run_failures(
+        report, policy.allow_incomplete, policy.allow_errors
+    )
     if baseline is not None:
-        failures += _baseline_failures(baseline, fmt, log2_scale, allow_nonfinite, include_loss,
-                                       allow_incomplete, allow_errors)  # fmt: skip
+        failures += _baseline_failures(baseline, fmt, log2_scale, policy)
     return GateResult(
+        policy=policy,
         passed=not failures,
         format=fmt.name,
         log2_scale=log2_scale,
         scale=math.ldexp(1.0, log2_scale),
         scale_source=scale_source,
-        max_underflow=max_underflow,
-        underflow_fraction=float(overall["judged_underflow_fraction"]),
-        underflow=int(overall["judged_underflow"]),
-        nonzero=int(overall["nonzero"]),
-        overflow=int(overall["judged_overflow"]),
-        per_module=per_module,
+        underflow_fraction=overall.judged_underflow_fraction,
+        underflow=overall.judged_underflow,
+        nonzero=overall.nonzero,
+        overflow=overall.judged_overflow,
         offenders=offenders,
         complete=report.complete,
-        incomplete_allowed=allow_incomplete,
         steps_run=evidence.steps_run,
         nonfinite=evidence.nonfinite,
         nonfinite_loss_steps=evidence.loss_steps,
-        nonfinite_allowed=allow_nonfinite,
-        shadow_nonzero=int(overall["shadow_nonzero"]),
-        lost=int(overall["lost"]),
-        lost_fraction=float(overall["lost_fraction"]),
-        unscalable_underflow=int(overall["unscalable_underflow"]),
-        unscalable_overflow=int(overall["unscalable_overflow"]),
-        fail_unscalable=fail_unscalable,
+        shadow_nonzero=overall.shadow_nonzero,
+        lost=overall.lost,
+        lost_fraction=overall.lost_fraction,
+        unscalable_underflow=overall.unscalable_underflow,
+        unscalable_overflow=overall.unscalable_overflow,
         error_findings=_errors(report),
-        errors_allowed=allow_errors,
         baseline=None if baseline is None else str(baseline.path or ""),
-        max_increase=max_increase,
         baseline_overall=None if compared is None else compared.overall,
         regressions=regressions,
         failures=failures,
     )
-
-
-def _check_limits(
-    max_underflow: float | None, baseline: Report | None, max_increase: float | None
-) -> None:
-    """A gate needs a limit: ``max_underflow``, or a ``baseline`` with ``max_increase``."""
-    FRACTION.check("max_underflow", max_underflow)
-    FRACTION.check("max_increase", max_increase)
-    if (baseline is None) != (max_increase is None):
-        given, missing = ("baseline", "max_increase") if max_increase is None else (
-            "max_increase", "baseline")  # fmt: skip
-        raise UsageError(Named(given), " needs ", Named(missing), " too")
-    if max_underflow is None and baseline is None:
-        raise UsageError(
-            "a gate needs a limit: ", Named("max_underflow"), ", or ", Named("baseline"), " with ",
-            Named("max_increase"),
-        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -290,7 +334,7 @@ class _Evidence:
 def _all_evidence(
     report: Report,
     scope: analysis.Scope,
-    overall: dict[str, Any],
+    overall: analysis.Totals,
     allow_nonfinite: bool,
     include_loss: bool,
 ) -> _Evidence:
@@ -303,20 +347,16 @@ def _all_evidence(
 
 
 def _baseline_failures(
-    baseline: Report,
-    fmt: Format,
-    log2_scale: int,
-    allow_nonfinite: bool,
-    include_loss: bool,
-    allow_incomplete: bool,
-    allow_errors: bool,
+    baseline: Report, fmt: Format, log2_scale: int, policy: GatePolicy
 ) -> list[Failure]:
     """The evidence rules, the complete rule and the error findings, on the baseline:
     each failure said as the baseline's (``BASELINE``)."""
-    scope = analysis.default_scope(baseline, include_loss)
+    scope = analysis.default_scope(baseline, policy.include_loss)
     overall = analysis.totals(baseline, fmt, log2_scale, scope=scope)
-    found = _all_evidence(baseline, scope, overall, allow_nonfinite, include_loss).failures
-    found += _run_failures(baseline, allow_incomplete, allow_errors)
+    found = _all_evidence(
+        baseline, scope, overall, policy.allow_nonfinite, policy.include_loss
+    ).failures
+    found += _run_failures(baseline, policy.allow_incomplete, policy.allow_errors)
     return [
         Failure(BASELINE, failure.kinds, Wording("the baseline: ", *failure.wording.parts))
         for failure in found
@@ -381,21 +421,21 @@ def _range_failures(
     fmt: Format,
     log2_scale: int,
     scope: analysis.Scope,
-    overall: dict[str, Any],
-    per_module: bool,
-    max_underflow: float | None,
-    fail_unscalable: bool,
+    overall: analysis.Totals,
+    policy: GatePolicy,
     where: str,
 ) -> tuple[list[Failure], list[Offender]]:
     """The underflow/overflow failures (each module's, then the overall one) and offenders;
     none without ``max_underflow`` (a gate against a baseline alone)."""
     failures: list[Failure] = []
     offenders: list[Offender] = []
+    max_underflow, fail_unscalable, per_module = (
+        policy.max_underflow, policy.fail_unscalable, policy.per_module)  # fmt: skip
     if max_underflow is None:
         return failures, offenders
     if per_module:
         for row in analysis.module_table(report, fmt, log2_scale, scope=scope).itertuples():
-            numbers = row._asdict()
+            numbers = analysis.Totals.from_row(row._asdict())
             kinds = _range_kinds(numbers, max_underflow, fail_unscalable)
             if kinds:
                 module = str(row.module)
@@ -424,41 +464,41 @@ _INCOMPLETE_FAILURE = Failure(
 
 
 def _range_kinds(
-    numbers: dict[str, Any], max_underflow: float, fail_unscalable: bool
+    numbers: analysis.Totals, max_underflow: float, fail_unscalable: bool
 ) -> tuple[str, ...]:
     """Which range rules a module's (or the whole model's) numbers break: the values the
     scale answers for (``judged_*``), and with ``fail_unscalable`` the others."""
     kinds = []
-    if float(numbers["judged_underflow_fraction"]) > max_underflow:
+    if numbers.judged_underflow_fraction > max_underflow:
         kinds.append(UNDERFLOW)
-    if float(numbers["lost_fraction"]) > max_underflow:
+    if numbers.lost_fraction > max_underflow:
         kinds.append(LOST)
-    if int(numbers["judged_overflow"]) > 0:
+    if numbers.judged_overflow > 0:
         kinds.append(OVERFLOW)
-    unscalable = int(numbers["unscalable_underflow"]) + int(numbers["unscalable_overflow"])
+    unscalable = numbers.unscalable_underflow + numbers.unscalable_overflow
     if fail_unscalable and unscalable > 0:
         kinds.append(UNSCALABLE)
     return tuple(kinds)
 
 
 def _range_reason(
-    subject: str, numbers: dict[str, Any], kinds: tuple[str, ...], limit: float, where: str
+    subject: str, numbers: analysis.Totals, kinds: tuple[str, ...], limit: float, where: str
 ) -> Wording:
     parts: list[str | Named] = []
     if UNDERFLOW in kinds:
         parts.append(
-            f"underflow {percent(float(numbers['judged_underflow_fraction']))} exceeds the "
+            f"underflow {percent(numbers.judged_underflow_fraction)} exceeds the "
             f"limit {percent(limit)}"
         )
     if LOST in kinds:
         parts.append(
-            f"the device lost {percent(float(numbers['lost_fraction']))} of its values at the "
+            f"the device lost {percent(numbers.lost_fraction)} of its values at the "
             f"run's loss scale "
-            f"({count(numbers['lost'])} of {count(numbers['shadow_nonzero'])} nonzero in the "
+            f"({count(numbers.lost)} of {count(numbers.shadow_nonzero)} nonzero in the "
             f"fp32 re-run), over the limit {percent(limit)}"
         )
     if OVERFLOW in kinds:
-        parts.append(f"{count(numbers['judged_overflow'])} value(s) overflow")
+        parts.append(f"{count(numbers.judged_overflow)} value(s) overflow")
     if UNSCALABLE in kinds:
         parts.append(
             f"{_unscalable_text(numbers)} at every scale (they do not scale with the loss), "
@@ -473,21 +513,21 @@ def _range_reason(
     return Wording(
         f"{subject}: ",
         *joined,
-        f"; underflow fraction {float(numbers['judged_underflow_fraction']):.6g} vs ",
+        f"; underflow fraction {numbers.judged_underflow_fraction:.6g} vs ",
         Named("max_underflow"),
         f" {limit:g} "
-        f"({count(numbers['judged_underflow'])} of {count(numbers['nonzero'])} nonzero backward "
-        f"values), overflow {count(numbers['judged_overflow'])}; {where}",
+        f"({count(numbers.judged_underflow)} of {count(numbers.nonzero)} nonzero backward "
+        f"values), overflow {count(numbers.judged_overflow)}; {where}",
     )
 
 
-def _unscalable_text(numbers: dict[str, Any]) -> str:
+def _unscalable_text(numbers: analysis.Totals) -> str:
     """``"480 value(s) overflow"``, ``"3 value(s) underflow"`` or both."""
     parts = []
-    if int(numbers["unscalable_overflow"]):
-        parts.append(f"{count(numbers['unscalable_overflow'])} value(s) overflow")
-    if int(numbers["unscalable_underflow"]):
-        parts.append(f"{count(numbers['unscalable_underflow'])} value(s) underflow")
+    if numbers.unscalable_overflow:
+        parts.append(f"{count(numbers.unscalable_overflow)} value(s) overflow")
+    if numbers.unscalable_underflow:
+        parts.append(f"{count(numbers.unscalable_underflow)} value(s) underflow")
     return " and ".join(parts)
 
 
@@ -534,7 +574,7 @@ def _nonfinite(report: Report, scope: analysis.Scope) -> tuple[int, int]:
 
 def _evidence(
     report: Report,
-    overall: dict[str, Any],
+    overall: analysis.Totals,
     steps_run: int,
     nonfinite: int,
     loss_steps: int,
@@ -555,7 +595,7 @@ def _evidence(
                 ),
             )
         )
-    if int(overall["nonzero"]) == 0 and int(overall["shadow_nonzero"]) == 0:
+    if overall.nonzero == 0 and overall.shadow_nonzero == 0:
         failures.append(Failure(EVIDENCE, (NOTHING_MEASURED,), _nothing_reason(report, overall)))
     elif (
         (compiled := report.info.compiled) is not None
@@ -596,7 +636,7 @@ def _evidence(
     return failures
 
 
-def _nothing_reason(report: Report, overall: dict[str, Any]) -> Wording:
+def _nothing_reason(report: Report, overall: analysis.Totals) -> Wording:
     """Why the scope holds no nonzero finite value, as far as the report tells."""
     globs: list[str | Named] = []  # Selection's fields: "modules a b" (--module a b)
     for key, value in (report.info.selection or {}).items():
@@ -605,8 +645,8 @@ def _nothing_reason(report: Report, overall: dict[str, Any]) -> Wording:
     if report.records.empty:
         hints.append("the report holds no records: nothing was captured, or no backward ran")
     else:
-        elements, zeros = int(overall["elements"]), int(overall["zeros"])
-        special = int(overall["nonfinite"])
+        elements, zeros = overall.elements, overall.zeros
+        special = overall.nonfinite
         hints.append(f"{elements:,} value(s) in scope: {zeros:,} zero, {special:,} inf or NaN")
     out_of_range = report.info.out_of_range
     if out_of_range:
@@ -621,15 +661,15 @@ def _nothing_reason(report: Report, overall: dict[str, Any]) -> Wording:
     )
 
 
-def _offender(module: str, row: dict[str, Any]) -> Offender:
+def _offender(module: str, row: analysis.Totals) -> Offender:
     return Offender(
         module=module,
-        underflow_fraction=float(row["judged_underflow_fraction"]),
-        underflow=int(row["judged_underflow"]),
-        nonzero=int(row["nonzero"]),
-        overflow=int(row["judged_overflow"]),
-        unscalable_underflow=int(row["unscalable_underflow"]),
-        unscalable_overflow=int(row["unscalable_overflow"]),
-        lost=int(row["lost"]),
-        lost_fraction=float(row["lost_fraction"]),
+        underflow_fraction=row.judged_underflow_fraction,
+        underflow=row.judged_underflow,
+        nonzero=row.nonzero,
+        overflow=row.judged_overflow,
+        unscalable_underflow=row.unscalable_underflow,
+        unscalable_overflow=row.unscalable_overflow,
+        lost=row.lost,
+        lost_fraction=row.lost_fraction,
     )

@@ -213,9 +213,9 @@ def _window_metrics(
     at_run = analysis.totals(window, fmt, k, scope=scope)
     recommendation = recommend(window, fmt, headroom_bits)
     values = {
-        f"fpaudit/{fmt}/underflow": float(at_run["judged_underflow_fraction"]),
+        f"fpaudit/{fmt}/underflow": at_run.judged_underflow_fraction,
         f"fpaudit/{fmt}/underflow_at_recommended": float(recommendation.underflow_fraction),
-        f"fpaudit/{fmt}/overflow": float(at_run["overflow_fraction"]),
+        f"fpaudit/{fmt}/overflow": at_run.overflow_fraction,
         "fpaudit/loss_scale_log2": float(math.log2(loss_scale)) if loss_scale > 0 else 0.0,
     }
     if recommendation.log2_scale is not None:

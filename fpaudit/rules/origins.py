@@ -89,12 +89,6 @@ def deliberate(table: pd.DataFrame) -> np.ndarray:
     return either
 
 
-def empty_table() -> pd.DataFrame:
-    import pandas as pd
-
-    return pd.DataFrame({name: pd.Series(dtype=_PANDAS[t]) for name, t in COLUMNS.items()})
-
-
 _PANDAS = {
     "int16": "int16",
     "int32": "int32",

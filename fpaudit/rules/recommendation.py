@@ -20,7 +20,7 @@ node and op, so that a reader keeps those ops out of the format instead.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fpaudit.numerics.formats import Format, as_format
@@ -52,6 +52,32 @@ def log2_scale_for(amax: float, fmt: Format, headroom_bits: int) -> tuple[int | 
 
 
 @dataclass(frozen=True)
+class ModuleUnderflow:
+    """One module's judged underflow fraction at S = 1 and at the recommended scale, and
+    its finite unscaled amax."""
+
+    module: str
+    underflow_fraction_at_1: float
+    underflow_fraction: float
+    amax: float
+
+
+@dataclass(frozen=True)
+class UnscalableOp:
+    """Values of one autograd node and op that underflow or overflow at every scale (they
+    do not scale with the loss), and the modules they are in, in network order."""
+
+    node: str
+    op: str
+    underflow: int
+    overflow: int
+    modules: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "modules": list(self.modules)}
+
+
+@dataclass(frozen=True)
 class Recommendation:
     format: str
     headroom_bits: int
@@ -65,12 +91,12 @@ class Recommendation:
     underflow_fraction_at_1: float
     underflow_recovered_by_one_fewer_headroom_bit: float
     include_loss: bool
-    modules: list[dict[str, Any]] = field(default_factory=list)
+    modules: list[ModuleUnderflow] = field(default_factory=list)
     live_dtype: str | None = None  # live report: only values held in this dtype count
     # values that do not scale with the loss and underflow/overflow at every scale
     unscalable_underflow: int = 0
     unscalable_overflow: int = 0
-    unscalable: list[dict[str, Any]] = field(default_factory=list)  # by node and op
+    unscalable: list[UnscalableOp] = field(default_factory=list)  # by node and op
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,9 +121,9 @@ def recommend(
     overall_at_1 = analysis.totals(report, fmt, 0, scope=scope)
 
     apart = unscalable(report, fmt, scope)
-    unscalable_counts: dict[str, Any] = {
-        "unscalable_underflow": int(overall_at_1["unscalable_underflow"]),
-        "unscalable_overflow": int(overall_at_1["unscalable_overflow"]),
+    unscalable_counts: dict[str, Any] = {  # the same three fields for both answers
+        "unscalable_underflow": overall_at_1.unscalable_underflow,
+        "unscalable_overflow": overall_at_1.unscalable_overflow,
         "unscalable": apart,
     }
     if records.empty or not (unscaled > 0).any():
@@ -110,8 +136,8 @@ def recommend(
             limiting_module=None,
             limiting_op=None,
             limited_by="no nonzero values",
-            underflow_fraction=overall_at_1["judged_underflow_fraction"],
-            underflow_fraction_at_1=overall_at_1["judged_underflow_fraction"],
+            underflow_fraction=overall_at_1.judged_underflow_fraction,
+            underflow_fraction_at_1=overall_at_1.judged_underflow_fraction,
             underflow_recovered_by_one_fewer_headroom_bit=0.0,
             include_loss=include_loss,
             modules=_modules(at_1, at_1),
@@ -135,10 +161,10 @@ def recommend(
         limiting_module=str(limiter["module"]),
         limiting_op=str(limiter["op"]),
         limited_by=limited_by,
-        underflow_fraction=overall["judged_underflow_fraction"],
-        underflow_fraction_at_1=overall_at_1["judged_underflow_fraction"],
+        underflow_fraction=overall.judged_underflow_fraction,
+        underflow_fraction_at_1=overall_at_1.judged_underflow_fraction,
         underflow_recovered_by_one_fewer_headroom_bit=(
-            overall["judged_underflow_fraction"] - overall_one_fewer["judged_underflow_fraction"]
+            overall.judged_underflow_fraction - overall_one_fewer.judged_underflow_fraction
         ),
         include_loss=include_loss,
         modules=_modules(at_1, analysis.module_table(report, fmt, k, scope=scope)),
@@ -149,39 +175,38 @@ def recommend(
 
 def unscalable(
     report: Report, fmt: Format | str, scope: analysis.Scope | None = None
-) -> list[dict[str, Any]]:
+) -> list[UnscalableOp]:
     """The values that underflow or overflow ``fmt`` at every scale (they do not scale
-    with the loss), per autograd node and op, largest count first: ``node``, ``op``,
-    ``underflow``, ``overflow`` and the ``modules`` they are in, in network order."""
+    with the loss), per autograd node and op, largest count first."""
     scope = scope or analysis.default_scope(report)
     table = analysis.range_loss(report, fmt, 0, scope=scope, by=("module", "node", "op"))
     table = table[(table["unscalable_underflow"] > 0) | (table["unscalable_overflow"] > 0)]
-    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    groups: dict[tuple[str, str], UnscalableOp] = {}
     for row in table.itertuples():
-        group = groups.setdefault(
-            (str(row.node), str(row.op)),
-            {"node": str(row.node), "op": str(row.op), "underflow": 0, "overflow": 0,
-             "modules": []},
-        )  # fmt: skip
-        group["underflow"] += int(row.unscalable_underflow)
-        group["overflow"] += int(row.unscalable_overflow)
-        if str(row.module) not in group["modules"]:
-            group["modules"].append(str(row.module))
-    return sorted(groups.values(), key=lambda g: -(g["underflow"] + g["overflow"]))
+        key = (str(row.node), str(row.op))
+        group = groups.get(key, UnscalableOp(*key, underflow=0, overflow=0, modules=()))
+        module = str(row.module)
+        groups[key] = replace(
+            group,
+            underflow=group.underflow + int(row.unscalable_underflow),
+            overflow=group.overflow + int(row.unscalable_overflow),
+            modules=group.modules + (module,) * (module not in group.modules),
+        )
+    return sorted(groups.values(), key=lambda g: -(g.underflow + g.overflow))
 
 
-def _modules(at_1: Any, at_scale: Any) -> list[dict[str, Any]]:
+def _modules(at_1: Any, at_scale: Any) -> list[ModuleUnderflow]:
     at_1 = at_1.assign(underflow_fraction=at_1["judged_underflow_fraction"])
     at_scale = at_scale.assign(underflow_fraction=at_scale["judged_underflow_fraction"])
     merged = at_1[["module", "underflow_fraction", "amax"]].merge(
         at_scale[["module", "underflow_fraction"]], on="module", suffixes=("_at_1", "")
     )
     return [
-        {
-            "module": row.module,
-            "underflow_fraction_at_1": float(row.underflow_fraction_at_1),
-            "underflow_fraction": float(row.underflow_fraction),
-            "amax": float(row.amax),
-        }
+        ModuleUnderflow(
+            module=row.module,
+            underflow_fraction_at_1=float(row.underflow_fraction_at_1),
+            underflow_fraction=float(row.underflow_fraction),
+            amax=float(row.amax),
+        )
         for row in merged.itertuples()
     ]

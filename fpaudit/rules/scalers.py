@@ -55,57 +55,39 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
 from fpaudit.errors import Named, OptionError
 
-PARAMETERS: tuple[str, ...] = (
-    "init_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "min_scale",
-    "max_scale",
-)
 
-
-# What a policy that lacks a parameter behaves as if it had: a scaler that never changes.
-_INERT: dict[str, Any] = {
-    "growth_factor": 1.0,
-    "backoff_factor": 1.0,
-    "growth_interval": 1,
-    "hysteresis": 1,
-    "min_scale": None,
-    "max_scale": None,
-}
-_FP32_MAX = float(np.finfo(np.float32).max)
-
-
-def _name(policy: str, name: str) -> str:
-    """The parameter as messages name it: a static policy's one scale is its static_scale."""
-    return "static_scale" if policy == "static" and name == "init_scale" else name
+def _parameter(*, inert: float | int | None = None, scale: bool = False) -> Any:
+    """A loss-scaler parameter of :class:`PolicySettings`: ``inert``, what a policy that
+    lacks it behaves as if it had (a scaler that never changes); ``scale``, a value the
+    command line reads as a scale (``2^16``)."""
+    return field(metadata={"inert": inert, "scale": scale})
 
 
 @dataclass(frozen=True)
 class PolicySettings:
     """One policy with every parameter resolved; make one with :func:`settings`.
 
-    Parameters the policy does not have hold inert values (factors 1.0,
-    interval and hysteresis 1, no bounds) and are ``None`` in :meth:`to_dict`.
+    Its fields after ``policy`` declare the loss-scaler parameters, once: ``PARAMETERS``,
+    the inert values, ``simulate``'s overrides and its flags are read from them.
+    Parameters the policy does not have hold inert values (factors 1.0, interval and
+    hysteresis 1, no bounds) and are ``None`` in :meth:`to_dict`.
     """
 
     policy: str
-    init_scale: float
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
-    hysteresis: int
-    min_scale: float | None
-    max_scale: float | None
+    init_scale: float = _parameter(scale=True)  # every policy has one: no inert value
+    growth_factor: float = _parameter(inert=1.0)
+    backoff_factor: float = _parameter(inert=1.0)
+    growth_interval: int = _parameter(inert=1)
+    hysteresis: int = _parameter(inert=1)
+    min_scale: float | None = _parameter(scale=True)
+    max_scale: float | None = _parameter(scale=True)
 
     def to_dict(self) -> dict[str, Any]:
         """``policy`` plus every name in PARAMETERS; ``None`` where it does not apply.
@@ -119,88 +101,107 @@ class PolicySettings:
         return out
 
 
+_DECLARED = fields(PolicySettings)[1:]
+PARAMETERS: tuple[str, ...] = tuple(item.name for item in _DECLARED)
+SCALE_PARAMETERS: tuple[str, ...] = tuple(item.name for item in _DECLARED if item.metadata["scale"])
+# What a policy that lacks a parameter behaves as if it had: a scaler that never changes.
+_INERT: dict[str, Any] = {item.name: item.metadata["inert"] for item in _DECLARED[1:]}
+_FP32_MAX = float(np.finfo(np.float32).max)
+
+
 def settings(policy: str, **overrides: float | int | None) -> PolicySettings:
     """The policy's defaults with ``overrides`` applied (``None`` keeps the default).
 
     Raises OptionError, one line naming the parameter, for a parameter the policy
     does not take or a value out of range.
     """
-    if policy not in REGISTRY:
+    entry = REGISTRY.get(policy)
+    if entry is None or entry.scaler is None:
         raise OptionError("policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
     unknown = sorted(set(overrides) - set(PARAMETERS))
     if unknown:
         raise TypeError(f"settings() got unknown parameter(s) {', '.join(unknown)}")
-    defaults = REGISTRY[policy].defaults
+    defaults = entry.defaults
     values: dict[str, Any] = {**_INERT, **defaults}
     for name, value in overrides.items():
         if value is None:
             continue
         if name not in defaults:
-            takes = [_name(policy, p) for p in defaults]
+            takes = [entry.option(p) for p in defaults]
             takes_named: list[str | Named] = [part for p in takes for part in (", ", Named(p))]
             raise OptionError(
-                _name(policy, name),
+                entry.option(name),
                 "does not apply to ",
                 Named("policy", policy),
                 "; it takes ",
                 *takes_named[1:],
             )
         values[name] = value
-    _validate(policy, values)
+    for check in entry.checks:
+        check(entry, values)
     return PolicySettings(policy=policy, **values)
 
 
-def _validate(policy: str, v: dict[str, Any]) -> None:
-    def bad(name: str, *need: str | Named) -> OptionError:
-        return OptionError(_name(policy, name), "must be ", *need, f", got {v[name]!r}")
+# -- each policy's validation: checks of the values (the policy's defaults with the
+# overrides), in place, raising an OptionError that names the parameter as its option.
 
-    def number(name: str) -> float:
-        value = v[name]
-        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
-            raise bad(name, "a number")
-        return float(value)
 
+def _bad(entry: Policy, v: dict[str, Any], name: str, *need: str | Named) -> OptionError:
+    return OptionError(entry.option(name), "must be ", *need, f", got {v[name]!r}")
+
+
+def _number(entry: Policy, v: dict[str, Any], name: str) -> float:
+    value = v[name]
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        raise _bad(entry, v, name, "a number")
+    return float(value)
+
+
+def _check_scale(entry: Policy, v: dict[str, Any]) -> None:
+    """Every policy: whole intervals, and an initial scale a scaler can hold."""
     for name in ("growth_interval", "hysteresis"):
         value = v[name]
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise bad(name, "a whole number >= 1")
+            raise _bad(entry, v, name, "a whole number >= 1")
         v[name] = int(value)
-    init = v["init_scale"] = number("init_scale")
+    init = v["init_scale"] = _number(entry, v, "init_scale")
     if not (math.isfinite(init) and init > 0):
-        raise bad("init_scale", "a finite number > 0")
-    if REGISTRY[policy].float32_scale and not (_f32(init) > 0 and init <= _FP32_MAX):
-        raise bad(
-            "init_scale",
-            "within float32 range, where ",
-            Named("policy", policy),
-            " keeps the scale",
-        )
-    if policy == "static":
-        return
-    growth = v["growth_factor"] = number("growth_factor")
+        raise _bad(entry, v, "init_scale", "a finite number > 0")
+    if entry.float32_scale and not (_f32(init) > 0 and init <= _FP32_MAX):
+        raise _bad(
+            entry, v, "init_scale", "within float32 range, where ",
+            Named("policy", entry.name), " keeps the scale",
+        )  # fmt: skip
+
+
+def _check_dynamic(entry: Policy, v: dict[str, Any]) -> None:
+    """A dynamic scaler: it grows, backs off, and stays within its bounds."""
+    growth = v["growth_factor"] = _number(entry, v, "growth_factor")
     if not (math.isfinite(growth) and growth > 1):
-        raise bad("growth_factor", "a finite number > 1")
-    backoff = v["backoff_factor"] = number("backoff_factor")
+        raise _bad(entry, v, "growth_factor", "a finite number > 1")
+    backoff = v["backoff_factor"] = _number(entry, v, "backoff_factor")
     if not 0 < backoff < 1:
-        raise bad("backoff_factor", "between 0 and 1 (exclusive)")
+        raise _bad(entry, v, "backoff_factor", "between 0 and 1 (exclusive)")
     if v["max_scale"] is not None:
-        top = v["max_scale"] = number("max_scale")
+        top = v["max_scale"] = _number(entry, v, "max_scale")
         if not top > 0:
-            raise bad("max_scale", "> 0")
+            raise _bad(entry, v, "max_scale", "> 0")
     if v["min_scale"] is not None:
-        low = v["min_scale"] = number("min_scale")
+        low = v["min_scale"] = _number(entry, v, "min_scale")
         if not (math.isfinite(low) and low > 0):
-            raise bad("min_scale", "a finite number > 0")
+            raise _bad(entry, v, "min_scale", "a finite number > 0")
         if v["max_scale"] is not None and low > v["max_scale"]:
-            raise bad("min_scale", "<= ", Named("max_scale"), f" ({v['max_scale']!r})")
-        if policy == "megatron" and low > init:  # DynamicGradScaler asserts this
-            raise bad(
-                "min_scale",
-                "<= ",
-                Named("init_scale"),
-                f" ({init!r}) for ",
-                Named("policy", policy),
-            )
+            raise _bad(entry, v, "min_scale", "<= ", Named("max_scale"), f" ({v['max_scale']!r})")
+
+
+def _check_floor_below_start(entry: Policy, v: dict[str, Any]) -> None:
+    """Megatron's DynamicGradScaler asserts its floor is at most its initial scale."""
+    init, low = v["init_scale"], v["min_scale"]
+    if low is not None and low > init:
+        raise _bad(
+            entry, v, "min_scale", "<= ", Named("init_scale"), f" ({init!r}) for ",
+            Named("policy", entry.name),
+        )  # fmt: skip
 
 
 def _f32(x: float) -> float:
@@ -317,17 +318,45 @@ class _MegatronScaler(Scaler):
                 self.scale = _f32(self.scale * self.growth)
 
 
+Check = Callable[["Policy", dict[str, Any]], None]
+INIT_SCALE = "init_scale"
+STATIC_SCALE = "static_scale"  # simulate's option: the static scale every replay is compared with
+
+
 @dataclass(frozen=True)
 class Policy:
-    """A loss-scaler policy, declared once: the parameters it takes with their defaults
-    (those it lacks hold inert values, see ``_INERT``), the class that replays its update
-    rule, and whether it keeps its scale in a float32 (then ``init_scale`` must fit one).
+    """A policy ``simulate`` replays, declared once: for a loss scaler, the parameters it
+    takes with their defaults (those it lacks hold inert values, see ``_INERT``), the
+    class that replays its update rule, the checks its values must pass, the option that
+    sets its initial scale (``static`` has one scale: the static scale every replay is
+    compared with), whether it keeps its scale in a float32 (then ``init_scale`` must fit
+    one) and whether a replay starts from the scaler a run recorded (torch's GradScaler);
+    for FP8 delayed scaling (``scaler`` None), :mod:`fpaudit.rules.delayed` replays it,
+    with its scale rounded to a power of two or not (``power_of_two``).
     Adding a policy is one entry in ``REGISTRY``; ``simulate --help`` lists it."""
 
     name: str
-    defaults: Mapping[str, Any]
-    scaler: type[Scaler]
+    defaults: Mapping[str, float | int | None]
+    scaler: type[Scaler] | None
+    checks: tuple[Check, ...] = (_check_scale, _check_dynamic)
+    scale_option: str = INIT_SCALE
     float32_scale: bool = False
+    recorded: bool = False
+    power_of_two: bool = False  # FP8 delayed scaling: the scale rounded to a power of two
+
+    @property
+    def is_static(self) -> bool:
+        """Its one scale is the static scale every replay is compared with (``static``)."""
+        return self.scale_option == STATIC_SCALE
+
+    @property
+    def delayed(self) -> bool:
+        """FP8 delayed scaling, per tensor (not a loss scaler)."""
+        return self.scaler is None
+
+    def option(self, name: str) -> str:
+        """The parameter ``name`` as messages and flags name it for this policy."""
+        return self.scale_option if name == INIT_SCALE else name
 
 
 REGISTRY: dict[str, Policy] = {
@@ -343,6 +372,7 @@ REGISTRY: dict[str, Policy] = {
             },
             _TorchScaler,
             float32_scale=True,
+            recorded=True,
         ),
         Policy(
             "apex",
@@ -379,24 +409,27 @@ REGISTRY: dict[str, Policy] = {
                 "min_scale": 1.0,
             },
             _MegatronScaler,
+            checks=(_check_scale, _check_dynamic, _check_floor_below_start),
             float32_scale=True,
         ),
-        Policy(
-            "static",
-            {"init_scale": 2.0**16},
-            Scaler,
-        ),
+        Policy("static", {"init_scale": 2.0**16}, Scaler, (_check_scale,), STATIC_SCALE),
+        # FP8 delayed scaling (fpaudit.rules.delayed): a scale per tensor, from its amax history
+        Policy("te-delayed", {}, None),
+        Policy("msamp-delayed", {}, None, power_of_two=True),
     )
 }
-POLICIES: tuple[str, ...] = tuple(REGISTRY)
+POLICIES: tuple[str, ...] = tuple(name for name, p in REGISTRY.items() if not p.delayed)
+DELAYED_POLICIES: tuple[str, ...] = tuple(name for name, p in REGISTRY.items() if p.delayed)
 POLICY_PARAMETERS: dict[str, tuple[str, ...]] = {
-    name: tuple(policy.defaults) for name, policy in REGISTRY.items()
+    name: tuple(policy.defaults) for name, policy in REGISTRY.items() if not policy.delayed
 }
 
 
 def make_scaler(s: PolicySettings) -> Scaler:
     """A fresh scaler in its initial state."""
-    return REGISTRY[s.policy].scaler(s)
+    scaler = REGISTRY[s.policy].scaler
+    assert scaler is not None  # settings() made s: a loss scaler's
+    return scaler(s)
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,10 @@ that is not a power of two, at the power of two below it: an upper bound).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from fpaudit.numerics.formats import Format
 from fpaudit.report.store import Report
@@ -40,28 +39,46 @@ SOURCE_AMAX = "amax"  # estimated from the step's amax
 SOURCE_NONE = "unknown"  # neither: the step never overflows in the replay
 
 
-@dataclass(frozen=True)
 class ScalerOverrides:
-    """The scaler settings a replay changes (``fpaudit simulate``'s flags); ``None`` keeps
-    the policy's (or, for the torch policy, the recorded scaler's) own."""
+    """The scaler settings a replay changes (``fpaudit simulate``'s flags), by the names
+    :data:`fpaudit.rules.scalers.PARAMETERS` declares; ``None`` keeps the policy's (or,
+    for a policy that starts from the recorded scaler, the run's) own. Immutable."""
 
-    init_scale: float | None = None
-    growth_factor: float | None = None
-    backoff_factor: float | None = None
-    growth_interval: int | None = None
-    hysteresis: int | None = None
-    min_scale: float | None = None
-    max_scale: float | None = None
+    __slots__ = ("_given",)
+    _given: dict[str, float | int]
 
-    def to_dict(self) -> dict[str, Any]:
-        """Every setting by name, ``None`` included, in this order (a policy that does
-        not take one is told so about the first)."""
-        return asdict(self)
+    def __init__(self, **settings: float | int | None) -> None:
+        unknown = sorted(set(settings) - set(scalers.PARAMETERS))
+        if unknown:
+            raise TypeError(f"ScalerOverrides() got unknown setting(s) {', '.join(unknown)}")
+        given = {name: value for name in scalers.PARAMETERS
+                 if (value := settings.get(name)) is not None}  # fmt: skip
+        object.__setattr__(self, "_given", given)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"ScalerOverrides is immutable: cannot set {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ScalerOverrides) and self._given == other._given
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._given.items()))
+
+    def __repr__(self) -> str:
+        return f"ScalerOverrides({', '.join(f'{k}={v!r}' for k, v in self._given.items())})"
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        """Every setting by name, ``None`` included, in PARAMETERS' order (a policy that
+        does not take one is told so about the first)."""
+        return {name: self._given.get(name) for name in scalers.PARAMETERS}
 
     @property
-    def given(self) -> dict[str, Any]:
+    def given(self) -> dict[str, float | int]:
         """The settings that are set."""
-        return {name: value for name, value in self.to_dict().items() if value is not None}
+        return dict(self._given)
+
+
+NO_OVERRIDES = ScalerOverrides()  # every setting the policy's own
 
 
 @dataclass(frozen=True)
@@ -228,20 +245,24 @@ def _underflow(
     return fractions, underflow, nonzero
 
 
-def default_settings(report: Report, policy: str) -> dict[str, Any]:
+def default_settings(report: Report, policy: str) -> dict[str, float]:
     """The real scaler's settings where the report recorded them (torch policy only)."""
     recorded = report.info.scaler
-    if policy != "torch" or recorded is None:
+    if not scalers.REGISTRY[policy].recorded or recorded is None:
         return {}
-    keys = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
-    return {k: recorded[k] for k in keys if isinstance(recorded.get(k), int | float)}
+    return {
+        "init_scale": recorded.init_scale,
+        "growth_factor": recorded.growth_factor,
+        "backoff_factor": recorded.backoff_factor,
+        "growth_interval": recorded.growth_interval,
+    }
 
 
 def simulate(
     report: Report,
     fmt: Format,
     policy: str = "torch",
-    overrides: ScalerOverrides = ScalerOverrides(),
+    overrides: ScalerOverrides = NO_OVERRIDES,
     static_scale: float | None = None,
     *,
     headroom_bits: int = 4,
@@ -259,7 +280,7 @@ def simulate(
     if static_scale is None:
         rec = recommend(report, fmt, headroom_bits)
         static_scale = rec.scale if rec.scale is not None else resolved.init_scale
-        if policy == "static" and "init_scale" not in given:  # one static scale, not two
+        if scalers.REGISTRY[policy].is_static and "init_scale" not in given:  # one, not two
             resolved = scalers.settings(policy, init_scale=static_scale)
         notes.append(
             f"static scale: the recommended one for {fmt.name} ({headroom_bits} headroom bits)"
@@ -283,8 +304,3 @@ def simulate(
             "values that would overflow only inside a low-precision op are not seen"
         )
     return Simulation(fmt.name, limits, runs[0], runs[1], notes)
-
-
-def steps_frame(simulation: Simulation) -> pd.DataFrame:
-    """The per-step comparison as a DataFrame."""
-    return pd.DataFrame(simulation.to_dict()["steps"])

@@ -23,7 +23,7 @@ from fpaudit.report.records import KIND_BACKWARD
 if TYPE_CHECKING:
     import pandas as pd
 
-    from fpaudit.report.runinfo import Finding
+    from fpaudit.report.runinfo import Finding, ScalerInfo, SkipStatistics
     from fpaudit.report.store import Report
     from fpaudit.rules.drift import Drift, Window
     from fpaudit.rules.origins import Origins
@@ -191,6 +191,9 @@ def run_summary(
 
 
 # -- show, recommend -------------------------------------------------------------------
+MARKED_UNDERFLOW = 0.01  # a module losing more than 1% of its judged values is marked
+
+
 @dataclass(frozen=True)
 class ModuleView:
     """``show``'s table: range loss of ``kind``'s values per module (or module and op) at
@@ -207,6 +210,16 @@ class ModuleView:
     def rows(self) -> list[dict[str, Any]]:
         """The table's rows, JSON-ready (what ``show --json`` prints)."""
         return json_rows(self.table)
+
+    def marked(self) -> list[bool]:
+        """Per row, whether it loses what the loss scale answers for: any of its judged
+        values overflow, or more than ``MARKED_UNDERFLOW`` of them underflow (``show``
+        prints such a row in red)."""
+        table = self.table
+        lost = (table["judged_overflow"] > 0) | (
+            table["judged_underflow_fraction"] > MARKED_UNDERFLOW
+        )
+        return [bool(flag) for flag in lost]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -332,15 +345,15 @@ def origins_view(report: Report, fmt: Format, log2_scale: int | None) -> Origins
 class StepsView:
     """``show --steps``: a run's training and scaler settings, its findings, its steps."""
 
-    training: dict[str, Any] | None
-    scaler: dict[str, Any] | None
+    training: SkipStatistics | None
+    scaler: ScalerInfo | None
     findings: tuple[Finding, ...]
     steps: pd.DataFrame
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "training": self.training,
-            "scaler": self.scaler,
+            "training": self.training.to_dict() if self.training is not None else None,
+            "scaler": self.scaler.to_dict() if self.scaler is not None else None,
             "findings": [finding.to_dict() for finding in self.findings],
             "steps": json_rows(self.steps),
         }
@@ -349,8 +362,8 @@ class StepsView:
 def steps_view(report: Report) -> StepsView:
     info = report.info
     return StepsView(
-        training=dict(info.training) if info.training is not None else None,
-        scaler=dict(info.scaler) if info.scaler is not None else None,
+        training=info.training,
+        scaler=info.scaler,
         findings=tuple(info.findings),
         steps=report.steps,
     )

@@ -69,7 +69,7 @@ from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS as RECOMMEND_HEADROOM_
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis, origins
-from fpaudit.rules.recommendation import recommend
+from fpaudit.rules.recommendation import UnscalableOp, recommend
 
 # declared once in fpaudit.defaults (4 steps, 1 bit of headroom, 0.001)
 DEFAULT_STEPS = defaults.FP16_PLAN_STEPS
@@ -160,7 +160,7 @@ def growth_skip_rate(interval: int, rate_at_2s: float) -> float:
 
 
 @dataclass
-class Plan:
+class Fp16Plan:
     model_file: str
     format: str
     headroom_bits: int
@@ -182,7 +182,7 @@ class Plan:
     # values that over/underflow fp16 at every scale (no scale fixes them), by node and op
     unscalable_overflow: int = 0
     unscalable_underflow: int = 0
-    unscalable: list[dict[str, Any]] = field(default_factory=list)
+    unscalable: list[UnscalableOp] = field(default_factory=list)
 
     @property
     def predicted_skip_rate(self) -> float:
@@ -273,7 +273,7 @@ class Plan:
             "scales_differ_because": self.scales_differ_because(),
             "unscalable_overflow": self.unscalable_overflow,
             "unscalable_underflow": self.unscalable_underflow,
-            "unscalable": self.unscalable,
+            "unscalable": [group.to_dict() for group in self.unscalable],
             "verification": None if self.verification is None else self.verification.to_dict(),
             "passed": self.passed,
             "snippet": self.snippet(),
@@ -287,7 +287,7 @@ def plan_from_report(
     fmt: Format | None = None,
     headroom_bits: int = DEFAULT_HEADROOM_BITS,
     max_underflow: float = DEFAULT_MAX_UNDERFLOW,
-) -> Plan:
+) -> Fp16Plan:
     """The plan from an fp32 report with forward and backward values (no verification)."""
     fmt = fmt or get_format("fp16")
     _check(headroom_bits, max_underflow)
@@ -319,7 +319,7 @@ def plan_from_report(
         chosen += 1  # the same modules still fit one binade higher: more room below
     kept = set(keep_out)
     rate, steps = overflow_rate(report, fmt, math.ldexp(2.0, chosen), kept)
-    return Plan(
+    return Fp16Plan(
         report.info.model_file or "",
         fmt.name,
         headroom_bits,
@@ -364,7 +364,7 @@ def fp16_plan(
     max_underflow: float = DEFAULT_MAX_UNDERFLOW,
     device: str = "auto",
     seed: int | None = 0,
-) -> Plan:
+) -> Fp16Plan:
     """Scan ``model_path`` in fp32 (forward and backward), plan, then verify the plan."""
     from fpaudit.run.scan import ScanOptions, scan
     from fpaudit.run.verify import verify
@@ -405,4 +405,4 @@ def fp16_plan(
     return plan
 
 
-__all__ = ["Plan", "fp16_plan", "module_ranges", "plan_from_report"]
+__all__ = ["Fp16Plan", "fp16_plan", "module_ranges", "plan_from_report"]

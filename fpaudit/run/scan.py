@@ -29,7 +29,7 @@ from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, ModelExit, ModelFileError, Named, OptionError, UsageError
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
-from fpaudit.report.runinfo import RunInfo, RunMeta
+from fpaudit.report.runinfo import AMP_NAMES, RunInfo, RunMeta
 from fpaudit.run import distributed, modelfile
 
 if TYPE_CHECKING:
@@ -70,7 +70,8 @@ class ScanOptions:
             raise OptionError("loss_scale", f"must be a power of two, got {self.loss_scale:g}")
 
 
-AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# --amp's names and their torch dtypes: the names autocast's dtypes have in a report
+AMP_DTYPES = {name: getattr(torch, dtype) for dtype, name in AMP_NAMES.items()}
 
 
 def resolve_device(spec: str) -> torch.device:

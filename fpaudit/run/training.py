@@ -610,7 +610,7 @@ def _record(
             if monitor.capture.audited_model is not None
             else None,
             "findings": [f.to_dict() for f in findings],
-            "training": skip_statistics(np.array(table["skipped"], dtype=bool)),
+            "training": skip_statistics(np.array(table["skipped"], dtype=bool)).to_dict(),
         },
         meta.to_dict() if meta is not None else None,
     )

@@ -85,13 +85,13 @@ def _fractions(fig: Figure) -> dict[str, list[tuple[float, int]]]:
 
 
 def _assert_matches_totals(
-    cells: list[tuple[float, int]], totals: list[dict[str, Any]], key: str
+    cells: list[tuple[float, int]], totals: list[analysis.Totals], key: str
 ) -> None:
     assert len(cells) == len(totals)
     for (fraction, count), expected in zip(cells, totals, strict=True):
-        assert count == expected[key]
+        assert count == getattr(expected, key)
         # printed to 3 significant digits
-        assert fraction == pytest.approx(expected[f"{key}_fraction"], rel=5e-3, abs=0)
+        assert fraction == pytest.approx(getattr(expected, f"{key}_fraction"), rel=5e-3, abs=0)
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -131,7 +131,7 @@ def test_binade_counts_move_the_scaled_mass_and_keep_the_fixed_one() -> None:
 
         assert at(0, -30) == 1  # fixed: never moves
         assert (at(1, -27 + k), at(1, -20 + k), at(1, -2 + k), at(1, 10 + k)) == (4, 3, 5, 2)
-        assert counts.sum() == analysis.totals(report, FP16, k)["nonzero"] == 15
+        assert counts.sum() == analysis.totals(report, FP16, k).nonzero == 15
 
 
 def test_the_fractions_printed_are_the_exact_counts_of_analysis() -> None:
@@ -141,9 +141,9 @@ def test_the_fractions_printed_are_the_exact_counts_of_analysis() -> None:
         analysis.totals(report, FP16, k, scope=analysis.default_scope(report)) for k in (0, 8)
     ]
     # hand-counted (see _report): S = 1 then S = 2^8
-    assert [t["underflow"] for t in totals] == [5, 1]
-    assert [t["flushed"] for t in totals] == [8, 5]
-    assert [t["overflow"] for t in totals] == [0, 2]
+    assert [t.underflow for t in totals] == [5, 1]
+    assert [t.flushed for t in totals] == [8, 5]
+    assert [t.overflow for t in totals] == [0, 2]
     rows = _fractions(fig)
     _assert_matches_totals(rows["rounds to zero (underflow)"], totals, "underflow")
     _assert_matches_totals(rows["below normal (FTZ flushes)"], totals, "flushed")
@@ -375,7 +375,7 @@ def test_every_sample_model_plots(tmp_path: Path, name: str) -> None:
         _assert_matches_totals(rows[label], totals, key)
     # panel 1's series hold every nonzero value, at both scales
     for counts in _stairs(fig.axes[0]).values():
-        assert sum(counts.values()) == totals[0]["nonzero"]
+        assert sum(counts.values()) == totals[0].nonzero
     modules = [t.get_text() for t in fig.axes[1].get_yticklabels()]
     in_order = [m or "(root)" for m in report.meta["modules"] if (m or "(root)") in modules]
     assert modules == in_order and modules  # quadratic.py: all in the root module

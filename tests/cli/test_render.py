@@ -15,7 +15,7 @@ import pytest
 
 from fpaudit.cli import render, render_run
 from fpaudit.numerics.formats import FORMATS
-from fpaudit.report.runinfo import Finding
+from fpaudit.report.runinfo import Finding, ScalerInfo, SkipStatistics
 
 
 def test_error_line_is_one_line_whatever_the_message(capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,12 +90,13 @@ def test_sparkline_maps_log2_onto_eight_levels() -> None:
 
 
 def test_skip_lines_without_and_with_a_scaler() -> None:
-    stats = {"steps": 10, "skipped": 3, "calibration_steps": 2, "steps_after_calibration": 8,
-             "skipped_after_calibration": 1, "skip_rate_after_calibration": 1 / 8}  # fmt: skip
+    stats = SkipStatistics(steps=10, skipped=3, calibration_steps=2, steps_after_calibration=8,
+                           skipped_after_calibration=1, skip_rate_after_calibration=1 / 8)  # fmt: skip
     assert render_run.skip_lines(stats, None) == [
         "10 optimizer step(s); no enabled GradScaler, so no step was skipped."
     ]
-    lines = render_run.skip_lines(stats, {"init_scale": 65536.0, "growth_interval": 2000})
+    scaler = ScalerInfo("torch.amp.GradScaler", 65536.0, 2.0, 0.5, growth_interval=2000)
+    lines = render_run.skip_lines(stats, scaler)
     assert lines[0] == "Skipped 3 of 10 step(s) (30%)."
     assert lines[1].startswith(
         "  The first 2 skip(s) were calibration: a fresh scaler starts at 2^16"

@@ -146,3 +146,12 @@ def test_fp8_e4m3fn_overflow_is_overflow_whatever_torch_casts_it_to() -> None:
         assert cast.tolist() == [448.0, 448.0]
     assert fate(FORMATS["fp8_e4m3fn"], *_split(500.0)) == Fate.OVERFLOW
     assert fate(FORMATS["fp8_e4m3fn"], *_split(1e6)) == Fate.OVERFLOW
+
+
+def test_a_recipes_scale_codes_read_as_its_scale_format_says() -> None:
+    from fpaudit.numerics.recipes import E8M0_BIAS, RECIPES
+
+    # E8M0 codes carry a bias of 127 (code 127 is 2^0); nvfp4's codes are E4M3 bits
+    biases = {name: recipe.scale_code_bias for name, recipe in RECIPES.items()}
+    assert {name for name, bias in biases.items() if bias == 0} == {"nvfp4", "nvfp4-sr"}
+    assert E8M0_BIAS == 127 and biases["mxfp8-e4m3"] == 127

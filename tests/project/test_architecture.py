@@ -258,7 +258,12 @@ def test_each_public_name_is_declared_where_it_lives_and_typed_as_it_loads() -> 
                     typed[alias.name] = str(statement.module).removeprefix("fpaudit.")
     where = fpaudit._WHERE
     assert typed == where
-    assert fpaudit.__all__ == sorted([*where, "__version__"])
+    # every name but the one that would shadow a builtin under `from fpaudit import *`
+    assert fpaudit.__all__ == sorted(set(where) - {"compile"} | {"__version__"})
+    assert "compile" in dir(fpaudit) and fpaudit.compile.__module__ == "fpaudit.capture.compiled"
+    namespace: dict[str, object] = {}
+    exec("from fpaudit import *", namespace)
+    assert "compile" not in namespace and "audit" in namespace
     for name, module in where.items():  # each loads from the module it names
         assert getattr(fpaudit, name) is getattr(
             __import__(f"fpaudit.{module}", fromlist=["_"]), name

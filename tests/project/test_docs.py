@@ -204,3 +204,21 @@ def test_the_export_page_lists_every_metric_as_declared() -> None:
     page = (COMMAND_PAGES / "export.md").read_text()
     rows = re.findall(r"^\| `(fpaudit/[^`]+)` \| (.+) \|$", page, re.M)
     assert rows == [(m.name, m.meaning) for m in METRICS]
+
+
+def test_the_architecture_recipes_name_files_and_names_that_exist() -> None:
+    """docs/architecture.md's "where a new thing goes" lists every place a new thing
+    touches: each file it names exists (under fpaudit/, or from the root), and each
+    `module.NAME` or `NAME` it pins in a file of fpaudit/ is defined there."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    recipes = text.split("## Where a new thing goes", 1)[1]
+    files = set(re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.(?:py|md))`", recipes))
+    places = (ROOT / "fpaudit", ROOT, ROOT / "docs", ROOT / "tests")
+    missing = [f for f in sorted(files) if not any((place / f).exists() for place in places)]
+    assert missing == []
+    # `rules/scalers.py`'s `REGISTRY`: a name pinned to the file named before it
+    pinned = re.findall(r"`((?:[a-z_]+/)+[a-z_]+\.py)`'s `([A-Z_]+|[A-Za-z]+)`", recipes)
+    assert pinned, "the recipes pin names to files"
+    for path, name in pinned:
+        source = (ROOT / "fpaudit" / path).read_text()
+        assert re.search(rf"^(class |def )?{name}\b", source, re.M), (path, name)

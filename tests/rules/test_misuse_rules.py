@@ -227,8 +227,8 @@ def test_high_skip_rate_counts_only_after_calibration_and_needs_three_skips() ->
 
 def test_skip_statistics_of_a_run_that_never_stepped_count_every_skip() -> None:
     stats = skip_statistics(np.array([True, True, True]))
-    assert stats["calibration_steps"] == 0 and stats["skipped_after_calibration"] == 3
-    assert stats["skip_rate_after_calibration"] == 1.0
+    assert stats.calibration_steps == 0 and stats.skipped_after_calibration == 3
+    assert stats.skip_rate_after_calibration == 1.0
 
 
 def test_findings_sort_errors_first_then_by_file_and_line() -> None:

@@ -445,3 +445,56 @@ def test_replay_passes_the_current_scale() -> None:
     assert t.scale.tolist() == [1.0, 2.0, 4.0, 8.0, 16.0, 8.0, 16.0, 8.0]
     assert t.skipped.tolist() == [False] * 4 + [True, False, True, False]
     assert replay(settings("torch"), lambda i, s: False, 0).scale.shape == (0,)
+
+
+def test_a_scaler_parameter_is_declared_once_as_a_field_of_the_settings() -> None:
+    from dataclasses import fields
+
+    from fpaudit.cli.options import SimulateArgs, spec
+    from fpaudit.rules import scalers
+    from fpaudit.rules.simulation import ScalerOverrides
+
+    declared = tuple(f.name for f in fields(PolicySettings))
+    assert declared == ("policy", *PARAMETERS)
+    # what a policy lacks behaves as a scaler that never changes
+    assert scalers._INERT == {"growth_factor": 1.0, "backoff_factor": 1.0, "growth_interval": 1,
+                              "hysteresis": 1, "min_scale": None, "max_scale": None}  # fmt: skip
+    assert list(ScalerOverrides().to_dict()) == list(PARAMETERS)
+    # simulate has a flag for each, and the static scale; a scale reads as one (2^16)
+    options = SimulateArgs.option_names()
+    assert set(PARAMETERS) | {scalers.STATIC_SCALE} <= set(options)
+    for name in (*scalers.SCALE_PARAMETERS, scalers.STATIC_SCALE):
+        assert spec("simulate", name).kind == "scale"
+
+
+def test_one_registry_holds_every_policy_simulate_takes() -> None:
+    from fpaudit.cli.options import spec
+    from fpaudit.rules import delayed, scalers
+
+    choices = spec("simulate", "policy").bounds
+    assert choices is not None and choices.choices is not None
+    assert choices.choices() == tuple(scalers.REGISTRY)
+    assert POLICIES == ("torch", "apex", "deepspeed", "megatron", "static")
+    assert delayed.POLICIES == ("te-delayed", "msamp-delayed")
+    # static's one scale is simulate's --static-scale; only torch starts from the run's
+    assert {p.name: p.option("init_scale") for p in scalers.REGISTRY.values()}["static"] == (
+        "static_scale"
+    )
+    assert [p.name for p in scalers.REGISTRY.values() if p.recorded] == ["torch"]
+
+
+def test_no_policy_is_named_outside_the_registry() -> None:
+    import re
+    from pathlib import Path
+
+    import fpaudit
+
+    package = Path(fpaudit.__file__).parent
+    named = re.compile(r"policy(\.name)?\s*[!=]=\s*[\"']")
+    found = [
+        f"{path.relative_to(package)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if named.search(line)
+    ]
+    assert found == []  # a policy's behaviour is a field of its REGISTRY entry

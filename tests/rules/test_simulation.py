@@ -201,7 +201,7 @@ def test_each_window_is_what_recommend_says_of_that_window_alone() -> None:
         assert w.log2_scale == expected.log2_scale and w.amax == expected.amax
         assert w.underflow_fraction == expected.underflow_fraction
         at_run = totals(alone, FP16, run_scale)
-        assert w.underflow_at_run_scale == at_run["underflow"] / at_run["nonzero"]
+        assert w.underflow_at_run_scale == at_run.underflow / at_run.nonzero
     assert len({w.log2_scale for w in result.windows}) == 4
 
 

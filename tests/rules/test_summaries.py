@@ -108,6 +108,16 @@ def test_module_view_at_the_recommended_scale_and_the_worst_rows_first() -> None
     assert {"node", "op"} <= set(by_op.table.columns)
 
 
+def test_show_marks_the_modules_that_lose_what_the_scale_answers_for() -> None:
+    report = _two_modules()
+    # S = 1: a loses 3 of 8 (0.375 > 0.01), b nothing -> a marked
+    assert module_view(report, FP16, 0).marked() == [True, False]
+    # S = 2**10: a's 2**-30 become 2**-20 (kept), b's 2**-10 become 1 -> none lost
+    assert module_view(report, FP16, 10).marked() == [False, False]
+    # S = 2**16: a's 1.0 become 65536 > 65504 (overflow) -> a marked again
+    assert module_view(report, FP16, 16).marked() == [True, False]
+
+
 def test_recommendation_view_judges_the_worst_window_alone() -> None:
     # step 0 holds amax 2**10, steps 1-2 amax 1: the worst window is step 0
     report = report_of_steps(

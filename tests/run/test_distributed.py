@@ -89,8 +89,8 @@ def test_merged_numbers_equal_the_sum_of_the_ranks(scanned: Path) -> None:
         whole = analysis.totals(merged, FP16, k, scope=scope)
         each = [analysis.totals(p, FP16, k, scope=scope) for p in parts]
         for column in ("elements", "zeros", "nonzero", "underflow", "flushed", "overflow"):
-            assert whole[column] == sum(e[column] for e in each), (k, column)
-        assert whole["amax"] == max(e["amax"] for e in each)
+            assert getattr(whole, column) == sum(getattr(e, column) for e in each), (k, column)
+        assert whole.amax == max(e.amax for e in each)
     per_module = analysis.module_table(merged, FP16, 0, scope=scope).set_index("module")
     summed = sum(analysis.module_table(p, FP16, 0, scope=scope).set_index("module")["underflow"]
                  for p in parts)  # fmt: skip
@@ -170,9 +170,9 @@ def _equal_across_ranks_and_summed(report: Report) -> None:
     scope = analysis.default_scope(report)
     whole = analysis.totals(report, FP16, 0, scope=scope)
     each = [analysis.totals(p, FP16, 0, scope=scope) for p in parts]
-    assert each[0]["elements"] > 0 and each[1]["elements"] > 0
+    assert each[0].elements > 0 and each[1].elements > 0
     for column in ("elements", "zeros", "nonzero", "underflow", "flushed"):
-        assert whole[column] == sum(e[column] for e in each), column
+        assert getattr(whole, column) == sum(getattr(e, column) for e in each), column
     grads = report.records[report.records["kind"] == "grad"]
     amax = grads.pivot_table(index=["step", "module", "op"], columns="rank", values="amax")
     assert len(amax) and np.allclose(amax[0], amax[1])

@@ -83,7 +83,7 @@ def test_llama_rmsnorm_values_that_overflow_at_every_scale_are_apart_not_hidden(
     # norm, 640 in all), computed from forward values alone; 128 + 113 + 109 + 66 + 64 =
     # 480 of them pass 65504 (amax 1.6e5..2.2e5), so they overflow fp16 at every S
     assert rec.unscalable_overflow == 480 and rec.unscalable_underflow == 0
-    assert rec.unscalable == [
+    assert [group.to_dict() for group in rec.unscalable] == [
         {"node": "RsqrtBackward0", "op": "aten.pow.Tensor_Scalar", "underflow": 0,
          "overflow": 480, "modules": NORMS},
     ]  # fmt: skip

@@ -176,10 +176,10 @@ def test_a_falling_scale_is_judged_from_the_trajectory() -> None:
 
 def test_skip_statistics_separate_calibration() -> None:
     stats = skip_statistics(np.array([1, 1, 1, 0, 0, 1, 0, 0, 0, 0], dtype=bool))
-    assert stats["calibration_steps"] == 3
-    assert stats["skipped_after_calibration"] == 1 and stats["steps_after_calibration"] == 7
+    assert stats.calibration_steps == 3
+    assert stats.skipped_after_calibration == 1 and stats.steps_after_calibration == 7
     never = skip_statistics(np.ones(4, dtype=bool))  # never found a working scale
-    assert never["calibration_steps"] == 0 and never["skipped_after_calibration"] == 4
+    assert never.calibration_steps == 0 and never.skipped_after_calibration == 4
 
 
 def test_a_script_that_raises_keeps_its_steps_and_says_where(cli, tmp_path: Path) -> None:
