@@ -35,7 +35,7 @@ from fpaudit.report.runinfo import AMP_NAMES
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis, blockplan
 from fpaudit.rules.drift import window_report
-from fpaudit.rules.recommendation import recommend
+from fpaudit.rules.recommendation import choose_scale
 
 # A metric name in MLflow holds only letters, digits and ``_-. :/``, and MLflow's file
 # store keeps each metric in a file named by it: no name is the folder of another (so the
@@ -211,15 +211,17 @@ def _window_metrics(
     scope = analysis.default_scope(window)
     k = _judged_log2(loss_scale)
     at_run = analysis.totals(window, fmt, k, scope=scope)
-    recommendation = recommend(window, fmt, headroom_bits)
+    # recommend()'s scale and its underflow, without the tables a dashboard does not show
+    chosen = choose_scale(window, as_format(fmt), headroom_bits, scope).log2_scale
+    at_chosen = at_run if chosen == k else analysis.totals(window, fmt, chosen or 0, scope=scope)
     values = {
         f"fpaudit/{fmt}/underflow": at_run.judged_underflow_fraction,
-        f"fpaudit/{fmt}/underflow_at_recommended": float(recommendation.underflow_fraction),
+        f"fpaudit/{fmt}/underflow_at_recommended": at_chosen.judged_underflow_fraction,
         f"fpaudit/{fmt}/overflow": at_run.overflow_fraction,
         "fpaudit/loss_scale_log2": float(math.log2(loss_scale)) if loss_scale > 0 else 0.0,
     }
-    if recommendation.log2_scale is not None:
-        values[f"fpaudit/{fmt}/recommended_log2_scale"] = float(recommendation.log2_scale)
+    if chosen is not None:
+        values[f"fpaudit/{fmt}/recommended_log2_scale"] = float(chosen)
     if modules:
         table = analysis.module_table(window, fmt, k, scope=scope).set_index("module")
         for module in modules:

@@ -102,6 +102,36 @@ class Recommendation:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ScaleChoice:
+    """The power of two :func:`recommend` picks, and why: the largest unscaled amax of the
+    values that scale with the loss (its record's module and op) sized to the format with
+    the headroom; ``log2_scale`` None when no such value is nonzero."""
+
+    log2_scale: int | None
+    limited_by: str
+    amax: float = 0.0
+    limiting_module: str | None = None
+    limiting_op: str | None = None
+
+
+def choose_scale(
+    report: Report, fmt: Format, headroom_bits: int, scope: analysis.Scope
+) -> ScaleChoice:
+    """The scale alone (no tables at it): what a per-step dashboard needs of a
+    recommendation, and the start of :func:`recommend`."""
+    records = scope.select(report.records)
+    records = records[records["scales_with_loss"]]
+    unscaled = records["amax"] / records["loss_scale"]
+    if records.empty or not (unscaled > 0).any():
+        return ScaleChoice(None, "no nonzero values")
+    limiter = records.loc[unscaled.idxmax()]
+    amax = float(unscaled.max())
+    k, limited_by = log2_scale_for(amax, fmt, headroom_bits)
+    assert k is not None  # amax > 0
+    return ScaleChoice(k, limited_by, amax, str(limiter["module"]), str(limiter["op"]))
+
+
 def recommend(
     report: Report,
     fmt: Format | str,
@@ -114,9 +144,7 @@ def recommend(
     if headroom_bits < 0:
         raise ValueError("headroom_bits must be >= 0")
     scope = analysis.default_scope(report, include_loss)
-    records = scope.select(report.records)
-    records = records[records["scales_with_loss"]]
-    unscaled = records["amax"] / records["loss_scale"]
+    choice = choose_scale(report, fmt, headroom_bits, scope)
     at_1 = analysis.module_table(report, fmt, 0, scope=scope)
     overall_at_1 = analysis.totals(report, fmt, 0, scope=scope)
 
@@ -126,7 +154,7 @@ def recommend(
         "unscalable_overflow": overall_at_1.unscalable_overflow,
         "unscalable": apart,
     }
-    if records.empty or not (unscaled > 0).any():
+    if choice.log2_scale is None:
         return Recommendation(
             format=fmt.name,
             headroom_bits=headroom_bits,
@@ -145,10 +173,7 @@ def recommend(
             **unscalable_counts,
         )
 
-    limiter = records.loc[unscaled.idxmax()]
-    amax = float(unscaled.max())
-    k, limited_by = log2_scale_for(amax, fmt, headroom_bits)
-    assert k is not None  # amax > 0
+    k, limited_by, amax = choice.log2_scale, choice.limited_by, choice.amax
     overall = analysis.totals(report, fmt, k, scope=scope)
     one_fewer = min(k + 1, LOG2_SCALE_MAX) if limited_by == "amax" else k
     overall_one_fewer = analysis.totals(report, fmt, one_fewer, scope=scope)
@@ -158,8 +183,8 @@ def recommend(
         log2_scale=k,
         scale=math.ldexp(1.0, k),
         amax=amax,
-        limiting_module=str(limiter["module"]),
-        limiting_op=str(limiter["op"]),
+        limiting_module=choice.limiting_module,
+        limiting_op=choice.limiting_op,
         limited_by=limited_by,
         underflow_fraction=overall.judged_underflow_fraction,
         underflow_fraction_at_1=overall_at_1.judged_underflow_fraction,

@@ -86,3 +86,20 @@ def test_every_metric_name_is_declared_once() -> None:
     found = metrics.step_metrics(audited(), "fp16", top=1)
     assert set(found[0].values) <= declared
     assert math.isfinite(sum(found[0].values.values()))
+
+
+def test_the_recommended_scale_metrics_are_recommends_own_on_each_step() -> None:
+    # the dashboard takes recommend()'s scale without its tables: the same numbers on every
+    # step of a real scan, at a loss scale (values recorded scaled) and with inf-free steps
+    from fpaudit.rules.drift import window_report
+    from fpaudit.rules.recommendation import recommend
+    from fpaudit.run.scan import ScanOptions, scan
+
+    report = scan("sample_configs/mlp.py", ScanOptions(steps=3, loss_scale=2.0**10))
+    found = metrics.step_metrics(report, "fp16", top=0)
+    assert [m.step for m in found] == [0, 1, 2]
+    for m in found:
+        expected = recommend(window_report(report, m.step, m.step), "fp16")
+        assert expected.log2_scale is not None
+        assert m.values["fpaudit/fp16/recommended_log2_scale"] == expected.log2_scale
+        assert m.values["fpaudit/fp16/underflow_at_recommended"] == expected.underflow_fraction
