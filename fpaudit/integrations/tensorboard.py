@@ -183,10 +183,13 @@ class LiveWriter:
     def close(self, report: Report | None = None) -> None:
         """Write the skip counts (``skips_at_end``, from ``report``), flush and close."""
         if self.failed is None and self.skips_at_end and report is not None:
-            series = skipped_series(report)
-            self._guarded(lambda: [self.writer.add_scalar(SKIPPED_STEPS, n, s) for s, n in series])
+            self._guarded(lambda: self._write_skips(report))
         if self._writer is not None:
             self._guarded(self._writer.close)
+
+    def _write_skips(self, report: Report) -> None:
+        for step, skipped in skipped_series(report):
+            self.writer.add_scalar(SKIPPED_STEPS, skipped, step)
 
     def _guarded(self, write: Any) -> None:
         try:
