@@ -568,10 +568,10 @@ def report_notes(report: Report, *, incomplete: bool = True) -> None:
         )
     compiled = report.info.compiled
     if compiled is not None:
-        for line in compiled.get("not_covered") or ():
+        for line in compiled.not_covered:
             sys.stderr.write(f"fpaudit: note: not covered: {line}\n")
-        fused = compiled.get("fused_away") or {}
-        if compiled.get("observed_backward_runs") and fused:
+        fused = compiled.fused_away
+        if compiled.observed_backward_runs and fused:
             sys.stderr.write(
                 f"fpaudit: note: compiled backward: {count(len(fused))} module(s) kept some "
                 "values in a fused kernel's registers (never stored, not counted); "

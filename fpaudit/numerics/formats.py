@@ -194,6 +194,12 @@ FORMATS: dict[str, Format] = {
 }
 
 
+AMP_NAMES = {FORMATS[name].dtype_name: name for name in ("fp16", "bf16")}
+"""The formats autocast holds values in (``--amp fp16`` / ``bf16``), by their dtype's name:
+the one map from a dtype to a format's name (``fpaudit.run.scan.AMP_DTYPES`` and the
+autocast probe's dtype names are built from it)."""
+
+
 def get_format(name: str) -> Format:
     """Look a format up by its CLI spelling, with a helpful error."""
     try:

@@ -613,12 +613,12 @@ def _evidence(
         failures.append(Failure(EVIDENCE, (NOTHING_MEASURED,), _nothing_reason(report, overall)))
     elif (
         (compiled := report.info.compiled) is not None
-        and compiled.get("inductor", True)
-        and not compiled.get("observed_backward_runs")
+        and compiled.inductor
+        and not compiled.observed_backward_runs
     ):
         # A compiled model's backward values are its compiled graph's: the ops it hands
         # back to aten and the parameter gradients alone are a subset, not evidence.
-        not_covered = [str(line) for line in compiled.get("not_covered") or ()]
+        not_covered = list(compiled.not_covered)
         failures.append(
             Failure(
                 EVIDENCE,
