@@ -129,17 +129,14 @@ class Format:
 
     @property
     def limits(self) -> FormatLimits:
-        """This format's thresholds, as ``fpaudit formats`` lists them."""
+        """This format's thresholds, as ``fpaudit formats`` lists them: each field of
+        :class:`FormatLimits` is this format's attribute of the same name."""
+        named: dict[str, Any] = {"format": self.name, "dtype": self.dtype_name}
         return FormatLimits(
-            format=self.name,
-            dtype=self.dtype_name,
-            smallest_subnormal=self.smallest_subnormal,
-            round_to_zero_edge=self.round_to_zero_edge,
-            smallest_normal=self.smallest_normal,
-            max_finite=self.max_finite,
-            overflow_edge=self.overflow_edge,
-            overflow_edge_inclusive=self.overflow_edge_inclusive,
-            overflow_result=self.overflow_result,
+            **{
+                item.name: named[item.name] if item.name in named else getattr(self, item.name)
+                for item in dataclasses.fields(FormatLimits)
+            }
         )
 
     @property

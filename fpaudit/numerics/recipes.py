@@ -145,22 +145,25 @@ class Recipe:
 
     @property
     def summary(self) -> RecipeSummary:
-        """This recipe as ``fpaudit recipes`` lists it."""
+        """This recipe as ``fpaudit recipes`` lists it: a field of :class:`RecipeSummary`
+        not computed here is this recipe's attribute of the same name."""
         element = self.element
+        computed: dict[str, Any] = {
+            "recipe": self.name,
+            "element": element.name,
+            "block": "tensor" if self.per_tensor else f"{self.block[0]}x{self.block[1]}",
+            "element_flush_at": None if self.expected else element.round_to_zero_edge,
+            "element_may_flush_below": element.smallest_subnormal if self.expected else None,
+            "element_smallest_normal": element.smallest_normal,
+            "element_max": element.max_finite,
+        }
         return RecipeSummary(
-            recipe=self.name,
-            element=element.name,
-            block="tensor" if self.per_tensor else f"{self.block[0]}x{self.block[1]}",
-            orientation=self.orientation,
-            scale_rule=self.scale_rule,
-            scale_format=self.scale_format,
-            element_flush_at=None if self.expected else element.round_to_zero_edge,
-            element_may_flush_below=element.smallest_subnormal if self.expected else None,
-            element_smallest_normal=element.smallest_normal,
-            element_max=element.max_finite,
-            rounding=self.rounding,
-            cost=self.cost,
-            description=self.description,
+            **{
+                item.name: computed[item.name]
+                if item.name in computed
+                else getattr(self, item.name)
+                for item in dataclasses.fields(RecipeSummary)
+            }
         )
 
     @property
