@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from fpaudit.cli import config, render, render_blocks, render_run
+from fpaudit.cli import config, render, render_blocks, render_run, render_show, render_simulate
 from fpaudit.cli import options as specs
 from fpaudit.cli.common import (
     EXIT_GATE_FAILED,
@@ -91,7 +91,7 @@ def _show_origins(report_path: Path, options: ShowArgs) -> None:
     if options.json:
         render.print_json(view.to_dict())
     else:
-        render_run.origins_view(
+        render_show.origins_view(
             view.live, view.predicted, view.format, view.log2_scale, top=options.top or 10
         )
 
@@ -115,7 +115,7 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
         if options.json:
             render.print_json(steps.to_dict())
         else:
-            render_run.steps_view(report, options.limit, list(steps.findings))
+            render_show.steps_view(report, options.limit, list(steps.findings))
         return
     if options.recipe is not None:
         _show_blocks(report_path, options, options.recipe)
@@ -232,7 +232,7 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
     if options.json:
         render.print_json(result.to_dict())
     else:
-        render_run.simulation(result)
+        render_simulate.simulation(result)
 
 
 _FP8_SETTINGS = ("amax_history_len", "margin", "amax_compute_algo", "sweep", "max_overflow_steps")
@@ -267,7 +267,7 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
         if options.json:
             render.print_json(swept.to_dict())
         else:
-            render_run.fp8_sweep(swept)
+            render_simulate.fp8_sweep(swept)
         return
     if "max_overflow_steps" in options.given:
         raise UsageError("--max-overflow-steps is the gate of --sweep; add --sweep")
@@ -276,7 +276,7 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
     if options.json:
         render.print_json(result.to_dict())
     else:
-        render_run.fp8_replay(result)
+        render_simulate.fp8_replay(result)
 
 
 @with_options(PlotArgs)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
-from fpaudit.cli import config, render, render_blocks, render_run
+from fpaudit.cli import config, render, render_blocks, render_fp16plan, render_run
 from fpaudit.cli import options as specs
 from fpaudit.cli.common import (
     EXIT_ERROR,
@@ -492,4 +492,4 @@ def fp16_plan_command(model_file: ModelFileArgument, options: Fp16PlanArgs) -> N
         device=options.device,
         seed=options.seed,
     )
-    verdict(plan, options.json, render_run.fp16_plan)
+    verdict(plan, options.json, render_fp16plan.fp16_plan)

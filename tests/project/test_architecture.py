@@ -27,6 +27,9 @@ PRESENTATION = {
     "fpaudit.cli.common",
     "fpaudit.cli.render",
     "fpaudit.cli.render_run",
+    "fpaudit.cli.render_show",
+    "fpaudit.cli.render_simulate",
+    "fpaudit.cli.render_fp16plan",
     "fpaudit.cli.render_blocks",
     "fpaudit.__main__",
 }
