@@ -110,6 +110,10 @@ class Command:
     name: str = ""  # args.COMMAND where it has args
     passes_arguments: bool = False  # run: what follows the script is the script's own
 
+    def __post_init__(self) -> None:
+        if (self.args is None) == (self.name == ""):
+            raise ValueError(f"{self.function.__name__}: a name only where it has no args")
+
     @property
     def command(self) -> str:
         return self.args.COMMAND if self.args is not None else self.name
