@@ -3,9 +3,10 @@
 The commands live by what they do: :mod:`fpaudit.cli.commands_run` (``scan``, ``run``,
 ``verify``, ``fp16-plan``: they run the user's code) and :mod:`fpaudit.cli.commands_report`
 (``show``, ``recommend``, ``simulate``, ``plot``, ``gate``, ``plan``: they read a report;
-``formats`` and ``recipes``). This module is the typer app: it registers them in the
-order ``--help`` lists them, and :func:`run` maps every way a command ends to an exit
-code, the one place that does.
+``formats`` and ``recipes``). This module declares each command once, a
+:class:`Command` in :data:`DECLARED` (options class, function, renderer, in the order
+``--help`` lists them), is the typer app that registers them, and :func:`run` maps every
+way a command ends to an exit code, the one place that does.
 
 Exit codes: 0 success/pass, 1 the gate failed, 2 bad input or usage, 130
 interrupted. Errors are one line on stderr; ``--debug`` adds the traceback.
@@ -22,14 +23,48 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Annotated, Any
 
 import typer
 
 from fpaudit import __version__, _threads
 from fpaudit._process import Owner
-from fpaudit.cli import commands_report, commands_run, render
-from fpaudit.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, state
+from fpaudit.cli import (
+    commands_report,
+    commands_run,
+    render,
+    render_blocks,
+    render_fp16plan,
+    render_run,
+    render_show,
+    render_simulate,
+)
+from fpaudit.cli.common import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    state,
+    with_options,
+)
+from fpaudit.cli.options import (
+    CONFIG_COMMANDS,
+    CommandOptions,
+    DiffArgs,
+    ExportArgs,
+    Fp16PlanArgs,
+    GateArgs,
+    PlanArgs,
+    PlotArgs,
+    RecommendArgs,
+    RunArgs,
+    ScanArgs,
+    ShowArgs,
+    SimulateArgs,
+    VerifyArgs,
+)
 from fpaudit.errors import FpauditError, Interrupted, MonitorFailure
 
 app = typer.Typer(
@@ -58,26 +93,71 @@ def _main(
     state["debug"] = debug
 
 
-# The commands in the order --help lists them: name, function, typer's settings.
-COMMANDS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = (
-    ("formats", commands_report.formats_command, {}),
-    ("recipes", commands_report.recipes_command, {}),
-    ("scan", commands_run.scan_command, {}),
-    (
-        "run",
-        commands_run.run_command,
-        {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}},
-    ),
-    ("show", commands_report.show_command, {}),
-    ("recommend", commands_report.recommend_command, {}),
-    ("simulate", commands_report.simulate_command, {}),
-    ("plot", commands_report.plot_command, {}),
-    ("gate", commands_report.gate_command, {}),
-    ("diff", commands_report.diff_command, {}),
-    ("plan", commands_report.plan_command, {}),
-    ("export", commands_report.export_command, {}),
-    ("verify", commands_run.verify_command, {}),
-    ("fp16-plan", commands_run.fp16_plan_command, {}),
+@dataclass(frozen=True)
+class Command:
+    """One command, declared once: its options class ``args`` (its name, its options,
+    whether a config file may set it: :mod:`fpaudit.cli.options`), the ``function`` that
+    parses, calls the library and renders (it takes the arguments it declares and one
+    ``options: args``, which :func:`~fpaudit.cli.common.with_options` builds from the
+    flags and the config file), and the ``renderer``, the module that draws what it
+    prints (``render_CMD.py`` where it has one of its own). Its place in
+    :data:`DECLARED` is its place in ``--help``. ``formats`` and ``recipes`` take no
+    options class, only ``--json`` (``args`` None, ``name`` given)."""
+
+    args: type[CommandOptions] | None
+    function: Callable[..., None]
+    renderer: ModuleType
+    name: str = ""  # args.COMMAND where it has args
+    passes_arguments: bool = False  # run: what follows the script is the script's own
+
+    def __post_init__(self) -> None:
+        if (self.args is None) == (self.name == ""):
+            raise ValueError(f"{self.function.__name__}: a name only where it has no args")
+
+    @property
+    def command(self) -> str:
+        return self.args.COMMAND if self.args is not None else self.name
+
+    @property
+    def config(self) -> bool:
+        """A config file may set it (the command is in ``CONFIG_COMMANDS``)."""
+        return self.args is not None and self.args.COMMAND in CONFIG_COMMANDS
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What typer's ``app.command`` takes besides the name."""
+        if not self.passes_arguments:
+            return {}
+        return {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}}
+
+    @property
+    def callback(self) -> Callable[..., None]:
+        """The function as typer calls it: with its flags, where it has options."""
+        if self.args is None:
+            return self.function
+        return with_options(self.args)(self.function)
+
+
+# The commands, in the order --help lists them: options class, function, renderer.
+DECLARED: tuple[Command, ...] = (
+    Command(None, commands_report.formats_command, render, name="formats"),
+    Command(None, commands_report.recipes_command, render_blocks, name="recipes"),
+    Command(ScanArgs, commands_run.scan_command, render),
+    Command(RunArgs, commands_run.run_command, render_run, passes_arguments=True),
+    Command(ShowArgs, commands_report.show_command, render_show),
+    Command(RecommendArgs, commands_report.recommend_command, render),
+    Command(SimulateArgs, commands_report.simulate_command, render_simulate),
+    Command(PlotArgs, commands_report.plot_command, render),  # the image: plot.py, when drawn
+    Command(GateArgs, commands_report.gate_command, render),
+    Command(DiffArgs, commands_report.diff_command, render),
+    Command(PlanArgs, commands_report.plan_command, render_blocks),
+    Command(ExportArgs, commands_report.export_command, render),
+    Command(VerifyArgs, commands_run.verify_command, render),
+    Command(Fp16PlanArgs, commands_run.fp16_plan_command, render_fp16plan),
+)
+# name, function as typer calls it, typer's settings: what the app registers
+COMMANDS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = tuple(
+    (command.command, command.callback, command.settings) for command in DECLARED
 )
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from fpaudit.cli import config, render, render_blocks, render_run
+from fpaudit.cli import config, render, render_blocks, render_run, render_show, render_simulate
 from fpaudit.cli import options as specs
 from fpaudit.cli.common import (
     EXIT_GATE_FAILED,
@@ -27,7 +27,6 @@ from fpaudit.cli.common import (
     outside_report,
     scale,
     verdict,
-    with_options,
 )
 from fpaudit.cli.options import (
     DiffArgs,
@@ -91,12 +90,11 @@ def _show_origins(report_path: Path, options: ShowArgs) -> None:
     if options.json:
         render.print_json(view.to_dict())
     else:
-        render_run.origins_view(
+        render_show.origins_view(
             view.live, view.predicted, view.format, view.log2_scale, top=options.top or 10
         )
 
 
-@with_options(ShowArgs)
 def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
     """Per-module table of zeros, underflow, flush and overflow at a scale (or --steps).
 
@@ -115,7 +113,7 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
         if options.json:
             render.print_json(steps.to_dict())
         else:
-            render_run.steps_view(report, options.limit, list(steps.findings))
+            render_show.steps_view(report, options.limit, list(steps.findings))
         return
     if options.recipe is not None:
         _show_blocks(report_path, options, options.recipe)
@@ -156,7 +154,6 @@ def _show_blocks(report_path: Path, options: ShowArgs, recipe_name: str) -> None
         render_blocks.block_table(table, recipe.name, options.by, kind=options.kind)
 
 
-@with_options(RecommendArgs)
 def recommend_command(report_path: ReportArgument, options: RecommendArgs) -> None:
     """Recommend a power-of-two static loss scale, and say what limited it.
 
@@ -190,7 +187,6 @@ def recommend_command(report_path: ReportArgument, options: RecommendArgs) -> No
         render.stdout().print(line)
 
 
-@with_options(SimulateArgs)
 def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None:
     """Replay a loss-scaler policy over a report's steps: skips, scales, underflow.
 
@@ -232,7 +228,7 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
     if options.json:
         render.print_json(result.to_dict())
     else:
-        render_run.simulation(result)
+        render_simulate.simulation(result)
 
 
 _FP8_SETTINGS = ("amax_history_len", "margin", "amax_compute_algo", "sweep", "max_overflow_steps")
@@ -267,7 +263,7 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
         if options.json:
             render.print_json(swept.to_dict())
         else:
-            render_run.fp8_sweep(swept)
+            render_simulate.fp8_sweep(swept)
         return
     if "max_overflow_steps" in options.given:
         raise UsageError("--max-overflow-steps is the gate of --sweep; add --sweep")
@@ -276,10 +272,9 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
     if options.json:
         render.print_json(result.to_dict())
     else:
-        render_run.fp8_replay(result)
+        render_simulate.fp8_replay(result)
 
 
-@with_options(PlotArgs)
 def plot_command(
     report_path: ReportArgument, new: NewOptionalArgument = None, *, options: PlotArgs
 ) -> None:
@@ -339,7 +334,6 @@ def _plot_comparison(base: Path, new: Path, output: Path, options: PlotArgs) -> 
     render.stdout().print(f"Wrote {written}")
 
 
-@with_options(GateArgs)
 def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
     """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale,
     or when the report measured nothing, holds inf/NaN, no completed step, or a run's error.
@@ -425,7 +419,6 @@ def _gate_blocks(report_path: Path, options: GateArgs) -> None:
     verdict(result, options.json, render_blocks.block_gate)
 
 
-@with_options(PlanArgs)
 def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
     """Per module, the cheapest block-scaled recipe that passes, and which must stay in bf16.
 
@@ -449,7 +442,6 @@ def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
     render_blocks.plan(result, output)
 
 
-@with_options(DiffArgs)
 def diff_command(base: BaseArgument, new: NewArgument, options: DiffArgs) -> None:
     """Compare two reports in one format at one scale, per module (or op): underflow and
     overflow in each, their change, the move of amax; the largest rise of underflow first.
@@ -495,7 +487,6 @@ def _diff_blocks(base: Report, new: Report, options: DiffArgs) -> None:
         render_blocks.block_comparison(result)
 
 
-@with_options(ExportArgs)
 def export_command(report_path: ReportArgument, options: ExportArgs) -> None:
     """Write a report's dashboard metrics and per-module binade histograms as TensorBoard
     event files, one point per captured step (tensorboard --logdir DIR shows them).

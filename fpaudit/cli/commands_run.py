@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
-from fpaudit.cli import config, render, render_blocks, render_run
+from fpaudit.cli import config, render, render_blocks, render_fp16plan, render_run
 from fpaudit.cli import options as specs
 from fpaudit.cli.common import (
     EXIT_ERROR,
@@ -27,7 +27,6 @@ from fpaudit.cli.common import (
     no_progress,
     state,
     verdict,
-    with_options,
 )
 from fpaudit.cli.options import Fp16PlanArgs, RunArgs, ScanArgs, VerifyArgs
 from fpaudit.errors import Interrupted, ModelFileError, UsageError
@@ -202,7 +201,6 @@ def _meta(options: ScanArgs | RunArgs, **settings: Any) -> RunMeta:
     )
 
 
-@with_options(ScanArgs)
 def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
     """Run a model file for some steps and record every backward op.
 
@@ -339,7 +337,6 @@ ScriptArgument = Annotated[
 ]
 
 
-@with_options(RunArgs)
 def run_command(ctx: typer.Context, script: ScriptArgument, options: RunArgs) -> None:
     """Run an unmodified training script and audit its loop: scaler, skips, clipping, drift.
 
@@ -449,7 +446,6 @@ def _exit_as_the_script(outcome: RunOutcome) -> NoReturn:
     raise typer.Exit(outcome.exit_status)
 
 
-@with_options(VerifyArgs)
 def verify_command(model_file: ModelFileArgument, options: VerifyArgs) -> None:
     """One fp32 step against one mixed-precision step: which parameters stop learning.
 
@@ -476,7 +472,6 @@ def verify_command(model_file: ModelFileArgument, options: VerifyArgs) -> None:
     verdict(result, options.json, render.verification)
 
 
-@with_options(Fp16PlanArgs)
 def fp16_plan_command(model_file: ModelFileArgument, options: Fp16PlanArgs) -> None:
     """The smallest set of modules to keep out of fp16, a loss scale, verified by running it.
 
@@ -492,4 +487,4 @@ def fp16_plan_command(model_file: ModelFileArgument, options: Fp16PlanArgs) -> N
         device=options.device,
         seed=options.seed,
     )
-    verdict(plan, options.json, render_run.fp16_plan)
+    verdict(plan, options.json, render_fp16plan.fp16_plan)

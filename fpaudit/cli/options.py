@@ -17,6 +17,12 @@ An option several commands share with one meaning (``force``, ``headroom_bits``)
 module-level :class:`Option` that each class calls; the classes list their options in
 the order their ``--help`` shows them.
 
+A command's class is the half of its declaration the layers below the commands read
+(the TOML schema, the flags): its name (``COMMAND``), its options, and whether a config
+file may set it (it has the ``config_file`` field). :data:`COMMAND_ARGS` and
+:data:`CONFIG_COMMANDS` are read from the classes; the other half, the function, the
+renderer and the help's place, is the command's :class:`fpaudit.cli.commands.Command`.
+
 Adding an option to a command is one edit: a field in its class, here, e.g.
 ``max_backoffs: int = Option(5, "More consecutive scale back-offs than this is a
 finding")()``; then the command reads ``options.max_backoffs``. tests/cli/test_options.py
@@ -39,8 +45,6 @@ from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS, MAX_HEADROOM_BITS
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 from fpaudit.rules import scalers
 
-# The commands a config file may have a table for, in the order messages list them.
-CONFIG_COMMANDS = ("scan", "run", "show", "recommend", "plot", "simulate", "gate", "plan")
 CONFIG_FIELD = "config_file"  # --config: where the command reads the rest from
 
 _NO_DEFAULT: Any = object()
@@ -461,6 +465,22 @@ class RecommendArgs(CommandOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PlotArgs(CommandOptions):
+    COMMAND: ClassVar[str] = "plot"
+    output: str | None = Option(
+        help="The image to write: FILE.png or FILE.svg (required)", short="-o", path=True
+    )()
+    format: str | None = REPORT_FORMAT()
+    scale: str = Option(
+        "recommended", "Power-of-two scale (4096, 2^12) or 'recommended'", kind="scale",
+        short="-s",
+    )()  # fmt: skip
+    headroom_bits: int = HEADROOM_BITS()
+    recipe: tuple[str, ...] = RECIPES()
+    config_file: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class SimulateArgs(CommandOptions):
     COMMAND: ClassVar[str] = "simulate"
     policy: str = Option("torch", _POLICY_CHOICES, bounds=Bounds(choices=_policies))()
@@ -497,22 +517,6 @@ class SimulateArgs(CommandOptions):
     )()
     max_overflow_steps: int = Option(0, "--sweep's gate: overflow steps allowed")()
     json: bool = JSON()
-    config_file: Path | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlotArgs(CommandOptions):
-    COMMAND: ClassVar[str] = "plot"
-    output: str | None = Option(
-        help="The image to write: FILE.png or FILE.svg (required)", short="-o", path=True
-    )()
-    format: str | None = REPORT_FORMAT()
-    scale: str = Option(
-        "recommended", "Power-of-two scale (4096, 2^12) or 'recommended'", kind="scale",
-        short="-s",
-    )()  # fmt: skip
-    headroom_bits: int = HEADROOM_BITS()
-    recipe: tuple[str, ...] = RECIPES()
     config_file: Path | None = None
 
 
@@ -676,10 +680,14 @@ class ExportArgs(CommandOptions):  # no config file
     )()  # fmt: skip
 
 
-COMMAND_ARGS: tuple[type[CommandOptions], ...] = (
-    ScanArgs, RunArgs, ShowArgs, RecommendArgs, SimulateArgs, PlotArgs, GateArgs, DiffArgs,
-    PlanArgs, VerifyArgs, Fp16PlanArgs, ExportArgs,
-)  # fmt: skip
+# Every command's options class, in the order the classes stand above (Python keeps a
+# class's subclasses in definition order): no list to keep in step with them.
+COMMAND_ARGS: tuple[type[CommandOptions], ...] = tuple(CommandOptions.__subclasses__())
+# The commands a config file may have a table for: those whose class has --config's
+# field, in the same order (the order the config file's messages list them).
+CONFIG_COMMANDS: tuple[str, ...] = tuple(
+    args.COMMAND for args in COMMAND_ARGS if CONFIG_FIELD in args.option_names()
+)
 
 
 def _merged(each: list[Spec]) -> tuple[Spec, ...]:

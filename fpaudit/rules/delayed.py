@@ -74,7 +74,7 @@ Known limitations:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -125,12 +125,7 @@ class Settings:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy,
-            "amax_history_len": self.amax_history_len,
-            "margin": self.margin,
-            "amax_compute_algo": self.amax_compute_algo,
-        }
+        return {item.name: getattr(self, item.name) for item in fields(self)}
 
 
 def scale_update(
@@ -208,6 +203,29 @@ def classify(fmt: Format, values: np.ndarray, scales: np.ndarray) -> tuple[np.nd
 COUNT_COLUMNS = ("nonzero", "overflow_lower", "overflow_upper", "flushed_lower", "flushed_upper")
 
 
+@dataclass(frozen=True)
+class ReplaySummary:
+    """What one delayed-scaling replay comes to, over every op and step: the steps in
+    which some op overflows and the fractions of nonzero values that overflow or flush,
+    each as a lower (certainly) and upper (possibly) bound. The JSON keys are the
+    settings' then these fields' names, in field order."""
+
+    settings: Settings
+    exact: bool  # the bounds agree: every scale a power of two
+    steps: int
+    ops: int
+    overflow_steps_lower: int
+    overflow_steps_upper: int
+    overflow_fraction_lower: float
+    overflow_fraction_upper: float
+    flushed_fraction_lower: float
+    flushed_fraction_upper: float
+
+    def to_dict(self) -> dict[str, Any]:
+        own = {item.name: getattr(self, item.name) for item in fields(self)[1:]}
+        return {**self.settings.to_dict(), **own}
+
+
 @dataclass
 class Replay:
     """One delayed-scaling replay: per (op, step) scale and counts, and summaries."""
@@ -279,23 +297,23 @@ class Replay:
             frame[f"{name}_fraction"] = frame[name] / nonzero
         return frame.sort_values(["step"], kind="stable").reset_index(drop=True)
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            **self.settings.to_dict(),
-            "exact": self.exact,
-            "steps": len(self.steps),
-            "ops": len(self.ops),
-            "overflow_steps_lower": len(self.overflow_steps("lower")),
-            "overflow_steps_upper": len(self.overflow_steps("upper")),
-            "overflow_fraction_lower": self.fraction("overflow_lower"),
-            "overflow_fraction_upper": self.fraction("overflow_upper"),
-            "flushed_fraction_lower": self.fraction("flushed_lower"),
-            "flushed_fraction_upper": self.fraction("flushed_upper"),
-        }
+    def summary(self) -> ReplaySummary:
+        return ReplaySummary(
+            settings=self.settings,
+            exact=self.exact,
+            steps=len(self.steps),
+            ops=len(self.ops),
+            overflow_steps_lower=len(self.overflow_steps("lower")),
+            overflow_steps_upper=len(self.overflow_steps("upper")),
+            overflow_fraction_lower=self.fraction("overflow_lower"),
+            overflow_fraction_upper=self.fraction("overflow_upper"),
+            flushed_fraction_lower=self.fraction("flushed_lower"),
+            flushed_fraction_upper=self.fraction("flushed_upper"),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            **self.summary(),
+            **self.summary().to_dict(),
             "overflow_step_numbers": self.overflow_steps("upper"),
             "notes": self.notes,
             "per_step": _records(self.per_step()),
@@ -490,7 +508,7 @@ class Sweep:
             "policy": self.policy,
             "amax_compute_algo": self.amax_compute_algo,
             "max_overflow_steps": self.max_overflow_steps,
-            "grid": [r.summary() for r in self.replays],
+            "grid": [r.summary().to_dict() for r in self.replays],
             "recommended": None
             if chosen is None
             else {

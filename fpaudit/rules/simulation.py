@@ -24,7 +24,7 @@ that is not a power of two, at the power of two below it: an upper bound).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -146,12 +146,34 @@ def thresholds(report: Report, fmt: Format, scope: analysis.Scope) -> Thresholds
     return Thresholds(index, threshold, source, real_scale, skipped)
 
 
+@dataclass(frozen=True)
+class RunSummary:
+    """What one replay comes to: its skips, the range of its scale, its underflow. The
+    JSON keys are the fields' names, in field order (``settings`` as the policy's own)."""
+
+    policy: str
+    settings: scalers.PolicySettings
+    skipped: int
+    skipped_steps: tuple[int, ...]
+    final_scale: float | None  # None: no steps
+    min_scale: float | None
+    max_scale: float | None
+    underflow_fraction: float
+    aborted_at: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {item.name: getattr(self, item.name) for item in fields(self)}
+        out["settings"] = self.settings.to_dict()
+        out["skipped_steps"] = list(self.skipped_steps)
+        return out
+
+
 @dataclass
 class Run:
     """One policy's replay: scales, skips and underflow per step."""
 
     name: str
-    settings: dict[str, Any]
+    settings: scalers.PolicySettings
     trajectory: scalers.Trajectory
     underflow: np.ndarray  # float64 per step: underflow fraction at its scale (NaN: not captured)
     underflow_count: int = 0  # over captured steps, at their scales
@@ -161,20 +183,20 @@ class Run:
     def underflow_fraction(self) -> float:
         return self.underflow_count / self.nonzero if self.nonzero else 0.0
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RunSummary:
         t = self.trajectory
         skipped = np.flatnonzero(t.skipped)
-        return {
-            "policy": self.name,
-            "settings": self.settings,
-            "skipped": len(skipped),
-            "skipped_steps": [int(s) for s in skipped],
-            "final_scale": float(t.scale_after[-1]) if len(t.scale_after) else None,
-            "min_scale": float(t.scale.min()) if len(t.scale) else None,
-            "max_scale": float(t.scale.max()) if len(t.scale) else None,
-            "underflow_fraction": self.underflow_fraction,
-            "aborted_at": t.aborted_at,
-        }
+        return RunSummary(
+            policy=self.name,
+            settings=self.settings,
+            skipped=len(skipped),
+            skipped_steps=tuple(int(s) for s in skipped),
+            final_scale=float(t.scale_after[-1]) if len(t.scale_after) else None,
+            min_scale=float(t.scale.min()) if len(t.scale) else None,
+            max_scale=float(t.scale.max()) if len(t.scale) else None,
+            underflow_fraction=self.underflow_fraction,
+            aborted_at=t.aborted_at,
+        )
 
 
 @dataclass
@@ -205,8 +227,8 @@ class Simulation:
             )
         return {
             "format": self.format,
-            "policy": self.policy.summary(),
-            "static": self.static.summary(),
+            "policy": self.policy.summary().to_dict(),
+            "static": self.static.summary().to_dict(),
             "notes": self.notes,
             "steps": rows,
         }
@@ -292,7 +314,7 @@ def simulate(
     for name, chosen in ((policy, resolved), ("static", static)):
         trajectory = scalers.replay_thresholds(chosen, limits.threshold)
         fractions, under, nonzero = _underflow(report, fmt, scope, limits.steps, trajectory.scale)
-        runs.append(Run(name, chosen.to_dict(), trajectory, fractions, under, nonzero))
+        runs.append(Run(name, chosen, trajectory, fractions, under, nonzero))
     unknown = limits.source.count(SOURCE_NONE)
     if unknown:
         notes.append(

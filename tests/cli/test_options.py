@@ -43,8 +43,6 @@ def test_the_fields_are_the_commands_specs_and_start_at_their_defaults(
         if spec.kind in options.LIST_KINDS and not spec.has_default:
             expected = ()
         assert getattr(started, name) == expected, (args.COMMAND, name)
-    # a config command reads the rest of its options from --config; verify and fp16-plan not
-    assert (CONFIG_FIELD in args.option_names()) == (args.COMMAND in options.CONFIG_COMMANDS)
 
 
 @pytest.mark.parametrize("args", COMMAND_ARGS, ids=IDS)
@@ -73,9 +71,54 @@ def test_the_field_is_the_one_declaration_of_default_help_and_flag() -> None:
     assert options.default_int("scan", "steps") == ScanOptions().steps == 10
 
 
+def test_a_command_is_declared_once_and_the_app_registers_it_so() -> None:
+    import inspect
+    import sys
+
+    from fpaudit.cli.commands import DECLARED
+
+    registered = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    # the help lists the commands in the order they are declared
+    assert list(registered) == [command.command for command in DECLARED]
+    # every options class is one command's, and nothing else lists them
+    declared = [command.args for command in DECLARED if command.args is not None]
+    assert sorted(a.COMMAND for a in declared) == sorted(a.COMMAND for a in COMMAND_ARGS)
+    assert len(set(declared)) == len(declared) == len(COMMAND_ARGS)
+    for command in DECLARED:
+        parameters = inspect.signature(command.function, eval_str=True).parameters
+        if command.args is None:  # formats, recipes: --json alone
+            assert "options" not in parameters, command.command
+            continue
+        assert parameters["options"].annotation is command.args, command.command
+        # --config where (and only where) a config file may set the command
+        shown = {p.name for p in registered[command.command].params}
+        assert (CONFIG_FIELD in shown) == command.config, command.command
+        # the renderer is one the command's module draws with
+        module = sys.modules[command.function.__module__]
+        assert command.renderer in vars(module).values(), command.command
+
+
+def test_a_renderer_of_its_own_is_named_for_its_command() -> None:
+    from fpaudit.cli.commands import DECLARED
+
+    own = {command.renderer.__name__ for command in DECLARED}
+    modules = sorted(p.stem for p in (Path(options.__file__).parent).glob("render_*.py"))
+    shared = {"render_blocks"}  # block statistics: recipes, and show/gate/diff/plan --recipe
+    named = {f"render_{command.command.replace('-', '')}" for command in DECLARED}
+    for module in set(modules) - shared:
+        assert module in named and f"fpaudit.cli.{module}" in own, module
+
+
+def test_the_config_tables_are_listed_in_the_classes_order() -> None:
+    # the order docs/reliability.md (row 40) and every unknown-key message show them in
+    assert options.CONFIG_COMMANDS == (
+        "scan", "run", "show", "recommend", "plot", "simulate", "gate", "plan",
+    )  # fmt: skip
+
+
 def test_an_option_shared_with_one_meaning_is_one_spec_of_every_command_that_takes_it() -> None:
     (headroom,) = [s for s in options.SPECS if s.name == "headroom_bits" and "scan" in s.commands]
-    assert headroom.commands == ("scan", "run", "recommend", "simulate", "plot", "gate")
+    assert headroom.commands == ("scan", "run", "recommend", "plot", "simulate", "gate")
     assert headroom.default == DEFAULT_HEADROOM_BITS
     # the same name with another meaning is a spec of its own: fp16-plan keeps 1 binade
     assert options.spec("fp16-plan", "headroom_bits").default == 1

@@ -20,14 +20,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "fpaudit"
 # Only the commands and the renderers may import typer or rich (STYLE.md: "Only cli and render
 # import typer or rich").
+# A renderer is cli/render.py or a command's own cli/render_CMD.py: by its name.
+RENDERERS = {f"fpaudit.cli.{p.stem}" for p in (PACKAGE / "cli").glob("render*.py")}
 PRESENTATION = {
     "fpaudit.cli.commands",
     "fpaudit.cli.commands_report",
     "fpaudit.cli.commands_run",
     "fpaudit.cli.common",
-    "fpaudit.cli.render",
-    "fpaudit.cli.render_run",
-    "fpaudit.cli.render_blocks",
+    *RENDERERS,
     "fpaudit.__main__",
 }
 

@@ -163,6 +163,24 @@ def test_values_are_replayed_in_unscaled_units() -> None:
     assert scaled.per_step().equals(plain.per_step())
 
 
+def test_a_replays_summary_counts_the_hand_traced_overflow_and_flush() -> None:
+    # H=1, margin 0 on fp8_e5m2: step 0 has no history (scale 1), so 2**-20 flushes;
+    # steps 1-4 run at 57344 / 1.0, and the spike 1024 * 57344 overflows at step 4; step
+    # 5 runs at 57344 / 1024 = 56, so 2**-20 * 56 < 2**-14 flushes; then 57344 again.
+    # 12 steps of 2 values and the spike: 25 nonzero, 1 overflows, 2 flush.
+    summary = delayed.replay(spike_report(), delayed.Settings("te-delayed", 1, 0)).summary()
+    assert (summary.steps, summary.ops, summary.exact) == (12, 1, True)
+    assert summary.overflow_steps_lower == summary.overflow_steps_upper == 1
+    assert summary.overflow_fraction_lower == summary.overflow_fraction_upper == 1 / 25
+    assert summary.flushed_fraction_lower == summary.flushed_fraction_upper == 2 / 25
+    # the JSON's keys, in the order --json has always printed them: the settings first
+    assert list(summary.to_dict()) == [
+        "policy", "amax_history_len", "margin", "amax_compute_algo", "exact", "steps", "ops",
+        "overflow_steps_lower", "overflow_steps_upper", "overflow_fraction_lower",
+        "overflow_fraction_upper", "flushed_fraction_lower", "flushed_fraction_upper",
+    ]  # fmt: skip
+
+
 def test_sweep_recommends_the_least_flushing_pair_without_overflow() -> None:
     # A spike of 1.5 at step 4: margin 0 overflows at 4 for every H (1.5 * 57344 > 61440);
     # margin 1 or 2 never overflows. Flushing: step 0 flushes 2**-20 at every setting; after

@@ -109,6 +109,26 @@ def test_simulate_torch_reproduces_the_real_gradscaler_step_for_step(cli, run_re
     assert "The replayed trajectory equals the real run's, step for step." in text
 
 
+def test_a_runs_summary_is_a_typed_record_with_the_jsons_keys(run_report: Path) -> None:
+    report = Report.read(run_report)
+    result = simulate(report, FP16, "torch")
+    summary = result.policy.summary()
+    # the real GradScaler skipped the steps the script overflowed (the run's steps table)
+    assert summary.skipped_steps == tuple(int(s) for s in np.flatnonzero(report.steps["skipped"]))
+    assert summary.skipped == 5 and summary.settings.init_scale == 1024.0
+    assert summary.min_scale == float(report.steps["loss_scale"].min())
+    assert summary.final_scale == float(report.steps["scale_after"].iloc[-1])
+    # the JSON's keys, in the order --json has always printed them
+    assert list(summary.to_dict()) == [
+        "policy", "settings", "skipped", "skipped_steps", "final_scale", "min_scale",
+        "max_scale", "underflow_fraction", "aborted_at",
+    ]  # fmt: skip
+    assert summary.to_dict()["settings"] == scalers.settings("torch", **{
+        "init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+        "growth_interval": 4}).to_dict()  # fmt: skip
+    assert result.to_dict()["policy"] == summary.to_dict()
+
+
 def test_simulate_other_policies_replay_the_same_thresholds(cli, run_report: Path) -> None:
     report = Report.read(run_report)
     limits = thresholds(report, FP16, scope_of(report))
