@@ -62,6 +62,7 @@ from torch import nn
 
 from fpaudit import torch_internals as _internals
 from fpaudit.errors import MonitorFailure
+from fpaudit.report.runinfo import ScalerInfo
 
 __all__ = [
     "Call",
@@ -282,14 +283,15 @@ def scaler_scale(scaler: Any) -> torch.Tensor | None:
     return _internals.scaler_scale(scaler)
 
 
-def scaler_settings(scaler: Any) -> dict[str, Any]:
-    return {
-        "class": f"{type(scaler).__module__}.{type(scaler).__qualname__}",
-        "init_scale": _internals.scaler_init_scale(scaler),
-        "growth_factor": float(scaler.get_growth_factor()),
-        "backoff_factor": float(scaler.get_backoff_factor()),
-        "growth_interval": int(scaler.get_growth_interval()),
-    }
+def scaler_settings(scaler: Any) -> ScalerInfo:
+    """The class and settings of the ``GradScaler`` ``scaler`` (meta.json's ``scaler``)."""
+    return ScalerInfo(
+        scaler_class=f"{type(scaler).__module__}.{type(scaler).__qualname__}",
+        init_scale=_internals.scaler_init_scale(scaler),
+        growth_factor=float(scaler.get_growth_factor()),
+        backoff_factor=float(scaler.get_backoff_factor()),
+        growth_interval=int(scaler.get_growth_interval()),
+    )
 
 
 def found_inf(scaler: Any, optimizer: Any) -> torch.Tensor | None:

@@ -16,7 +16,8 @@ for each op that makes new values, the dtypes of its floating inputs that requir
 attributed to the innermost module by fpaudit's module clock. :func:`predict` turns a
 report's records into one verdict each (the seam every "what counts" rule calls):
 ``fp16``, ``fp32`` or ``unknown``. Nothing is cast or run for real: the prediction is a
-dict in the report's metadata (``autocast``), and ``--amp`` live scans stay the ground
+:class:`~fpaudit.report.runinfo.AutocastPrediction` in the report's metadata
+(``autocast``), and ``--amp`` live scans stay the ground
 truth.
 
 Known limitations: the probe sees the ops of one forward pass on the first batch; a
@@ -40,6 +41,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from fpaudit.numerics.formats import AMP_NAMES
+from fpaudit.report.runinfo import AutocastPrediction, OpDtypes
 from fpaudit.torch_internals import OpOverload, TorchDispatchMode
 
 if TYPE_CHECKING:
@@ -79,7 +82,10 @@ FP32_OPS: dict[str, frozenset[str]] = {"cuda": frozenset(_CUDA_FP32), "cpu": fro
 # the cast back).
 _PASSTHROUGH = frozenset({"add", "sub", "to_copy"})
 _CAST = "aten._to_copy.default"  # a backward value made by casting a gradient
-_DTYPE_NAMES = {torch.float16: FP16, torch.bfloat16: "bf16", torch.float32: FP32}
+# the formats' names of the dtypes autocast computes in (numerics.formats.AMP_NAMES) and fp32
+_DTYPE_NAMES = {
+    getattr(torch, dtype): name for dtype, name in {**AMP_NAMES, "float32": FP32}.items()
+}
 
 
 def forward_name(op: str) -> str:
@@ -146,15 +152,12 @@ def _flat_tensors(value: Any) -> list[torch.Tensor]:
 
 def probe(
     model: nn.Module, forward: Callable[[], Any], device_type: str, dtype: str = "float16"
-) -> dict[str, Any]:
+) -> AutocastPrediction:
     """Run ``forward`` (one forward pass of ``model``, e.g. the model file's loss on a
-    batch) under ``torch.autocast(device_type, dtype)`` and return what autocast did, as
-    JSON-ready data: ``{"device", "dtype", "seconds", "modules": {module: {forward op:
-    {"compute": [dtypes], "cast": [dtypes]}}}}``: the dtypes its backward computes in
-    (the op's output dtype; for an add or a cast, whose gradient passes through, the
-    dtypes it is cast to) and casts the gradient to (a differentiable input's dtype that
-    is not the output's). The model's train/eval flags, its gradients and the RNG state
-    are as they were; nothing is kept of the pass."""
+    batch) under ``torch.autocast(device_type, dtype)`` and return what autocast did: per
+    module, per forward op, the dtypes its backward computes in and casts the gradient to
+    (:class:`~fpaudit.report.runinfo.OpDtypes`). The model's train/eval flags, its
+    gradients and the RNG state are as they were; nothing is kept of the pass."""
     from fpaudit.capture.clock import ModuleClock
 
     clock = ModuleClock(model)
@@ -175,25 +178,28 @@ def probe(
                 module.training = training
     seconds = time.perf_counter() - started
     modules = {
-        m: {op: {k: sorted(v) for k, v in entry.items()} for op, entry in ops.items()}
+        m: {
+            op: OpDtypes(compute=tuple(sorted(entry["compute"])), cast=tuple(sorted(entry["cast"])))
+            for op, entry in ops.items()
+        }
         for m, ops in mode.seen.items()
     }
-    return {"device": device_type, "dtype": dtype, "seconds": seconds, "modules": modules}
+    return AutocastPrediction(device_type, dtype, seconds, modules)
 
 
-def module_verdicts(prediction: Mapping[str, Any]) -> dict[str, str]:
+def module_verdicts(prediction: AutocastPrediction) -> dict[str, str]:
     """Per module seen by the probe: ``fp16`` when every differentiable input of its
     ops is fp16 (its backward values would all be fp16), ``fp32`` when every one is fp32,
     else ``mixed`` (both: a Linear casts its fp32 input to fp16, so its backward has
     fp16 products and the fp32 gradient of the cast)."""
     verdicts = {}
-    for module, ops in (prediction.get("modules") or {}).items():
-        dtypes = {d for entry in ops.values() for ds in entry.values() for d in ds}
+    for module, ops in prediction.modules.items():
+        dtypes = {d for entry in ops.values() for d in (*entry.compute, *entry.cast)}
         verdicts[module] = dtypes.pop() if len(dtypes) == 1 else MIXED
     return verdicts
 
 
-def predict(records: pd.DataFrame, prediction: Mapping[str, Any] | None) -> pd.Series:
+def predict(records: pd.DataFrame, prediction: AutocastPrediction | None) -> pd.Series:
     """The seam: per record (row of ``records``: ``module``, ``node``, ``op``), what its
     values would be under the probed autocast (a cast's output: the dtype the node's
     forward op casts gradients to; any other: the dtype that op computes in): ``fp16``,
@@ -202,15 +208,15 @@ def predict(records: pd.DataFrame, prediction: Mapping[str, Any] | None) -> pd.S
     that judges the fp16 what-if counts a record unless this says ``fp32``."""
     if prediction is None or not len(records):
         return pd.Series(UNKNOWN, index=records.index, dtype=object)
-    modules: Mapping[str, Any] = prediction.get("modules") or {}
+    modules = prediction.modules
     verdicts = module_verdicts(prediction)
     cache: dict[tuple[str, str, bool], str] = {}
 
     def one(module: str, node: str, op: str) -> str:
         key = (module, node, op == _CAST)
         if key not in cache:
-            entry = (modules.get(module) or {}).get(node_forward_name(node)) or {}
-            dtypes = entry.get("cast" if op == _CAST else "compute")
+            entry = modules.get(module, {}).get(node_forward_name(node))
+            dtypes = None if entry is None else entry.cast if op == _CAST else entry.compute
             if dtypes is not None and len(dtypes) == 1:
                 cache[key] = dtypes[0] if dtypes[0] in (FP16, FP32) else UNKNOWN
             else:
@@ -245,9 +251,9 @@ def summary(report: Report) -> Summary | None:
     prediction = report.info.autocast
     if prediction is None:
         return None
-    device = str(prediction.get("device", "?"))
-    if prediction.get("error"):
-        return Summary(device, [], [], [], 0.0, str(prediction["error"]))
+    device = prediction.device
+    if prediction.error is not None:
+        return Summary(device, [], [], [], 0.0, prediction.error)
     verdicts = module_verdicts(prediction)
     order = [m for m in report.info.modules if m in verdicts]
     order += sorted(set(verdicts) - set(order))
@@ -256,7 +262,7 @@ def summary(report: Report) -> Summary | None:
         [m for m in order if verdicts[m] == FP16],
         [m for m in order if verdicts[m] == FP32],
         [m for m in order if verdicts[m] == MIXED],
-        float(prediction.get("seconds", 0.0)),
+        prediction.seconds,
     )
 
 

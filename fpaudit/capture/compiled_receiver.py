@@ -16,6 +16,7 @@ from fpaudit.capture import compiled
 from fpaudit.capture.clock import ModuleClock, compiled_wrappers, model_name
 from fpaudit.capture.recorder import Recorder
 from fpaudit.report.records import KIND_BACKWARD
+from fpaudit.report.runinfo import CompiledInfo
 
 
 def _known_module(name: str, known: frozenset[str]) -> str:
@@ -98,13 +99,13 @@ class CompiledReceiver:
             if line not in self._not_covered:  # (captured, not hidden)
                 self._not_covered.append(line)
 
-    def info(self) -> dict[str, Any] | None:
+    def info(self) -> CompiledInfo | None:
         """The report's ``compiled`` metadata; None when nothing of the model is compiled."""
         if not (self._runs or self._not_covered or self._fused_away):
             return None
-        return {
-            "inductor": self._hidden or self._runs > 0,
-            "observed_backward_runs": self._runs,
-            "fused_away": {m: sorted(ops) for m, ops in sorted(self._fused_away.items())},
-            "not_covered": list(self._not_covered),
-        }
+        return CompiledInfo(
+            inductor=self._hidden or self._runs > 0,
+            observed_backward_runs=self._runs,
+            fused_away={m: tuple(sorted(ops)) for m, ops in sorted(self._fused_away.items())},
+            not_covered=tuple(self._not_covered),
+        )

@@ -15,8 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from fpaudit.numerics.formats import Format
-from fpaudit.rules.summary import json_rows
+from fpaudit.numerics.formats import Format, as_format
+from fpaudit.rules.summary import json_rows, worst_modules
 from fpaudit.text import count, module_in_prose, module_label, percent, power, scale_text
 
 if TYPE_CHECKING:
@@ -110,22 +110,10 @@ def magnitude(value: float) -> str:
 
 # -- formats ---------------------------------------------------------------
 def formats(formats: Iterable[Format], as_json: bool) -> None:
-    rows: list[dict[str, Any]] = [
-        {
-            "format": f.name,
-            "dtype": str(f.dtype).removeprefix("torch."),
-            "smallest_subnormal": f.smallest_subnormal,
-            "round_to_zero_edge": f.round_to_zero_edge,
-            "smallest_normal": f.smallest_normal,
-            "max_finite": f.max_finite,
-            "overflow_edge": f.overflow_edge,
-            "overflow_edge_inclusive": f.overflow_edge_inclusive,
-            "overflow_result": f.overflow_result,
-        }
-        for f in formats
-    ]
+    formats = list(formats)
+    rows = [f.limits for f in formats]
     if as_json:
-        print_json(rows)
+        print_json([row.to_dict() for row in rows])
         return
     table = Table(
         title="Where a value rounds to zero, goes subnormal, overflows", title_justify="left"
@@ -134,24 +122,26 @@ def formats(formats: Iterable[Format], as_json: bool) -> None:
     for header in ("subnormal min", "to 0 at ≤", "normal min", "max finite", "overflow"):
         table.add_column(header, justify="right", no_wrap=True)
     for row in rows:
-        edge = table_power(row["overflow_edge"]) + (
-            "" if row["overflow_edge_inclusive"] else " (>)"
-        )
+        edge = table_power(row.overflow_edge) + ("" if row.overflow_edge_inclusive else " (>)")
         table.add_row(
-            str(row["format"]),
-            table_power(row["smallest_subnormal"]),
-            table_power(row["round_to_zero_edge"]),
-            table_power(row["smallest_normal"]),
-            table_power(row["max_finite"]),
+            row.format,
+            table_power(row.smallest_subnormal),
+            table_power(row.round_to_zero_edge),
+            table_power(row.smallest_normal),
+            table_power(row.max_finite),
             edge,
         )
     console = stdout()
     console.print(table)
+    notes = [note for f in formats if (note := f.overflow_note) is not None]
     console.print(
-        "Magnitudes after scaling, round-to-nearest-even. Overflow starts halfway to the next "
-        "value "
-        "the format would have; (>) means that tie still rounds down. fp8_e4m3fn has no inf: "
-        "torch's cast saturates at 448."
+        " ".join(
+            [
+                "Magnitudes after scaling, round-to-nearest-even. Overflow starts halfway to "
+                "the next value the format would have; (>) means that tie still rounds down.",
+                *notes,
+            ]
+        )
     )
 
 
@@ -287,9 +277,9 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
             f"  Live report: only values the device really held in {rec.live_dtype} count "
             "(fp32 ops under autocast are left out)."
         )
-    if rec.format == "bf16":
+    if as_format(rec.format).fp32_range:
         lines.append(
-            "  Note: bf16 has fp32's exponent range, so it rarely needs loss scaling: "
+            f"  Note: {rec.format} has fp32's exponent range, so it rarely needs loss scaling: "
             f"S = 1 loses {percent(rec.underflow_fraction_at_1)} here; a large S only moves "
             "values toward the top of a range they already fit in."
         )
@@ -578,10 +568,10 @@ def report_notes(report: Report, *, incomplete: bool = True) -> None:
         )
     compiled = report.info.compiled
     if compiled is not None:
-        for line in compiled.get("not_covered") or ():
+        for line in compiled.not_covered:
             sys.stderr.write(f"fpaudit: note: not covered: {line}\n")
-        fused = compiled.get("fused_away") or {}
-        if compiled.get("observed_backward_runs") and fused:
+        fused = compiled.fused_away
+        if compiled.observed_backward_runs and fused:
             sys.stderr.write(
                 f"fpaudit: note: compiled backward: {count(len(fused))} module(s) kept some "
                 "values in a fused kernel's registers (never stored, not counted); "
@@ -637,13 +627,6 @@ def scan_summary(
         else:
             console.print("  Scan with --forward to find the forward op that first produced it.")
     if rec.log2_scale is not None:
-        judged = "judged_underflow_fraction"  # what the recommendation judges
-        at_1 = at_1.assign(underflow_fraction=at_1[judged])
-        at_scale = at_scale.assign(underflow_fraction=at_scale[judged])
-        merged = at_1.merge(at_scale, on="module", suffixes=("_at_1", "_at_s"))
-        worst = merged.sort_values("underflow_fraction_at_1", ascending=False, kind="stable").head(
-            top
-        )
         grid = Table(
             title=f"{rec.format}: modules losing the most to underflow at S = 1",
             title_justify="left",
@@ -653,13 +636,13 @@ def scan_summary(
         grid.add_column("underflow at S=1", justify="right", no_wrap=True)
         grid.add_column(f"at S=2^{rec.log2_scale}", justify="right", no_wrap=True)
         grid.add_column("amax@1", justify="right", no_wrap=True)
-        for row in worst.itertuples():
+        for row in worst_modules(at_1, at_scale, top):
             grid.add_row(
-                module_label(str(row.module)),
-                count(row.nonzero_at_1),
+                module_label(row.module),
+                count(row.nonzero),
                 percent(row.underflow_fraction_at_1),
-                percent(row.underflow_fraction_at_s),
-                magnitude(row.amax_at_1),
+                percent(row.underflow_fraction),
+                magnitude(row.amax),
             )
         console.print(grid)
     for line in recommendation_lines(rec):

@@ -32,28 +32,9 @@ if TYPE_CHECKING:
 # -- block-scaled recipes (--recipe) -----------------------------------------
 def recipes(items: Iterable[Recipe], as_json: bool) -> None:
     items = list(items)
-    rows: list[dict[str, Any]] = [
-        {
-            "recipe": r.name,
-            "element": r.element.name,
-            "block": "tensor" if r.per_tensor else f"{r.block[0]}x{r.block[1]}",
-            "orientation": r.orientation,
-            "scale_rule": r.scale_rule,
-            "scale_format": r.scale_format,
-            # round to nearest: every magnitude up to this becomes 0; stochastic rounding
-            # flushes none for certain, and any below the smallest subnormal may flush
-            "element_flush_at": None if r.expected else r.element.round_to_zero_edge,
-            "element_may_flush_below": r.element.smallest_subnormal if r.expected else None,
-            "element_smallest_normal": r.element.smallest_normal,
-            "element_max": r.element.max_finite,
-            "rounding": r.rounding,
-            "cost": r.cost,
-            "description": r.description,
-        }
-        for r in items
-    ]
+    rows = [r.summary for r in items]
     if as_json:
-        print_json(rows)
+        print_json([row.to_dict() for row in rows])
         return
     table = Table(
         title="Block-scaled recipes (--recipe), cheapest first; element thresholds after "
@@ -64,19 +45,18 @@ def recipes(items: Iterable[Recipe], as_json: bool) -> None:
     for header in headers:
         table.add_column(header, no_wrap=True, justify="left" if header == "recipe" else "right")
     for row, recipe in zip(rows, items, strict=True):
-        below = row["element_may_flush_below"]
+        below = row.element_may_flush_below
+        flush_at = row.element_flush_at
         table.add_row(
-            row["recipe"],
-            row["element"].split("_", 1)[-1],
-            row["block"],
-            row["scale_rule"],
-            row["scale_format"],
+            row.recipe,
+            row.element.split("_", 1)[-1],
+            row.block,
+            row.scale_rule,
+            row.scale_format,
             "SR" if recipe.expected else "RN",
-            f"< {table_power(below)}"
-            if below is not None
-            else table_power(row["element_flush_at"]),
-            table_power(row["element_smallest_normal"]),
-            f"{row['element_max']:g}",
+            f"< {table_power(below)}" if below is not None else table_power(flush_at or 0.0),
+            table_power(row.element_smallest_normal),
+            f"{row.element_max:g}",
         )
     console = stdout()
     console.print(table)

@@ -49,6 +49,7 @@ from fpaudit.report.records import (
     BLOCK_HISTOGRAM_COLUMNS,
     BLOCK_HISTOGRAM_WIDTHS,
     BLOCK_KEY_COLUMNS,
+    BlockCounts,
     Window,
 )
 
@@ -525,10 +526,10 @@ def empty() -> np.ndarray:
     return np.zeros(WIDTH, dtype=np.int64)
 
 
-def summary(vector: np.ndarray) -> dict[str, Any]:
+def summary(vector: np.ndarray) -> BlockCounts:
     """The named counts of a statistics vector (host side): ints, or floats for the
     expected counts of :func:`expected_block_stats`."""
-    return {name: vector[i].item() for i, name in enumerate(COUNT_COLUMNS)}
+    return BlockCounts(*(vector[i].item() for i in range(len(COUNT_COLUMNS))))
 
 
 def scale_codes(vector: np.ndarray) -> np.ndarray:
@@ -637,7 +638,7 @@ class BlockRecorder:
                 "output": key.output,
                 "dtype": key.dtype,
                 "recipe": recipe.name,
-                **summary(vector),
+                **summary(vector).to_dict(),
                 "scale_codes": scale_codes(vector).astype(np.int64),
                 "dynamic_range": dynamic_ranges(vector).astype(np.int64),
             }

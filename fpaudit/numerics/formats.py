@@ -24,10 +24,11 @@ Known limitations:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fpaudit.errors import UsageError
 
@@ -42,6 +43,25 @@ class Fate(enum.IntEnum):
     SUBNORMAL = 1  # nonzero, but the scaled value is below the smallest normal
     NORMAL = 2
     OVERFLOW = 3  # rounds beyond the largest finite value (inf, NaN or saturated)
+
+
+@dataclass(frozen=True)
+class FormatLimits:
+    """Where a scaled value of one format rounds to zero, goes subnormal and overflows
+    (``fpaudit formats``' row): :attr:`Format.limits`."""
+
+    format: str
+    dtype: str
+    smallest_subnormal: float
+    round_to_zero_edge: float
+    smallest_normal: float
+    max_finite: float
+    overflow_edge: float
+    overflow_edge_inclusive: bool
+    overflow_result: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -107,6 +127,32 @@ class Format:
         last_bit = int(math.ldexp(self.max_finite, self.mantissa_bits - self.max_exp)) & 1
         return bool(last_bit)
 
+    @property
+    def limits(self) -> FormatLimits:
+        """This format's thresholds, as ``fpaudit formats`` lists them: each field of
+        :class:`FormatLimits` is this format's attribute of the same name."""
+        named: dict[str, Any] = {"format": self.name, "dtype": self.dtype_name}
+        return FormatLimits(
+            **{
+                item.name: named[item.name] if item.name in named else getattr(self, item.name)
+                for item in dataclasses.fields(FormatLimits)
+            }
+        )
+
+    @property
+    def overflow_note(self) -> str | None:
+        """What a reader of the thresholds must know of this format's overflow: that it
+        has no inf and torch's cast saturates (None when overflow gives inf)."""
+        if self.overflow_result != "saturate":
+            return None
+        return f"{self.name} has no inf: torch's cast saturates at {self.max_finite:g}."
+
+    @property
+    def fp32_range(self) -> bool:
+        """Whether the format has fp32's exponent range (bf16): its values rarely need a
+        loss scale, which only moves them toward the top of a range they already fit in."""
+        return self.min_normal_exp <= FP32.min_normal_exp and self.max_exp >= FP32.max_exp
+
     def round(self, mantissa: int, exponent: int) -> tuple[int, int] | None:
         """Round ``mantissa * 2**exponent`` (mantissa > 0) to nearest-even in this format.
 
@@ -143,6 +189,12 @@ FORMATS: dict[str, Format] = {
         Format("fp8_e5m2", "float8_e5m2", 2, -14, 57344.0),
     )
 }
+
+
+AMP_NAMES = {FORMATS[name].dtype_name: name for name in ("fp16", "bf16")}
+"""The formats autocast holds values in (``--amp fp16`` / ``bf16``), by their dtype's name:
+the one map from a dtype to a format's name (``fpaudit.run.scan.AMP_DTYPES`` and the
+autocast probe's dtype names are built from it)."""
 
 
 def get_format(name: str) -> Format:

@@ -42,8 +42,10 @@ quantizes along the first dimension of the tensor viewed as ``(-1, last)``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from fpaudit.errors import UsageError
 from fpaudit.numerics.formats import FORMATS, Format
@@ -57,6 +59,32 @@ SCALE_RULES = ("mx-floor", "mx-rceil", "nvfp4", "pow2-floor", "amax", "amax-pow2
 ORIENTATIONS = ("rowwise", "columnwise")
 ROUNDINGS = ("nearest", "stochastic")
 E8M0_BIAS = 127
+
+
+@dataclass(frozen=True)
+class RecipeSummary:
+    """One recipe as ``fpaudit recipes`` lists it (:attr:`Recipe.summary`): its block
+    (``"tensor"`` or ``"rows x columns"``), scale rule and format, and the element
+    thresholds after the block scale. Round to nearest: every magnitude up to
+    ``element_flush_at`` becomes 0; stochastic rounding flushes none for certain, and any
+    below ``element_may_flush_below`` may flush (the other is None)."""
+
+    recipe: str
+    element: str
+    block: str
+    orientation: str
+    scale_rule: str
+    scale_format: str
+    element_flush_at: float | None
+    element_may_flush_below: float | None
+    element_smallest_normal: float
+    element_max: float
+    rounding: str
+    cost: int
+    description: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -114,6 +142,29 @@ class Recipe:
         """What is subtracted from a block's scale code to show it: E8M0's bias, so that the
         code reads as log2 of the scale; nvfp4's codes are E4M3 bits, shown as they are."""
         return 0 if self.scale_rule == "nvfp4" else E8M0_BIAS
+
+    @property
+    def summary(self) -> RecipeSummary:
+        """This recipe as ``fpaudit recipes`` lists it: a field of :class:`RecipeSummary`
+        not computed here is this recipe's attribute of the same name."""
+        element = self.element
+        computed: dict[str, Any] = {
+            "recipe": self.name,
+            "element": element.name,
+            "block": "tensor" if self.per_tensor else f"{self.block[0]}x{self.block[1]}",
+            "element_flush_at": None if self.expected else element.round_to_zero_edge,
+            "element_may_flush_below": element.smallest_subnormal if self.expected else None,
+            "element_smallest_normal": element.smallest_normal,
+            "element_max": element.max_finite,
+        }
+        return RecipeSummary(
+            **{
+                item.name: computed[item.name]
+                if item.name in computed
+                else getattr(self, item.name)
+                for item in dataclasses.fields(RecipeSummary)
+            }
+        )
 
     @property
     def element_max_pow2(self) -> int:

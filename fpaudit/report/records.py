@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, Self, TypeVar
 
 import numpy as np
@@ -102,18 +102,34 @@ BLOCK_KEY_COLUMNS = {
     **KEY_COLUMNS,
     "recipe": "string",
 }
-BLOCK_COUNT_COLUMNS = (
-    "zero",
-    "flushed",
-    "subnormal",
-    "normal",
-    "saturated",
-    "nonfinite",
-    "poisoned",
-    "blocks",
-    "blocks_flushed",
-    "scales_out_of_range",
-)
+
+
+@dataclass(frozen=True)
+class BlockCounts:
+    """One recipe's counts of a block-statistics vector
+    (``fpaudit.kernels.blockstats.summary``), in the report's column order: how many
+    elements landed in each class after the block scale (zero, flushed to zero,
+    subnormal, normal, saturated, not finite, poisoned by a non-finite block maximum),
+    how many blocks there were, how many had every nonzero element flushed, and how many
+    block scales fell outside the scale format's range. Ints, or floats for the expected
+    counts of stochastic rounding."""
+
+    zero: float
+    flushed: float
+    subnormal: float
+    normal: float
+    saturated: float
+    nonfinite: float
+    poisoned: float
+    blocks: float
+    blocks_flushed: float
+    scales_out_of_range: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in BLOCK_COUNT_COLUMNS}
+
+
+BLOCK_COUNT_COLUMNS = tuple(item.name for item in fields(BlockCounts))
 # The origins table (`scan --origins`): one row per op call that may make inf/NaN.
 ORIGIN_COLUMNS: dict[str, str] = {
     "step": "int32",

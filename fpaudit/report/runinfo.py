@@ -21,10 +21,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-__all__ = ["AMP_NAMES", "Finding", "RunInfo", "RunMeta", "ScalerInfo", "SkipStatistics"]
+from fpaudit.numerics.formats import AMP_NAMES
 
-AMP_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
-"""The name of the format autocast held values in, by dtype (``--amp fp16`` / ``bf16``)."""
+__all__ = [
+    "AMP_NAMES",
+    "AutocastPrediction",
+    "CompiledInfo",
+    "Finding",
+    "OpDtypes",
+    "RunInfo",
+    "RunMeta",
+    "ScalerInfo",
+    "SkipStatistics",
+]
 
 # Written by every command that writes a report, None included (readers have always
 # found them there); the other fields are written only when set.
@@ -145,13 +154,108 @@ class ScalerInfo(_MetaRecord):
     growth_interval: int
 
 
+@dataclass(frozen=True)
+class OpDtypes:
+    """Under the probed autocast, one forward op of a module: the dtypes its backward
+    computes in (the op's output dtype; for an add or a cast, whose gradient passes
+    through, the dtypes it is cast to) and casts the gradient to (a differentiable input's
+    dtype that is not the output's), by format name, sorted."""
+
+    compute: tuple[str, ...]
+    cast: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {item.name: list(getattr(self, item.name)) for item in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, item: Mapping[str, Any]) -> Self:
+        """The entry ``item``; a KeyError when a field is missing."""
+        return cls(**{f.name: tuple(map(str, item[f.name])) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class AutocastPrediction:
+    """What fp16 autocast would do to an fp32 scan's model (``fpaudit.capture.autocast.probe``;
+    meta.json's ``autocast``): the ``device`` and ``dtype`` probed, how long the probe took,
+    and per module, per forward op, its :class:`OpDtypes`; or the ``error`` the model
+    failed with under autocast (no prediction: ``seconds`` and ``modules`` are not kept)."""
+
+    device: str
+    dtype: str
+    seconds: float = 0.0
+    modules: Mapping[str, Mapping[str, OpDtypes]] = field(default_factory=dict)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """meta.json's ``autocast`` as the probe has always written it."""
+        kept = ("device", "dtype", "error") if self.error is not None else (
+            "device", "dtype", "seconds", "modules")  # fmt: skip
+        data = {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+        data["modules"] = {
+            module: {op: dtypes.to_dict() for op, dtypes in ops.items()}
+            for module, ops in self.modules.items()
+        }
+        return {key: data[key] for key in kept}
+
+    @classmethod
+    def from_dict(cls, item: Mapping[str, Any]) -> Self:
+        """The prediction in ``item``; a KeyError, TypeError or ValueError when it is none."""
+        modules = item.get("modules") or {}
+        error = item.get("error")
+        return cls(
+            device=str(item.get("device", "?")),
+            dtype=str(item.get("dtype", "float16")),
+            seconds=float(item.get("seconds", 0.0)),
+            modules={
+                str(module): {str(op): OpDtypes.from_dict(entry) for op, entry in ops.items()}
+                for module, ops in modules.items()
+            },
+            error=str(error) if error else None,
+        )
+
+
+@dataclass(frozen=True)
+class CompiledInfo:
+    """What a ``torch.compile``d model hid from the audit (meta.json's ``compiled``;
+    ``fpaudit.capture.compiled_receiver``): whether Inductor compiled part of it
+    (``inductor``), how many compiled backward runs the audit observed, per module the ops
+    a fused kernel kept in registers (``fused_away``: never stored, not counted), and what
+    the audit could not observe, a line each (``not_covered``)."""
+
+    inductor: bool
+    observed_backward_runs: int = 0
+    fused_away: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    not_covered: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """meta.json's ``compiled``, in the receiver's order."""
+        return {
+            "inductor": self.inductor,
+            "observed_backward_runs": self.observed_backward_runs,
+            "fused_away": {module: list(ops) for module, ops in self.fused_away.items()},
+            "not_covered": list(self.not_covered),
+        }
+
+    @classmethod
+    def from_dict(cls, item: Mapping[str, Any]) -> Self:
+        """The entry ``item``; an entry it lacks reads as its default (a report from before
+        ``inductor`` was kept: Inductor's, as the gate has always read it)."""
+        fused = item.get("fused_away") or {}
+        return cls(
+            inductor=bool(item.get("inductor", True)),
+            observed_backward_runs=int(item.get("observed_backward_runs") or 0),
+            fused_away={str(m): tuple(str(op) for op in ops) for m, ops in fused.items()},
+            not_covered=tuple(str(line) for line in item.get("not_covered") or ()),
+        )
+
+
 def _record(cls: Any, value: Any) -> Any:
     """meta.json's entry ``value`` as the record ``cls``; None when it is none."""
     if not isinstance(value, dict):
         return None
     try:
         return cls.from_dict(value)
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
 
 
@@ -231,11 +335,9 @@ class RunInfo:
     include_loss: bool | None = None  # scan's --include-loss
     findings: tuple[Finding, ...] = ()  # run: the misuse findings
     # scan without --amp: what fp16 autocast would do, per module (fpaudit.capture.autocast.probe)
-    autocast: Mapping[str, Any] | None = None
-    # torch.compile (fpaudit.capture.compiled): inductor (part of the model is Inductor-compiled),
-    # observed_backward_runs, fused_away (module -> ops
-    # kept in registers), not_covered (lines); None when nothing compiled ran
-    compiled: Mapping[str, Any] | None = None
+    autocast: AutocastPrediction | None = None
+    # torch.compile (fpaudit.capture.compiled); None when nothing compiled ran
+    compiled: CompiledInfo | None = None
 
     @classmethod
     def ended(
@@ -304,8 +406,8 @@ class RunInfo:
             formats=strings("formats"),
             headroom_bits=of("headroom_bits", int),
             include_loss=of("include_loss", bool),
-            autocast=of("autocast", dict),
-            compiled=of("compiled", dict),
+            autocast=_record(AutocastPrediction, meta.get("autocast")),
+            compiled=_record(CompiledInfo, meta.get("compiled")),
             findings=_findings(meta.get("findings")),
         )
 
@@ -327,7 +429,7 @@ class RunInfo:
             value = getattr(self, name)
             if name == "selection":
                 value = {k: list(v) for k, v in value.items()}
-            elif isinstance(value, _MetaRecord):
+            elif isinstance(value, _MetaRecord | AutocastPrediction | CompiledInfo):
                 value = value.to_dict()
             elif isinstance(value, Mapping):
                 value = dict(value)

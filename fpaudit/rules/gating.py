@@ -299,26 +299,40 @@ def judge(
         log2_scale=log2_scale,
         scale=math.ldexp(1.0, log2_scale),
         scale_source=scale_source,
-        underflow_fraction=overall.judged_underflow_fraction,
-        underflow=overall.judged_underflow,
-        nonzero=overall.nonzero,
-        overflow=overall.judged_overflow,
         offenders=offenders,
         complete=report.complete,
         steps_run=evidence.steps_run,
         nonfinite=evidence.nonfinite,
         nonfinite_loss_steps=evidence.loss_steps,
-        shadow_nonzero=overall.shadow_nonzero,
-        lost=overall.lost,
-        lost_fraction=overall.lost_fraction,
-        unscalable_underflow=overall.unscalable_underflow,
-        unscalable_overflow=overall.unscalable_overflow,
         error_findings=_errors(report),
         baseline=None if baseline is None else str(baseline.path or ""),
         baseline_overall=None if compared is None else compared.overall,
         regressions=regressions,
         failures=failures,
+        **_numbers(overall, GateResult),
     )
+
+
+# The numbers of a Totals that a gate's result and its offenders show, by the name they
+# show them under: the judged counts (the values the scale answers for) as the plain
+# names, the values no scale fixes apart, and what a live --shadow run lost.
+_FROM_TOTALS = {
+    "underflow_fraction": "judged_underflow_fraction",
+    "underflow": "judged_underflow",
+    "nonzero": "nonzero",
+    "overflow": "judged_overflow",
+    "shadow_nonzero": "shadow_nonzero",
+    "lost": "lost",
+    "lost_fraction": "lost_fraction",
+    "unscalable_underflow": "unscalable_underflow",
+    "unscalable_overflow": "unscalable_overflow",
+}
+
+
+def _numbers(row: analysis.Totals, record: type[GateResult | Offender]) -> dict[str, Any]:
+    """The fields of ``record`` that :data:`_FROM_TOTALS` maps, read from ``row``."""
+    names = {item.name for item in fields(record)}
+    return {name: getattr(row, total) for name, total in _FROM_TOTALS.items() if name in names}
 
 
 @dataclass(frozen=True)
@@ -599,12 +613,12 @@ def _evidence(
         failures.append(Failure(EVIDENCE, (NOTHING_MEASURED,), _nothing_reason(report, overall)))
     elif (
         (compiled := report.info.compiled) is not None
-        and compiled.get("inductor", True)
-        and not compiled.get("observed_backward_runs")
+        and compiled.inductor
+        and not compiled.observed_backward_runs
     ):
         # A compiled model's backward values are its compiled graph's: the ops it hands
         # back to aten and the parameter gradients alone are a subset, not evidence.
-        not_covered = [str(line) for line in compiled.get("not_covered") or ()]
+        not_covered = list(compiled.not_covered)
         failures.append(
             Failure(
                 EVIDENCE,
@@ -662,14 +676,4 @@ def _nothing_reason(report: Report, overall: analysis.Totals) -> Wording:
 
 
 def _offender(module: str, row: analysis.Totals) -> Offender:
-    return Offender(
-        module=module,
-        underflow_fraction=row.judged_underflow_fraction,
-        underflow=row.judged_underflow,
-        nonzero=row.nonzero,
-        overflow=row.judged_overflow,
-        unscalable_underflow=row.unscalable_underflow,
-        unscalable_overflow=row.unscalable_overflow,
-        lost=row.lost,
-        lost_fraction=row.lost_fraction,
-    )
+    return Offender(module=module, **_numbers(row, Offender))

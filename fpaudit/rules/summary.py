@@ -85,6 +85,10 @@ class FormatSummary:
         """Whether the summary says how the scale moved: it drifted, or the scan was long."""
         return self.drift.warn or len(self.drift.windows) >= LONG_SCAN_WINDOWS
 
+    def worst_modules(self, top: int) -> tuple[WorstModule, ...]:
+        """The ``top`` modules losing the most to underflow at S = 1 (:func:`worst_modules`)."""
+        return worst_modules(self.at_1, self.at_scale, top)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": self.recommendation.format,
@@ -93,6 +97,33 @@ class FormatSummary:
             "at_scale": json_rows(self.at_scale),
             "drift": self.drift.to_dict(),
         }
+
+
+@dataclass(frozen=True)
+class WorstModule:
+    """One row of a scan's "modules losing the most to underflow at S = 1": the module's
+    nonzero values and judged underflow fraction at S = 1, that fraction at the
+    recommended scale, and its amax at S = 1."""
+
+    module: str
+    nonzero: int
+    underflow_fraction_at_1: float
+    underflow_fraction: float  # at the recommended scale
+    amax: float
+
+
+def worst_modules(at_1: pd.DataFrame, at_scale: pd.DataFrame, top: int) -> tuple[WorstModule, ...]:
+    """The ``top`` modules of the module tables ``at_1`` (S = 1) and ``at_scale`` (the
+    recommended S) with the largest judged underflow fraction at S = 1 (what the
+    recommendation judges), in table order among equals."""
+    judged = "judged_underflow_fraction"
+    merged = at_1.merge(at_scale, on="module", suffixes=("_at_1", "_at_s"))
+    worst = merged.sort_values(f"{judged}_at_1", ascending=False, kind="stable").head(top)
+    columns = ("module", "nonzero_at_1", f"{judged}_at_1", f"{judged}_at_s", "amax_at_1")
+    return tuple(
+        WorstModule(str(module), int(nonzero), float(at_1_), float(at_s), float(amax))
+        for module, nonzero, at_1_, at_s, amax in zip(*(worst[c] for c in columns), strict=True)
+    )
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from fpaudit.capture.audit import Audit, Selection, StepSummary
 from fpaudit.errors import Interrupted, ModelExit, ModelFileError, Named, OptionError, UsageError
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
-from fpaudit.report.runinfo import AMP_NAMES, RunInfo, RunMeta
+from fpaudit.report.runinfo import AMP_NAMES, AutocastPrediction, RunInfo, RunMeta
 from fpaudit.run import distributed, modelfile
 
 if TYPE_CHECKING:
@@ -127,10 +127,10 @@ class StepProgress:
 
 def _probe_autocast(
     path: Path, model: torch.nn.Module, spec: Any, batch: Any, device: torch.device
-) -> dict[str, Any]:
+) -> AutocastPrediction:
     """fpaudit.capture.autocast.probe on the first batch, after the steps. A model that fails
-    under autocast (or exits) gets ``{"error": ...}`` (no prediction), never a failed
-    scan: the steps are done."""
+    under autocast (or exits) gets a prediction with its ``error`` (no prediction), never
+    a failed scan: the steps are done."""
     from fpaudit.capture import autocast
 
     try:
@@ -138,7 +138,7 @@ def _probe_autocast(
             return autocast.probe(model, lambda: spec.loss(model, batch), device.type)
     except Exception as error:  # the model's own failure under autocast: no prediction
         failure = str(error) if isinstance(error, ModelFileError) else repr(error)
-        return {"device": device.type, "dtype": "float16", "error": failure}
+        return AutocastPrediction(device.type, "float16", error=failure)
 
 
 def scan(

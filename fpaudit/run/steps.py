@@ -23,6 +23,7 @@ from torch import nn
 
 from fpaudit.capture import _torch_patches as patches
 from fpaudit.report.records import STEP_COLUMNS, STEP_DEFAULTS
+from fpaudit.report.runinfo import ScalerInfo
 from fpaudit.rules.findings import CallLog, SchedulerCall, Site, SpanScale
 
 __all__ = ["RunState", "ScalarLog", "Span", "Step", "steps_table"]
@@ -164,7 +165,7 @@ class RunState:
         self.log = ScalarLog()
         self.steps: list[Step] = []
         self.optimizers: list[str] = []  # class names, in the order they first stepped
-        self.scaler_settings: dict[str, Any] | None = None
+        self.scaler_settings: ScalerInfo | None = None
         self.done = False  # max_steps reached: the next step's first call stops the script
         self.primary: torch.optim.Optimizer | None = None  # the first optimizer that steps
         self.probes: dict[int, torch.Tensor] = {}  # optimizer id -> a parameter to watch

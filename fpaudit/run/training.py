@@ -602,7 +602,7 @@ def _record(
         {
             "script_args": list(args),
             "capture_every": options.capture_every,
-            "scaler": monitor.state.scaler_settings,
+            "scaler": settings.to_dict() if (settings := monitor.state.scaler_settings) else None,
             "optimizers": monitor.state.optimizers,
             "schedulers": monitor.state.schedulers,
             "models": monitor.capture.models,

@@ -173,7 +173,7 @@ def test_prediction_agrees_with_a_live_amp_scan(llama_pair: tuple[Path, Path]) -
     predicted, live = (Report.read(p) for p in llama_pair)
     assert live.info.autocast is None  # a live scan needs no prediction
     prediction = predicted.info.autocast
-    assert prediction is not None and prediction["device"] == "cpu"
+    assert prediction is not None and prediction.device == "cpu"
     verdicts = autocast.module_verdicts(prediction)
     records = live.records[live.records["kind"] == "backward"]
     names = {"float16": "fp16", "float32": "fp32"}

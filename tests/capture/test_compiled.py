@@ -108,10 +108,10 @@ def test_every_module_with_eager_backward_values_has_compiled_ones(
     assert {"blocks.0.ln1", "blocks.1.act", "blocks.0"} <= eager_modules
     assert eager_modules <= set(stored["module"])
     info = scans["compiled"].info.compiled
-    assert info is not None and info["observed_backward_runs"] == STEPS
-    assert info["not_covered"] == []
+    assert info is not None and info.observed_backward_runs == STEPS
+    assert info.not_covered == ()
     # GELU's backward (erf, exp) is computed in registers of a fused kernel
-    assert {"aten.erf.default", "aten.exp.default"} <= set(info["fused_away"]["blocks.0.act"])
+    assert {"aten.erf.default", "aten.exp.default"} <= set(info.fused_away["blocks.0.act"])
 
 
 def test_one_graph_no_graph_break_no_recompilation(scans: dict[str, Any]) -> None:
@@ -259,7 +259,7 @@ def test_an_overflow_only_eager_has_is_caught_in_eager_and_not_compiled() -> Non
     assert int(compiled_records["infs"].sum()) == 0
     assert set(compiled_records["dtype"]) == {"float16"}  # the dtype it stores
     info = compiled_report.info.compiled
-    assert info is not None and "aten.mul.Tensor" in info["fused_away"]["scale"]
+    assert info is not None and "aten.mul.Tensor" in info.fused_away["scale"]
 
 
 def test_gate_finds_a_compiled_report_that_observed_nothing_measured_nothing() -> None:
@@ -267,6 +267,7 @@ def test_gate_finds_a_compiled_report_that_observed_nothing_measured_nothing() -
     model with no observed compiled backward measured nothing, whatever else it holds.
     Another backend's aten ops (aot_eager) are captured as eager ones: its not-covered
     line is said, and the values are judged."""
+    from fpaudit.report.runinfo import CompiledInfo
     from tests.reports import report_from
 
     def nothing(report: Report) -> list[gating.Failure]:
@@ -276,14 +277,10 @@ def test_gate_finds_a_compiled_report_that_observed_nothing_measured_nothing() -
     report = report_from({"fc": torch.tensor([1.0, 2.0**-3])})  # values, but eager's
     assert nothing(report) == []
     aot_eager = "'' is compiled with backend 'aot_eager': ..."
-    report.update_info(
-        compiled={"inductor": False, "observed_backward_runs": 0, "not_covered": [aot_eager]}
-    )
+    report.update_info(compiled=CompiledInfo(inductor=False, not_covered=(aot_eager,)))
     assert nothing(report) == []
     line = "'' is compiled with Inductor outside fpaudit.compile: ..."
-    report.update_info(
-        compiled={"inductor": True, "observed_backward_runs": 0, "not_covered": [line]}
-    )
+    report.update_info(compiled=CompiledInfo(inductor=True, not_covered=(line,)))
     failures = nothing(report)
     assert len(failures) == 1
     assert line in str(failures[0].reason)
@@ -319,7 +316,7 @@ def test_run_audits_a_scripts_compiled_backward_from_the_first_step(tmp_path: An
     assert sorted(set(stored["step"])) == [0, 1, 2]
     assert {"0", "1", "2", "3"} <= set(stored["module"])  # LayerNorm, Linear, GELU, Linear
     info = report.info.compiled
-    assert info is not None and info["observed_backward_runs"] == 3
+    assert info is not None and info.observed_backward_runs == 3
     plain = torch.load(tmp_path / "plain.pt")
     audited = torch.load(tmp_path / "audited.pt")
     for a, b in zip(plain, audited, strict=True):
@@ -343,7 +340,7 @@ def test_scan_compile_counts_the_stored_gradient_exactly_as_eager(cli, tmp_path:
     stored = records[(records["node"] == compiled.COMPILED_NODE)]
     assert set(stored["module"]) == {"probe"}
     assert compiled_report.info.compiled is not None
-    assert compiled_report.info.compiled["observed_backward_runs"] == 1
+    assert compiled_report.info.compiled.observed_backward_runs == 1
     assert (
         bins_per_module(compiled_report, KIND_BACKWARD)["probe"]
         == (bins_per_module(eager, KIND_BACKWARD)["probe"])

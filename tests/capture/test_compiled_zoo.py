@@ -94,11 +94,11 @@ def test_the_resnet_shaped_nets_gradients_are_counted_by_hand() -> None:
 def test_every_module_with_eager_backward_values_is_stored_or_fused_away(name: str) -> None:
     eager, report, _ = audited(name)
     info = report.info.compiled
-    assert info is not None and info["observed_backward_runs"] == 1
-    assert info["not_covered"] == []
+    assert info is not None and info.observed_backward_runs == 1
+    assert info.not_covered == ()
     stored = _backward_modules(report, compiled.COMPILED_NODE)
     assert stored, "no stored value observed"
-    assert _backward_modules(eager) <= stored | set(info["fused_away"])
+    assert _backward_modules(eager) <= stored | set(info.fused_away)
     assert stored <= set(report.info.modules) | {""}  # the model's own names
 
 
@@ -126,9 +126,9 @@ def test_the_models_own_ops_belong_to_the_model_not_to_the_next_module() -> None
     assert "" in _backward_modules(eager)
     info = report.info.compiled
     assert info is not None
-    assert {"aten.div.Scalar", "aten.mul.Tensor"} <= set(info["fused_away"][""])
+    assert {"aten.div.Scalar", "aten.mul.Tensor"} <= set(info.fused_away[""])
     for module in ("head", "fc"):
-        assert "aten.div.Scalar" not in info["fused_away"].get(module, ())
+        assert "aten.div.Scalar" not in info.fused_away.get(module, ())
 
 
 def test_an_lstm_dynamo_leaves_to_eager_is_captured_and_said() -> None:
@@ -138,7 +138,7 @@ def test_an_lstm_dynamo_leaves_to_eager_is_captured_and_said() -> None:
     module), the report says so, and the gate judges what was captured."""
     eager, report, _ = audited("lstm_tagger")
     info = report.info.compiled
-    assert info is not None and LSTM_LINE in info["not_covered"]
+    assert info is not None and LSTM_LINE in info.not_covered
     records, eager_records = report.records, eager.records
     backward = records[records["kind"] == KIND_BACKWARD]
     ran_eagerly = backward[
@@ -148,7 +148,7 @@ def test_an_lstm_dynamo_leaves_to_eager_is_captured_and_said() -> None:
     eager_backward = eager_records[eager_records["kind"] == KIND_BACKWARD]
     assert _backward_modules(eager) == {"", "embedding", "norm", "lstm", "head"}  # "": tanh
     assert "lstm" not in _backward_modules(report)
-    stored_or_fused = _backward_modules(report, compiled.COMPILED_NODE) | set(info["fused_away"])
+    stored_or_fused = _backward_modules(report, compiled.COMPILED_NODE) | set(info.fused_away)
     for module in _backward_modules(eager) - stored_or_fused:
         # left to eager (the LSTM on every release): its backward nodes, under the model
         nodes = set(eager_backward[eager_backward["module"] == module]["node"])
@@ -196,11 +196,11 @@ def test_a_backward_graph_that_cannot_be_compiled_observed_runs_as_inductor_comp
         torch._dynamo.reset()
         compiled._not_covered.clear()  # (compile-time lines outlive the audit)
     info = report.info.compiled
-    assert info is not None and info["observed_backward_runs"] == 0
-    assert info["not_covered"] == [
+    assert info is not None and info.observed_backward_runs == 0
+    assert info.not_covered == (
         "a compiled backward graph could not be compiled with its stored values as outputs "
-        "(RuntimeError: no such buffer kind): it runs as Inductor compiles it, unobserved"
-    ]
+        "(RuntimeError: no such buffer kind): it runs as Inductor compiles it, unobserved",
+    )
     for mine, theirs in zip(net.parameters(), plain_net.parameters(), strict=True):
         assert mine.grad is not None and theirs.grad is not None
         assert torch.equal(mine.grad, theirs.grad)
@@ -227,11 +227,11 @@ def test_a_buffer_that_cannot_be_read_is_named_and_the_others_observed(
         lines = list(compiled._not_covered)
         compiled._not_covered.clear()
     info = report.info.compiled
-    assert info is not None and info["observed_backward_runs"] == 1
+    assert info is not None and info.observed_backward_runs == 1
     assert lines and all(
         "could not be read (ExternKernelOut: NotImplementedError" in x for x in lines
     )
-    assert info["not_covered"] == lines
+    assert list(info.not_covered) == lines
     # the matmuls (extern kernels) are not observed; the activations' stored values are
     assert {"leaky", "relu"} <= _backward_modules(report, compiled.COMPILED_NODE)
 
@@ -305,7 +305,7 @@ def test_a_compiled_hf_llama_names_its_modules_as_the_eager_one() -> None:
     finally:
         torch._dynamo.reset()
     info = report.info.compiled
-    assert info is not None and info["not_covered"] == []
+    assert info is not None and info.not_covered == ()
     stored = _backward_modules(report, compiled.COMPILED_NODE)
     assert "model.layers.0.self_attn.q_proj" in stored and "model.embed_tokens" in stored
-    assert _backward_modules(eager) <= stored | set(info["fused_away"])
+    assert _backward_modules(eager) <= stored | set(info.fused_away)

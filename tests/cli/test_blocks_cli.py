@@ -202,7 +202,7 @@ def test_the_library_records_what_a_twin_computes() -> None:
             assert param.grad is not None
             expected = blockstats.summary(
                 blockstats.block_stats(param.grad, get_recipe(recipe)).numpy()
-            )
+            ).to_dict()
             row = grads[(grads["module"] == module) & (grads["op"] == op)]
             row = row[row["recipe"] == recipe].iloc[0]
             assert {k: int(row[k]) for k in expected} == expected

@@ -430,8 +430,8 @@ def test_lightning_audits_a_compiled_module_as_its_eager_twin(tmp_path: Path) ->
     assert eager_backward <= set(_stored(report)["module"])  # the model's own names
     _check_names(report, module)
     info = report.info.compiled
-    assert info is not None and info["observed_backward_runs"] == 2
-    assert info["not_covered"] == []
+    assert info is not None and info.observed_backward_runs == 2
+    assert info.not_covered == ()
     assert callback._in_place is None  # Lightning's compiled methods are back
     assert module._compiler_ctx is not None
     assert vars(module)["training_step"] is not None
@@ -491,6 +491,6 @@ def test_huggingface_audits_torch_compile_as_its_eager_twin(tmp_path: Path) -> N
     assert eager_backward <= set(_stored(report)["module"])
     assert set(report.records["module"]) <= {n for n, _ in model.named_modules()} | {LOSS_MODULE}
     info = report.info.compiled
-    assert info is not None and info["observed_backward_runs"] == 2
-    assert info["not_covered"] == []
+    assert info is not None and info.observed_backward_runs == 2
+    assert info.not_covered == ()
     assert "forward" not in vars(model)  # the model's own forward is back

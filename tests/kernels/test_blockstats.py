@@ -19,6 +19,7 @@ import torch
 
 from fpaudit.kernels import blockstats
 from fpaudit.numerics.recipes import E2M1, E4M3, E5M2, RECIPES, get_recipe
+from fpaudit.report.records import BlockCounts
 
 from ..conftest import compiled_cpu_kernel
 
@@ -54,7 +55,7 @@ def classes_from_quantized(
 
 def fpaudit_counts(x: torch.Tensor, name: str) -> tuple[dict[str, int], np.ndarray]:
     vector = blockstats.block_stats(x, get_recipe(name)).numpy()
-    counts = blockstats.summary(vector)
+    counts = blockstats.summary(vector).to_dict()
     classes = {k: counts[k] for k in blockstats.CLASSES}
     return classes, blockstats.scale_codes(vector)
 
@@ -92,14 +93,15 @@ def test_floor_code_zero_follows_ocp() -> None:
     x = torch.zeros(32)
     x[0], x[1], x[2], x[3] = 2.0**-119, 2.0**-128, 2.0**-137, 2.0**-136
     counts = blockstats.summary(blockstats.block_stats(x, get_recipe("mxfp8-e4m3")).numpy())
+    assert isinstance(counts, BlockCounts)
     # 2**-136 / 2**-127 = 2**-9: the smallest subnormal
-    assert (counts["normal"], counts["flushed"], counts["subnormal"], counts["zero"]) == (
+    assert (counts.normal, counts.flushed, counts.subnormal, counts.zero) == (
         2,
         1,
         1,
         28,
     )
-    assert counts["scales_out_of_range"] == 0  # 2**-127 is representable
+    assert counts.scales_out_of_range == 0  # 2**-127 is representable
 
 
 def test_interleaved_and_sorted_pair() -> None:
@@ -117,7 +119,7 @@ def test_interleaved_and_sorted_pair() -> None:
     ordered = interleaved.sort().values
 
     def flushed(x: torch.Tensor, name: str) -> int:
-        return blockstats.summary(blockstats.block_stats(x, get_recipe(name)).numpy())["flushed"]
+        return blockstats.summary(blockstats.block_stats(x, get_recipe(name)).numpy()).flushed
 
     assert flushed(interleaved, "mxfp8-e4m3") == 32
     assert flushed(ordered, "mxfp8-e4m3") == 0
@@ -189,7 +191,7 @@ def test_dynamic_range_and_block_counts() -> None:
     vector = blockstats.block_stats(x, get_recipe("mxfp8-e4m3")).numpy()
     ranges = blockstats.dynamic_ranges(vector)
     assert ranges[6] == 1 and ranges[0] == 1 and ranges.sum() == 2
-    assert blockstats.summary(vector)["blocks"] == 3
+    assert blockstats.summary(vector).blocks == 3
 
 
 def test_stats_merge_by_summing() -> None:
@@ -203,7 +205,7 @@ def test_every_recipe_accounts_for_every_element() -> None:
     x = torch.randn(3, 5, 200) * torch.exp2(torch.randint(-60, 60, (3, 5, 1)).float())
     for name in [*RECIPES, "mxfp8-e4m3:col", "fp8-block-128x128:col"]:
         counts = blockstats.summary(blockstats.block_stats(x, get_recipe(name)).numpy())
-        assert sum(counts[c] for c in blockstats.CLASSES) == x.numel(), name
+        assert sum(getattr(counts, c) for c in blockstats.CLASSES) == x.numel(), name
 
 
 def test_columnwise_is_rowwise_of_the_transpose() -> None:
@@ -435,6 +437,8 @@ def test_ranks_merge_block_rows_exactly() -> None:
     merged = _merge_ranks(parts, parts[0].meta, parts[0].path)
     table = blockplan.block_table(merged, recipe, ("module", "kind", "op"), kind="grad")
     row = table[(table["kind"] == "grad") & (table["op"] == "weight")].iloc[0]
-    expected = blockstats.summary(sum(blockstats.block_stats(g, recipe) for g in grads).numpy())
+    expected = blockstats.summary(
+        sum(blockstats.block_stats(g, recipe) for g in grads).numpy()
+    ).to_dict()
     assert {k: int(row[k]) for k in expected} == expected
     assert sorted(set(merged.blocks["rank"])) == [0, 1]

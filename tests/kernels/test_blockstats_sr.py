@@ -25,6 +25,7 @@ from torch import nn
 import fpaudit
 from fpaudit.kernels import blockstats
 from fpaudit.numerics.recipes import RECIPES, get_recipe
+from fpaudit.report.records import BlockCounts
 from fpaudit.report.store import Report
 from fpaudit.rules import blockplan
 
@@ -33,7 +34,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 U = 2.0**-53  # float64's unit roundoff
 
 
-def sr_counts(x: torch.Tensor) -> dict[str, float]:
+def sr_counts(x: torch.Tensor) -> BlockCounts:
     vector = blockstats.block_stats(x, get_recipe("nvfp4-sr")).numpy()
     return blockstats.summary(vector)
 
@@ -57,20 +58,20 @@ def test_the_hand_derived_example() -> None:
     # and 2 - 2|v| on (0.5, 1): 0.625 -> 0.75, 0.75 -> 0.5, 0.875 -> 0.25: 4.5 + 2**-29
     # normal: 2|v| - 1 on (0.5, 1) (0.25 + 0.5 + 0.75), 6, 1, 1.25, 3.5, 5, 4.5 and A's
     # amax (1 - 2**-22): 8.5 - 2**-22
-    assert got["flushed"] == 3 - 2.0**-29
-    assert got["subnormal"] == 4.5 + 2.0**-29
-    assert got["normal"] == 8.5 - 2.0**-22
-    assert got["saturated"] == 2.0**-22
-    assert (got["zero"], got["blocks"], got["poisoned"], got["nonfinite"]) == (16, 2, 0, 0)
+    assert got.flushed == 3 - 2.0**-29
+    assert got.subnormal == 4.5 + 2.0**-29
+    assert got.normal == 8.5 - 2.0**-22
+    assert got.saturated == 2.0**-22
+    assert (got.zero, got.blocks, got.poisoned, got.nonfinite) == (16, 2, 0, 0)
     # B keeps nothing of its small values with probability
     # 0.25 * 0.5 * 0.75 * 2**-29 * 0.5 = 3 * 2**-35 of having no flush; A never flushes
-    assert got["blocks_flushed"] == 1 - 3 * 2.0**-35
+    assert got.blocks_flushed == 1 - 3 * 2.0**-35
     # round to nearest on the same tensor flushes 0.125, 0.25 (the tie goes to 0, even),
     # 2**-30 and -0.25: 4, where the expectation is 3 - 2**-29; it rounds 0.375, 0.5 and
     # 0.625 to 0.5 (0.75, a tie, goes to the even 1.0): 3 subnormal; 6 + 2**-21 rounds to 6
     nearest = blockstats.summary(blockstats.block_stats(x, get_recipe("nvfp4")).numpy())
-    assert nearest["flushed"] == 4 and nearest["subnormal"] == 3
-    assert nearest["saturated"] == 0
+    assert nearest.flushed == 4 and nearest.subnormal == 3
+    assert nearest.saturated == 0
 
 
 def test_saturation_is_the_chance_of_rounding_past_the_clamp() -> None:
@@ -82,12 +83,12 @@ def test_saturation_is_the_chance_of_rounding_past_the_clamp() -> None:
     block_b = [6 * (1 + 2**-5)] + [1.0] * 15  # v = 6.1875, and 15 normal values of 1.0
     x = torch.tensor([block_a + block_b]) * 2.0**-20
     got = sr_counts(x)
-    assert got["saturated"] == 0.09375 + 2.0**-22
+    assert got.saturated == 0.09375 + 2.0**-22
     # A's amax, B's ones, B's amax kept at 6
-    assert got["normal"] == (1 - 2.0**-22) + 15 + (1 - 0.09375)
+    assert got.normal == (1 - 2.0**-22) + 15 + (1 - 0.09375)
     # round to nearest keeps 6.1875 at 6 (below the edge 7): not saturated
     nearest = blockstats.summary(blockstats.block_stats(x, get_recipe("nvfp4")).numpy())
-    assert nearest["saturated"] == 0
+    assert nearest.saturated == 0
 
 
 def _torchao_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,9 +165,9 @@ def test_expected_counts_equal_exact_rationals_from_torchao(source: str) -> None
     # 2 * k * u * k (the classical bound gamma_k times the sum of |terms| <= k)
     bound = 2 * k * k * U
     for name in ("flushed", "subnormal", "saturated"):
-        assert abs(Fraction(got[name]) - exact[name]) <= bound, name
-    assert abs(Fraction(got["normal"]) - exact["normal"]) <= 3 * bound  # live - the others
-    assert abs(Fraction(got["blocks_flushed"]) - exact["blocks_flushed"]) <= bound
+        assert abs(Fraction(getattr(got, name)) - exact[name]) <= bound, name
+    assert abs(Fraction(got.normal) - exact["normal"]) <= 3 * bound  # live - the others
+    assert abs(Fraction(got.blocks_flushed) - exact["blocks_flushed"]) <= bound
     assert exact["flushed"] > 1  # the tensors do flush in expectation
     # each element's probabilities sum to 1: the expected classes add up to the count
     live = int((x != 0).sum())
@@ -200,8 +201,8 @@ def test_the_mean_of_many_seeded_draws_approaches_the_expectation() -> None:
             chance = torch.where(lo == 0.5, 1 - up, 0.0) + torch.where(hi == 0.5, up, 0.0)
             chance = torch.where(hi == lo, (hi == 0.5).double(), chance)
         spread = float((chance * (1 - chance)).sum().sqrt())
-        assert abs(float(counts.mean()) - got[name]) <= 5 * spread / draws**0.5, name
-        assert got[name] > 10  # the test has something to measure
+        assert abs(float(counts.mean()) - getattr(got, name)) <= 5 * spread / draws**0.5, name
+        assert getattr(got, name) > 10  # the test has something to measure
 
 
 def test_nvfp4_sr_is_listed_and_costs_between_nvfp4_and_mxfp8() -> None:
@@ -231,9 +232,9 @@ def test_a_report_stores_expected_counts_and_reads_older_int_counts(tmp_path: Pa
     assert sr["flushed"].dtype == np.float64
     assert not np.array_equal(sr["flushed"], np.round(sr["flushed"]))  # fractional: expected
     nearest = blockplan.block_table(again, "nvfp4")
-    assert nearest["flushed"].dtype == np.int64  # exact counts stay ints
+    assert nearest.flushed.dtype == np.int64  # exact counts stay ints
     expected = blockplan.block_table(again, "nvfp4-sr")
-    assert (expected["nonzero"].to_numpy() == nearest["nonzero"].to_numpy()).all()
+    assert (expected["nonzero"].to_numpy() == nearest.nonzero.to_numpy()).all()
     # a version 3 report: int64 block counts, read as float64
     path = tmp_path / "v3"
     plain = _sr_report()

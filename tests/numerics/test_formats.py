@@ -155,3 +155,35 @@ def test_a_recipes_scale_codes_read_as_its_scale_format_says() -> None:
     biases = {name: recipe.scale_code_bias for name, recipe in RECIPES.items()}
     assert {name for name, bias in biases.items() if bias == 0} == {"nvfp4", "nvfp4-sr"}
     assert E8M0_BIAS == 127 and biases["mxfp8-e4m3"] == 127
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_overflow_note_is_torchs_cast_past_the_edge(name: str) -> None:
+    fmt = FORMATS[name]
+    past = torch.tensor([fmt.max_finite * 4.0]).to(fmt.dtype).float().item()
+    if math.isinf(past):
+        assert fmt.overflow_note is None
+    else:  # no inf: torch saturates
+        assert past == fmt.max_finite
+        assert fmt.overflow_note == f"{name} has no inf: torch's cast saturates at {past:g}."
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_fp32_range_is_fp32s_finfo_exponents(name: str) -> None:
+    fmt, fp32 = FORMATS[name], torch.finfo(torch.float32)
+    info = torch.finfo(fmt.dtype)
+    same = (
+        info.smallest_normal == fp32.smallest_normal
+        and math.frexp(info.max)[1] == (math.frexp(fp32.max)[1])
+    )
+    assert fmt.fp32_range == same
+    assert fmt.fp32_range == (name == "bf16")
+
+
+def test_a_formats_limits_are_its_thresholds_under_their_json_names() -> None:
+    fp16 = FORMATS["fp16"]
+    assert fp16.limits.to_dict() == {
+        "format": "fp16", "dtype": "float16", "smallest_subnormal": 2.0**-24,
+        "round_to_zero_edge": 2.0**-25, "smallest_normal": 2.0**-14, "max_finite": 65504.0,
+        "overflow_edge": 65520.0, "overflow_edge_inclusive": True, "overflow_result": "inf",
+    }  # fmt: skip

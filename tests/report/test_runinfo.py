@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fpaudit.report.runinfo import Finding, RunInfo, RunMeta
+from fpaudit.report.runinfo import (
+    AutocastPrediction,
+    CompiledInfo,
+    Finding,
+    OpDtypes,
+    RunInfo,
+    RunMeta,
+)
 from fpaudit.report.store import Report
 
 from ..conftest import SAMPLES
@@ -181,3 +188,51 @@ def test_a_scanned_reports_meta_json_holds_run_meta_as_the_dict_form(cli, tmp_pa
     assert written.include_loss is False and written.config is None
     assert written.argv.startswith("fpaudit scan ") and written.options["steps"] == 2
     assert {k: meta[k] for k in written.to_dict()} == written.to_dict()
+
+
+# meta.json's autocast and compiled entries as the probe and the compiled receiver wrote
+# them before they were records, key for key
+AUTOCAST_BY_HAND = {"device": "cpu", "dtype": "float16", "seconds": 0.25, "modules": {
+    "fc": {"addmm": {"compute": ["fp16"], "cast": ["fp32"]}},
+    "norm": {"rsqrt": {"compute": ["fp32"], "cast": []}, "add": {"compute": [], "cast": []}}}}  # fmt: skip
+AUTOCAST_FAILED = {"device": "cuda", "dtype": "float16", "error": "RuntimeError('no')"}
+COMPILED_BY_HAND = {"inductor": True, "observed_backward_runs": 2,
+                    "fused_away": {"blocks.0.act": ["aten.erf.default", "aten.exp.default"]},
+                    "not_covered": ["'' is compiled with backend 'aot_eager': ..."]}  # fmt: skip
+
+
+def test_the_autocast_prediction_and_compiled_info_write_meta_jsons_form_back() -> None:
+    import json
+
+    import torch
+
+    for key, written in (("autocast", AUTOCAST_BY_HAND), ("autocast", AUTOCAST_FAILED),
+                         ("compiled", COMPILED_BY_HAND)):  # fmt: skip
+        report = report_from({"a": torch.tensor([1.0])})
+        report.meta[key] = json.loads(json.dumps(written))  # as read from meta.json
+        record = getattr(report.info, key)
+        assert record is not None and record.to_dict() == written
+        assert list(record.to_dict()) == list(written)  # in the order they were written
+        report.update_info(**{key: record})
+        assert report.meta[key] == written
+    prediction = AutocastPrediction.from_dict(AUTOCAST_BY_HAND)
+    assert prediction.modules["fc"]["addmm"] == OpDtypes(compute=("fp16",), cast=("fp32",))
+    assert AutocastPrediction.from_dict(AUTOCAST_FAILED).error == "RuntimeError('no')"
+    compiled = CompiledInfo.from_dict(COMPILED_BY_HAND)
+    assert compiled.fused_away == {"blocks.0.act": ("aten.erf.default", "aten.exp.default")}
+
+
+def test_a_compiled_entry_from_before_inductor_was_kept_reads_as_inductors() -> None:
+    # reports written before the receiver kept "inductor": the gate has always read them
+    # as Inductor-compiled (the only backend then)
+    old = CompiledInfo.from_dict({"observed_backward_runs": 0, "fused_away": {}})
+    assert old == CompiledInfo(inductor=True)
+
+
+def test_a_malformed_autocast_or_compiled_entry_reads_as_none() -> None:
+    import torch
+
+    report = report_from({"a": torch.tensor([1.0])})
+    report.meta.update(autocast={"modules": {"fc": {"addmm": {"compute": ["fp16"]}}}},
+                       compiled=["not", "a", "dict"])  # fmt: skip
+    assert report.info.autocast is None and report.info.compiled is None

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fpaudit.errors import UsageError
+from fpaudit.report.runinfo import CompiledInfo
 from fpaudit.rules.comparison import common_format, compare, notes
 
 from ..reports import report_from
@@ -63,7 +64,7 @@ def test_refusals_and_notes() -> None:
     with pytest.raises(UsageError, match="no common format"):
         compare(base, new)
     assert common_format(base, new, "fp16").name == "fp16"
-    new.update_info(compiled={"inductor": True})
+    new.update_info(compiled=CompiledInfo(inductor=True))
     with pytest.raises(UsageError, match="NEW is a compiled report"):
         compare(base, new, "fp16")
 

@@ -66,6 +66,21 @@ def test_scan_summary_is_recommend_and_module_table_at_1_and_at_s() -> None:
     assert as_json["formats"][0]["at_1"][0]["underflow_fraction"] == 0.375
 
 
+def test_the_worst_modules_are_the_most_underflowing_at_1_with_their_numbers_at_s() -> None:
+    # a: 3 of its 8 nonzero values underflow fp16 at S = 1 (2**-30 < 2**-25), none at
+    # S = 2**11; b: none at either; c: 2 of 2 at S = 1 (2**-40), and still at 2**11
+    report = report_from(
+        {"b": torch.tensor([2.0**-10] * 4), "a": torch.tensor([2.0**-30] * 3 + [1.0] * 5),
+         "c": torch.tensor([2.0**-40] * 2)},
+    )  # fmt: skip
+    (fp16,) = scan_summary(report, [FP16], 4).formats
+    assert fp16.recommendation.log2_scale == 11
+    worst = fp16.worst_modules(2)
+    assert [(w.module, w.nonzero, w.underflow_fraction_at_1, w.underflow_fraction, w.amax)
+            for w in worst] == [("c", 2, 1.0, 1.0, 2.0**-40), ("a", 8, 0.375, 0.0, 1.0)]  # fmt: skip
+    assert [w.module for w in fp16.worst_modules(5)] == ["c", "a", "b"]  # the rest, as found
+
+
 def test_a_long_scan_shows_its_drift() -> None:
     report = _two_modules(steps=10)
     (fp16,) = scan_summary(report, [FP16], 4).formats
