@@ -90,7 +90,7 @@ def _main(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
-    state["debug"] = debug
+    state.debug = debug
 
 
 @dataclass(frozen=True)
@@ -255,9 +255,9 @@ def run(argv: list[str] | None = None) -> int:
     Errors print one line on stderr (``--debug`` adds the traceback).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    state["argv"] = argv
-    state["debug"] = "--debug" in argv
-    state["owner"] = Owner()  # the process that owns this command's output
+    state.argv = argv
+    state.debug = "--debug" in argv
+    state.owner = Owner()  # the process that owns this command's output
     try:
         with _sigterm_raises():  # SIGTERM anywhere in a command: exit 143, as shells expect
             result = _command().main(args=argv, prog_name="fpaudit", standalone_mode=False)
@@ -266,12 +266,12 @@ def run(argv: list[str] | None = None) -> int:
     except _Stopped as stopped:
         return _interrupted(stopped.cause)
     except FpauditError as error:
-        if state["debug"]:
+        if state.debug:
             traceback.print_exc()
         render.error_line(error.as_flag())  # the library's words, its parameters as flags
         return error.exit_code
     except typer.TyperException as error:  # usage errors from the parser
-        if state["debug"]:
+        if state.debug:
             traceback.print_exc()
         message = error.format_message()
         if message:  # empty when the help was shown because no arguments were given
@@ -282,7 +282,7 @@ def run(argv: list[str] | None = None) -> int:
     except (typer.Abort, KeyboardInterrupt) as error:
         return _interrupted(error.__cause__ if isinstance(error, typer.Abort) else error)
     except (Exception, MonitorFailure) as error:  # fpaudit's own code failed: a bug
-        if state["debug"]:
+        if state.debug:
             traceback.print_exc()
         if isinstance(error, MonitorFailure):  # in a hook or the capture, under a user call
             what = f"fpaudit's own code failed ({error})"

@@ -124,7 +124,7 @@ def _new_report_path(options: ScanArgs | RunArgs) -> Path:
 def _forked() -> bool:
     """True in a child that model code forked (os.fork, a DataLoader worker that came
     back here): it never writes the report, never unlocks, never prints a summary."""
-    return not state["owner"].here()
+    return not state.owner.here()
 
 
 def _write_partial(
@@ -195,7 +195,7 @@ def _meta(options: ScanArgs | RunArgs, **settings: Any) -> RunMeta:
     """What the report keeps of the command: its settings, command line and options."""
     return RunMeta(
         **settings,
-        argv=shlex.join(["fpaudit", *state["argv"]]),
+        argv=shlex.join(["fpaudit", *state.argv]),
         config=str(options.config_file) if options.config_file else None,
         options=options.to_meta(),
     )

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
@@ -29,8 +30,19 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # SIGINT, as shells report it
 EXIT_TERMINATED = 143  # SIGTERM
 
-# --debug, the command line (a report keeps it) and the process that owns the output
-state: dict[str, Any] = {"debug": False, "argv": [], "owner": Owner()}
+
+@dataclass
+class Session:
+    """One command's session: ``--debug``, its command line (a report keeps it) and the
+    process that owns its output (a forked child never writes it). :func:`fpaudit.cli.commands.run`
+    starts a new one per command; it is the one mutable state the CLI keeps."""
+
+    debug: bool = False
+    argv: list[str] = field(default_factory=list)
+    owner: Owner = field(default_factory=Owner)
+
+
+state = Session()
 
 # -- options ---------------------------------------------------------------
 # A command's flags are built from its options class (fpaudit.cli.options): one

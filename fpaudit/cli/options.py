@@ -41,6 +41,7 @@ from typing import Any, ClassVar, Self
 
 from fpaudit import defaults
 from fpaudit.bounds import AT_LEAST_1, FRACTION, Bounds
+from fpaudit.numerics.formats import FORMATS
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS, MAX_HEADROOM_BITS
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
 from fpaudit.rules import scalers
@@ -298,10 +299,12 @@ EXCLUDE_OP = Option(
     kind="patterns",
     shown="none",
 )
+# --format's help names every format of the registry in words: "fp16, bf16, ... or fp8_e5m2"
+FORMAT_NAMES = " or ".join((", ".join(list(FORMATS)[:-1]), list(FORMATS)[-1]))
 DEVICE = Option(defaults.DEVICE, "auto, cpu, cuda or cuda:N")
 SEED = Option(defaults.SEED, "Seed for torch, numpy and random")
 REPORT_FORMAT = Option(
-    None, "fp16, bf16, fp8_e4m3fn or fp8_e5m2", kind="format", shown="the report's first",
+    None, FORMAT_NAMES, kind="format", shown="the report's first",
     short="-f",
 )  # fmt: skip
 HEADROOM_BITS = Option(
@@ -589,7 +592,7 @@ class GateArgs(CommandOptions):
 class DiffArgs(CommandOptions):  # no config file
     COMMAND: ClassVar[str] = "diff"
     format: str | None = Option(
-        None, "fp16, bf16, fp8_e4m3fn or fp8_e5m2", kind="format",
+        None, FORMAT_NAMES, kind="format",
         shown="NEW's first that BASE has too", short="-f",
     )()  # fmt: skip
     scale: str | None = Option(
