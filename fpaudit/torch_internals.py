@@ -237,7 +237,9 @@ def written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
 
 
 # -- modules ---------------------------------------------------------------------------
-parameters_of: Callable[[torch.nn.Module], dict[str, Any]] = operator.attrgetter("_parameters")
+parameters_of: Callable[[torch.nn.Module], dict[str, torch.nn.Parameter | None]] = (
+    operator.attrgetter("_parameters")
+)
 """A module's own parameters by attribute name (``module._parameters``; its values may be
 None), read at C speed: closing a step asks it of every parameter's owner."""
 

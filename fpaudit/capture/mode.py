@@ -316,21 +316,19 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             provenance.unmark(written(info.func, args, kwargs, output))
         if info.never_new or (info.movement and not creates_new_values(info.func, args, output)):
             return
-        self._record_outputs(info, args, kwargs, output, before, node, node_name, fixed)
+        self._record_outputs(info, node, node_name, fixed, (args, kwargs, output, before))
 
     def _record_outputs(
         self,
         info: _Op,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        output: Any,
-        before: Any,
         node: torch.autograd.graph.Node,
         node_name: str,
         fixed: bool,
+        call: tuple[tuple[Any, ...], dict[str, Any], Any, Any],
     ) -> None:
         """Record a backward op's floating outputs (and ``--origins``, ``--recipe``,
-        ``--shadow``'s views of it)."""
+        ``--shadow``'s views of it); ``call`` is its (args, kwargs, output, inputs before)."""
+        args, kwargs, output, before = call
         outputs = _float_outputs(output)
         if outputs:
             module = self._node_module(node)
