@@ -384,7 +384,6 @@ std::vector<std::vector<int64_t>> histogram_add_planned(
     int64_t* span;
     BlockSummary block;
   };
-  std::vector<torch::Tensor> keep;  // widened or copied values, alive until binned
   std::array<Pending, kGroup> group;
   int grouped = 0;
   auto flush = [&]() {
@@ -393,7 +392,6 @@ std::vector<std::vector<int64_t>> histogram_add_planned(
       scatter_small(scratch.data() + size_t(k) * kSmall, p.count, p.block, p.total, p.span);
     }
     grouped = 0;
-    keep.clear();
   };
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].has_value() || !grads[i]->defined()) continue;
@@ -409,7 +407,7 @@ std::vector<std::vector<int64_t>> histogram_add_planned(
     if (rows[i] == kSkip) continue;
     added.push_back(rows[i]);
     if (x.numel() == 0) continue;
-    torch::Tensor values = as_binnable(x);
+    const torch::Tensor values = as_binnable(x);  // binned below, before it goes
     const auto* data = reinterpret_cast<const uint32_t*>(values.data_ptr<float>());
     int64_t* total = base + rows[i] * width;
     int64_t* span = span_of(spans, table, rows[i]);
@@ -422,7 +420,6 @@ std::vector<std::vector<int64_t>> histogram_add_planned(
     p = Pending{data, int(values.numel()), total, span, BlockSummary{}};
     p.block = small_bins(data, scratch.data() + size_t(grouped) * kSmall, p.count, total,
                          stored_bounds);
-    keep.push_back(std::move(values));
     if (++grouped == kGroup) flush();
   }
   flush();
@@ -472,7 +469,8 @@ std::vector<torch::Tensor> histogram_nonzero(const torch::Tensor& table, int64_t
   // Each row's visited bins are written without a branch per bin (whether a bin is
   // nonzero is a coin toss the predictor loses), into room for all of them, and the
   // entry kept only where the count is nonzero. The room is kept between calls (one
-  // step's worth, per thread): memory new at each call cost a page fault per 4 KB.
+  // step's worth, per thread, up to 2 MB a vector): memory new at each call cost a page
+  // fault per 4 KB.
   thread_local std::vector<int64_t> row_of, offset_of, count_of;
   int64_t n = 0;
   for (int64_t r = 0; r < std::min(rows, kRowsAhead); ++r) prefetch_row(data, width, span, r, rows);
@@ -501,9 +499,11 @@ std::vector<torch::Tensor> histogram_nonzero(const torch::Tensor& table, int64_t
       n += int64_t(count != 0);
     }
   }
-  auto vector_of = [n](const std::vector<int64_t>& values) {
+  auto vector_of = [n](std::vector<int64_t>& values) {
     auto out = torch::empty({n}, torch::kInt64);
     if (n) std::memcpy(out.data_ptr<int64_t>(), values.data(), size_t(n) * sizeof(int64_t));
+    constexpr size_t kKept = size_t(1) << 18;  // 2 MB a vector at most stays between calls
+    if (values.size() > kKept) std::vector<int64_t>().swap(values);
     return out;
   };
   return {vector_of(row_of), vector_of(offset_of), vector_of(count_of)};
