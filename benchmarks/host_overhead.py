@@ -21,7 +21,9 @@ of one variant (the transformer: ``--steps // 10``, at least 1), medians over
 Printed per model: each variant's time per step and ratio to plain; the cost per backward
 aten call of the bare mode and of fpaudit's capture ((variant - plain) / aten calls, the
 calls counted by a counting mode); the cost per parameter of closing a step ((closed -
-not closed) / parameters). The machine is shared and noisy: compare medians and ratios.
+not closed) / parameters), and of ``audit.step()`` alone (timed around each call, median
+over rounds), which the difference of two whole-step medians measures only roughly. The
+machine is shared and noisy: compare medians and ratios.
 ``--clock cpu`` (the default) times each round by this thread's CPU time
 (``time.thread_time``: the engine runs a CPU backward on the calling thread, and
 ``torch.set_num_threads(1)`` keeps the kernels on it), which is the host's work and leaves
@@ -94,11 +96,15 @@ def measure(
         with BareMode():
             loss.backward()
 
-    def closed(audit: fpaudit.Audit) -> None:
+    step_seconds: list[float] = []  # audit.step() alone, per round
+
+    def closed(audit: fpaudit.Audit) -> float:
         model.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
         loss.backward()
+        start = clock()
         audit.step(loss=loss)
+        return clock() - start
 
     model.zero_grad(set_to_none=True)
     loss = loss_fn(model, batch)
@@ -115,20 +121,24 @@ def measure(
                 step()
             return (clock() - start) / steps
         audit = fpaudit.audit(model)
+        closing = 0.0
         with audit:
             start = clock()
             for _ in range(steps):
                 if variant == "capture, not closed":
                     plain()
                 else:
-                    closed(audit)
+                    closing += closed(audit)
             elapsed = clock() - start
             audit.close(discard=True)
+        if variant != "capture, not closed":
+            step_seconds.append(closing / steps)
         return elapsed / steps
 
     variants = ["plain", "bare mode", "capture, not closed", "audit.step() each step"]
     for variant in variants:  # warm-up: kernels loaded, caches filled
         run(variant)
+    step_seconds.clear()
     times: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(rounds):
         for variant in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
@@ -146,6 +156,7 @@ def measure(
         "us_per_parameter_close": 1e6
         * (med["audit.step() each step"] - med["capture, not closed"])
         / parameters,
+        "us_per_parameter_step_alone": 1e6 * statistics.median(step_seconds) / parameters,
     }
 
 
@@ -159,7 +170,8 @@ def report(result: dict[str, Any]) -> None:
     bare, capture = result["us_per_aten_call_bare"], result["us_per_aten_call_capture"]
     print(f"  per backward aten call: bare mode {bare:.2f} us, capture {capture:.2f} us "
           f"({capture / bare:.2f}x the bare mode)")  # fmt: skip
-    print(f"  closing a step: {result['us_per_parameter_close']:.2f} us per parameter")
+    print(f"  closing a step: {result['us_per_parameter_close']:.2f} us per parameter "
+          f"(audit.step() alone: {result['us_per_parameter_step_alone']:.2f})")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

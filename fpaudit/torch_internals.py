@@ -27,7 +27,15 @@ going missing in a future release, and say what is lost then.
   node to the module whose forward made it.
 * ``torch.utils._python_dispatch.TorchDispatchMode``: the dispatch mode base class.
 * ``torch._ops.OpOverload`` (a type) and ``OpOverload._schema`` (``is_mutable``,
-  ``arguments[i].alias_info.is_write``): which arguments an op writes.
+  ``arguments[i].alias_info.is_write``): which arguments an op writes;
+  ``arguments[i].type`` (printed as ``Tensor``, ``Optional[Tensor]``, ``List[Tensor]``,
+  ``List[Optional[Tensor]]``): which positions can hold the op's input tensors.
+* ``OpOverload._op``: the C function ``OpOverload.__call__`` calls with the very
+  arguments it was given (on each release above); the dispatch mode calls it directly,
+  one Python frame less per op.
+* ``nn.Module._parameters``: a module's own parameters by attribute name, the dict
+  ``getattr(module, name)`` finds a parameter in (:data:`parameters_of`): closing a step
+  checks that each parameter is still its owner's without ``Module.__getattr__``.
 * FSDP1's ``FullyShardedDataParallel._flat_param`` and ``FlatParameter._is_flat_param``:
   the flat parameter whose gradient FSDP divides and reduces.
 * ``"torch._dynamo" in sys.modules``: whether Dynamo is loaded (its import costs
@@ -62,6 +70,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -85,10 +94,13 @@ __all__ = [
     "is_flat_param",
     "is_mutable",
     "node_sequence_number",
+    "op_caller",
+    "parameters_of",
     "scaler_found_inf",
     "scaler_init_scale",
     "scaler_scale",
     "scheduler_step_count",
+    "tensor_argument_positions",
     "wrap_engine_entry",
     "written_arguments",
 ]
@@ -162,9 +174,11 @@ def wrap_engine_entry(
     return restore
 
 
-def current_autograd_node() -> torch.autograd.graph.Node | None:
-    """The autograd node the engine is executing on this thread, or None outside backward."""
-    return torch._C._current_autograd_node()
+current_autograd_node: Callable[[], torch.autograd.graph.Node | None] = (
+    torch._C._current_autograd_node
+)
+"""The autograd node the engine is executing on this thread, or None outside backward
+(the C function itself: the dispatch mode asks for every op)."""
 
 
 def autograd_sequence_number() -> int:
@@ -183,6 +197,36 @@ def is_mutable(func: OpOverload) -> bool:
     return bool(func._schema.is_mutable)
 
 
+def op_caller(func: OpOverload) -> Callable[..., Any]:
+    """What calling ``func`` calls: ``func._op(*args, **kwargs)`` is ``func(*args, **kwargs)``
+    without ``OpOverload.__call__``'s Python frame."""
+    caller: Callable[..., Any] = func._op
+    return caller
+
+
+_TENSOR_TYPES = frozenset({"Tensor", "Optional[Tensor]"})
+_TENSOR_LIST_TYPES = frozenset({"List[Tensor]", "List[Optional[Tensor]]"})
+
+
+def tensor_argument_positions(func: OpOverload) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """From the op's schema: the positions of its ``Tensor`` and ``Tensor?`` arguments,
+    and of its ``Tensor[]`` and ``Tensor?[]`` ones; None where an argument may hold
+    tensors in another form (a tuple, ``Any``): read those calls' arguments whole.
+    A position typed Tensor may still hold a Python number at a call (``add.Tensor``'s
+    ``other``): the caller checks what it finds there."""
+    single: list[int] = []
+    lists: list[int] = []
+    for i, argument in enumerate(func._schema.arguments):
+        kind = str(argument.type)
+        if kind in _TENSOR_TYPES:
+            single.append(i)
+        elif kind in _TENSOR_LIST_TYPES:
+            lists.append(i)
+        elif "Tensor" in kind or kind == "Any":
+            return None
+    return tuple(single), tuple(lists)
+
+
 def written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
     """(position, name) of each argument the op's schema marks as written."""
     return tuple(
@@ -190,6 +234,14 @@ def written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
         for i, a in enumerate(func._schema.arguments)
         if a.alias_info is not None and a.alias_info.is_write
     )
+
+
+# -- modules ---------------------------------------------------------------------------
+parameters_of: Callable[[torch.nn.Module], dict[str, torch.nn.Parameter | None]] = (
+    operator.attrgetter("_parameters")
+)
+"""A module's own parameters by attribute name (``module._parameters``; its values may be
+None), read at C speed: closing a step asks it of every parameter's owner."""
 
 
 # -- FSDP1 ---------------------------------------------------------------------------

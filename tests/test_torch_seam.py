@@ -231,6 +231,29 @@ def test_op_schemas() -> None:
     assert internals.written_arguments(aten._foreach_mul_.Scalar) == ((0, "self"),)
 
 
+def test_op_callers_and_the_tensor_places_of_schemas() -> None:
+    aten = torch.ops.aten
+    x, y = torch.tensor([1.0, -2.0]), torch.tensor([3.0, 0.5])
+    assert torch.equal(internals.op_caller(aten.mul.Tensor)(x, y), aten.mul.Tensor(x, y))
+    assert torch.equal(internals.op_caller(aten.add.Tensor)(x, y, alpha=2), x + 2 * y)
+    assert internals.tensor_argument_positions(aten.mm.default) == ((0, 1), ())
+    assert internals.tensor_argument_positions(aten.t.default) == ((0,), ())
+    assert internals.tensor_argument_positions(aten.cat.default) == ((), (0,))
+    assert internals.tensor_argument_positions(aten.index.Tensor) == ((0,), (1,))
+    layer_norm = internals.tensor_argument_positions(aten.native_layer_norm_backward.default)
+    assert layer_norm == ((0, 1, 3, 4, 5, 6), ())  # Tensor? weight and bias too
+    assert internals.tensor_argument_positions(aten.add.Tensor) == ((0, 1), ())
+
+
+def test_parameters_of_is_where_getattr_finds_a_parameter() -> None:
+    layer = nn.Linear(2, 2)
+    found = internals.parameters_of(layer)
+    assert found["weight"] is layer.weight and found["bias"] is layer.bias
+    replaced = nn.Parameter(torch.zeros(2))
+    dict.__setitem__(found, "bias", replaced)  # a swap no registration hook sees
+    assert layer.bias is replaced
+
+
 def test_grad_descriptor_reads_and_writes_grad() -> None:
     descriptor = internals.grad_descriptor()
     x = torch.zeros(2, requires_grad=True)

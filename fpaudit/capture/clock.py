@@ -17,7 +17,7 @@ from torch import nn
 from fpaudit import torch_internals as _internals
 from fpaudit import torch_internals_compile as _compile_internals
 from fpaudit.capture import compiled
-from fpaudit.capture._torch_patches import guarded
+from fpaudit.errors import MonitorFailure
 from fpaudit.report.records import LOSS_MODULE
 
 _ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes have no sequence number
@@ -105,39 +105,35 @@ class ModuleClock:
                 if flat is not None:
                     self.param_owner.setdefault(id(flat), (model_name(name), "_flat_param"))
         self.known_names = frozenset(self.names.values())
-        self._stack = _Frames()
+        self.forward_frames = _Frames()  # read by the dispatch mode for every backward op
         self._starts: list[int] = []
         self._modules: list[str] = []
         self._cache: dict[int, str] = {}
         self._lock = threading.Lock()
 
-    def _frames(self) -> list[str]:
-        return self._stack.frames
-
     def current_module(self) -> str:
         """The innermost module running forward on this thread, or the loss pseudo-module."""
-        frames = self._stack.frames
+        frames = self.forward_frames.frames
         return frames[-1] if frames else LOSS_MODULE
 
     def in_forward(self) -> bool:
         """True while a module of the model runs forward on this thread (also recomputation)."""
-        return bool(self._stack.frames)  # asked for every backward op
+        return bool(self.forward_frames.frames)
 
-    def _mark(self, module_name: str) -> None:
+    # enter and exit run twice per module call in forward: one frame each, inlined
+    def enter(self, name: str) -> None:
+        self.forward_frames.frames.append(name)
         with self._lock:
             self._starts.append(autograd_sequence_number())
-            self._modules.append(module_name)
-
-    def enter(self, name: str) -> None:
-        frames = self._frames()
-        frames.append(name)
-        self._mark(name)
+            self._modules.append(name)
 
     def exit(self) -> None:
-        frames = self._frames()
+        frames = self.forward_frames.frames
         if frames:
             frames.pop()
-        self._mark(frames[-1] if frames else LOSS_MODULE)
+        with self._lock:
+            self._starts.append(autograd_sequence_number())
+            self._modules.append(frames[-1] if frames else LOSS_MODULE)
 
     def install(self, model: nn.Module, stack: ExitStack) -> None:
         compiled = compiled_modules(model)
@@ -151,11 +147,28 @@ class ModuleClock:
                 # The wrapper's own hooks run outside Dynamo: what Dynamo leaves to eager
                 # (a graph break, an LSTM) is the compiled module's, not the loss's.
                 continue
-            reported = self.names[id(module)]
-            enter = guarded("module clock", lambda _m, _a, n=reported: self.enter(n))
+            enter, exit_ = self._hooks(self.names[id(module)])
             stack.enter_context(module.register_forward_pre_hook(_untraced(enter)))
-            exit_ = guarded("module clock", lambda _m, _a, _o: self.exit())
             stack.enter_context(module.register_forward_hook(_untraced(exit_), always_call=True))
+
+    def _hooks(self, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
+        """A module's forward pre-hook and hook: ``enter(name)`` and ``exit()``, their
+        errors fpaudit's (``_torch_patches.guarded``'s rule, without its extra frames)."""
+        enter, exit_ = self.enter, self.exit
+
+        def pre_hook(_module: nn.Module, _args: Any) -> None:
+            try:
+                enter(name)
+            except Exception as error:
+                raise MonitorFailure("module clock", error) from error
+
+        def hook(_module: nn.Module, _args: Any, _output: Any) -> None:
+            try:
+                exit_()
+            except Exception as error:
+                raise MonitorFailure("module clock", error) from error
+
+        return pre_hook, hook
 
     def module_of(self, node: torch.autograd.graph.Node) -> str:
         sequence = _internals.node_sequence_number(node)

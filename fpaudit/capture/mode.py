@@ -6,6 +6,7 @@ kept to attribute and dictionary lookups until an op is one to record."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +77,7 @@ def _upcast(value: Any) -> Any:
 def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The op's input tensors as ``origin_probe.tensors_in`` finds them (tensors, and
     tensors in a list argument when there are no keyword arguments), built as one list:
-    this runs for every backward op."""
+    the walk for calls whose schema does not say where their tensors are (``_Op.at``)."""
     if kwargs:
         found = [a for a in args if isinstance(a, torch.Tensor)]
         found += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
@@ -90,13 +91,18 @@ def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]
     return found
 
 
+_Tensor = torch.Tensor
+
+
 class _Op:
     """What the mode decides once per op overload (``OpOverload``), not per call."""
 
-    __slots__ = ("func", "grad_work", "movement", "mutable", "name", "never_new", "view")
+    __slots__ = ("at", "call", "func", "grad_work", "lists", "movement", "mutable", "name",
+                 "needs", "never_new", "one", "pick", "view")  # fmt: skip
 
     def __init__(self, func: OpOverload, name: str) -> None:
         self.func = func  # kept alive: the mode's table is keyed by its id
+        self.call = _internals.op_caller(func)  # func itself, without a Python frame
         self.name = name
         self.mutable = _internals.is_mutable(func)
         self.view = bool(func.is_view)
@@ -108,6 +114,30 @@ class _Op:
         # ``works_on_grad``'s first test: under an AccumulateGrad node, a view or a move
         # of the gradient is always the node's own work
         self.grad_work = self.view or self.movement
+        # where a call without keyword arguments has its input tensors (the schema's
+        # Tensor and Tensor[] positions; None: walk the arguments, ``_inputs``), and
+        # ``one``: the op's one input position is the first (most backward views)
+        positions = _internals.tensor_argument_positions(func)
+        self.at: tuple[int, ...] | None = None if positions is None else positions[0]
+        self.lists: tuple[int, ...] = () if positions is None else positions[1]
+        self.one = positions is not None and positions == ((0,), ())
+        # several Tensor positions, no list: picked at C speed from a call that has them all
+        several = positions is not None and not self.lists and len(self.at or ()) > 1
+        self.pick = operator.itemgetter(*self.at) if several and self.at else None
+        self.needs = self.at[-1] + 1 if self.at else 0
+
+    def inputs(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
+        """The call's input tensors (no keyword arguments): what ``_inputs`` finds, read
+        at the schema's positions. A Tensor position may hold a Python number."""
+        at = self.at
+        if at is None:
+            return _inputs(args, {})
+        n = len(args)
+        found = [x for i in at if i < n and isinstance(x := args[i], _Tensor)]
+        for i in self.lists:
+            if i < n and isinstance(values := args[i], list | tuple):
+                found += [t for t in values if isinstance(t, _Tensor)]
+        return found
 
 
 def _float_outputs(output: Any) -> list[tuple[int, torch.Tensor]]:
@@ -147,6 +177,8 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self.optimizer_steps = 0  # optimizer steps running now (optimizer in backward)
         self._owners: list[str] = []  # of the nested (reentrant checkpoint) backward passes
         self._last_node: tuple[torch.autograd.graph.Node | None, str] = (None, LOSS_MODULE)
+        self._last_name: tuple[torch.autograd.graph.Node | None, str] = (None, "")
+        self._forward = clock.forward_frames  # this thread's modules in forward (in_forward)
         # --recipe: the modules whose backward GEMMs' operands get block statistics
         self._gemm_modules = weight_modules(audit.model) if recorder.blocks is not None else None
 
@@ -167,6 +199,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         """Drop the last node's module (``_node_module``), and the node with it: at the
         end of a backward pass, and where the modules of nodes may change."""
         self._last_node = (None, LOSS_MODULE)
+        self._last_name = (None, "")
 
     def _node_module(self, node: torch.autograd.graph.Node) -> str:
         """``_module_of(node)``, looked up once for the node's ops in a row (a node runs
@@ -178,6 +211,15 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         module = self._module_of(node)
         self._last_node = (node, module)
         return module
+
+    def _node_name(self, node: torch.autograd.graph.Node) -> str:
+        """``node.name()``, asked once for the node's ops in a row (see ``_node_module``)."""
+        last = self._last_name
+        if last[0] is node:
+            return last[1]
+        name = node.name()
+        self._last_name = (node, name)
+        return name
 
     def _module_of(self, node: torch.autograd.graph.Node) -> str:
         module = self._clock.module_of(node)
@@ -198,6 +240,12 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        info = self._ops.get(id(func))  # OpOverload hashes in Python: id is cheaper
+        if info is None:
+            try:
+                info = self._ops[id(func)] = _Op(func, self._op_name(func))
+            except Exception as error:  # fpaudit's: the op has not run
+                raise MonitorFailure(f"capturing {func}", error) from error
         if kwargs is None:
             kwargs = {}
         origins = self._origins
@@ -209,22 +257,22 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
                 before = None if func.is_view else origins.before(args, kwargs)
             except Exception as error:
                 raise MonitorFailure(f"capturing {func}", error) from error
-        output = func(*args, **kwargs)  # the op itself: its errors are the script's
+        output = info.call(*args, **kwargs)  # the op itself: its errors are the script's
         try:
-            self._observe(func, args, kwargs, output, before)
+            self._observe(info, args, kwargs, output, before)
         except Exception as error:  # fpaudit's recording: never the script's error
             raise MonitorFailure(f"capturing {func}", error) from error
         return output
 
     def _observe(
         self,
-        func: OpOverload,
+        info: _Op,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: Any,
         before: Any,
     ) -> None:
-        """Record what ``func`` made (``output``), if it is forward or backward work.
+        """Record what ``info.func`` made (``output``), if it is forward or backward work.
 
         This runs for every op the engine runs: what is the same for every call of an
         op overload is decided once (``_Op``), and an op whose outputs cannot be
@@ -232,27 +280,32 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         node = current_autograd_node()
         if node is None:
             if self._recorder.forward_active:
-                self._observe_forward(func, args, output, before)
+                self._observe_forward(info.func, args, output, before)
             return
-        if self._clock.in_forward() or (self.grad_mode_means_recompute and is_grad_enabled()):
+        if self._forward.frames or (self.grad_mode_means_recompute and is_grad_enabled()):
             # Forward work in backward: activation checkpointing recomputing a module, a
             # method or a function (the engine runs backward with grad mode off unless
             # create_graph; checkpointing turns it on to rebuild the graph).
             return
-        node_name = node.name()
+        last = self._last_name
+        node_name = last[1] if last[0] is node else self._node_name(node)
         if node_name == _COMPILED_NODE and compiled.inside_observed_backward():
             return  # its stored values come from its outputs (compiled_receiver)
-        info = self._ops.get(id(func))  # OpOverload hashes in Python: id is cheaper
-        if info is None:
-            info = self._ops[id(func)] = _Op(func, self._op_name(func))
         if self.optimizer_steps or (
             node_name == ACCUMULATE_GRAD
             and not info.grad_work
-            and not works_on_grad(func, args, kwargs, output, node)
+            and not works_on_grad(info.func, args, kwargs, output, node)
         ):
             return  # a hook's work (an optimizer step, an EMA): not the model's gradient
         provenance = self._provenance
-        fixed = provenance.all_fixed(_inputs(args, kwargs))
+        if kwargs:
+            fixed = provenance.all_fixed(_inputs(args, kwargs))
+        elif info.one:  # one input, first: no list to build
+            fixed = not args or not isinstance(args[0], _Tensor) or provenance.is_fixed(args[0])
+        elif info.pick is not None and len(args) >= info.needs:
+            fixed = provenance.all_fixed(info.pick(args))
+        else:
+            fixed = provenance.all_fixed(info.inputs(args))
         if fixed:
             if type(output) is torch.Tensor:
                 provenance.mark_one(output)
@@ -260,9 +313,22 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
                 provenance.mark(_tensors(output))
         elif info.mutable and provenance.has_fixed():
             # e.g. buffer[i].copy_(scaled value): the whole storage now carries the scale
-            provenance.unmark(written(func, args, kwargs, output))
-        if info.never_new or (info.movement and not creates_new_values(func, args, output)):
+            provenance.unmark(written(info.func, args, kwargs, output))
+        if info.never_new or (info.movement and not creates_new_values(info.func, args, output)):
             return
+        self._record_outputs(info, node, node_name, fixed, (args, kwargs, output, before))
+
+    def _record_outputs(
+        self,
+        info: _Op,
+        node: torch.autograd.graph.Node,
+        node_name: str,
+        fixed: bool,
+        call: tuple[tuple[Any, ...], dict[str, Any], Any, Any],
+    ) -> None:
+        """Record a backward op's floating outputs (and ``--origins``, ``--recipe``,
+        ``--shadow``'s views of it); ``call`` is its (args, kwargs, output, inputs before)."""
+        args, kwargs, output, before = call
         outputs = _float_outputs(output)
         if outputs:
             module = self._node_module(node)
@@ -276,6 +342,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             return  # nothing that can be recorded (indices, masks, counts)
         else:
             module, places = self._node_module(node), []
+        func = info.func
         if self._origins is not None or self._gemm_modules is not None:
             self._observe_extras(func, args, node_name, info.name, module, outputs, fixed, before)
         if places and self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):

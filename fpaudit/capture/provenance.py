@@ -7,11 +7,13 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
 from fpaudit.capture.oprules import storage_of
 
+_Tensor = torch.Tensor
 # Dtypes whose values cannot carry a loss scale (indices, masks, counters).
 _UNSCALABLE = frozenset(
     {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
@@ -56,11 +58,17 @@ class Provenance:
         ref = self._fixed.get(id(storage))
         return ref is not None and ref() is storage
 
-    def all_fixed(self, tensors: Iterable[torch.Tensor]) -> bool:
+    def all_fixed(self, tensors: Iterable[Any]) -> bool:
+        """Whether every tensor among ``tensors`` is fixed (anything else in it, a Python
+        number at a tensor argument's place, carries no scale)."""
         fixed = self._fixed
         unscalable = _UNSCALABLE
         for tensor in tensors:  # is_fixed, inlined: this runs for every backward op
-            if tensor.requires_grad or tensor.dtype in unscalable:
+            if (
+                not isinstance(tensor, _Tensor)
+                or tensor.requires_grad
+                or tensor.dtype in unscalable
+            ):
                 continue
             if not fixed:  # the common case: no storage lookups
                 return False

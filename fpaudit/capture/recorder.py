@@ -6,6 +6,7 @@ to the host with one transfer (:meth:`Recorder.collect`)."""
 
 from __future__ import annotations
 
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fpaudit import torch_internals as _internals
 from fpaudit.capture.clock import model_name
 from fpaudit.capture.selection import Selection
 from fpaudit.kernels import histogram
@@ -56,6 +58,41 @@ class _Registrations:
 
 _registrations = _Registrations()
 _NEW: Any = object()  # not looked up yet (a key's place is a pair, or None)
+_CPU = torch.device("cpu")
+_grad_of = operator.attrgetter("grad")  # param.grad, read at C speed
+
+
+class _GradPlan:
+    """A model's parameters (``Recorder._parameters``' entries) as closing a step reads
+    them: their gradients' rows in the CPU table and the dtype each row is for
+    (``histogram.UNPLANNED`` until a plain CPU gradient was seen), and what tells
+    whether each parameter is still its owner's attribute (:meth:`owners_hold`)."""
+
+    def __init__(self, entries: list[_Parameter]) -> None:
+        self.entries = entries
+        self.params = [entry[3] for entry in entries]
+        self.rows = [histogram.UNPLANNED] * len(entries)
+        self.dtypes = [torch.float32] * len(entries)
+        self._owners: list[Any] = [entry[0] for entry in entries]
+        self._leaves = [entry[1] for entry in entries]
+        # every parameter in its owner's parameter dict (the usual case): checked there
+        self._in_dicts = all(
+            owner is not None and _internals.parameters_of(owner).get(leaf) is param
+            for owner, leaf, param in zip(self._owners, self._leaves, self.params, strict=True)
+        )
+
+    def owners_hold(self) -> bool:
+        """Whether each parameter is still its owner's attribute (``getattr(owner, leaf)
+        is param``; owner None: found by no owner, not checked): a swap straight into the
+        owner's parameters passes no hook. Read in the owners' parameter dicts, where
+        ``Module.__getattr__`` finds a parameter, when every one was there."""
+        if self._in_dicts:
+            found = map(dict.get, map(_internals.parameters_of, self._owners), self._leaves)
+            return all(map(operator.is_, found, self.params))
+        return all(
+            owner is None or getattr(owner, leaf, None) is param
+            for owner, leaf, param in zip(self._owners, self._leaves, self.params, strict=True)
+        )
 
 
 @dataclass(frozen=True)
@@ -89,6 +126,7 @@ class Recorder:
         self._grad_rows: dict[tuple[str, torch.dtype, torch.device], Place | None] = {}
         # (model, registrations count, its parameters): see _parameters
         self._cached_parameters: tuple[nn.Module, int, list[_Parameter]] | None = None
+        self._plan: _GradPlan | None = None  # of those parameters' gradients
         # per device: (rows, the row keys as columns) for StepRecords.key_columns
         self._key_columns: dict[torch.device, tuple[int, dict[str, np.ndarray]]] = {}
 
@@ -188,48 +226,59 @@ class Recorder:
         self.blocks.add(key, tensor)
 
     def record_parameter_gradients(self, model: nn.Module) -> None:
-        """Record every parameter's gradient (kind ``grad``): plain floating gradients in
-        one kernel call per device (``HistogramTable.add_many``), their rows looked up
-        once per parameter name, dtype and device; others (complex, DTensor, with block
-        statistics) one :meth:`record` each. The parameters are the model's
-        ``named_parameters()``, walked again only when they may have changed
-        (:meth:`_parameters`)."""
+        """Record every parameter's gradient (kind ``grad``). The parameters are the
+        model's ``named_parameters()``, walked again only when they may have changed
+        (:meth:`_parameters`), and kept as a plan (:class:`_GradPlan`): each one's row
+        in the CPU table, decided at its first plain gradient, so that closing a step
+        adds the plain CPU gradients in one kernel call (``HistogramTable.add_planned``).
+        Others (complex, float64, DTensor, other devices, with block statistics, or not
+        as planned) are recorded one by one (:meth:`_record_gradient`)."""
         entries = self._parameters(model)
-        batches: dict[histogram.HistogramTable, tuple[list[int], list[torch.Tensor]]] = {}
-        rows = self._grad_rows
-        for owner, leaf, name, param in entries:
-            if owner is not None and getattr(owner, leaf, None) is not param:
-                self._cached_parameters = None  # replaced behind the hooks' back: walk again
-                self.record_parameter_gradients(model)
-                return
-            grad = param.grad
-            if grad is None or grad.layout != torch.strided:
-                continue
-            if type(grad) is torch.Tensor and self.blocks is None and grad.is_floating_point():
-                where = (name, grad.dtype, grad.device)
-                if where in rows:
-                    place = rows[where]
-                else:
-                    module, _, param_name = name.rpartition(".")
-                    found = self._place(
-                        KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad
-                    )
-                    place = rows[where] = None if found is None else found[1]
-                if place is not None:
-                    batch = batches.get(place[0])
-                    if batch is None:
-                        batch = batches[place[0]] = ([], [])
-                    batch[0].append(place[1])
-                    batch[1].append(grad)
-                continue
-            if grad.is_complex():
-                grad = torch.view_as_real(grad.resolve_conj())
-            elif not grad.is_floating_point():
-                continue
-            module, _, param_name = name.rpartition(".")
-            self.record(KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad)
-        for table, (table_rows, grads) in batches.items():
-            table.add_many(table_rows, grads)
+        plan = self._plan
+        if plan is None or plan.entries is not entries:
+            plan = self._plan = _GradPlan(entries)
+        if not plan.owners_hold():
+            self._cached_parameters = self._plan = None  # replaced behind the hooks' back
+            self.record_parameter_gradients(model)
+            return
+        grads = list(map(_grad_of, plan.params))
+        table = self._tables.get(_CPU)
+        left = None if table is None else table.add_planned(grads, plan.rows, plan.dtypes)
+        if left is None:
+            left = [i for i, grad in enumerate(grads) if grad is not None]
+        for i in left:
+            self._record_gradient(model, plan, i, grads[i])
+
+    def _record_gradient(
+        self, model: nn.Module, plan: _GradPlan, i: int, grad: torch.Tensor | None
+    ) -> None:
+        """Record parameter ``i``'s gradient, and where it is a plain CPU gradient,
+        plan its row for the next steps (``SKIP`` where the selection leaves it out)."""
+        name = plan.entries[i][2]
+        if grad is None or grad.layout != torch.strided:
+            return
+        if type(grad) is torch.Tensor and self.blocks is None and grad.is_floating_point():
+            where = (name, grad.dtype, grad.device)
+            if where in self._grad_rows:
+                place = self._grad_rows[where]
+            else:
+                module, _, param_name = name.rpartition(".")
+                found = self._place(
+                    KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad
+                )
+                place = self._grad_rows[where] = None if found is None else found[1]
+            if grad.is_cpu and grad.dtype != torch.float64:
+                plan.rows[i] = histogram.SKIP if place is None else place[1]
+                plan.dtypes[i] = grad.dtype
+            if place is not None:
+                place[0].add(place[1], grad)
+            return
+        if grad.is_complex():
+            grad = torch.view_as_real(grad.resolve_conj())
+        elif not grad.is_floating_point():
+            return
+        module, _, param_name = name.rpartition(".")
+        self.record(KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad)
 
     def _parameters(self, model: nn.Module) -> list[_Parameter]:
         """``model.named_parameters()`` as (owning module, attribute, name, parameter),

@@ -20,6 +20,8 @@
 #include <mutex>
 #include <vector>
 
+#include <sys/mman.h>
+
 namespace {
 
 constexpr int kClasses = 8;
@@ -123,9 +125,21 @@ void widen(int64_t* span, uint32_t low, uint32_t high) {
   span[1] = std::max<int64_t>(span[1], int64_t(high));
 }
 
-void add_small(const uint32_t* data, int count, int64_t* total, const Bounds& bounds,
-               int64_t* span) {
-  uint32_t bins[kSmall];  // written before read: no initialisation
+// The cache lines of counters [low, high] of a row, fetched ahead of the scatter that
+// writes them: a row is 17 KB and a step's table many MB, so a small tensor's row is
+// usually out of the near caches, and the scatter's increments would wait on one line
+// after another (each depends on the last write to its counter).
+inline void prefetch_counters(int64_t* total, uint32_t low, uint32_t high) {
+  constexpr uint32_t kPerLine = 64 / sizeof(int64_t);
+  for (uint32_t b = low & ~(kPerLine - 1); b <= high; b += kPerLine) {
+    __builtin_prefetch(total + b, 1, 3);
+  }
+}
+
+// add_small's first pass: the bins of `count` values (subnormals normalised), whose
+// counters in the row at `total` are then fetched ahead of the scatter.
+BlockSummary small_bins(const uint32_t* data, uint32_t* bins, int count, int64_t* total,
+                        const Bounds& bounds) {
   BlockSummary block = block_bins(data, bins, count, bounds);
   if (__builtin_expect(block.subnormals != 0, 0)) {
     for (int j = 0; j < count; ++j) {
@@ -135,9 +149,30 @@ void add_small(const uint32_t* data, int count, int64_t* total, const Bounds& bo
       }
     }
   }
+  if (block.low <= block.high) prefetch_counters(total, block.low, block.high);
+  return block;
+}
+
+// add_small's second pass: the counts, the amax and the span.
+void scatter_small(const uint32_t* bins, int count, const BlockSummary& block, int64_t* total,
+                   int64_t* span) {
   for (int j = 0; j < count; ++j) ++total[bins[j]];
   total[kBins] = std::max<int64_t>(total[kBins], int64_t(block.largest));
   widen(span, block.low, block.high);
+}
+
+void prefetch_row_ends(int64_t* total, int64_t* span) {
+  __builtin_prefetch(total + kZero, 1, 3);  // the zero bin and amax: known before the bins
+  __builtin_prefetch(total + kBins, 1, 3);
+  if (span != nullptr) __builtin_prefetch(span, 1, 3);
+}
+
+void add_small(const uint32_t* data, int count, int64_t* total, const Bounds& bounds,
+               int64_t* span) {
+  uint32_t bins[kSmall];  // written before read: no initialisation
+  prefetch_row_ends(total, span);
+  const BlockSummary block = small_bins(data, bins, count, total, bounds);
+  scatter_small(bins, count, block, total, span);
 }
 
 // Adds the n fp32 values at data to the row that starts at total (see histogram_add).
@@ -308,6 +343,89 @@ void histogram_add_many(const std::vector<torch::Tensor>& xs, torch::Tensor& tab
   }
 }
 
+// Closing a step's parameter gradients by a plan (fpaudit.capture.recorder's): grads[i]
+// (None: no gradient this step, skipped) goes to row rows[i] of `table` when it is what
+// the plan expects there: a strided CPU tensor of dtype dtypes[i] (not float64) that is
+// not a tensor subclass with a dispatch of its own (a DTensor: the caller takes its local
+// shard). rows[i] == kSkip: a gradient of that dtype is not selected (nothing added);
+// rows[i] == kUnplanned, or any other tensor: left to the caller. Every row is checked
+// before anything is added. Returns (the rows added to, in order: one add each; the
+// indices of the gradients left to the caller).
+constexpr int64_t kUnplanned = -1;
+constexpr int64_t kSkip = -2;
+
+std::vector<std::vector<int64_t>> histogram_add_planned(
+    const std::vector<c10::optional<torch::Tensor>>& grads, torch::Tensor& table,
+    const std::vector<int64_t>& rows, const std::vector<at::ScalarType>& dtypes,
+    const c10::optional<torch::Tensor>& spans) {
+  TORCH_CHECK(bounds_stored, "set_class_bounds first");
+  check_table(table);
+  span_of(spans, table, 0);  // checked before anything is added
+  TORCH_CHECK(grads.size() == rows.size() && grads.size() == dtypes.size(),
+              "histogram_add_planned needs one row and one dtype per gradient");
+  for (const int64_t row : rows) {
+    TORCH_CHECK(row == kUnplanned || row == kSkip || (row >= 0 && row < table.size(0)),
+                "row ", row, " out of range");
+  }
+  std::vector<int64_t> added, left;
+  added.reserve(grads.size());
+  at::NoGradGuard no_grad;
+  int64_t* base = table.data_ptr<int64_t>();
+  const int64_t width = table.size(1);
+  // Small gradients (most of a model's: biases, norms, small layers) go in groups: the
+  // group's bins first, each row's counters fetched as its bins are known, then the
+  // scatters, which find them near. One at a time, each scatter waited on its row.
+  constexpr int kGroup = 8;
+  thread_local std::vector<uint32_t> scratch(size_t(kGroup) * kSmall);
+  struct Pending {
+    const uint32_t* data;
+    int count;
+    int64_t* total;
+    int64_t* span;
+    BlockSummary block;
+  };
+  std::array<Pending, kGroup> group;
+  int grouped = 0;
+  auto flush = [&]() {
+    for (int k = 0; k < grouped; ++k) {
+      const Pending& p = group[size_t(k)];
+      scatter_small(scratch.data() + size_t(k) * kSmall, p.count, p.block, p.total, p.span);
+    }
+    grouped = 0;
+  };
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].has_value() || !grads[i]->defined()) continue;
+    const torch::Tensor& x = *grads[i];
+    const bool planned = rows[i] != kUnplanned && x.scalar_type() == dtypes[i] &&
+                         x.device().is_cpu() && x.layout() == torch::kStrided &&
+                         x.is_floating_point() && x.scalar_type() != torch::kFloat64 &&
+                         !x.key_set().has(c10::DispatchKey::Python);
+    if (!planned) {
+      left.push_back(int64_t(i));
+      continue;
+    }
+    if (rows[i] == kSkip) continue;
+    added.push_back(rows[i]);
+    if (x.numel() == 0) continue;
+    const torch::Tensor values = as_binnable(x);  // binned below, before it goes
+    const auto* data = reinterpret_cast<const uint32_t*>(values.data_ptr<float>());
+    int64_t* total = base + rows[i] * width;
+    int64_t* span = span_of(spans, table, rows[i]);
+    if (values.numel() > kSmall) {
+      add_values(data, values.numel(), total, stored_bounds, span);
+      continue;
+    }
+    prefetch_row_ends(total, span);
+    Pending& p = group[size_t(grouped)];
+    p = Pending{data, int(values.numel()), total, span, BlockSummary{}};
+    p.block = small_bins(data, scratch.data() + size_t(grouped) * kSmall, p.count, total,
+                         stored_bounds);
+    if (++grouped == kGroup) flush();
+  }
+  flush();
+  return {added, left};
+}
+
 // ---- Closing a step: the rows' nonzero bins, and clearing them ----
 
 namespace {
@@ -315,6 +433,25 @@ namespace {
 std::pair<int64_t, int64_t> bins_to_visit(const int64_t* spans, int64_t row) {
   if (spans == nullptr) return {0, int64_t(kBins) - 1};
   return {std::max<int64_t>(spans[2 * row], 0), std::min<int64_t>(spans[2 * row + 1], kBins - 1)};
+}
+
+// Rows read or cleared one after another lie 17 KB apart, where the hardware prefetcher
+// does not follow: each row's first lines would be a wait on memory. A row a few ahead
+// is fetched while this one is visited: its zero bin, its span's bins and its columns
+// from the inf bin on (amax and the caller's, which the host reads next).
+constexpr int64_t kRowsAhead = 4;
+
+void prefetch_row(const int64_t* table, int64_t width, const int64_t* spans, int64_t row,
+                  int64_t rows) {
+  if (row >= rows) return;
+  const int64_t* data = table + row * width;
+  __builtin_prefetch(data, 0, 3);
+  const auto [low, high] = bins_to_visit(spans, row);
+  if (spans != nullptr) {
+    for (int64_t b = low; b <= high; b += 8) __builtin_prefetch(data + b, 0, 3);
+  }
+  __builtin_prefetch(data + kInf, 0, 3);
+  __builtin_prefetch(data + width - 1, 0, 3);
 }
 }  // namespace
 
@@ -329,21 +466,44 @@ std::vector<torch::Tensor> histogram_nonzero(const torch::Tensor& table, int64_t
   const int64_t* span = rows ? span_of(spans, table, 0) : nullptr;
   const int64_t width = table.size(1);
   const int64_t* data = table.data_ptr<int64_t>();
-  std::vector<int64_t> row_of, offset_of, count_of;
+  // Each row's visited bins are written without a branch per bin (whether a bin is
+  // nonzero is a coin toss the predictor loses), into room for all of them, and the
+  // entry kept only where the count is nonzero. The room is kept between calls (one
+  // step's worth, per thread, up to 2 MB a vector): memory new at each call cost a page
+  // fault per 4 KB.
+  thread_local std::vector<int64_t> row_of, offset_of, count_of;
+  int64_t n = 0;
+  for (int64_t r = 0; r < std::min(rows, kRowsAhead); ++r) prefetch_row(data, width, span, r, rows);
   for (int64_t r = 0; r < rows; ++r) {
+    prefetch_row(data, width, span, r + kRowsAhead, rows);
     const auto [low, high] = bins_to_visit(span, r);
+    const int64_t first = std::max<int64_t>(low, kFirstFinite);
+    const int64_t last = std::min<int64_t>(high, kInf - 1);
+    if (first > last) continue;
+    const size_t room = size_t(n + (last - first + 1));
+    if (room > row_of.size()) {
+      const size_t grown = std::max(room, 2 * row_of.size());
+      row_of.resize(grown);
+      offset_of.resize(grown);
+      count_of.resize(grown);
+    }
     const int64_t* counts = data + r * width;
-    for (int64_t b = std::max<int64_t>(low, kFirstFinite); b <= std::min<int64_t>(high, kInf - 1); ++b) {
-      if (counts[b] != 0) {
-        row_of.push_back(r);
-        offset_of.push_back(b - kFirstFinite);
-        count_of.push_back(counts[b]);
-      }
+    int64_t* out_row = row_of.data();
+    int64_t* out_offset = offset_of.data();
+    int64_t* out_count = count_of.data();
+    for (int64_t b = first; b <= last; ++b) {
+      const int64_t count = counts[b];
+      out_row[n] = r;
+      out_offset[n] = b - kFirstFinite;
+      out_count[n] = count;
+      n += int64_t(count != 0);
     }
   }
-  auto vector_of = [](const std::vector<int64_t>& values) {
-    auto out = torch::empty({int64_t(values.size())}, torch::kInt64);
-    if (!values.empty()) std::memcpy(out.data_ptr<int64_t>(), values.data(), values.size() * sizeof(int64_t));
+  auto vector_of = [n](std::vector<int64_t>& values) {
+    auto out = torch::empty({n}, torch::kInt64);
+    if (n) std::memcpy(out.data_ptr<int64_t>(), values.data(), size_t(n) * sizeof(int64_t));
+    constexpr size_t kKept = size_t(1) << 18;  // 2 MB a vector at most stays between calls
+    if (values.size() > kKept) std::vector<int64_t>().swap(values);
     return out;
   };
   return {vector_of(row_of), vector_of(offset_of), vector_of(count_of)};
@@ -359,7 +519,9 @@ void histogram_clear(torch::Tensor& table, int64_t rows, const c10::optional<tor
   int64_t* span = rows ? span_of(spans, table, 0) : nullptr;
   const int64_t width = table.size(1);
   int64_t* data = table.data_ptr<int64_t>();
+  for (int64_t r = 0; r < std::min(rows, kRowsAhead); ++r) prefetch_row(data, width, span, r, rows);
   for (int64_t r = 0; r < rows; ++r) {
+    prefetch_row(data, width, span, r + kRowsAhead, rows);
     int64_t* row = data + r * width;
     const auto [low, high] = bins_to_visit(span, r);
     for (int64_t b = low; b <= high; ++b) {
@@ -811,6 +973,63 @@ torch::Tensor block_stats(const torch::Tensor& blocks, int64_t rule, double elem
   return out;
 }
 
+// A zeroed int64 table [rows, width] for HistogramTable, in memory the kernel may back
+// with 2 MB pages (Linux's transparent huge pages, where they are on "madvise"): a step
+// reads and writes rows 17 KB apart all over a table of many MB, and with 4 KB pages
+// nearly every row cost a TLB miss. Small tables, and systems without the hint, get
+// torch.zeros.
+torch::Tensor histogram_table(int64_t rows, int64_t width) {
+  TORCH_CHECK(rows >= 0 && width > kBins, "a table needs rows >= 0 and more than ", kBins, " columns");
+  const size_t bytes = size_t(rows) * size_t(width) * sizeof(int64_t);
+  constexpr size_t kHuge = size_t(2) << 20;
+#ifdef MADV_HUGEPAGE
+  if (bytes >= 2 * kHuge) {
+    const size_t mapped = bytes + kHuge;  // room to start on a 2 MB boundary
+    void* start = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (start != MAP_FAILED) {  // anonymous pages read as zero
+      const uintptr_t at = (reinterpret_cast<uintptr_t>(start) + kHuge - 1) & ~(kHuge - 1);
+      void* aligned = reinterpret_cast<void*>(at);
+      madvise(aligned, bytes, MADV_HUGEPAGE);  // a hint: nothing changes where it is refused
+      return torch::from_blob(
+          aligned, {rows, width}, [start, mapped](void*) { munmap(start, mapped); },
+          torch::TensorOptions().dtype(torch::kInt64));
+    }
+  }
+#endif
+  return torch::zeros({rows, width}, torch::kInt64);
+}
+
+namespace {
+// histogram_add_tensor(x, table, row, spans) as a plain CPython function (METH_FASTCALL):
+// the per-op call of the dispatch mode. pybind11's argument casters (the optional spans
+// most of all) cost more than binning a small tensor; this unpacks the four arguments
+// itself. Errors are the same TORCH_CHECK messages, as RuntimeError.
+PyObject* histogram_add_fast(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !THPVariable_Check(args[0]) || !THPVariable_Check(args[1]) ||
+      !PyLong_Check(args[2]) || !THPVariable_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "histogram_add_fast(x, table, row, spans): tensors and an int");
+    return nullptr;
+  }
+  const long long row = PyLong_AsLongLong(args[2]);
+  if (row == -1 && PyErr_Occurred()) return nullptr;
+  try {
+    torch::Tensor table = THPVariable_Unpack(args[1]);
+    histogram_add_tensor(THPVariable_Unpack(args[0]), table, row, THPVariable_Unpack(args[3]));
+  } catch (const c10::Error& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what_without_backtrace());
+    return nullptr;
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef histogram_add_fast_def = {
+    "histogram_add_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(histogram_add_fast)),
+    METH_FASTCALL, "histogram_add_tensor(x, table, row, spans), without pybind11's casters"};
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_spans = py::arg("spans") = py::none();
   m.def("histogram_add", &histogram_add, "Exact fp32 magnitude histogram (fpaudit layout)",
@@ -818,8 +1037,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_class_bounds", &set_class_bounds, "The class bounds histogram_add_tensor uses");
   m.def("histogram_add_tensor", &histogram_add_tensor, "histogram_add of any strided fp32/16/8 tensor",
         py::arg("x"), py::arg("table"), py::arg("row"), no_spans);
+  m.add_object("histogram_add_fast",
+               py::reinterpret_steal<py::object>(PyCFunction_New(&histogram_add_fast_def, nullptr)));
+  m.def("histogram_table", &histogram_table, "A zeroed table, in huge pages where the system has them",
+        py::arg("rows"), py::arg("width"));
   m.def("histogram_add_many", &histogram_add_many, "histogram_add of many tensors, one row each",
         py::arg("xs"), py::arg("table"), py::arg("rows"), py::arg("class_bounds"), no_spans);
+  m.def("histogram_add_planned", &histogram_add_planned,
+        "A step's planned gradients, one call: (rows added to, indices left to the caller)",
+        py::arg("grads"), py::arg("table"), py::arg("rows"), py::arg("dtypes"), no_spans);
   m.def("histogram_nonzero", &histogram_nonzero, "The rows' nonzero finite bins, row-major",
         py::arg("table"), py::arg("rows"), no_spans);
   m.def("histogram_clear", &histogram_clear, "Zero the rows, writing only nonzero entries",

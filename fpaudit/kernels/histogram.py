@@ -65,6 +65,8 @@ __all__ = [
     "N_BINS",
     "N_CLASSES",
     "SHADOW_COLUMNS",
+    "SKIP",
+    "UNPLANNED",
     "WIDTH",
     "ZERO_BIN",
     "Histogram",
@@ -177,6 +179,8 @@ def _empty_spans(rows: int) -> torch.Tensor:
 
 _FLOAT64 = torch.float64
 _STRIDED = torch.strided
+UNPLANNED = -1  # HistogramTable.add_planned's rows: no row decided for this gradient yet
+SKIP = -2  # its gradient (of the planned dtype) is not recorded
 
 
 class HistogramTable:
@@ -208,7 +212,11 @@ class HistogramTable:
 
     def new_row(self) -> int:
         if self.rows == self.table.shape[0]:
-            grown = torch.zeros((2 * self.rows, WIDTH), dtype=torch.int64, device=self.device)
+            kernel = self._kernel  # resolved once rows were added to: growing tables are
+            if kernel is not _UNRESOLVED and kernel is not None:  # big ones (see the kernel)
+                grown = kernel.histogram_table(2 * self.rows, WIDTH)
+            else:
+                grown = torch.zeros((2 * self.rows, WIDTH), dtype=torch.int64, device=self.device)
             grown[: self.rows] = self.table
             self.table = grown
             if self.spans is not None:
@@ -229,7 +237,7 @@ class HistogramTable:
             and x.dtype is not _FLOAT64
             and x.layout is _STRIDED
         ):
-            kernel.histogram_add_tensor(x, self.table, row, self.spans)  # widens, flattens
+            kernel.histogram_add_fast(x, self.table, row, self.spans)  # widens, flattens
             return
         if x.numel() == 0:
             return
@@ -275,6 +283,24 @@ class HistogramTable:
             batch.append(x)
         if batch:
             kernel.histogram_add_many(batch, self.table, batch_rows, _CLASS_BOUNDS, self.spans)
+
+    def add_planned(
+        self, grads: list[torch.Tensor | None], rows: list[int], dtypes: list[torch.dtype]
+    ) -> list[int] | None:
+        """``add(rows[i], grads[i])`` for each gradient the plan expects (one CPU kernel
+        call for all of them): a strided CPU tensor of dtype ``dtypes[i]`` (not float64, not
+        a subclass with a dispatch of its own) where ``rows[i]`` is a row; ``rows[i]`` ==
+        ``SKIP``: such a gradient is not recorded; None gradients are skipped. Returns the
+        indices of the gradients left to the caller (unplanned, or not as planned), or None
+        where this table has no CPU kernel (the caller adds each)."""
+        kernel = self._kernel if self._kernel is not _UNRESOLVED else self._resolve_kernel()
+        if kernel is None:
+            return None
+        added, left = kernel.histogram_add_planned(grads, self.table, rows, dtypes, self.spans)
+        calls = self.calls
+        for row in added:
+            calls[row] += 1
+        return list(left)
 
     def _count_out_of_range(self, x: torch.Tensor) -> None:
         """Count the nonzero finite fp64 values that fp32 turns into zero or inf (no sync)."""

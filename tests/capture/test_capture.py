@@ -355,3 +355,58 @@ def test_step_index_numbers_captured_steps() -> None:
     assert list(audit.report.steps["step"]) == [0, 4, 8]
     with pytest.raises(ValueError, match="does not follow"), audit:
         audit.step(index=8)
+
+
+class _AtenBackward(torch.autograd.Function):
+    """A backward that calls aten itself: Python numbers where the schema says Tensor,
+    ops with one, two and three tensor arguments, and a list of tensors."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x)
+        return x * 1.5
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        (x,) = ctx.saved_tensors
+        aten = torch.ops.aten
+        doubled = aten.mul.Tensor(x, 2.0)  # from the saved input and a number: fixed
+        shifted = aten.add.Tensor(doubled, 3)
+        chosen = aten.where.self(aten.gt.Scalar(x, 0), shifted, doubled)  # three, all fixed
+        stacked = aten.stack.default([chosen, aten.exp.default(chosen)])  # a list, all fixed
+        mixed = aten.addcmul.default(chosen, stacked[1], doubled)  # three, all fixed
+        return aten.mul.Tensor(aten.mul.Tensor(grad, mixed), 0.5)  # the gradient: scaled
+
+
+class _AtenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _AtenBackward.apply(self.fc(x))
+
+
+def test_scales_with_loss_is_what_scaling_the_loss_does_with_numbers_at_tensor_places() -> None:
+    # The oracle: run the same step with the loss times 2**10. A record that scales with
+    # the loss has its amax times 2**10 exactly (powers of two, far from the edges); one
+    # that does not has it unchanged. The schema's tensor places hold numbers here.
+    torch.manual_seed(0)
+    model, batch = _AtenModel(), torch.randn(3, 4)
+    by_scale = {}
+    for scale in (1.0, 2.0**10):
+        records = _audit(model, lambda scale=scale: model(batch).pow(2).sum() * scale)
+        ours = records[records["node"] == "_AtenBackwardBackward"]
+        by_scale[scale] = {
+            (op, out, flag): amax
+            for op, out, flag, amax in zip(ours["op"], ours["output"], ours["scales_with_loss"],
+                                           ours["amax"], strict=True)
+        }  # fmt: skip
+    # the same records (op, output, whether it scales) in both runs
+    assert by_scale[1.0].keys() == by_scale[2.0**10].keys()
+    for key, amax in by_scale[1.0].items():
+        assert by_scale[2.0**10][key] == (amax * 2.0**10 if key[2] else amax), key
+    flags = {(op, flag) for op, _, flag in by_scale[1.0]}
+    # (stack only moves values: not recorded, but what addcmul reads is fixed through it)
+    assert {("aten.mul.Tensor", False), ("aten.add.Tensor", False), ("aten.where.self", False),
+            ("aten.addcmul.default", False), ("aten.mul.Tensor", True)} <= flags  # fmt: skip

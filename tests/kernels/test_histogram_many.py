@@ -283,3 +283,128 @@ def test_the_cached_parameter_list_follows_replaced_parameters() -> None:
     # model[0].bias's 2 values 0.5, and the swapped bias's -0.0 and inf
     expected = _reference(torch.tensor([0.5, 0.5, -0.0, float("inf")]))[0]
     assert np.array_equal(_grad_counts(recorder, "bias"), expected)
+
+
+def test_planned_gradients_in_one_call_equal_one_call_each_and_the_reference() -> None:
+    # HistogramTable.add_planned, closing a step: each gradient the plan expects (its row,
+    # its dtype) is added as add() adds it; None, SKIP and the unexpected are not added,
+    # the unexpected (unplanned, another dtype, float64, complex, another device) left
+    compiled_cpu_kernel()
+    tensors = [x for x in _tensors() if x.dtype != torch.float64]
+    planned = H.HistogramTable(torch.device("cpu"), capacity=2)  # also grows
+    one = H.HistogramTable(torch.device("cpu"), capacity=2)
+    rows = [planned.new_row() for _ in tensors]
+    for _ in tensors:
+        one.new_row()
+    grads: list[torch.Tensor | None] = [*tensors, None, tensors[0], tensors[1], tensors[0]]
+    plan_rows = [*rows, rows[0], H.SKIP, rows[1], H.UNPLANNED]
+    dtypes = [x.dtype for x in tensors] + [torch.float32] * 4  # tensors[1] is fp16: left
+    others = [torch.ones(3, dtype=torch.float64), torch.ones(2, dtype=torch.complex64),
+              torch.ones(3, device="meta")]  # fmt: skip
+    grads += others
+    plan_rows += [rows[0]] * len(others)
+    dtypes += [x.dtype for x in others]
+    left = planned.add_planned(grads, plan_rows, dtypes)
+    # the fp16 tensor planned as fp32, the unplanned one, and the three others
+    first_other = len(tensors) + 4
+    assert left == [len(tensors) + 2, len(tensors) + 3, *range(first_other, len(grads))]
+    for i, x in enumerate(tensors):
+        one.add(i, x)
+    planned_rows, _ = planned.collect()
+    one_rows, _ = one.collect()
+    assert np.array_equal(planned_rows, one_rows)
+    assert planned.calls == one.calls == [1] * len(tensors)
+    for i, x in enumerate(tensors):
+        counts, amax = _reference(x)
+        host = H.HostHistogram.from_row(planned_rows[i], 1)
+        assert np.array_equal(host.counts, counts), i
+        assert host.amax == amax, i
+
+
+def test_a_plan_with_a_row_out_of_range_adds_nothing() -> None:
+    kernel = compiled_cpu_kernel()
+    table = H.HistogramTable(torch.device("cpu"))
+    row = table.new_row()
+    assert table.add_planned([], [], []) == []
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.histogram_add_planned([torch.ones(3), torch.ones(3)], table.table,
+                                     [row, table.table.shape[0]],
+                                     [torch.float32, torch.float32], table.spans)  # fmt: skip
+    assert not table.table.any()  # a refused plan adds nothing
+    assert table.spans is not None and table.spans[row].tolist() == [H.N_BINS, -1]
+
+
+def test_the_fast_per_op_call_is_the_per_op_call() -> None:
+    # histogram_add_fast: histogram_add_tensor without pybind11's argument casters
+    kernel = compiled_cpu_kernel()
+    tensors = [x for x in _tensors() if x.dtype != torch.float64]
+    fast, tensor = H.HistogramTable(torch.device("cpu")), H.HistogramTable(torch.device("cpu"))
+    for x in tensors:
+        kernel.histogram_add_fast(x, fast.table, fast.new_row(), fast.spans)
+        row = tensor.new_row()
+        kernel.histogram_add_tensor(x, tensor.table, row, tensor.spans)
+    assert np.array_equal(fast.collect()[0], tensor.collect()[0])
+    assert fast.spans is not None and tensor.spans is not None
+    assert torch.equal(fast.spans, tensor.spans)
+    with pytest.raises(RuntimeError, match="histogram_add_many needs strided floating"):
+        kernel.histogram_add_fast(torch.ones(3, dtype=torch.float64), fast.table, 0, fast.spans)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.histogram_add_fast(torch.ones(3), fast.table, -1, fast.spans)
+    with pytest.raises(TypeError, match="tensors and an int"):
+        kernel.histogram_add_fast(torch.ones(3), fast.table, 0)
+
+
+def _mixed_model() -> nn.Module:
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2), nn.Linear(2, 1))
+    model[1].to(torch.bfloat16)
+    model[2].to(torch.float64)
+    return model
+
+
+def test_a_planned_step_records_what_a_fresh_recorder_records() -> None:
+    # the plan (rows and dtypes decided at a gradient's first sight) against a recorder
+    # that decides everything anew each step, over steps whose gradients change: dtype,
+    # None, edge values (ties, signed zeros, subnormals, inf, NaN), strided, fp64, complex
+    compiled_cpu_kernel()
+    model = _mixed_model()
+    model.register_parameter("phase", nn.Parameter(torch.zeros(3, dtype=torch.complex64)))
+    edges = edge_values()
+    planned = Recorder(Selection(), None)
+    steps = [
+        lambda p: torch.full_like(p, 0.5),
+        lambda p: edges[: p.numel()].reshape(p.shape).to(p.dtype),
+        lambda p: None if p.dim() == 1 else torch.full_like(p.t(), 2.0**-140).t(),
+        lambda p: edges[-p.numel() :].reshape(p.shape).to(p.dtype),
+    ]
+    for step, make in enumerate(steps):
+        if step == 3:
+            model[0].to(torch.float16)  # the same parameters, their dtype changed
+        for p in model.parameters():
+            p.grad = make(p)
+        planned.record_parameter_gradients(model)
+        fresh = Recorder(Selection(), None)
+        fresh.record_parameter_gradients(model)
+        got = _by_key(planned)
+        assert got == _by_key(fresh)
+        expected = {}
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            values = torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad
+            expected[(name, str(values.dtype).removeprefix("torch."))] = _reference(values)
+        assert {(k[0], k[1]): (k[2], k[3]) for k in got} == {
+            k: (tuple(c.tolist()), a) for k, (c, a) in expected.items()
+        }
+        planned.release()
+        fresh.release()
+
+
+def _by_key(recorder: Recorder) -> set[tuple[str, str, tuple[int, ...], float]]:
+    """The open step's gradient records: (parameter, dtype, counts, amax)."""
+    records = recorder.collect(None, None).records
+    found = set()
+    for i, key in enumerate(records.keys):
+        if key.kind == KIND_GRAD and records.calls[i]:
+            name = f"{key.module}.{key.op}" if key.module else key.op
+            found.add((name, key.dtype, tuple(records.counts[i].tolist()), float(records.amax[i])))
+    return found
