@@ -20,7 +20,9 @@
 #include <mutex>
 #include <vector>
 
+#if __has_include(<sys/mman.h>)  // POSIX: the tables' 2 MB pages (histogram_table)
 #include <sys/mman.h>
+#endif
 
 namespace {
 
