@@ -142,10 +142,13 @@ class Format:
     @property
     def overflow_note(self) -> str | None:
         """What a reader of the thresholds must know of this format's overflow: that it
-        has no inf and torch's cast saturates (None when overflow gives inf)."""
+        has no inf and torch's cast saturates, and from which torch release where earlier
+        ones gave NaN (None when overflow gives inf). True on every supported release."""
         if self.overflow_result != "saturate":
             return None
-        return f"{self.name} has no inf: torch's cast saturates at {self.max_finite:g}."
+        since = SATURATING_CAST_SINCE.get(self.name)
+        releases = f" (torch {since} on; NaN before)" if since else ""
+        return f"{self.name} has no inf: torch's cast saturates at {self.max_finite:g}{releases}."
 
     @property
     def fp32_range(self) -> bool:
@@ -179,6 +182,12 @@ class Format:
 # Written out so that no torch import is needed; tests/numerics/test_formats.py checks
 # every one against Format.from_dtype (torch.finfo).
 FP32 = Format("fp32", "float32", 23, -126, math.ldexp(2 - 2**-23, 127))
+
+# The torch release from which the eager cast past a saturating format's overflow edge
+# gives its largest finite value; the releases before it give NaN
+# (fpaudit/torch_internals.py, "Semantics that moved"; tests/numerics/test_formats.py
+# checks each release it runs on). fpaudit counts both as overflow.
+SATURATING_CAST_SINCE = {"fp8_e4m3fn": "2.13"}
 
 FORMATS: dict[str, Format] = {
     f.name: f

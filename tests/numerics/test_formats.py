@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from fpaudit.errors import UsageError
-from fpaudit.numerics.formats import FORMATS, FP32, Fate, Format, fate, get_format
+from fpaudit.numerics.formats import (
+    FORMATS,
+    FP32,
+    SATURATING_CAST_SINCE,
+    Fate,
+    Format,
+    fate,
+    get_format,
+)
 
 
 def test_spellings_are_exactly_the_cli_ones() -> None:
@@ -163,9 +171,19 @@ def test_the_overflow_note_is_torchs_cast_past_the_edge(name: str) -> None:
     past = torch.tensor([fmt.max_finite * 4.0]).to(fmt.dtype).float().item()
     if math.isinf(past):
         assert fmt.overflow_note is None
-    else:  # no inf: torch saturates
+        return
+    # no inf: this torch saturates or, before the release the note names, gives NaN
+    since = SATURATING_CAST_SINCE.get(name)
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if since is not None and release < tuple(int(p) for p in since.split(".")):
+        assert math.isnan(past)
+    else:
         assert past == fmt.max_finite
-        assert fmt.overflow_note == f"{name} has no inf: torch's cast saturates at {past:g}."
+    assert fmt.overflow_result == "saturate"
+    releases = f" (torch {since} on; NaN before)" if since else ""
+    assert fmt.overflow_note == (
+        f"{name} has no inf: torch's cast saturates at {fmt.max_finite:g}{releases}."
+    )
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
