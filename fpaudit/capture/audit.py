@@ -313,7 +313,8 @@ class Audit:
             raise ValueError("step(loss=...) needs a tensor with exactly one element")
         self._recorder.record_parameter_gradients(self.model)
         scale_tensor = loss_scale if isinstance(loss_scale, torch.Tensor) else None
-        collected = self._recorder.collect(loss, scale_tensor)
+        # without a window nothing reads a record's bin counts past what the kernel reads
+        collected = self._recorder.collect(loss, scale_tensor, keep_rows=self._builder.window > 1)
         records, loss_value, scale_value = collected.records, collected.loss, collected.loss_scale
         if scale_value is None:
             scale_value = self.loss_scale if loss_scale is None else float(loss_scale)

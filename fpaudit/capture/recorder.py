@@ -24,6 +24,7 @@ from fpaudit.report.records import (
     KIND_BACKWARD,
     KIND_GRAD,
     KIND_OPERAND,
+    NonzeroBins,
     RecordKey,
     StepRecords,
 )
@@ -59,7 +60,6 @@ class _Registrations:
 _registrations = _Registrations()
 _NEW: Any = object()  # not looked up yet (a key's place is a pair, or None)
 _CPU = torch.device("cpu")
-_grad_of = operator.attrgetter("grad")  # param.grad, read at C speed
 
 
 class _GradPlan:
@@ -241,13 +241,13 @@ class Recorder:
             self._cached_parameters = self._plan = None  # replaced behind the hooks' back
             self.record_parameter_gradients(model)
             return
-        grads = list(map(_grad_of, plan.params))
+        params = plan.params
         table = self._tables.get(_CPU)
-        left = None if table is None else table.add_planned(grads, plan.rows, plan.dtypes)
-        if left is None:
-            left = [i for i, grad in enumerate(grads) if grad is not None]
-        for i in left:
-            self._record_gradient(model, plan, i, grads[i])
+        left = None
+        if table is not None:  # the kernel reads each parameter's .grad
+            left = table.add_planned(params, plan.rows, plan.dtypes, of_params=True)
+        for i in range(len(params)) if left is None else left:
+            self._record_gradient(model, plan, i, params[i].grad)
 
     def _record_gradient(
         self, model: nn.Module, plan: _GradPlan, i: int, grad: torch.Tensor | None
@@ -321,15 +321,24 @@ class Recorder:
         ``fpaudit.kernels.histogram``)."""
         return sum(int(t.out_of_range) for t in self._tables.values())
 
-    def collect(self, loss: torch.Tensor | None, scale_tensor: torch.Tensor | None) -> Collected:
+    def collect(
+        self,
+        loss: torch.Tensor | None,
+        scale_tensor: torch.Tensor | None,
+        *,
+        keep_rows: bool = True,
+    ) -> Collected:
         """Close the step: each device's rows, with ``loss`` and ``scale_tensor`` where they
         are on that device, in one transfer. The records may be the CPU table's own rows
-        (no copy): read them, then :meth:`release` the rows for the next step."""
+        (no copy): read them, then :meth:`release` the rows for the next step.
+        ``keep_rows`` False: the caller reads no record's ``counts`` (no ``--window``), so
+        where the CPU kernel reads the rows' nonzero bins it clears them in the same pass
+        and the records carry no ``counts`` (None)."""
         keys: list[RecordKey] = []
         blocks: list[np.ndarray] = []
         calls: list[np.ndarray] = []
         key_columns: dict[str, np.ndarray] | None = None
-        nonzero: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        nonzero: NonzeroBins | None = None
         loss_value: float | None = None
         scale_value: float | None = None
         for device, table in self._tables.items():
@@ -351,7 +360,7 @@ class Recorder:
                 blocks.append(rows)
                 calls.append(row_calls)
                 if len(self._tables) == 1:  # the usual case: one device, every row used
-                    nonzero = table.nonzero_bins()
+                    nonzero = table.nonzero_bins(clear=not keep_rows)
                     key_columns = self._columns_of(device, row_keys)
             else:
                 keys += [row_keys[row] for row in used]
@@ -365,20 +374,10 @@ class Recorder:
             rows = blocks[0]
         else:
             rows = np.concatenate(blocks) if blocks else np.zeros((0, histogram.WIDTH), np.int64)
-        records = StepRecords(
-            keys=keys,
-            counts=rows[:, : histogram.N_BINS],
-            amax=histogram.amax_from_bits(rows[:, histogram.AMAX_COLUMN]),
-            calls=np.concatenate(calls) if calls else np.zeros(0, dtype=np.int64),
-            shadow=rows[:, histogram.SHADOW_COLUMNS].copy(),
-            nonzero=nonzero,
-            key_columns=key_columns,
-        )
-        first_nonfinite = ""
-        scores = rows[:, histogram.FIRST_NONFINITE_COLUMN] if len(rows) else np.zeros(0)
-        if len(scores) and scores.max() > 0:
-            first = keys[int(np.argmax(scores))]
-            first_nonfinite = f"{first.module or '(root)'} {first.op}"
+        records, first_nonfinite = _step_records(
+            keys, rows, np.concatenate(calls) if calls else np.zeros(0, dtype=np.int64),
+            nonzero, key_columns, keep_rows,
+        )  # fmt: skip
         self._forward_ops = 0
         return Collected(records, first_nonfinite, loss_value, scale_value)
 
@@ -388,6 +387,8 @@ class Recorder:
         cached = self._key_columns.get(device)
         if cached is None or cached[0] != len(row_keys):
             columns = {f: np.array([getattr(k, f) for k in row_keys]) for f in RecordKey._fields}
+            for column in columns.values():  # shared by every step's records: never written
+                column.flags.writeable = False
             cached = self._key_columns[device] = (len(row_keys), columns)
         return cached[1]
 
@@ -402,3 +403,37 @@ class Recorder:
             table.reset_touched()
         if self.blocks is not None:
             self.blocks.discard_open()
+
+
+def _step_records(
+    keys: list[RecordKey],
+    rows: np.ndarray,
+    calls: np.ndarray,
+    nonzero: NonzeroBins | None,
+    key_columns: dict[str, np.ndarray] | None,
+    keep_rows: bool,
+) -> tuple[StepRecords, str]:
+    """A closed step's records from its table ``rows`` (or what the kernel read of them,
+    ``nonzero``), and the "module op" of its first forward op that made inf/NaN ("")."""
+    if nonzero is None:
+        amax_bits = rows[:, histogram.AMAX_COLUMN]
+        shadow = rows[:, histogram.SHADOW_COLUMNS].copy()
+        scores = rows[:, histogram.FIRST_NONFINITE_COLUMN]
+    else:  # the same columns, read by the kernel with the nonzero bins
+        amax_bits = nonzero.edge(histogram.AMAX_COLUMN)
+        shadow = nonzero.edge_block(histogram.SHADOW_COLUMNS)
+        scores = nonzero.edge(histogram.FIRST_NONFINITE_COLUMN)
+    records = StepRecords(
+        keys=keys,
+        counts=rows[:, : histogram.N_BINS] if keep_rows or nonzero is None else None,
+        amax=histogram.amax_from_bits(amax_bits),
+        calls=calls,
+        shadow=shadow,
+        nonzero=nonzero,
+        key_columns=key_columns,
+    )
+    first_nonfinite = ""
+    if len(scores) and scores.max() > 0:
+        first = keys[int(np.argmax(scores))]
+        first_nonfinite = f"{first.module or '(root)'} {first.op}"
+    return records, first_nonfinite

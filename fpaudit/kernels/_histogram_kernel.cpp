@@ -352,14 +352,32 @@ void histogram_add_many(const std::vector<torch::Tensor>& xs, torch::Tensor& tab
 // shard). rows[i] == kSkip: a gradient of that dtype is not selected (nothing added);
 // rows[i] == kUnplanned, or any other tensor: left to the caller. Every row is checked
 // before anything is added. Returns (the rows added to, in order: one add each; the
-// indices of the gradients left to the caller).
+// indices of the gradients left to the caller). With `of_params`, grads[i] is a parameter
+// and its gradient is read here: reading `.grad` from Python costs half a microsecond a
+// parameter. A parameter with a dispatch of its own (its `.grad` may be Python's) is left
+// to the caller.
 constexpr int64_t kUnplanned = -1;
 constexpr int64_t kSkip = -2;
 
 std::vector<std::vector<int64_t>> histogram_add_planned(
-    const std::vector<c10::optional<torch::Tensor>>& grads, torch::Tensor& table,
+    const std::vector<c10::optional<torch::Tensor>>& given, torch::Tensor& table,
     const std::vector<int64_t>& rows, const std::vector<at::ScalarType>& dtypes,
-    const c10::optional<torch::Tensor>& spans) {
+    const c10::optional<torch::Tensor>& spans, bool of_params) {
+  std::vector<c10::optional<torch::Tensor>> read;
+  if (of_params) {
+    read.reserve(given.size());
+    for (const auto& param : given) {
+      if (!param.has_value() || !param->defined()) {
+        read.emplace_back(c10::nullopt);
+      } else if (param->key_set().has(c10::DispatchKey::Python)) {
+        read.emplace_back(*param);  // itself: not as planned, so left to the caller
+      } else {
+        const torch::Tensor& grad = param->grad();
+        read.emplace_back(grad.defined() ? c10::optional<torch::Tensor>(grad) : c10::nullopt);
+      }
+    }
+  }
+  const std::vector<c10::optional<torch::Tensor>>& grads = of_params ? read : given;
   TORCH_CHECK(bounds_stored, "set_class_bounds first");
   check_table(table);
   span_of(spans, table, 0);  // checked before anything is added
@@ -455,19 +473,47 @@ void prefetch_row(const int64_t* table, int64_t width, const int64_t* spans, int
   __builtin_prefetch(data + kInf, 0, 3);
   __builtin_prefetch(data + width - 1, 0, 3);
 }
+// Zeroes one row as histogram_clear does (its visited bins, its zero bin and the columns
+// after the bins, only entries that are not zero) and empties its span.
+void clear_row(int64_t* row, int64_t width, int64_t* span, int64_t r) {
+  const auto [low, high] = bins_to_visit(span, r);
+  for (int64_t b = low; b <= high; ++b) {
+    if (row[b] != 0) row[b] = 0;
+  }
+  if (row[kZero] != 0) row[kZero] = 0;
+  for (int64_t c = kBins; c < width; ++c) {
+    if (row[c] != 0) row[c] = 0;
+  }
+  if (span != nullptr) {
+    span[2 * r] = kBins;
+    span[2 * r + 1] = -1;
+  }
+}
 }  // namespace
 
 // The nonzero finite bins (kFirstFinite .. kInf - 1) of rows [0, rows) of `table`, in
 // row-major order: three int64 vectors (row, offset from kFirstFinite, count), what
 // ReportBuilder computes from a bool mask of every bin with numpy. With `spans`, each
-// row's span alone is read (a few cache lines where the whole row is 17 KB).
-std::vector<torch::Tensor> histogram_nonzero(const torch::Tensor& table, int64_t rows,
-                                             const c10::optional<torch::Tensor>& spans) {
+// row's span alone is read (a few cache lines where the whole row is 17 KB). Also, read
+// in the same pass while each row's lines are in cache: each row's sum of its finite
+// counts (int64 [rows]) and its edges (int64 [rows, 1 + width - kInf]: the zero bin, then
+// the columns from the inf bin on: inf, NaN, amax and the caller's), which the host read
+// column by column from the table before, a cold cache line per row and column. With
+// `clear`, each row is then cleared as histogram_clear would, while it is in cache: what
+// was read is all a caller without a window needs of the rows.
+std::vector<torch::Tensor> histogram_nonzero(torch::Tensor& table, int64_t rows,
+                                             const c10::optional<torch::Tensor>& spans,
+                                             bool clear) {
   check_table(table);
   TORCH_CHECK(rows >= 0 && rows <= table.size(0), "rows ", rows, " out of range");
-  const int64_t* span = rows ? span_of(spans, table, 0) : nullptr;
+  int64_t* span = rows ? span_of(spans, table, 0) : nullptr;
   const int64_t width = table.size(1);
-  const int64_t* data = table.data_ptr<int64_t>();
+  int64_t* data = table.data_ptr<int64_t>();
+  const int64_t edge_width = 1 + width - int64_t(kInf);
+  auto finite_sums = torch::empty({rows}, torch::kInt64);
+  auto edges = torch::empty({rows, edge_width}, torch::kInt64);
+  int64_t* sum_of = finite_sums.data_ptr<int64_t>();
+  int64_t* edge_of = edges.data_ptr<int64_t>();
   // Each row's visited bins are written without a branch per bin (whether a bin is
   // nonzero is a coin toss the predictor loses), into room for all of them, and the
   // entry kept only where the count is nonzero. The room is kept between calls (one
@@ -478,10 +524,18 @@ std::vector<torch::Tensor> histogram_nonzero(const torch::Tensor& table, int64_t
   for (int64_t r = 0; r < std::min(rows, kRowsAhead); ++r) prefetch_row(data, width, span, r, rows);
   for (int64_t r = 0; r < rows; ++r) {
     prefetch_row(data, width, span, r + kRowsAhead, rows);
+    int64_t* counts = data + r * width;
+    int64_t* edge = edge_of + r * edge_width;
+    edge[0] = counts[kZero];
+    std::memcpy(edge + 1, counts + kInf, size_t(width - kInf) * sizeof(int64_t));
+    sum_of[r] = 0;
     const auto [low, high] = bins_to_visit(span, r);
     const int64_t first = std::max<int64_t>(low, kFirstFinite);
     const int64_t last = std::min<int64_t>(high, kInf - 1);
-    if (first > last) continue;
+    if (first > last) {
+      if (clear) clear_row(counts, width, span, r);
+      continue;
+    }
     const size_t room = size_t(n + (last - first + 1));
     if (room > row_of.size()) {
       const size_t grown = std::max(room, 2 * row_of.size());
@@ -489,17 +543,20 @@ std::vector<torch::Tensor> histogram_nonzero(const torch::Tensor& table, int64_t
       offset_of.resize(grown);
       count_of.resize(grown);
     }
-    const int64_t* counts = data + r * width;
     int64_t* out_row = row_of.data();
     int64_t* out_offset = offset_of.data();
     int64_t* out_count = count_of.data();
+    int64_t sum = 0;
     for (int64_t b = first; b <= last; ++b) {
       const int64_t count = counts[b];
       out_row[n] = r;
       out_offset[n] = b - kFirstFinite;
       out_count[n] = count;
       n += int64_t(count != 0);
+      sum += count;
     }
+    sum_of[r] = sum;
+    if (clear) clear_row(counts, width, span, r);
   }
   auto vector_of = [n](std::vector<int64_t>& values) {
     auto out = torch::empty({n}, torch::kInt64);
@@ -508,7 +565,7 @@ std::vector<torch::Tensor> histogram_nonzero(const torch::Tensor& table, int64_t
     if (values.size() > kKept) std::vector<int64_t>().swap(values);
     return out;
   };
-  return {vector_of(row_of), vector_of(offset_of), vector_of(count_of)};
+  return {vector_of(row_of), vector_of(offset_of), vector_of(count_of), finite_sums, edges};
 }
 
 // Zeroes rows [0, rows) of `table`: with `spans`, each row's span, its zero bin and the
@@ -524,17 +581,7 @@ void histogram_clear(torch::Tensor& table, int64_t rows, const c10::optional<tor
   for (int64_t r = 0; r < std::min(rows, kRowsAhead); ++r) prefetch_row(data, width, span, r, rows);
   for (int64_t r = 0; r < rows; ++r) {
     prefetch_row(data, width, span, r + kRowsAhead, rows);
-    int64_t* row = data + r * width;
-    const auto [low, high] = bins_to_visit(span, r);
-    for (int64_t b = low; b <= high; ++b) {
-      if (row[b] != 0) row[b] = 0;
-    }
-    row[kZero] = 0;
-    for (int64_t c = kBins; c < width; ++c) row[c] = 0;
-    if (span != nullptr) {
-      span[2 * r] = kBins;
-      span[2 * r + 1] = -1;
-    }
+    clear_row(data + r * width, width, span, r);
   }
 }
 
@@ -1047,9 +1094,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("xs"), py::arg("table"), py::arg("rows"), py::arg("class_bounds"), no_spans);
   m.def("histogram_add_planned", &histogram_add_planned,
         "A step's planned gradients, one call: (rows added to, indices left to the caller)",
-        py::arg("grads"), py::arg("table"), py::arg("rows"), py::arg("dtypes"), no_spans);
-  m.def("histogram_nonzero", &histogram_nonzero, "The rows' nonzero finite bins, row-major",
-        py::arg("table"), py::arg("rows"), no_spans);
+        py::arg("grads"), py::arg("table"), py::arg("rows"), py::arg("dtypes"), no_spans,
+        py::arg("of_params") = false);
+  m.def("histogram_nonzero", &histogram_nonzero,
+        "The rows' nonzero finite bins, row-major; each row's finite sum and edge columns",
+        py::arg("table"), py::arg("rows"), no_spans, py::arg("clear") = false);
   m.def("histogram_clear", &histogram_clear, "Zero the rows, writing only nonzero entries",
         py::arg("table"), py::arg("rows"), no_spans);
   m.def("block_stats", &block_stats, "Block-scaled statistics of every recipe's scale rule");

@@ -15,6 +15,7 @@ Complex, sparse and integer tensors are not binned.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -50,6 +51,7 @@ from fpaudit.numerics.layout import (
     class_bounds,
     finite_bin,
 )
+from fpaudit.report.records import NonzeroBins
 
 __all__ = [
     "AMAX_COLUMN",
@@ -285,18 +287,27 @@ class HistogramTable:
             kernel.histogram_add_many(batch, self.table, batch_rows, _CLASS_BOUNDS, self.spans)
 
     def add_planned(
-        self, grads: list[torch.Tensor | None], rows: list[int], dtypes: list[torch.dtype]
+        self,
+        grads: Sequence[torch.Tensor | None],
+        rows: list[int],
+        dtypes: list[torch.dtype],
+        *,
+        of_params: bool = False,
     ) -> list[int] | None:
         """``add(rows[i], grads[i])`` for each gradient the plan expects (one CPU kernel
         call for all of them): a strided CPU tensor of dtype ``dtypes[i]`` (not float64, not
         a subclass with a dispatch of its own) where ``rows[i]`` is a row; ``rows[i]`` ==
         ``SKIP``: such a gradient is not recorded; None gradients are skipped. Returns the
         indices of the gradients left to the caller (unplanned, or not as planned), or None
-        where this table has no CPU kernel (the caller adds each)."""
+        where this table has no CPU kernel (the caller adds each). ``of_params``: ``grads``
+        are parameters, whose ``.grad`` the kernel reads (a parameter with a dispatch of
+        its own is left to the caller)."""
         kernel = self._kernel if self._kernel is not _UNRESOLVED else self._resolve_kernel()
         if kernel is None:
             return None
-        added, left = kernel.histogram_add_planned(grads, self.table, rows, dtypes, self.spans)
+        added, left = kernel.histogram_add_planned(
+            grads, self.table, rows, dtypes, self.spans, of_params=of_params
+        )
         calls = self.calls
         for row in added:
             calls[row] += 1
@@ -408,18 +419,21 @@ class HistogramTable:
         rows = packed[: self.rows * WIDTH].reshape(self.rows, WIDTH)
         return rows, [float(v) for v in packed[self.rows * WIDTH :].view(np.float64)]
 
-    def nonzero_bins(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The rows' nonzero finite bins in row-major order, as (row, offset from
-        ``FIRST_FINITE_BIN``, count) int64 arrays, read by the CPU kernel from the bins
-        this table's adds touched (``spans``) alone; None where there is no such kernel
-        (another device, the pure-torch path): the reader then finds them in the rows.
+    def nonzero_bins(self, *, clear: bool = False) -> NonzeroBins | None:
+        """The rows' nonzero finite bins in row-major order, with each row's finite sum
+        and edge columns (``report.records.NonzeroBins``), read by the CPU kernel from the
+        bins this table's adds touched (``spans``) alone; None where there is no such
+        kernel (another device, the pure-torch path): the reader then finds them in the rows.
         Rows written other than through this table (the kernel called on ``table``
-        directly) are not looked at beyond their spans."""
+        directly) are not looked at beyond their spans. ``clear``: each row is also
+        cleared (as ``reset_touched`` clears it) as soon as it is read, while in cache:
+        the rows then read as zeros, and ``reset_touched`` is still called for the
+        calls (and any row written since), but finds the bins clean."""
         kernel = self._kernel if self._kernel is not _UNRESOLVED else self._resolve_kernel()
         if kernel is None:
             return None
-        rows, offsets, counts = kernel.histogram_nonzero(self.table, self.rows, self.spans)
-        return rows.numpy(), offsets.numpy(), counts.numpy()
+        read = kernel.histogram_nonzero(self.table, self.rows, self.spans, clear=clear)
+        return NonzeroBins(*(part.numpy() for part in read))
 
     def reset(self) -> None:
         """Zero every row (however it was written)."""

@@ -183,20 +183,51 @@ class RecordKey(NamedTuple):
     scales_with_loss: bool
 
 
+# A table row's columns outside its finite bins, as ``NonzeroBins.edges`` holds them: the
+# zero bin, then every column from the inf bin on (NaN, amax and the shadow's, ...).
+EDGE_COLUMNS = (layout.ZERO_BIN, *range(layout.INF_BIN, layout.WIDTH))
+_EDGE = {column: i for i, column in enumerate(EDGE_COLUMNS)}
+
+
+@dataclass(frozen=True)
+class NonzeroBins:
+    """What the CPU kernel read from a step's table rows in one pass (closing a step):
+    the nonzero finite bins, row-major, as ``row``, ``offset`` (from
+    ``layout.FIRST_FINITE_BIN``) and ``count``; each row's sum of its finite counts
+    (``finite``); and its ``edges`` (int64 [rows, len(EDGE_COLUMNS)]), read while the row
+    was in cache where reading each column from the table later was a cold line per row."""
+
+    row: np.ndarray
+    offset: np.ndarray
+    count: np.ndarray
+    finite: np.ndarray
+    edges: np.ndarray
+
+    def edge(self, column: int) -> np.ndarray:
+        """Table column ``column`` (one of ``EDGE_COLUMNS``) of every row."""
+        return self.edges[:, _EDGE[column]]
+
+    def edge_block(self, columns: slice) -> np.ndarray:
+        """Table columns ``columns`` (a run from the inf bin on) of every row."""
+        return self.edges[:, _EDGE[columns.start] : _EDGE[columns.stop - 1] + 1]
+
+
 @dataclass
 class StepRecords:
     """The records of one closed step: keys and, row for row, their histograms."""
 
     keys: list[RecordKey]
-    counts: np.ndarray  # int64 [records, layout.N_BINS]
+    # int64 [records, layout.N_BINS]; None where the recorder cleared the rows as its
+    # kernel read them (``Recorder.collect(keep_rows=False)``): ``nonzero`` has them
+    counts: np.ndarray | None
     amax: np.ndarray  # float64 [records], finite amax as recorded
     calls: np.ndarray  # int64 [records], tensors added
     shadow: np.ndarray | None = None  # int64 [records, 4]: layout.SHADOW_COLUMNS
-    # Where the recorder has them (closing a step with the CPU kernel): the nonzero
-    # finite bins, row-major, as (row, offset from layout.FIRST_FINITE_BIN, count), and
-    # the keys as columns (RecordKey's fields), which the builder would otherwise
-    # compute from ``counts`` and ``keys``; None: it does.
-    nonzero: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # Where the recorder has them (closing a step with the CPU kernel): what the kernel
+    # read from the rows (their nonzero finite bins, sums and edge columns), and the keys
+    # as columns (RecordKey's fields), which the builder would otherwise compute from
+    # ``counts`` and ``keys``; None: it does.
+    nonzero: NonzeroBins | None = None
     key_columns: dict[str, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
@@ -228,7 +259,11 @@ class StepRecords:
     def nonfinite(self, kind: str) -> int:
         """inf and NaN elements in the records of ``kind``."""
         mask = self._kind_mask(kind)
-        special = self.counts[:, layout.INF_BIN] + self.counts[:, layout.NAN_BIN]
+        if self.nonzero is not None:
+            special = self.nonzero.edge(layout.INF_BIN) + self.nonzero.edge(layout.NAN_BIN)
+        else:
+            assert self.counts is not None
+            special = self.counts[:, layout.INF_BIN] + self.counts[:, layout.NAN_BIN]
         return int(special[mask].sum()) if len(mask) else 0
 
 
@@ -299,6 +334,16 @@ class WindowKey(NamedTuple):
     loss_scale: float
 
 
+# The records table's columns read from a row's special bins.
+_SPECIAL_BINS = {"zeros": layout.ZERO_BIN, "infs": layout.INF_BIN, "nans": layout.NAN_BIN}
+
+
+def _column(counts: np.ndarray | None, column: int) -> np.ndarray:
+    """A copy, not a view: a view would keep the step's whole matrix alive."""
+    assert counts is not None
+    return counts[:, column].copy()
+
+
 class ReportBuilder:
     """Collects closed steps, for ``Report.from_builder`` to turn into a report.
 
@@ -359,7 +404,7 @@ class ReportBuilder:
                     key_columns=records.key_columns,
                 )
         else:
-            assert records.shadow is not None
+            assert records.shadow is not None and records.counts is not None  # rows kept
             shadow = records.shadow
             cells = (
                 (WindowKey(key, loss_scale), RecordCell(records.counts[row].copy(),
@@ -409,7 +454,7 @@ class ReportBuilder:
     def _emit(
         self,
         keys: list[RecordKey],
-        counts: np.ndarray,
+        counts: np.ndarray | None,  # None: ``nonzero`` has what is read of them
         amax: np.ndarray,
         calls: np.ndarray,
         shadow: np.ndarray | None,
@@ -417,7 +462,7 @@ class ReportBuilder:
         step: np.ndarray,
         steps: np.ndarray,
         *,
-        nonzero: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+        nonzero: NonzeroBins | None = None,
         key_columns: dict[str, np.ndarray] | None = None,
     ) -> None:
         n = len(keys)
@@ -432,10 +477,10 @@ class ReportBuilder:
             "steps": steps,
             "calls": calls,
             "elements": None,  # below, from the nonzero bins: no second pass over counts
-            # copies, not views: a view would keep the step's whole matrix alive
-            "zeros": counts[:, layout.ZERO_BIN].copy(),
-            "infs": counts[:, layout.INF_BIN].copy(),
-            "nans": counts[:, layout.NAN_BIN].copy(),
+            **{
+                name: nonzero.edge(column) if nonzero is not None else _column(counts, column)
+                for name, column in _SPECIAL_BINS.items()
+            },
             "amax": amax,
             "loss_scale": loss_scale,
         }
@@ -443,25 +488,27 @@ class ReportBuilder:
         for column, name in enumerate(("shadow_calls", "shadow_nonzero", "lost", "overflowed")):
             columns[name] = shadow[:, column].copy()
         for field_name in RecordKey._fields:
+            # the recorder's key columns are its cached read-only arrays, the same step
+            # after step: kept as they are (a copy each step cost more than its records)
             columns[field_name] = (
                 np.array([getattr(k, field_name) for k in keys])
                 if key_columns is None
-                else key_columns[field_name].copy()
+                else key_columns[field_name]
             )
         if nonzero is None:
+            assert counts is not None
             finite = counts[:, layout.FIRST_FINITE_BIN : layout.INF_BIN]
             # np.nonzero's row-major order, from one pass over a bool mask (several times
             # faster than np.nonzero of the int64 counts: this is most of a step's emit)
             rows, offsets = np.divmod(np.flatnonzero(finite != 0), finite.shape[1])
             values = finite[rows, offsets]
+            # each row's sum of finite counts, exactly (int64), from its run of nonzero bins
+            running = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values)])
+            finite_sums = np.diff(running[np.searchsorted(rows, np.arange(n + 1))])
         else:  # the same, found by the recorder's kernel
-            rows, offsets, values = nonzero
-        # each row's sum of finite counts, exactly (int64), from its run of nonzero bins
-        running = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values)])
-        ends = np.searchsorted(rows, np.arange(n + 1))
-        columns["elements"] = (
-            columns["zeros"] + columns["infs"] + columns["nans"] + np.diff(running[ends])
-        )
+            rows, offsets, values = nonzero.row, nonzero.offset, nonzero.count
+            finite_sums = nonzero.finite
+        columns["elements"] = columns["zeros"] + columns["infs"] + columns["nans"] + finite_sums
         for name in RECORD_COLUMNS:
             self._records[name].append(np.asarray(columns[name]))
         self._bins["record_id"].append(ids[rows])

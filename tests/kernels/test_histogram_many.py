@@ -17,7 +17,7 @@ from torch import nn
 from fpaudit.capture.recorder import Recorder
 from fpaudit.capture.selection import Selection
 from fpaudit.kernels import histogram as H
-from fpaudit.report.records import KIND_GRAD, ReportBuilder
+from fpaudit.report.records import EDGE_COLUMNS, KIND_GRAD, ReportBuilder
 
 from ..conftest import compiled_cpu_kernel
 from ..oracle import edge_values
@@ -189,20 +189,47 @@ def _filled() -> H.HistogramTable:
 def test_the_kernels_nonzero_bins_are_numpys_reading_of_the_whole_rows() -> None:
     compiled_cpu_kernel()
     table = _filled()
+    table.add_shadow(0, torch.tensor([0.0, 1.0, 2.0**-30]), torch.ones(3))  # shadow columns
+    table.mark_nonfinite(1, torch.tensor([float("inf")]), 5)  # the first non-finite column
     found = table.nonzero_bins()
     assert found is not None
     rows, _ = table.collect()
     finite = rows[:, H.FIRST_FINITE_BIN : H.INF_BIN]
     expected_rows, expected_offsets = np.divmod(np.flatnonzero(finite != 0), finite.shape[1])
-    assert np.array_equal(found[0], expected_rows)
-    assert np.array_equal(found[1], expected_offsets)
-    assert np.array_equal(found[2], finite[expected_rows, expected_offsets])
+    assert np.array_equal(found.row, expected_rows)
+    assert np.array_equal(found.offset, expected_offsets)
+    assert np.array_equal(found.count, finite[expected_rows, expected_offsets])
+    # each row's finite sum, and its columns outside the finite bins, as the rows hold them
+    assert np.array_equal(found.finite, finite.sum(axis=1))
+    assert np.array_equal(found.edges, rows[:, list(EDGE_COLUMNS)])
+    assert found.edge(H.NAN_BIN).tolist() == rows[:, H.NAN_BIN].tolist()
+    assert np.array_equal(found.edge_block(H.SHADOW_COLUMNS), rows[:, H.SHADOW_COLUMNS])
+    assert found.edges[:, 0].any() and found.edge_block(H.SHADOW_COLUMNS).any()
+    assert found.edge(H.FIRST_NONFINITE_COLUMN)[1] > 0
     assert table.spans is not None
     spans = table.spans[: table.rows].numpy()
     for row in range(table.rows):  # every nonzero bin but zero's lies in the row's span
         bins = np.flatnonzero(rows[row, 1 : H.N_BINS]) + 1
         assert not len(bins) or (spans[row, 0] <= bins.min() and bins.max() <= spans[row, 1])
     assert spans[-1].tolist() == [H.N_BINS, -1]  # untouched
+
+
+def test_reading_with_clear_reads_the_same_and_leaves_the_rows_as_new() -> None:
+    compiled_cpu_kernel()
+    kept, cleared = _filled(), _filled()
+    for table in (kept, cleared):
+        table.add_shadow(0, torch.tensor([0.0, 1.0]), torch.ones(2))
+        table.mark_nonfinite(1, torch.tensor([float("inf")]), 5)
+    read, read_clearing = kept.nonzero_bins(), cleared.nonzero_bins(clear=True)
+    assert read is not None and read_clearing is not None
+    for name in ("row", "offset", "count", "finite", "edges"):
+        assert np.array_equal(getattr(read, name), getattr(read_clearing, name)), name
+    assert kept.table.any()
+    assert not cleared.table.any()  # every bin and column, as reset_touched leaves them
+    assert cleared.spans is not None
+    assert (cleared.spans[: cleared.rows] == torch.tensor([H.N_BINS, -1])).all()
+    cleared.reset_touched()  # still what closes the step (the calls): nothing left to clear
+    assert not cleared.table.any() and cleared.calls == [0] * cleared.rows
 
 
 def test_clearing_the_touched_bins_leaves_the_rows_as_new() -> None:
