@@ -348,6 +348,37 @@ def test_planned_gradients_in_one_call_equal_one_call_each_and_the_reference() -
         assert host.amax == amax, i
 
 
+def test_a_plan_of_parameters_reads_their_gradients_as_the_plan_of_gradients() -> None:
+    # add_planned(of_params=True): the kernel reads each parameter's .grad; a parameter
+    # without a gradient is skipped, one with a dispatch of its own is left to the caller
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    compiled_cpu_kernel()
+    tensors = [x for x in _tensors() if x.dtype != torch.float64 and x.numel()]
+    params = [nn.Parameter(torch.zeros(x.shape, dtype=x.dtype)) for x in tensors]
+    for param, x in zip(params, tensors, strict=True):
+        param.grad = x
+    bare = nn.Parameter(torch.zeros(3))  # no gradient this step
+    own = nn.Parameter(TwoTensor(torch.zeros(2), torch.zeros(2)))
+    own.grad = TwoTensor(torch.ones(2), torch.ones(2))
+    of_params, of_grads = (
+        H.HistogramTable(torch.device("cpu")),
+        H.HistogramTable(torch.device("cpu")),
+    )
+    rows = [of_params.new_row() for _ in tensors]
+    for _ in tensors:
+        of_grads.new_row()
+    dtypes = [x.dtype for x in tensors] + [torch.float32] * 2
+    left = of_params.add_planned([*params, bare, own], [*rows, rows[0], rows[0]], dtypes,
+                                 of_params=True)  # fmt: skip
+    assert left == [len(tensors) + 1]  # the parameter with a dispatch of its own
+    assert of_grads.add_planned(tensors, rows, dtypes[: len(tensors)]) == []
+    assert np.array_equal(of_params.collect()[0], of_grads.collect()[0])
+    assert of_params.calls == of_grads.calls == [1] * len(tensors)
+    for i, x in enumerate(tensors):
+        assert np.array_equal(of_params.collect()[0][i, : H.N_BINS], _reference(x)[0]), i
+
+
 def test_a_plan_with_a_row_out_of_range_adds_nothing() -> None:
     kernel = compiled_cpu_kernel()
     table = H.HistogramTable(torch.device("cpu"))
