@@ -413,7 +413,22 @@ std::vector<std::vector<int64_t>> histogram_add_planned(
     }
     grouped = 0;
   };
+  // The gradients and their rows were last touched during backward, long before: each
+  // one a few ahead is fetched (its first values, its row's ends) while this one is binned.
+  constexpr size_t kAhead = 4;
+  auto prefetch = [&](size_t j) {
+    if (j >= grads.size() || !grads[j].has_value() || !grads[j]->defined() || rows[j] < 0) return;
+    const torch::Tensor& x = *grads[j];
+    if (!x.device().is_cpu() || x.layout() != torch::kStrided || !x.has_storage()) return;
+    const char* data = static_cast<const char*>(x.const_data_ptr());
+    if (data == nullptr) return;
+    const int64_t bytes = std::min<int64_t>(x.numel() * int64_t(x.element_size()), 256);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(data + b, 0, 3);
+    prefetch_row_ends(base + rows[j] * width, nullptr);
+  };
+  for (size_t j = 0; j < kAhead; ++j) prefetch(j);
   for (size_t i = 0; i < grads.size(); ++i) {
+    prefetch(i + kAhead);
     if (!grads[i].has_value() || !grads[i]->defined()) continue;
     const torch::Tensor& x = *grads[i];
     const bool planned = rows[i] != kUnplanned && x.scalar_type() == dtypes[i] &&

@@ -411,7 +411,7 @@ class HistogramTable:
         MB, and copying it was most of closing a step): valid until the next ``add`` or
         ``reset``."""
         if self.device.type == "cpu":
-            values = [float(s.detach().reshape(()).to(torch.float64)) for s in scalars]
+            values = [float(s.item()) for s in scalars]  # exact: a Python float is fp64
             return self.table[: self.rows].numpy(), values
         parts = [self.table[: self.rows].reshape(-1)]
         parts += [s.detach().reshape(1).to(torch.float64).view(torch.int64) for s in scalars]
