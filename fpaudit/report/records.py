@@ -338,8 +338,12 @@ class WindowKey(NamedTuple):
 _SPECIAL_BINS = {"zeros": layout.ZERO_BIN, "infs": layout.INF_BIN, "nans": layout.NAN_BIN}
 
 
-def _column(counts: np.ndarray | None, column: int) -> np.ndarray:
-    """A copy, not a view: a view would keep the step's whole matrix alive."""
+def _column(counts: np.ndarray | None, column: int, nonzero: NonzeroBins | None) -> np.ndarray:
+    """Table column ``column`` of every row, from what ``nonzero`` read of the rows' edges
+    or else from ``counts``: a copy, not a view, which would keep the step's whole matrix
+    (or every edge column) alive."""
+    if nonzero is not None:
+        return nonzero.edge(column).copy()
     assert counts is not None
     return counts[:, column].copy()
 
@@ -477,10 +481,7 @@ class ReportBuilder:
             "steps": steps,
             "calls": calls,
             "elements": None,  # below, from the nonzero bins: no second pass over counts
-            **{
-                name: nonzero.edge(column) if nonzero is not None else _column(counts, column)
-                for name, column in _SPECIAL_BINS.items()
-            },
+            **{name: _column(counts, column, nonzero) for name, column in _SPECIAL_BINS.items()},
             "amax": amax,
             "loss_scale": loss_scale,
         }
