@@ -28,7 +28,6 @@ from fpaudit.capture.oprules import (
     works_on_grad,
     written,
 )
-from fpaudit.capture.origin_probe import tensors_in as _tensors
 from fpaudit.capture.provenance import UNSCALABLE as _UNSCALABLE
 from fpaudit.capture.provenance import Provenance
 from fpaudit.capture.recorder import Place, Recorder
@@ -193,7 +192,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         """A backward inside backward: reentrant checkpointing runs the graph it rebuilt
         from the node it replaces. That graph's ops outside every submodule (a checkpointed
         method's own ops) belong to the module that called ``checkpoint``."""
-        owner = self._module_of(node) if node is not None else LOSS_MODULE
+        owner = self._node_module(node) if node is not None else LOSS_MODULE
         self._owners.append(owner)
         self.forget_node()
 
@@ -209,22 +208,17 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self._last_name = (None, "")
 
     def _node_module(self, node: torch.autograd.graph.Node) -> str:
-        """``_module_of(node)``, looked up once for the node's ops in a row (a node runs
-        several: a Linear's backward two matrix multiplies and a sum). Holding the node
-        keeps its Python object, so the engine hands back the same one for its next op."""
+        """The module ``node`` is attributed to (the clock's, or, outside every submodule
+        in a nested backward, its owner's), looked up once for the node's ops in a row (a
+        node runs several: a Linear's backward two matrix multiplies and a sum). Holding
+        the node keeps its Python object, so the engine hands back the same one next op."""
         last = self._last_node  # one tuple: read whole, whichever thread wrote it
         if last[0] is node:
             return last[1]
-        module = self._clock.module_of(node)  # _module_of, inlined
+        module = self._clock.module_of(node)
         if module == LOSS_MODULE and self._owners:
             module = self._owners[-1]
         self._last_node = (node, module)
-        return module
-
-    def _module_of(self, node: torch.autograd.graph.Node) -> str:
-        module = self._clock.module_of(node)
-        if module == LOSS_MODULE and self._owners:
-            return self._owners[-1]
         return module
 
     def _op_name(self, func: OpOverload) -> str:
@@ -325,7 +319,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             # a view of its one input, which is fixed without a marked storage (it requires
             # grad, an index; ``__torch_dispatch__`` took the others): the view shares the
             # storage, now marked
-            self._mark(output)
+            self._provenance.mark_output(output)
             return
         # whether the outputs are fixed (``Provenance``): their storages marked so, or
         # what a mutable op with a scaled input wrote unmarked
@@ -339,7 +333,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         else:
             fixed = provenance.all_fixed(info.inputs(args))
         if fixed:
-            self._mark(output)
+            provenance.mark_output(output)
         elif info.mutable and provenance.has_fixed():
             # e.g. buffer[i].copy_(scaled value): the whole storage now carries the scale
             provenance.unmark(written(info.func, args, kwargs, output))
@@ -357,12 +351,6 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             if not output.is_complex():
                 return  # nothing that can be recorded (indices, masks, counts)
         self._record_outputs(info, node, node_name, fixed, (args, kwargs, output, before))
-
-    def _mark(self, output: Any) -> None:
-        if type(output) is _Tensor:
-            self._provenance.mark_one(output)
-        else:
-            self._provenance.mark(_tensors(output))
 
     def _record_outputs(
         self,

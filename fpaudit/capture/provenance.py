@@ -12,6 +12,7 @@ import torch
 
 from fpaudit.capture.oprules import NO_STORAGE as _NO_STORAGE
 from fpaudit.capture.oprules import storage_of
+from fpaudit.capture.origin_probe import tensors_in
 
 _Tensor = torch.Tensor
 # Dtypes whose values cannot carry a loss scale (indices, masks, counters).
@@ -92,6 +93,13 @@ class Provenance:
             if ref is None or ref() is not storage:
                 return False
         return True
+
+    def mark_output(self, output: Any) -> None:
+        """Mark the storages of an op's output tensors (one tensor, or a list of them)."""
+        if type(output) is _Tensor:
+            self.mark_one(output)
+        else:
+            self.mark(tensors_in(output))
 
     def mark(self, tensors: Iterator[torch.Tensor]) -> None:
         for tensor in tensors:
