@@ -100,6 +100,7 @@ __all__ = [
     "scaler_init_scale",
     "scaler_scale",
     "scheduler_step_count",
+    "sequence_number_now",
     "tensor_argument_positions",
     "wrap_engine_entry",
     "written_arguments",
@@ -186,9 +187,14 @@ def autograd_sequence_number() -> int:
     return int(torch._C._autograd._get_sequence_nr())
 
 
-def node_sequence_number(node: Any) -> int:
-    """The sequence number of autograd node ``node`` (2**64 - 1 for ``AccumulateGrad``)."""
-    return int(node._sequence_nr())
+sequence_number_now: Callable[[], int] = torch._C._autograd._get_sequence_nr
+"""``autograd_sequence_number`` without its Python frame (the C function itself: the
+module clock asks at every module's entry and exit in forward)."""
+
+
+node_sequence_number: Callable[[Any], int] = operator.methodcaller("_sequence_nr")
+"""The sequence number of autograd node ``node`` (2**64 - 1 for ``AccumulateGrad``):
+``node._sequence_nr()``, called at C speed (the module clock asks for each node)."""
 
 
 # -- op schemas ---------------------------------------------------------------------

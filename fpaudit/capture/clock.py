@@ -6,6 +6,7 @@ carries; ``fpaudit.capture.audit`` explains it), and the names reports give modu
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -21,7 +22,9 @@ from fpaudit.errors import MonitorFailure
 from fpaudit.report.records import LOSS_MODULE
 
 _ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes have no sequence number
-autograd_sequence_number = _internals.autograd_sequence_number
+sequence_now = _internals.sequence_number_now
+sequence_of = _internals.node_sequence_number
+_first = operator.itemgetter(0)
 
 # Modules that wrappers insert between a model's modules: FSDP1's
 # FullyShardedDataParallel and activation checkpointing's CheckpointWrapper hold the
@@ -106,10 +109,10 @@ class ModuleClock:
                     self.param_owner.setdefault(id(flat), (model_name(name), "_flat_param"))
         self.known_names = frozenset(self.names.values())
         self.forward_frames = _Frames()  # read by the dispatch mode for every backward op
-        self._starts: list[int] = []
-        self._modules: list[str] = []
+        # (sequence number, module) at each module's entry and exit, in order: one
+        # append of one pair (atomic), so readers never see half an entry
+        self._spans: list[tuple[int, str]] = []
         self._cache: dict[int, str] = {}
-        self._lock = threading.Lock()
 
     def current_module(self) -> str:
         """The innermost module running forward on this thread, or the loss pseudo-module."""
@@ -120,20 +123,17 @@ class ModuleClock:
         """True while a module of the model runs forward on this thread (also recomputation)."""
         return bool(self.forward_frames.frames)
 
-    # enter and exit run twice per module call in forward: one frame each, inlined
+    # enter and exit run twice per module call in forward: each one frame, the hooks
+    # (``_hooks``) the same work inlined
     def enter(self, name: str) -> None:
         self.forward_frames.frames.append(name)
-        with self._lock:
-            self._starts.append(autograd_sequence_number())
-            self._modules.append(name)
+        self._spans.append((sequence_now(), name))
 
     def exit(self) -> None:
         frames = self.forward_frames.frames
         if frames:
             frames.pop()
-        with self._lock:
-            self._starts.append(autograd_sequence_number())
-            self._modules.append(frames[-1] if frames else LOSS_MODULE)
+        self._spans.append((sequence_now(), frames[-1] if frames else LOSS_MODULE))
 
     def install(self, model: nn.Module, stack: ExitStack) -> None:
         compiled = compiled_modules(model)
@@ -152,26 +152,31 @@ class ModuleClock:
             stack.enter_context(module.register_forward_hook(_untraced(exit_), always_call=True))
 
     def _hooks(self, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
-        """A module's forward pre-hook and hook: ``enter(name)`` and ``exit()``, their
-        errors fpaudit's (``_torch_patches.guarded``'s rule, without its extra frames)."""
-        enter, exit_ = self.enter, self.exit
+        """A module's forward pre-hook and hook: ``enter(name)`` and ``exit()`` inlined,
+        their errors fpaudit's (``_torch_patches.guarded``'s rule, without its extra
+        frames)."""
+        local, append, loss = self.forward_frames, self._spans.append, LOSS_MODULE
 
         def pre_hook(_module: nn.Module, _args: Any) -> None:
             try:
-                enter(name)
+                local.frames.append(name)
+                append((sequence_now(), name))
             except Exception as error:
                 raise MonitorFailure("module clock", error) from error
 
         def hook(_module: nn.Module, _args: Any, _output: Any) -> None:
             try:
-                exit_()
+                frames = local.frames
+                if frames:
+                    frames.pop()
+                append((sequence_now(), frames[-1] if frames else loss))
             except Exception as error:
                 raise MonitorFailure("module clock", error) from error
 
         return pre_hook, hook
 
     def module_of(self, node: torch.autograd.graph.Node) -> str:
-        sequence = _internals.node_sequence_number(node)
+        sequence = sequence_of(node)
         if sequence == _ACCUMULATE_GRAD_SEQUENCE:
             variable = getattr(node, "variable", None)
             owner = self.param_owner.get(id(variable)) if variable is not None else None
@@ -179,14 +184,13 @@ class ModuleClock:
         cached = self._cache.get(sequence)
         if cached is not None:
             return cached
-        position = bisect.bisect_right(self._starts, sequence) - 1
-        name = self._modules[position] if position >= 0 else LOSS_MODULE
+        spans = self._spans
+        position = bisect.bisect_right(spans, sequence, key=_first) - 1
+        name = spans[position][1] if position >= 0 else LOSS_MODULE
         self._cache[sequence] = name
         return name
 
     def forget(self) -> None:
         """Drop what forward remembered (called when a step closes)."""
-        with self._lock:
-            self._starts.clear()
-            self._modules.clear()
-            self._cache.clear()
+        self._spans.clear()
+        self._cache.clear()

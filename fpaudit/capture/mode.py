@@ -28,7 +28,7 @@ from fpaudit.capture.oprules import (
     works_on_grad,
     written,
 )
-from fpaudit.capture.origin_probe import tensors_in as _tensors
+from fpaudit.capture.provenance import UNSCALABLE as _UNSCALABLE
 from fpaudit.capture.provenance import Provenance
 from fpaudit.capture.recorder import Place, Recorder
 from fpaudit.errors import MonitorFailure
@@ -92,13 +92,14 @@ def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]
 
 
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
 
 
 class _Op:
     """What the mode decides once per op overload (``OpOverload``), not per call."""
 
-    __slots__ = ("at", "call", "func", "grad_work", "lists", "movement", "mutable", "name",
-                 "needs", "never_new", "one", "pick", "view")  # fmt: skip
+    __slots__ = ("alias", "at", "call", "func", "grad_work", "lists", "movement", "mutable",
+                 "name", "needs", "never_new", "one", "pick", "view")  # fmt: skip
 
     def __init__(self, func: OpOverload, name: str) -> None:
         self.func = func  # kept alive: the mode's table is keyed by its id
@@ -125,6 +126,10 @@ class _Op:
         several = positions is not None and not self.lists and len(self.at or ()) > 1
         self.pick = operator.itemgetter(*self.at) if several and self.at else None
         self.needs = self.at[-1] + 1 if self.at else 0
+        # a view of its one input (``t``, ``detach``, ``view``): its outputs alias that
+        # input's storage, so they are fixed exactly when the input is, and when that is by
+        # a marked storage, theirs already is
+        self.alias = self.view and not self.mutable and self.one
 
     def inputs(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
         """The call's input tensors (no keyword arguments): what ``_inputs`` finds, read
@@ -181,12 +186,13 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self._forward = clock.forward_frames  # this thread's modules in forward (in_forward)
         # --recipe: the modules whose backward GEMMs' operands get block statistics
         self._gemm_modules = weight_modules(audit.model) if recorder.blocks is not None else None
+        self._lean = self._origins is None and self._gemm_modules is None
 
     def enter_nested(self, node: torch.autograd.graph.Node | None) -> None:
         """A backward inside backward: reentrant checkpointing runs the graph it rebuilt
         from the node it replaces. That graph's ops outside every submodule (a checkpointed
         method's own ops) belong to the module that called ``checkpoint``."""
-        owner = self._module_of(node) if node is not None else LOSS_MODULE
+        owner = self._node_module(node) if node is not None else LOSS_MODULE
         self._owners.append(owner)
         self.forget_node()
 
@@ -202,29 +208,17 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self._last_name = (None, "")
 
     def _node_module(self, node: torch.autograd.graph.Node) -> str:
-        """``_module_of(node)``, looked up once for the node's ops in a row (a node runs
-        several: a Linear's backward two matrix multiplies and a sum). Holding the node
-        keeps its Python object, so the engine hands back the same one for its next op."""
+        """The module ``node`` is attributed to (the clock's, or, outside every submodule
+        in a nested backward, its owner's), looked up once for the node's ops in a row (a
+        node runs several: a Linear's backward two matrix multiplies and a sum). Holding
+        the node keeps its Python object, so the engine hands back the same one next op."""
         last = self._last_node  # one tuple: read whole, whichever thread wrote it
         if last[0] is node:
             return last[1]
-        module = self._module_of(node)
-        self._last_node = (node, module)
-        return module
-
-    def _node_name(self, node: torch.autograd.graph.Node) -> str:
-        """``node.name()``, asked once for the node's ops in a row (see ``_node_module``)."""
-        last = self._last_name
-        if last[0] is node:
-            return last[1]
-        name = node.name()
-        self._last_name = (node, name)
-        return name
-
-    def _module_of(self, node: torch.autograd.graph.Node) -> str:
         module = self._clock.module_of(node)
         if module == LOSS_MODULE and self._owners:
-            return self._owners[-1]
+            module = self._owners[-1]
+        self._last_node = (node, module)
         return module
 
     def _op_name(self, func: OpOverload) -> str:
@@ -232,6 +226,14 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         if op is None:
             op = self._op_names[func] = str(func)
         return op
+
+    def _new_op(self, func: OpOverload) -> _Op:
+        """What the mode decides about ``func`` once (``_Op``), kept by its id."""
+        try:
+            info = self._ops[id(func)] = _Op(func, self._op_name(func))
+        except Exception as error:  # fpaudit's: the op has not run
+            raise MonitorFailure(f"capturing {func}", error) from error
+        return info
 
     def __torch_dispatch__(
         self,
@@ -242,19 +244,28 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
     ) -> Any:
         info = self._ops.get(id(func))  # OpOverload hashes in Python: id is cheaper
         if info is None:
-            try:
-                info = self._ops[id(func)] = _Op(func, self._op_name(func))
-            except Exception as error:  # fpaudit's: the op has not run
-                raise MonitorFailure(f"capturing {func}", error) from error
+            info = self._new_op(func)
         if kwargs is None:
             kwargs = {}
-        origins = self._origins
-        if origins is None:
-            before = None
-        else:
+        if info.alias:
+            output = info.call(*args, **kwargs)
+            if (
+                args
+                and isinstance(first := args[0], _Tensor)
+                and not (first.requires_grad or first.dtype in _UNSCALABLE)
+            ):
+                # A view of a value that is fixed, if at all, by its marked storage, which
+                # the view shares: nothing to mark, record or note, wherever it runs.
+                return output
             try:
-                # inputs are read before the op runs: an in-place op overwrites them
-                before = None if func.is_view else origins.before(args, kwargs)
+                self._observe(info, args, kwargs, output, None)
+            except Exception as error:
+                raise MonitorFailure(f"capturing {func}", error) from error
+            return output
+        before = None
+        if self._origins is not None and not info.view:
+            try:  # inputs are read before the op runs: an in-place op overwrites them
+                before = self._origins.before(args, kwargs)
             except Exception as error:
                 raise MonitorFailure(f"capturing {func}", error) from error
         output = info.call(*args, **kwargs)  # the op itself: its errors are the script's
@@ -274,9 +285,10 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
     ) -> None:
         """Record what ``info.func`` made (``output``), if it is forward or backward work.
 
-        This runs for every op the engine runs: what is the same for every call of an
-        op overload is decided once (``_Op``), and an op whose outputs cannot be
-        recorded (views, detach, moves) stops at its provenance."""
+        This runs for every op the engine runs (but the views ``__torch_dispatch__``
+        stops), a single tensor output recorded from this frame: what is the same for
+        every call of an op overload is decided once (``_Op``), and an op whose outputs
+        cannot be recorded (views, detach, moves) stops at its provenance."""
         node = current_autograd_node()
         if node is None:
             if self._recorder.forward_active:
@@ -287,8 +299,14 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             # method or a function (the engine runs backward with grad mode off unless
             # create_graph; checkpointing turns it on to rebuild the graph).
             return
+        # node.name(), asked once for the node's ops in a row (as _node_module): one
+        # tuple, read and written whole, whichever thread wrote it
         last = self._last_name
-        node_name = last[1] if last[0] is node else self._node_name(node)
+        if last[0] is node:
+            node_name = last[1]
+        else:
+            node_name = node.name()
+            self._last_name = (node, node_name)
         if node_name == _COMPILED_NODE and compiled.inside_observed_backward():
             return  # its stored values come from its outputs (compiled_receiver)
         if self.optimizer_steps or (
@@ -297,6 +315,14 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             and not works_on_grad(info.func, args, kwargs, output, node)
         ):
             return  # a hook's work (an optimizer step, an EMA): not the model's gradient
+        if info.alias:
+            # a view of its one input, which is fixed without a marked storage (it requires
+            # grad, an index; ``__torch_dispatch__`` took the others): the view shares the
+            # storage, now marked
+            self._provenance.mark_output(output)
+            return
+        # whether the outputs are fixed (``Provenance``): their storages marked so, or
+        # what a mutable op with a scaled input wrote unmarked
         provenance = self._provenance
         if kwargs:
             fixed = provenance.all_fixed(_inputs(args, kwargs))
@@ -307,15 +333,23 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         else:
             fixed = provenance.all_fixed(info.inputs(args))
         if fixed:
-            if type(output) is torch.Tensor:
-                provenance.mark_one(output)
-            else:
-                provenance.mark(_tensors(output))
+            provenance.mark_output(output)
         elif info.mutable and provenance.has_fixed():
             # e.g. buffer[i].copy_(scaled value): the whole storage now carries the scale
             provenance.unmark(written(info.func, args, kwargs, output))
         if info.never_new or (info.movement and not creates_new_values(info.func, args, output)):
             return
+        if type(output) is _Tensor and self._lean:  # one output, no --origins nor --recipe
+            if output.layout is _STRIDED and not output.is_meta and output.is_floating_point():
+                last = self._last_node
+                module = last[1] if last[0] is node else self._node_module(node)
+                place = self._record(KIND_BACKWARD, module, node_name, info.name, 0, not fixed,
+                                     output)  # fmt: skip
+                if self._audit.shadow and output.dtype in _LOW_PRECISION:
+                    self._compare_with_fp32(info.func, args, kwargs, [(place, output)])
+                return
+            if not output.is_complex():
+                return  # nothing that can be recorded (indices, masks, counts)
         self._record_outputs(info, node, node_name, fixed, (args, kwargs, output, before))
 
     def _record_outputs(

@@ -192,9 +192,12 @@ def creates_new_values(func: OpOverload, args: tuple[Any, ...], output: Any) -> 
     return True
 
 
+NO_STORAGE = (RuntimeError, NotImplementedError, TypeError)  # untyped_storage() of none
+
+
 def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage behind ``tensor`` and all its views, or None for storage-less tensors."""
     try:
         return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
+    except NO_STORAGE:
         return None

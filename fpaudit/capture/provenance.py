@@ -4,20 +4,28 @@ followed through storages, not tensor objects, and decided per op by the dispatc
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
+from fpaudit.capture.oprules import NO_STORAGE as _NO_STORAGE
 from fpaudit.capture.oprules import storage_of
+from fpaudit.capture.origin_probe import tensors_in
 
 _Tensor = torch.Tensor
 # Dtypes whose values cannot carry a loss scale (indices, masks, counters).
-_UNSCALABLE = frozenset(
-    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-)
+UNSCALABLE = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
+class _StorageRef(weakref.ref[torch.UntypedStorage]):
+    """A weak reference to a fixed storage that knows its key (the storage's id) for
+    its callback: made for each newly marked storage (saved values detached in backward
+    make new ones every step), cheaper than a reference and a ``functools.partial``."""
+
+    __slots__ = ("key",)
+    key: int
 
 
 class Provenance:
@@ -44,17 +52,22 @@ class Provenance:
 
     def __init__(self) -> None:
         self._fixed: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._on_death = self._forget  # one bound method for every reference
 
-    def _forget(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+    def _forget(self, ref: _StorageRef) -> None:
+        key = ref.key
         if self._fixed.get(key) is ref:  # not a newer storage that reused the id
             del self._fixed[key]
 
     def is_fixed(self, tensor: torch.Tensor) -> bool:
-        if tensor.requires_grad or tensor.dtype in _UNSCALABLE:
+        if tensor.requires_grad or tensor.dtype in UNSCALABLE:
             return True
         if not self._fixed:
             return False
-        storage = storage_of(tensor)
+        try:  # storage_of, inlined: this runs for most backward ops
+            storage = tensor.untyped_storage()
+        except _NO_STORAGE:
+            storage = None
         ref = self._fixed.get(id(storage))
         return ref is not None and ref() is storage
 
@@ -62,7 +75,7 @@ class Provenance:
         """Whether every tensor among ``tensors`` is fixed (anything else in it, a Python
         number at a tensor argument's place, carries no scale)."""
         fixed = self._fixed
-        unscalable = _UNSCALABLE
+        unscalable = UNSCALABLE
         for tensor in tensors:  # is_fixed, inlined: this runs for every backward op
             if (
                 not isinstance(tensor, _Tensor)
@@ -72,11 +85,21 @@ class Provenance:
                 continue
             if not fixed:  # the common case: no storage lookups
                 return False
-            storage = storage_of(tensor)
+            try:
+                storage = tensor.untyped_storage()
+            except _NO_STORAGE:
+                storage = None
             ref = fixed.get(id(storage))
             if ref is None or ref() is not storage:
                 return False
         return True
+
+    def mark_output(self, output: Any) -> None:
+        """Mark the storages of an op's output tensors (one tensor, or a list of them)."""
+        if type(output) is _Tensor:
+            self.mark_one(output)
+        else:
+            self.mark(tensors_in(output))
 
     def mark(self, tensors: Iterator[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -86,7 +109,8 @@ class Provenance:
         storage = storage_of(tensor)
         key = id(storage)
         if storage is not None and key not in self._fixed:
-            self._fixed[key] = weakref.ref(storage, functools.partial(self._forget, key))
+            ref = self._fixed[key] = _StorageRef(storage, self._on_death)
+            ref.key = key
 
     def has_fixed(self) -> bool:
         return bool(self._fixed)

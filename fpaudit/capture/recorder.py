@@ -120,7 +120,8 @@ class Recorder:
         self._rows: dict[RecordKey, Place] = {}
         self._row_keys: dict[torch.device, list[RecordKey]] = {}
         self._lock = threading.Lock()
-        # what _place found for a key, dtype and device (None: not selected)
+        # what _place found for a key, dtype and device (None: the CPU; found None: not
+        # selected)
         self._places: dict[tuple[object, ...], tuple[RecordKey, Place] | None] = {}
         # (parameter name, dtype, device) -> its gradient's row (None: not selected)
         self._grad_rows: dict[tuple[str, torch.dtype, torch.device], Place | None] = {}
@@ -143,7 +144,8 @@ class Recorder:
         """Add ``tensor``'s values to the open step's record for this key; its place."""
         if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
             tensor = tensor.to_local()  # a DTensor (FSDP2, tensor parallel): this rank's shard
-        where = (kind, module, node, op, output, scales_with_loss, tensor.dtype, tensor.device)
+        device = None if tensor.is_cpu else tensor.device  # CPU: no torch.device built, hashed
+        where = (kind, module, node, op, output, scales_with_loss, tensor.dtype, device)
         found: tuple[RecordKey, Place] | None = self._places.get(where, _NEW)  # every output
         if found is _NEW:
             found = self._place(kind, module, node, op, output, scales_with_loss, tensor)
@@ -167,7 +169,8 @@ class Recorder:
     ) -> tuple[RecordKey, Place] | None:
         """The record key of ``tensor`` here and its row (made on first use), or None
         where the selection leaves it out."""
-        where = (kind, module, node, op, output, scales_with_loss, tensor.dtype, tensor.device)
+        device = None if tensor.is_cpu else tensor.device  # as ``record`` keys it
+        where = (kind, module, node, op, output, scales_with_loss, tensor.dtype, device)
         try:
             return self._places[where]
         except KeyError:  # the first time: once per key
