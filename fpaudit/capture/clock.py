@@ -6,7 +6,6 @@ carries; ``fpaudit.capture.audit`` explains it), and the names reports give modu
 from __future__ import annotations
 
 import bisect
-import operator
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -24,7 +23,12 @@ from fpaudit.report.records import LOSS_MODULE
 _ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes have no sequence number
 sequence_now = _internals.sequence_number_now
 sequence_of = _internals.node_sequence_number
-_first = operator.itemgetter(0)
+# A span entry is one int, (sequence number << _SHIFT) | the module's index: one append
+# (atomic, so readers never see half an entry) of an object the garbage collector does
+# not track, where a (sequence, module) tuple per hook was 800 tracked objects a step of
+# a 400-module model, a collection of the youngest generation each step.
+_SHIFT = 32
+_INDEX = (1 << _SHIFT) - 1
 
 # Modules that wrappers insert between a model's modules: FSDP1's
 # FullyShardedDataParallel and activation checkpointing's CheckpointWrapper hold the
@@ -109,9 +113,12 @@ class ModuleClock:
                     self.param_owner.setdefault(id(flat), (model_name(name), "_flat_param"))
         self.known_names = frozenset(self.names.values())
         self.forward_frames = _Frames()  # read by the dispatch mode for every backward op
-        # (sequence number, module) at each module's entry and exit, in order: one
-        # append of one pair (atomic), so readers never see half an entry
-        self._spans: list[tuple[int, str]] = []
+        # the innermost module at each module's entry and exit, in order: one int each
+        # (see _SHIFT), the module as its index in _modules (LOSS_MODULE is 0)
+        self._spans: list[int] = []
+        self._modules: list[str] = [LOSS_MODULE]
+        self._index_of: dict[str, int] = {LOSS_MODULE: 0}
+        self._new_name = threading.Lock()
         self._cache: dict[int, str] = {}
 
     def current_module(self) -> str:
@@ -127,13 +134,24 @@ class ModuleClock:
     # (``_hooks``) the same work inlined
     def enter(self, name: str) -> None:
         self.forward_frames.frames.append(name)
-        self._spans.append((sequence_now(), name))
+        self._spans.append(sequence_now() << _SHIFT | self._index(name))
 
     def exit(self) -> None:
         frames = self.forward_frames.frames
         if frames:
             frames.pop()
-        self._spans.append((sequence_now(), frames[-1] if frames else LOSS_MODULE))
+        self._spans.append(sequence_now() << _SHIFT | (self._index(frames[-1]) if frames else 0))
+
+    def _index(self, name: str) -> int:
+        """``name``'s index in ``_modules`` (added on first sight, under a lock: rare)."""
+        index = self._index_of.get(name)
+        if index is None:
+            with self._new_name:
+                index = self._index_of.get(name)
+                if index is None:
+                    self._modules.append(name)  # before its index is seen
+                    index = self._index_of[name] = len(self._modules) - 1
+        return index
 
     def install(self, model: nn.Module, stack: ExitStack) -> None:
         compiled = compiled_modules(model)
@@ -155,12 +173,13 @@ class ModuleClock:
         """A module's forward pre-hook and hook: ``enter(name)`` and ``exit()`` inlined,
         their errors fpaudit's (``_torch_patches.guarded``'s rule, without its extra
         frames)."""
-        local, append, loss = self.forward_frames, self._spans.append, LOSS_MODULE
+        local, append, index_of = self.forward_frames, self._spans.append, self._index_of
+        own = self._index(name)
 
         def pre_hook(_module: nn.Module, _args: Any) -> None:
             try:
                 local.frames.append(name)
-                append((sequence_now(), name))
+                append(sequence_now() << _SHIFT | own)
             except Exception as error:
                 raise MonitorFailure("module clock", error) from error
 
@@ -169,7 +188,10 @@ class ModuleClock:
                 frames = local.frames
                 if frames:
                     frames.pop()
-                append((sequence_now(), frames[-1] if frames else loss))
+                    if frames:  # every hook's name has its index (own, above)
+                        append(sequence_now() << _SHIFT | index_of[frames[-1]])
+                        return
+                append(sequence_now() << _SHIFT)  # the loss pseudo-module, index 0
             except Exception as error:
                 raise MonitorFailure("module clock", error) from error
 
@@ -185,8 +207,8 @@ class ModuleClock:
         if cached is not None:
             return cached
         spans = self._spans
-        position = bisect.bisect_right(spans, sequence, key=_first) - 1
-        name = spans[position][1] if position >= 0 else LOSS_MODULE
+        position = bisect.bisect_right(spans, sequence << _SHIFT | _INDEX) - 1
+        name = self._modules[spans[position] & _INDEX] if position >= 0 else LOSS_MODULE
         self._cache[sequence] = name
         return name
 
