@@ -2,8 +2,10 @@
 
 ``TRITON_INTERPRET=1`` executes the kernel's Triton program with numpy, op by op, so
 these tests check its logic (bins, windows, the values beyond a window, amax, dtypes)
-against the pure-torch reference exactly. They cannot check Triton's GPU compiler or
-the speed: ``benchmarks/gpu_check.py`` does that on a CUDA machine.
+against the pure-torch reference exactly. They cannot check the kernels on a GPU or
+their speed: ``benchmarks/gpu_check.py`` does that on a CUDA machine. One test (outside
+the interpreter) compiles the histogram kernels ahead of time with Triton's GPU compiler,
+which needs no GPU.
 
 Triton reads ``TRITON_INTERPRET`` when it is first imported, so in a normal test run
 this module runs itself in a fresh process with the variable set
@@ -17,6 +19,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
@@ -33,7 +36,7 @@ from ..conftest import compiled_cpu_kernel, kernel_required, missing_kernel
 from ..oracle import edge_values
 
 try:
-    import triton  # noqa: F401
+    import triton
 except ImportError as error:  # the dev extras install it on Linux x86_64
     missing_kernel(
         "the Triton kernels", f"Triton does not import ({error}; pip install 'fpaudit[test]')"
@@ -314,6 +317,38 @@ def test_a_failing_multi_tensor_launch_falls_back_to_torch_once_and_adds_each_te
     assert table.calls == [2, 1, 1]
     expected = _reference_rows(table.rows, [*rows, rows[0]], tensors)
     assert np.array_equal(table.collect()[0], expected)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter compiles nothing")
+@pytest.mark.parametrize("arch", [80, 90])
+def test_the_gpu_compiler_takes_both_histogram_kernels(
+    arch: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Compiled ahead of time (Triton's own compiler and ptxas, no GPU needed) for Ampere
+    # and Hopper, each dtype the launches specialise on: the interpreter runs neither the
+    # int64-to-pointer casts, the constexpr globals nor the shared helper through it.
+    # Exactness on a GPU is benchmarks/gpu_check.py's.
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fpaudit.kernels import _triton_kernel as K
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silences 3.9's notice; no fma here
+    target = GPUTarget("cuda", arch, 32)
+    many = {"blocks_ptr": "*i64", "table_ptr": "*i64", "BLOCK": "constexpr", "DTYPE": "constexpr"}
+    one = {"row_ptr": "*i64", "n": "i32", "BLOCK": "constexpr", "BF16": "constexpr"}
+    sources = [
+        ASTSource(K._histogram_many_kernel, many, {"BLOCK": K.BLOCK, "DTYPE": kind})
+        for kind in range(len(K.NATIVE))
+    ]
+    sources += [
+        ASTSource(K._histogram_kernel, {"x_ptr": x, **one}, {"BLOCK": K.BLOCK, "BF16": bf16})
+        for x, bf16 in (("*fp32", False), ("*fp16", False), ("*bf16", True))
+    ]
+    for source in sources:
+        compiled = triton.compile(source, target=target)
+        assert compiled.asm["cubin"], source.fn.__name__
 
 
 def test_a_failing_kernel_falls_back_to_torch_with_one_warning(
