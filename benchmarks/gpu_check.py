@@ -28,6 +28,12 @@ What it checks, on the sample transformer:
    findings, and no host sync beyond the script's own (GradScaler's ``.item()``, its
    ``get_scale()``, its prints) and fpaudit's one read at the end, counted with
    ``torch.cuda.set_sync_debug_mode("warn")`` against the plain script.
+9. closing a step of the deep narrow MLP of ``benchmarks/host_overhead.py`` (200 x
+   (``Linear(16,16)``, ``Tanh``), 400 parameters): the host time of ``audit.step()``
+   (median, µs per parameter) and the Triton histogram launches it makes, with the
+   parameters' gradients in one multi-tensor launch per dtype (``add_many``) and, for
+   comparison, one launch each (the path before it), interleaved; and that the
+   launches do not grow with the parameters (at most one per dtype).
 
 Prints a summary; ``--json FILE`` also writes it.
 """
@@ -238,6 +244,18 @@ def print_block_summary(summary: dict[str, Any]) -> None:
         )
 
 
+def print_step_close_summary(summary: dict[str, Any]) -> None:
+    """Closing a step of the deep narrow MLP: µs per parameter and launches, each path."""
+    per = summary["step_close_us_per_parameter"]
+    launches = summary["step_close_launches"]
+    print(
+        f"step close ({summary['step_close_parameters']} parameters, audit.step() host time): "
+        f"add_many {per['add_many']:.2f} us/parameter, {launches['add_many']} launches; "
+        f"one add each {per['one add each']:.2f} us/parameter, {launches['one add each']} "
+        f"launches ({summary['step_close_speedup']:.2f}x)"
+    )
+
+
 def time_kernels(device: torch.device, n: int, reps: int) -> dict[str, float]:
     """Nanoseconds per value: the histogram paths and one read, medians, interleaved."""
     x = torch.randn(n, device=device) * 1e-3
@@ -273,6 +291,88 @@ def count_syncs(device: torch.device, run: Any) -> int:
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@contextmanager
+def counted_launches():
+    """Count the Triton histogram kernels' launches (both kernels) inside the block:
+    yields a dict whose "launches" grows with each one (0 where there is no kernel)."""
+    counter = {"launches": 0}
+    module = kernels.device_kernel()
+    if module is None:
+        yield counter
+        return
+
+    class Counted:
+        def __init__(self, kernel: Any) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid: Any) -> Any:
+            counter["launches"] += 1
+            return self.kernel[grid]
+
+    names = ("_histogram_kernel", "_histogram_many_kernel")
+    saved = {name: getattr(module, name) for name in names}
+    for name, kernel in saved.items():
+        setattr(module, name, Counted(kernel))
+    try:
+        yield counter
+    finally:
+        for name, kernel in saved.items():
+            setattr(module, name, kernel)
+
+
+def check_step_close(device: torch.device, reps: int, quick: bool) -> dict[str, Any]:
+    """Host time of ``audit.step()`` on the deep narrow MLP, and its histogram launches:
+    the gradients through ``add_many`` (one launch per dtype) and one ``add`` each."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from host_overhead import deep_mlp
+
+    model, batch, loss_fn = deep_mlp(quick)
+    model, batch = model.to(device), batch.to(device)
+    parameters = sum(1 for _ in model.parameters())
+    one_each = histogram.HistogramTable.add_many
+
+    def add_each(table: Any, rows: list[int], tensors: list[torch.Tensor]) -> None:
+        for row, x in zip(rows, tensors, strict=True):
+            table.add(row, x)
+
+    def close(audit: fpaudit.Audit, batched: bool) -> tuple[float, int]:
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        synchronize(device)
+        if not batched:
+            histogram.HistogramTable.add_many = add_each  # type: ignore[method-assign]
+        try:
+            with counted_launches() as counter:
+                start = time.perf_counter()
+                audit.step(loss=loss)  # its one transfer waits for its own kernels
+                seconds = time.perf_counter() - start
+        finally:
+            histogram.HistogramTable.add_many = one_each  # type: ignore[method-assign]
+        return seconds, counter["launches"]
+
+    variants = {"add_many": True, "one add each": False}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    launches: dict[str, int] = {}
+    audit = fpaudit.audit(model)
+    with audit:
+        for rep in range(reps + 1):
+            for name, batched in variants.items():
+                seconds, launches[name] = close(audit, batched)
+                if rep:  # the first round compiles and warms up
+                    times[name].append(seconds)
+        audit.close(discard=True)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "step_close_parameters": parameters,
+        "step_close_us_per_parameter": {n: 1e6 * t / parameters for n, t in medians.items()},
+        "step_close_launches": launches,
+        "step_close_speedup": medians["one add each"] / medians["add_many"],
+        # at most one per dtype the kernel reads (fp32, fp16, bf16), whatever the parameters
+        "step_close_fixed_launches": launches["add_many"] <= 3,
+    }
 
 
 def check_run(device: torch.device, steps: int) -> dict[str, Any]:
@@ -422,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_zeroed_fraction": max(p.zeroed_fraction for p in result.parameters),
             }
     summary.update(check_run(device, 20 if args.quick else 200))
+    summary.update(check_step_close(device, 1 if args.quick else args.reps, args.quick))
     summary.update(
         {
             "no_host_sync_during_capture": sync_error is None,
@@ -447,9 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     ok = ok and summary["backward_records_per_step"] > 0
     ok = ok and all(v["float16_records"] > 0 for v in live.values())
     ok = ok and summary["run_no_extra_sync"] and len(summary["run_findings"]) == 3
+    ok = ok and summary["step_close_fixed_launches"]
     summary["ok"] = bool(ok)
     print(json.dumps(summary, indent=2))
     print_block_summary(summary)
+    print_step_close_summary(summary)
     print(f"gpu_check: {'PASS' if ok else 'FAIL'}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from fpaudit import torch_internals as _internals
 from fpaudit.capture.clock import model_name
@@ -93,6 +93,30 @@ class _GradPlan:
             owner is None or getattr(owner, leaf, None) is param
             for owner, leaf, param in zip(self._owners, self._leaves, self.params, strict=True)
         )
+
+
+class _GradientAdds:
+    """The adds of a step's plain gradients: on the CPU each at once (``add``); on another
+    device batched per table, for one ``HistogramTable.add_many`` each (:meth:`flush`:
+    on CUDA one Triton launch per dtype, where a launch per gradient cost more host time
+    than binning it)."""
+
+    def __init__(self) -> None:
+        self._batches: dict[histogram.HistogramTable, tuple[list[int], list[Tensor]]] = {}
+
+    def add(self, place: Place, grad: Tensor) -> None:
+        table, row = place
+        if grad.is_cpu:
+            table.add(row, grad)
+            return
+        rows, grads = self._batches.setdefault(table, ([], []))
+        rows.append(row)
+        grads.append(grad)
+
+    def flush(self) -> None:
+        for table, (rows, grads) in self._batches.items():
+            table.add_many(rows, grads)
+        self._batches.clear()
 
 
 @dataclass(frozen=True)
@@ -235,7 +259,8 @@ class Recorder:
         in the CPU table, decided at its first plain gradient, so that closing a step
         adds the plain CPU gradients in one kernel call (``HistogramTable.add_planned``).
         Others (complex, float64, DTensor, other devices, with block statistics, or not
-        as planned) are recorded one by one (:meth:`_record_gradient`)."""
+        as planned) are recorded one by one (:meth:`_record_gradient`); off the CPU
+        in one ``add_many`` per table (:class:`_GradientAdds`)."""
         entries = self._parameters(model)
         plan = self._plan
         if plan is None or plan.entries is not entries:
@@ -249,14 +274,16 @@ class Recorder:
         left = None
         if table is not None:  # the kernel reads each parameter's .grad
             left = table.add_planned(params, plan.rows, plan.dtypes, of_params=True)
+        adds = _GradientAdds()
         for i in range(len(params)) if left is None else left:
-            self._record_gradient(model, plan, i, params[i].grad)
+            self._record_gradient(model, plan, i, params[i].grad, adds)
+        adds.flush()
 
     def _record_gradient(
-        self, model: nn.Module, plan: _GradPlan, i: int, grad: torch.Tensor | None
+        self, model: nn.Module, plan: _GradPlan, i: int, grad: Tensor | None, adds: _GradientAdds
     ) -> None:
-        """Record parameter ``i``'s gradient, and where it is a plain CPU gradient,
-        plan its row for the next steps (``SKIP`` where the selection leaves it out)."""
+        """Record parameter ``i``'s gradient (a plain one through ``adds``), and where it is
+        a plain CPU gradient, plan its row for the next steps (``SKIP``: not selected)."""
         name = plan.entries[i][2]
         if grad is None or grad.layout != torch.strided:
             return
@@ -274,7 +301,7 @@ class Recorder:
                 plan.rows[i] = histogram.SKIP if place is None else place[1]
                 plan.dtypes[i] = grad.dtype
             if place is not None:
-                place[0].add(place[1], grad)
+                adds.add(place, grad)
             return
         if grad.is_complex():
             grad = torch.view_as_real(grad.resolve_conj())

@@ -25,6 +25,9 @@ No host sync: the launch reads only shapes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -34,36 +37,22 @@ from fpaudit.numerics import layout
 BLOCK = 4096
 WINDOW = 512  # bins histogrammed per block; bin WINDOW - 1 takes what is not counted there
 _B = layout.CLASS_LOWER_BOUNDS
-_INF_BITS = 0x7F800000
+# The layout as the kernels' compile-time constants (globals a kernel may read).
+_B1, _B2, _B3, _B4, _B5, _B6, _B7 = (tl.constexpr(bound) for bound in _B[1:])
+_ZERO_BIN = tl.constexpr(layout.ZERO_BIN)
+_FIRST_FINITE_BIN = tl.constexpr(layout.FIRST_FINITE_BIN)
+_INF_BIN = tl.constexpr(layout.INF_BIN)
+_NAN_BIN = tl.constexpr(layout.NAN_BIN)
+_AMAX_COLUMN = tl.constexpr(layout.AMAX_COLUMN)
+_WINDOW = tl.constexpr(WINDOW)
 # Dtypes loaded as they are; any other is converted to fp32 by torch first.
 NATIVE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _histogram_kernel(
-    x_ptr,
-    row_ptr,  # int64 row of the table: counts, then the amax bits column
-    n,
-    B1: tl.constexpr,
-    B2: tl.constexpr,
-    B3: tl.constexpr,
-    B4: tl.constexpr,
-    B5: tl.constexpr,
-    B6: tl.constexpr,
-    B7: tl.constexpr,
-    ZERO_BIN: tl.constexpr,
-    FIRST_FINITE_BIN: tl.constexpr,
-    INF_BIN: tl.constexpr,
-    NAN_BIN: tl.constexpr,
-    AMAX_COLUMN: tl.constexpr,
-    BLOCK: tl.constexpr,
-    WINDOW: tl.constexpr,
-    BF16: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    values = tl.load(x_ptr + offsets, mask=inside, other=0.0)
+def _add_block(values, inside, row_ptr, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """Add one block of values (``inside``: which lanes hold one) to a row of the table:
+    the body both kernels share."""
     if BF16:  # bf16 is the top half of fp32: widen the bits, not the value
         bits = (values.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16
     else:  # fp32 as it is; fp16 widens exactly (subnormals included)
@@ -84,35 +73,73 @@ def _histogram_kernel(
     fraction = tl.where(subnormal, normalised & 0x7FFFFF, fraction)
     offset = tl.where(subnormal, (normalised >> 23) - 127, exponent + 22)  # binade + 149
     cls = (
-        (fraction >= B1).to(tl.int32)
-        + (fraction >= B2).to(tl.int32)
-        + (fraction >= B3).to(tl.int32)
-        + (fraction >= B4).to(tl.int32)
-        + (fraction >= B5).to(tl.int32)
-        + (fraction >= B6).to(tl.int32)
-        + (fraction >= B7).to(tl.int32)
+        (fraction >= _B1).to(tl.int32)
+        + (fraction >= _B2).to(tl.int32)
+        + (fraction >= _B3).to(tl.int32)
+        + (fraction >= _B4).to(tl.int32)
+        + (fraction >= _B5).to(tl.int32)
+        + (fraction >= _B6).to(tl.int32)
+        + (fraction >= _B7).to(tl.int32)
     )
-    index = FIRST_FINITE_BIN + offset * 8 + cls
+    index = _FIRST_FINITE_BIN + offset * 8 + cls
 
-    base = tl.min(tl.where(finite, index, NAN_BIN), axis=0)
+    base = tl.min(tl.where(finite, index, _NAN_BIN), axis=0)
     local = index - base
-    windowed = finite & (local < WINDOW - 1)
-    counts = tl.histogram(tl.where(windowed, local, WINDOW - 1), WINDOW)
-    bins = tl.arange(0, WINDOW)
+    windowed = finite & (local < _WINDOW - 1)
+    counts = tl.histogram(tl.where(windowed, local, _WINDOW - 1), _WINDOW)
+    bins = tl.arange(0, _WINDOW)
     tl.atomic_add(
-        row_ptr + base + bins, counts.to(tl.int64), mask=(bins < WINDOW - 1) & (counts > 0)
+        row_ptr + base + bins, counts.to(tl.int64), mask=(bins < _WINDOW - 1) & (counts > 0)
     )
-    beyond = finite & (local >= WINDOW - 1)
+    beyond = finite & (local >= _WINDOW - 1)
     tl.atomic_add(row_ptr + index, tl.full([BLOCK], 1, tl.int64), mask=beyond)
 
     n_zero = tl.sum(zero.to(tl.int64), axis=0)
     n_inf = tl.sum(inf.to(tl.int64), axis=0)
     n_nan = tl.sum(nan.to(tl.int64), axis=0)
-    tl.atomic_add(row_ptr + ZERO_BIN, n_zero, mask=n_zero > 0)
-    tl.atomic_add(row_ptr + INF_BIN, n_inf, mask=n_inf > 0)
-    tl.atomic_add(row_ptr + NAN_BIN, n_nan, mask=n_nan > 0)
+    tl.atomic_add(row_ptr + _ZERO_BIN, n_zero, mask=n_zero > 0)
+    tl.atomic_add(row_ptr + _INF_BIN, n_inf, mask=n_inf > 0)
+    tl.atomic_add(row_ptr + _NAN_BIN, n_nan, mask=n_nan > 0)
     largest = tl.max(tl.where(finite, bits, 0), axis=0).to(tl.int64)
-    tl.atomic_max(row_ptr + AMAX_COLUMN, largest, mask=largest > 0)
+    tl.atomic_max(row_ptr + _AMAX_COLUMN, largest, mask=largest > 0)
+
+
+@triton.jit
+def _histogram_kernel(
+    x_ptr,
+    row_ptr,  # int64 row of the table: counts, then the amax bits column
+    n,
+    BLOCK: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    values = tl.load(x_ptr + offsets, mask=inside, other=0.0)
+    _add_block(values, inside, row_ptr, BLOCK, BF16)
+
+
+@triton.jit
+def _histogram_many_kernel(
+    blocks_ptr,  # int64 (programs, 3): a block's address, its values (1..BLOCK), its row's
+    table_ptr,  # offset in the table (int64, contiguous)
+    BLOCK: tl.constexpr,
+    DTYPE: tl.constexpr,  # 0: fp32, 1: fp16, 2: bf16 (the index in NATIVE)
+):
+    entry = blocks_ptr + tl.program_id(0).to(tl.int64) * 3
+    address = tl.load(entry)
+    n = tl.load(entry + 1)
+    row_ptr = table_ptr + tl.load(entry + 2)
+    if DTYPE == 1:
+        x_ptr = address.to(tl.pointer_type(tl.float16))
+    elif DTYPE == 2:
+        x_ptr = address.to(tl.pointer_type(tl.bfloat16))
+    else:
+        x_ptr = address.to(tl.pointer_type(tl.float32))
+    offsets = tl.arange(0, BLOCK)
+    inside = offsets < n
+    values = tl.load(x_ptr + offsets, mask=inside, other=0.0)
+    _add_block(values, inside, row_ptr, BLOCK, DTYPE == 2)
 
 
 def histogram_add(x: torch.Tensor, table: torch.Tensor, row: int) -> None:
@@ -129,19 +156,75 @@ def histogram_add(x: torch.Tensor, table: torch.Tensor, row: int) -> None:
         x,
         table[row],
         n,
-        B1=_B[1],
-        B2=_B[2],
-        B3=_B[3],
-        B4=_B[4],
-        B5=_B[5],
-        B6=_B[6],
-        B7=_B[7],
-        ZERO_BIN=layout.ZERO_BIN,
-        FIRST_FINITE_BIN=layout.FIRST_FINITE_BIN,
-        INF_BIN=layout.INF_BIN,
-        NAN_BIN=layout.NAN_BIN,
-        AMAX_COLUMN=layout.AMAX_COLUMN,
         BLOCK=BLOCK,
-        WINDOW=WINDOW,
         BF16=x.dtype == torch.bfloat16,
     )
+
+
+# Programs (blocks) per launch of the multi-tensor kernel: a batch of more blocks
+# (2**28 values and up) is split into launches of at most this many.
+MAX_PROGRAMS = 1 << 16
+
+
+def histogram_add_many(
+    tensors: Sequence[torch.Tensor], table: torch.Tensor, rows: Sequence[int]
+) -> int:
+    """``histogram_add(tensors[i], table, rows[i])`` for every i, in one launch (or one
+    per ``MAX_PROGRAMS`` blocks): the tensors (contiguous, 1-D, of one dtype in
+    ``NATIVE``, on ``table``'s device) are read through a table of blocks (per program,
+    its values' address, how many, its row's offset in ``table``) made on the host from
+    their addresses and sizes, copied to the device without a sync (from pinned memory).
+    Returns the launches made (0 when every tensor is empty)."""
+    if len(tensors) != len(rows):
+        raise ValueError(f"histogram_add_many: {len(tensors)} tensors but {len(rows)} rows")
+    if not (table.is_contiguous() and table.dtype == torch.int64 and table.dim() == 2):
+        raise ValueError("histogram_add_many needs a contiguous 2-D int64 table")
+    if not tensors:
+        return 0
+    dtype = tensors[0].dtype
+    if dtype not in NATIVE:
+        raise TypeError(f"histogram_add_many takes {NATIVE}, got {dtype}")
+    for x in tensors:
+        if x.dtype != dtype or not x.is_contiguous() or x.device != table.device:
+            raise ValueError(
+                "histogram_add_many needs contiguous tensors of one dtype on the table's "
+                f"device, got {x.dtype} ({'' if x.is_contiguous() else 'not '}contiguous) "
+                f"on {x.device} with {dtype} on {table.device}"
+            )
+    if min(rows) < 0 or max(rows) >= table.shape[0]:
+        raise ValueError(f"histogram_add_many: a row out of range of the table's {table.shape[0]}")
+    blocks = _blocks(tensors, rows, table.stride(0))
+    if blocks is None:
+        return 0
+    if table.device.type != "cpu":  # pinned, so that the copy does not wait on the host
+        blocks = blocks.pin_memory().to(table.device, non_blocking=True)
+    kind = NATIVE.index(dtype)
+    launches = 0
+    for start in range(0, blocks.shape[0], MAX_PROGRAMS):
+        chunk = blocks[start : start + MAX_PROGRAMS]
+        _histogram_many_kernel[(chunk.shape[0],)](chunk, table, BLOCK=BLOCK, DTYPE=kind)
+        launches += 1
+    return launches
+
+
+def _blocks(
+    tensors: Sequence[torch.Tensor], rows: Sequence[int], row_stride: int
+) -> torch.Tensor | None:
+    """The multi-tensor kernel's table of blocks (int64 (blocks, 3), on the CPU) for these
+    tensors: each one's blocks of ``BLOCK`` values (its last one partial), in order; None
+    when they hold no value."""
+    sizes = np.fromiter((x.numel() for x in tensors), np.int64, len(tensors))
+    addresses = np.fromiter((x.data_ptr() for x in tensors), np.int64, len(tensors))
+    offsets = np.asarray(rows, dtype=np.int64) * row_stride
+    per_tensor = -(-sizes // BLOCK)
+    total = int(per_tensor.sum())
+    if total == 0:
+        return None
+    owner = np.repeat(np.arange(len(tensors)), per_tensor)
+    first = np.cumsum(per_tensor) - per_tensor  # each tensor's first block
+    start = (np.arange(total, dtype=np.int64) - first[owner]) * BLOCK  # each block's first value
+    blocks = np.empty((total, 3), dtype=np.int64)
+    blocks[:, 0] = addresses[owner] + start * tensors[0].element_size()
+    blocks[:, 1] = np.minimum(sizes[owner] - start, BLOCK)
+    blocks[:, 2] = offsets[owner]
+    return torch.from_numpy(blocks)

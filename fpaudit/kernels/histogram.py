@@ -267,9 +267,15 @@ class HistogramTable:
         """``add(rows[i], tensors[i])`` for every i, in as few kernel calls as the device
         allows: on the CPU with the compiled kernel, one call for all of them (float64
         ones aside, which ``add`` takes with their out-of-range count); elsewhere one
-        ``add`` each. The counts are those of the ``add`` calls, in any order."""
+        ``add`` each; on CUDA with the Triton kernel, one launch per dtype
+        (``_add_many_compiled``). The counts are those of the ``add`` calls, in any
+        order."""
         kernel = self._kernel if self._kernel is not _UNRESOLVED else self._resolve_kernel()
         if kernel is None:
+            device_kernel = kernels.device_kernel() if self.device.type == "cuda" else None
+            if device_kernel is not None:
+                _add_many_compiled(self, device_kernel, rows, tensors)
+                return
             for row, x in zip(rows, tensors, strict=True):
                 self.add(row, x)
             return
@@ -361,18 +367,10 @@ class HistogramTable:
 
     def _add_compiled(self, kernel: ModuleType, row: int, x: torch.Tensor) -> bool:
         """Bin ``x`` with the Triton kernel; False (and a warning, once) if it fails."""
-        values = x.detach()
-        if values.dtype not in kernel.NATIVE:
-            values = values.to(torch.float32)  # exact for fp8; fp64 rounds (see above)
         try:
-            kernel.histogram_add(dense_flat(values), self.table, row)
+            kernel.histogram_add(_native_flat(kernel, x), self.table, row)
         except Exception as error:  # Triton too old for the kernel, no compiler, ...
-            kernels.device_kernel_failed(error)
-            warnings.warn(
-                f"fpaudit: the Triton histogram kernel failed ({kernels.device_failure()}); "
-                "using the pure-torch path",
-                stacklevel=3,
-            )
+            _device_kernel_failed(error)
             return False
         return True
 
@@ -453,6 +451,64 @@ class HistogramTable:
             return
         kernel.histogram_clear(self.table, self.rows, self.spans)
         self.calls = [0] * self.rows
+
+
+def _add_many_compiled(
+    table: HistogramTable, kernel: ModuleType, rows: list[int], tensors: list[torch.Tensor]
+) -> None:
+    """``table.add_many`` with the Triton kernel: the plain strided floating tensors (not
+    float64, not a subclass) of each dtype in one ``histogram_add_many`` launch (fp8
+    widened to fp32 first, as ``_add_compiled`` does; layouts flattened by ``dense_flat``),
+    the others through ``add``. A dtype whose launch fails, and those after it, take the
+    pure-torch path (with ``_add_compiled``'s warning, once)."""
+    groups: dict[torch.dtype, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+    calls = table.calls
+    for row, x in zip(rows, tensors, strict=True):
+        if (
+            type(x) is not torch.Tensor
+            or x.dtype is _FLOAT64
+            or x.layout is not _STRIDED
+            or not x.is_floating_point()
+            or x.device != table.table.device
+        ):
+            table.add(row, x)
+            continue
+        calls[row] += 1
+        values = _native_flat(kernel, x)
+        group = groups.setdefault(values.dtype, ([], [], []))
+        group[0].append(row)
+        group[1].append(values)
+        group[2].append(x)
+    failed = False
+    for group_rows, values_list, originals in groups.values():
+        if not failed:
+            try:
+                kernel.histogram_add_many(values_list, table.table, group_rows)
+                continue
+            except Exception as error:  # as in _add_compiled
+                _device_kernel_failed(error)
+                failed = True
+        for row, x in zip(group_rows, originals, strict=True):
+            table._add_device_torch(row, x)
+
+
+def _native_flat(kernel: ModuleType, x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values as the Triton kernels read them: 1-D, contiguous, in a dtype they
+    load (any other converted to fp32: exact for fp8; fp64 rounds, see above)."""
+    values = x.detach()
+    if values.dtype not in kernel.NATIVE:
+        values = values.to(torch.float32)
+    return dense_flat(values)
+
+
+def _device_kernel_failed(error: Exception) -> None:
+    """Turn the Triton histogram kernel off for this process, with a warning."""
+    kernels.device_kernel_failed(error)
+    warnings.warn(
+        f"fpaudit: the Triton histogram kernel failed ({kernels.device_failure()}); "
+        "using the pure-torch path",
+        stacklevel=4,
+    )
 
 
 _bounds_given: set[int] = set()  # ids of the kernel modules given the class bounds

@@ -466,3 +466,50 @@ def _by_key(recorder: Recorder) -> set[tuple[str, str, tuple[int, ...], float]]:
             name = f"{key.module}.{key.op}" if key.module else key.op
             found.add((name, key.dtype, tuple(records.counts[i].tolist()), float(records.amax[i])))
     return found
+
+
+def test_gradients_off_the_cpu_go_to_one_add_many_per_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # on the meta device (the nearest to CUDA here): no add each, one add_many with each
+    # gradient's own row, step after step; the float64 gradient inside it too (add_many
+    # gives it to add, with its out-of-range count)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2), nn.Linear(2, 2))
+    model[2].to(torch.float16)
+    model[3].to(torch.float64)
+    model.to("meta")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    batches: list[tuple[H.HistogramTable, list[int], list[torch.Tensor]]] = []
+    adds: list[int] = []  # by the recorder (what add_many hands to add is its own business)
+    inside = [False]
+    add_many, add = H.HistogramTable.add_many, H.HistogramTable.add
+
+    def spy_many(table: H.HistogramTable, rows: list[int], tensors: list[torch.Tensor]) -> None:
+        batches.append((table, list(rows), list(tensors)))
+        inside[0] = True
+        add_many(table, rows, tensors)
+        inside[0] = False
+
+    def spy_add(table: H.HistogramTable, row: int, x: torch.Tensor) -> None:
+        if not inside[0]:
+            adds.append(row)
+        add(table, row, x)
+
+    monkeypatch.setattr(H.HistogramTable, "add_many", spy_many)
+    monkeypatch.setattr(H.HistogramTable, "add", spy_add)
+    recorder = Recorder(Selection(), None)
+    for step in range(2):
+        batches.clear()
+        recorder.record_parameter_gradients(model)
+        assert adds == [] and len(batches) == 1, step
+        table, rows, grads = batches[0]
+        assert all(g is p.grad for g, p in zip(grads, model.parameters(), strict=True))
+        keys = recorder._row_keys[torch.device("meta")]
+        assert [(keys[row].module, keys[row].op, keys[row].dtype) for row in rows] == [
+            (model_name, name.rpartition(".")[2], str(p.dtype).removeprefix("torch."))
+            for (name, p), model_name in zip(
+                model.named_parameters(), ["0", "0", "2", "2", "3", "3"], strict=True
+            )
+        ]
+        assert table.calls == [step + 1] * 6

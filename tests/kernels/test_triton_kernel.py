@@ -2,8 +2,10 @@
 
 ``TRITON_INTERPRET=1`` executes the kernel's Triton program with numpy, op by op, so
 these tests check its logic (bins, windows, the values beyond a window, amax, dtypes)
-against the pure-torch reference exactly. They cannot check Triton's GPU compiler or
-the speed: ``benchmarks/gpu_check.py`` does that on a CUDA machine.
+against the pure-torch reference exactly. They cannot check the kernels on a GPU or
+their speed: ``benchmarks/gpu_check.py`` does that on a CUDA machine. One test (outside
+the interpreter) compiles the histogram kernels ahead of time with Triton's GPU compiler,
+which needs no GPU.
 
 Triton reads ``TRITON_INTERPRET`` when it is first imported, so in a normal test run
 this module runs itself in a fresh process with the variable set
@@ -17,6 +19,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
@@ -33,7 +36,7 @@ from ..conftest import compiled_cpu_kernel, kernel_required, missing_kernel
 from ..oracle import edge_values
 
 try:
-    import triton  # noqa: F401
+    import triton
 except ImportError as error:  # the dev extras install it on Linux x86_64
     missing_kernel(
         "the Triton kernels", f"Triton does not import ({error}; pip install 'fpaudit[test]')"
@@ -144,6 +147,208 @@ def test_other_dtypes_and_layouts_through_the_table(interpreted: ModuleType) -> 
         rows, _ = table.collect()
         expected = torch.bincount(H.bin_indices(tensor.float()), minlength=H.N_BINS).numpy()
         assert np.array_equal(rows[row, : H.N_BINS], expected)
+
+
+# ---- the multi-tensor histogram kernel (histogram_add_many, HistogramTable.add_many) ----
+
+
+def _batch(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Edge values (ties at 2**-25, signed zeros, fp32 subnormals, inf, NaN), empty
+    tensors, strided views (transposed, with gaps, a storage offset), a tensor of several
+    blocks with a partial last one, and one-value tensors, in ``dtype``."""
+    generator = torch.Generator().manual_seed(5)
+    edges = edge_values()
+    grid = (torch.randn(40, 96, generator=generator) * 2.0**-130).to(dtype)
+    several = torch.randn(2 * 4096 + 5, generator=generator) * 1e-4
+    several[: edges.numel()] = edges  # in its first block and its partial last one
+    several[-edges.numel() :] = edges
+    return [
+        edges.to(dtype),
+        torch.empty(0, dtype=dtype),
+        grid.t(),  # transposed: read in place, in memory order
+        grid[::3, 1::2],  # gaps: copied by dense_flat
+        edges.to(dtype).flip(0)[7:50],  # a storage offset
+        several.to(dtype),
+        torch.tensor([2.0**-25], dtype=dtype),
+        torch.tensor([-0.0], dtype=dtype),
+        torch.empty(0, 4, dtype=dtype),
+    ]
+
+
+def _reference_rows(table_rows: int, rows: list[int], tensors: list[torch.Tensor]) -> np.ndarray:
+    """The counts and amax bits of each row by the pure-torch reference (``bin_indices``)."""
+    expected = np.zeros((table_rows, H.WIDTH), dtype=np.int64)
+    for row, x in zip(rows, tensors, strict=True):
+        if x.numel() == 0:
+            continue
+        counts, amax = _reference(x)
+        expected[row, : H.N_BINS] += counts
+        expected[row, H.AMAX_COLUMN] = max(expected[row, H.AMAX_COLUMN], amax)
+    return expected
+
+
+@in_the_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_many_tensors_in_one_launch_equal_one_launch_each_and_the_reference(
+    interpreted: ModuleType, dtype: torch.dtype
+) -> None:
+    tensors = _batch(dtype)
+    rows = [1, 3, 2, 2, 4, 3, 0, 4, 1]  # several tensors into the same row, out of order
+    flat = [H.dense_flat(x) for x in tensors]
+    many = torch.zeros((6, H.WIDTH), dtype=torch.int64)
+    assert interpreted.histogram_add_many(flat, many, rows) == 1
+    one = torch.zeros_like(many)
+    for row, x in zip(rows, flat, strict=True):
+        interpreted.histogram_add(x, one, row)
+    assert torch.equal(many, one)
+    assert np.array_equal(many.numpy(), _reference_rows(6, rows, tensors))
+    assert not many[5].any()  # no row but their own
+
+
+@in_the_interpreter
+def test_a_batch_beyond_the_bound_is_split_into_bounded_launches(
+    interpreted: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensors = [H.dense_flat(x) for x in _batch(torch.float32)]  # 1 + 0 + 1 + 1 + 1 + 3 + ...
+    blocks = sum(-(-x.numel() // interpreted.BLOCK) for x in tensors)
+    monkeypatch.setattr(interpreted, "MAX_PROGRAMS", 3)
+    rows = list(range(len(tensors)))
+    table = torch.zeros((len(tensors), H.WIDTH), dtype=torch.int64)
+    assert interpreted.histogram_add_many(tensors, table, rows) == -(-blocks // 3)
+    assert np.array_equal(table.numpy(), _reference_rows(len(tensors), rows, tensors))
+
+
+@in_the_interpreter
+def test_the_multi_tensor_kernel_refuses_what_it_cannot_read(interpreted: ModuleType) -> None:
+    table = torch.zeros((2, H.WIDTH), dtype=torch.int64)
+    assert interpreted.histogram_add_many([], table, []) == 0
+    assert interpreted.histogram_add_many([torch.empty(0)], table, [1]) == 0
+    refused = [
+        ([torch.ones(3), torch.ones(2).half()], [0, 1], "one dtype"),
+        ([torch.ones(3, 4).t()], [0], "not contiguous"),
+        ([torch.ones(3)], [2], "out of range"),
+        ([torch.ones(3)], [0, 1], "1 tensors but 2 rows"),
+    ]
+    for tensors, rows, message in refused:
+        with pytest.raises(ValueError, match=message):
+            interpreted.histogram_add_many(tensors, table, rows)
+    with pytest.raises(TypeError, match="takes"):
+        interpreted.histogram_add_many([torch.ones(3, dtype=torch.float64)], table, [0])
+    assert not table.any()  # a refused batch adds nothing
+
+
+class _CountedLaunches:
+    """A kernel's launcher (``kernel[grid](...)``) that counts the launches."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+        self.launches = 0
+
+    def __getitem__(self, grid: tuple[int, ...]) -> object:
+        self.launches += 1
+        return self.kernel[grid]  # type: ignore[index]
+
+
+@in_the_interpreter
+def test_add_many_on_cuda_launches_once_per_dtype_and_adds_as_add_does(
+    interpreted: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A CPU table standing in for a CUDA one: add_many takes its device path (the
+    # interpreted kernel reads CPU memory); what is left to add takes the CPU's paths,
+    # whose counts are the same
+    many_kernel = _CountedLaunches(interpreted._histogram_many_kernel)
+    one_kernel = _CountedLaunches(interpreted._histogram_kernel)
+    monkeypatch.setattr(interpreted, "_histogram_many_kernel", many_kernel)
+    monkeypatch.setattr(interpreted, "_histogram_kernel", one_kernel)
+    monkeypatch.setattr(kernels, "device_kernel", lambda: interpreted)
+    monkeypatch.setenv(kernels.ENV, "torch")  # the CPU kernel off: no CPU batch path
+    table = H.HistogramTable(torch.device("cpu"))
+    table_rows = [table.new_row() for _ in range(7)]
+    table.device = torch.device("cuda")
+    mixed = [*_batch(torch.float32), *_batch(torch.float16), *_batch(torch.bfloat16)]
+    mixed += [edge_values().to(torch.float8_e4m3fn), edge_values().to(torch.float8_e5m2)]
+    mixed += [edge_values().double(), torch.tensor([1e-300, 1e300, 3.0], dtype=torch.float64)]
+    rows = [table_rows[i % 7] for i in range(len(mixed))]
+    table.add_many(rows, mixed)
+    assert many_kernel.launches == 3  # fp32 (with the fp8 tensors, widened), fp16, bf16
+    assert one_kernel.launches == 0  # the fp64 ones: add's pure-torch path
+
+    one = H.HistogramTable(torch.device("cpu"))
+    for _ in table_rows:
+        one.new_row()
+    for row, x in zip(rows, mixed, strict=True):
+        one.add(row, x)
+    assert np.array_equal(table.collect()[0], one.collect()[0])
+    assert table.calls == one.calls == [rows.count(row) for row in table_rows]
+    assert int(table.out_of_range) == int(one.out_of_range) == 2  # 1e-300 -> 0, 1e300 -> inf
+    wide = [x.float() for x in mixed]  # fp64 rounds to fp32 (see histogram's limitations)
+    assert np.array_equal(table.collect()[0], _reference_rows(7, rows, wide))
+
+
+def test_a_failing_multi_tensor_launch_falls_back_to_torch_once_and_adds_each_tensor_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    added: list[torch.dtype] = []
+
+    def bf16_fails(tensors: list[torch.Tensor], table: torch.Tensor, rows: list[int]) -> int:
+        if tensors[0].dtype == torch.bfloat16:  # as an old GPU's compiler might
+            raise RuntimeError("bf16 not supported\nmore")
+        for row, x in zip(rows, tensors, strict=True):  # the reference's counts
+            table[row, : H.N_BINS] += torch.bincount(H.bin_indices(x), minlength=H.N_BINS)
+            table[row, H.AMAX_COLUMN] = max(
+                int(table[row, H.AMAX_COLUMN]), int(H.finite_amax_bits(H._abs_bits(x)))
+            )
+        added.append(tensors[0].dtype)
+        return 1
+
+    fake = SimpleNamespace(NATIVE=(torch.float32, torch.float16, torch.bfloat16),
+                           histogram_add_many=bf16_fails)  # fmt: skip
+    monkeypatch.setattr(kernels._HISTOGRAM, "module", fake)
+    monkeypatch.setattr(kernels._HISTOGRAM, "failure", None)
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    table = H.HistogramTable(torch.device("cpu"))
+    rows = [table.new_row() for _ in range(3)]
+    x = edge_values()
+    tensors = [x, x.bfloat16(), x.half(), x.reshape(-1, 2).t()]
+    with pytest.warns(UserWarning, match="Triton histogram kernel failed .*bf16 not supported"):
+        H._add_many_compiled(table, fake, [*rows, rows[0]], tensors)  # type: ignore[arg-type]
+    assert added == [torch.float32]  # the fp16 batch after the failed one: the torch path
+    assert kernels.device_kernel() is None  # not tried again
+    assert table.calls == [2, 1, 1]
+    expected = _reference_rows(table.rows, [*rows, rows[0]], tensors)
+    assert np.array_equal(table.collect()[0], expected)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter compiles nothing")
+@pytest.mark.parametrize("arch", [80, 90])
+def test_the_gpu_compiler_takes_both_histogram_kernels(
+    arch: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Compiled ahead of time (Triton's own compiler and ptxas, no GPU needed) for Ampere
+    # and Hopper, each dtype the launches specialise on: the interpreter runs neither the
+    # int64-to-pointer casts, the constexpr globals nor the shared helper through it.
+    # Exactness on a GPU is benchmarks/gpu_check.py's.
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fpaudit.kernels import _triton_kernel as K
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silences 3.9's notice; no fma here
+    target = GPUTarget("cuda", arch, 32)
+    many = {"blocks_ptr": "*i64", "table_ptr": "*i64", "BLOCK": "constexpr", "DTYPE": "constexpr"}
+    one = {"row_ptr": "*i64", "n": "i32", "BLOCK": "constexpr", "BF16": "constexpr"}
+    sources = [
+        ASTSource(K._histogram_many_kernel, many, {"BLOCK": K.BLOCK, "DTYPE": kind})
+        for kind in range(len(K.NATIVE))
+    ]
+    sources += [
+        ASTSource(K._histogram_kernel, {"x_ptr": x, **one}, {"BLOCK": K.BLOCK, "BF16": bf16})
+        for x, bf16 in (("*fp32", False), ("*fp16", False), ("*bf16", True))
+    ]
+    for source in sources:
+        compiled = triton.compile(source, target=target)
+        assert compiled.asm["cubin"], source.fn.__name__
 
 
 def test_a_failing_kernel_falls_back_to_torch_with_one_warning(
