@@ -383,9 +383,8 @@ class Recorder:
             if carries_scale:
                 scale_value = values[-1]
             row_calls = np.array(table.calls, dtype=np.int64)
-            used = np.flatnonzero(row_calls)
             row_keys = self._row_keys[device]
-            if len(used) == table.rows:  # every row: the rows as they are, no copy
+            if 0 not in table.calls:  # every row: the rows as they are, no copy
                 keys += row_keys
                 blocks.append(rows)
                 calls.append(row_calls)
@@ -393,6 +392,7 @@ class Recorder:
                     nonzero = table.nonzero_bins(clear=not keep_rows)
                     key_columns = self._columns_of(device, row_keys)
             else:
+                used = np.flatnonzero(row_calls)
                 keys += [row_keys[row] for row in used]
                 blocks.append(rows[used])
                 calls.append(row_calls[used])

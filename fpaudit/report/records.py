@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, Self, TypeVar
 
 import numpy as np
@@ -229,6 +229,8 @@ class StepRecords:
     # ``counts`` and ``keys``; None: it does.
     nonzero: NonzeroBins | None = None
     key_columns: dict[str, np.ndarray] | None = None
+    # each kind's rows, found once (closing a step asks for the gradients' three times)
+    _masks: dict[str, np.ndarray] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.shadow is None:
@@ -252,9 +254,14 @@ class StepRecords:
         return float(self.amax[mask].max()) / loss_scale
 
     def _kind_mask(self, kind: str) -> np.ndarray:
-        if self.key_columns is not None:
-            return np.asarray(self.key_columns["kind"] == kind, dtype=bool).reshape(-1)
-        return np.array([key.kind == kind for key in self.keys], dtype=bool)
+        mask = self._masks.get(kind)
+        if mask is None:
+            if self.key_columns is not None:
+                mask = np.asarray(self.key_columns["kind"] == kind, dtype=bool).reshape(-1)
+            else:
+                mask = np.array([key.kind == kind for key in self.keys], dtype=bool)
+            self._masks[kind] = mask
+        return mask
 
     def nonfinite(self, kind: str) -> int:
         """inf and NaN elements in the records of ``kind``."""
