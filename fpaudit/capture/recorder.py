@@ -95,6 +95,43 @@ class _GradPlan:
         )
 
 
+class _ParameterWalk:
+    """A model's parameters with their owners, walked again only when they may have
+    changed (:meth:`of`)."""
+
+    def __init__(self) -> None:
+        # (model, registrations count, its parameters)
+        self._cached: tuple[nn.Module, int, list[_Parameter]] | None = None
+
+    def forget(self) -> None:
+        self._cached = None
+
+    def of(self, model: nn.Module) -> list[_Parameter]:
+        """``model.named_parameters()`` as (owning module, attribute, name, parameter),
+        kept between steps while no module registered a parameter or a submodule
+        (torch's global registration hooks count them) and each is still its owner's
+        attribute (checked at each use: a swap straight into the owner's parameters
+        passes no hook). Owner None: not found by its name (a wrapper's own naming);
+        such a model is walked every step."""
+        version = _registrations.count()
+        cached = self._cached
+        if cached is not None and cached[0] is model and cached[1] == version:
+            return cached[2]
+        entries: list[_Parameter] = []
+        for name, param in model.named_parameters():
+            prefix, _, leaf = name.rpartition(".")
+            try:
+                owner: nn.Module | None = model.get_submodule(prefix) if prefix else model
+            except AttributeError:
+                owner = None
+            if owner is not None and getattr(owner, leaf, None) is not param:
+                owner = None
+            entries.append((owner, leaf, name, param))
+        keep = all(entry[0] is not None for entry in entries)
+        self._cached = (model, version, entries) if keep else None
+        return entries
+
+
 class _GradientAdds:
     """The adds of a step's plain gradients: on the CPU each at once (``add``); on another
     device batched per table, for one ``HistogramTable.add_many`` each (:meth:`flush`:
@@ -149,8 +186,7 @@ class Recorder:
         self._places: dict[tuple[object, ...], tuple[RecordKey, Place] | None] = {}
         # (parameter name, dtype, device) -> its gradient's row (None: not selected)
         self._grad_rows: dict[tuple[str, torch.dtype, torch.device], Place | None] = {}
-        # (model, registrations count, its parameters): see _parameters
-        self._cached_parameters: tuple[nn.Module, int, list[_Parameter]] | None = None
+        self._walk = _ParameterWalk()  # the model's parameters, kept between steps
         self._plan: _GradPlan | None = None  # of those parameters' gradients
         # per device: (rows, the row keys as columns) for StepRecords.key_columns
         self._key_columns: dict[torch.device, tuple[int, dict[str, np.ndarray]]] = {}
@@ -255,18 +291,19 @@ class Recorder:
     def record_parameter_gradients(self, model: nn.Module) -> None:
         """Record every parameter's gradient (kind ``grad``). The parameters are the
         model's ``named_parameters()``, walked again only when they may have changed
-        (:meth:`_parameters`), and kept as a plan (:class:`_GradPlan`): each one's row
+        (:class:`_ParameterWalk`), and kept as a plan (:class:`_GradPlan`): each one's row
         in the CPU table, decided at its first plain gradient, so that closing a step
         adds the plain CPU gradients in one kernel call (``HistogramTable.add_planned``).
         Others (complex, float64, DTensor, other devices, with block statistics, or not
         as planned) are recorded one by one (:meth:`_record_gradient`); off the CPU
         in one ``add_many`` per table (:class:`_GradientAdds`)."""
-        entries = self._parameters(model)
+        entries = self._walk.of(model)
         plan = self._plan
         if plan is None or plan.entries is not entries:
             plan = self._plan = _GradPlan(entries)
         if not plan.owners_hold():
-            self._cached_parameters = self._plan = None  # replaced behind the hooks' back
+            self._walk.forget()  # replaced behind the hooks' back
+            self._plan = None
             self.record_parameter_gradients(model)
             return
         params = plan.params
@@ -309,31 +346,6 @@ class Recorder:
             return
         module, _, param_name = name.rpartition(".")
         self.record(KIND_GRAD, model_name(module), "AccumulateGrad", param_name, 0, True, grad)
-
-    def _parameters(self, model: nn.Module) -> list[_Parameter]:
-        """``model.named_parameters()`` as (owning module, attribute, name, parameter),
-        kept between steps while no module registered a parameter or a submodule
-        (torch's global registration hooks count them) and each is still its owner's
-        attribute (checked at each use: a swap straight into the owner's parameters
-        passes no hook). Owner None: not found by its name (a wrapper's own naming);
-        such a model is walked every step."""
-        version = _registrations.count()
-        cached = self._cached_parameters
-        if cached is not None and cached[0] is model and cached[1] == version:
-            return cached[2]
-        entries: list[_Parameter] = []
-        for name, param in model.named_parameters():
-            prefix, _, leaf = name.rpartition(".")
-            try:
-                owner: nn.Module | None = model.get_submodule(prefix) if prefix else model
-            except AttributeError:
-                owner = None
-            if owner is not None and getattr(owner, leaf, None) is not param:
-                owner = None
-            entries.append((owner, leaf, name, param))
-        keep = all(entry[0] is not None for entry in entries)
-        self._cached_parameters = (model, version, entries) if keep else None
-        return entries
 
     def next_forward_op(self) -> int:
         self._forward_ops += 1
