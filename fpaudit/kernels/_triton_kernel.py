@@ -21,16 +21,25 @@ subnormals) and:
 * raises the row's amax with one ``atomic_max`` of the block's largest finite bits.
 
 No host sync: the launch reads only shapes.
+
+Launches are **bound** (:class:`BoundKernel`): the JIT's own launch does per call what
+depends only on the class of the arguments (binding them to the signature, computing
+their specialization, looking the compiled kernel up, checking the globals), several
+microseconds of host time for a kernel that may run for less on a small tensor. The
+first launch of a class goes through the JIT, which compiles and returns the kernel;
+the next ones of that class call that kernel's own launcher.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
 from fpaudit.numerics import layout
 
@@ -142,6 +151,67 @@ def _histogram_many_kernel(
     _add_block(values, inside, row_ptr, BLOCK, DTYPE == 2)
 
 
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+# Bound launches where the launch path is the one read (Triton 3.6 to 3.9: the JIT
+# passes every argument, constexprs too, to the compiled kernel's launcher, and
+# ``CompiledKernel[grid]`` does the same with the same hooks) and the backend is CUDA's
+# (ROCm specialises pointers on more than their alignment); elsewhere the JIT's launch.
+BINDS = _version(triton.__version__) >= (3, 6) and torch.version.hip is None
+
+
+class BoundKernel:
+    """A ``@triton.jit`` kernel launched through the compiled kernel the JIT returned for
+    the first launch of each class of arguments (:meth:`launch`'s ``key``), without the
+    JIT's per-call work. ``launches`` and ``bound`` count the launches made and those of
+    them that went straight to a bound kernel. A bound launch that raises (a launcher
+    that takes its arguments otherwise) turns binding off for this kernel and is made
+    again by the JIT, whose error, if any, is the caller's. Triton's interpreter returns
+    no compiled kernel: every launch there is the JIT's (interpreted) one."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.binds = BINDS
+        self.compiled: dict[Hashable, Any] = {}
+        self.launches = 0
+        self.bound = 0
+
+    def launch(self, key: Hashable | None, grid: tuple[int, int, int], *args: Any) -> None:
+        """Launch on ``grid`` with ``args``, every parameter of the kernel in order
+        (constexprs too, positionally). ``key``: the arguments' class, equal only for
+        arguments the JIT specialises alike (the dtype and 16-byte alignment of each
+        pointer; each int's type and whether it is 1 or a multiple of 16: finer is
+        safe, coarser is not); None: not bound (the JIT's launch)."""
+        self.launches += 1
+        compiled = self.compiled.get(key) if key is not None and self.binds else None
+        if compiled is not None:
+            try:
+                compiled[grid](*args)
+                self.bound += 1
+                return
+            except Exception:  # the launcher refused them: not bound from now on
+                self.binds = False
+                self.compiled.clear()
+        kernel = self.fn[grid](*args)
+        if key is not None and self.binds and isinstance(kernel, CompiledKernel):
+            self.compiled[key] = kernel
+
+
+ONE = BoundKernel(_histogram_kernel)
+MANY = BoundKernel(_histogram_many_kernel)
+_I32 = 1 << 31
+
+
+def _int_class(value: int) -> tuple[bool, bool] | None:
+    """How the JIT specialises an int argument (is it 1, a multiple of 16), None where it
+    is no int32 (a launch left unbound)."""
+    if not 0 <= value < _I32:
+        return None
+    return value == 1, value % 16 == 0
+
+
 def histogram_add(x: torch.Tensor, table: torch.Tensor, row: int) -> None:
     """Add the values of ``x`` (contiguous, 1-D, fp32/fp16/bf16, on ``table``'s device)
     to row ``row`` of ``table`` (int64, contiguous, at least ``layout.WIDTH`` columns)."""
@@ -149,16 +219,25 @@ def histogram_add(x: torch.Tensor, table: torch.Tensor, row: int) -> None:
         raise TypeError(f"histogram_add takes {NATIVE}, got {x.dtype}")
     if not (x.is_contiguous() and table.is_contiguous() and table.dtype == torch.int64):
         raise ValueError("histogram_add needs a contiguous x and a contiguous int64 table")
+    add_flat(x, table, row)
+
+
+def add_flat(x: torch.Tensor, table: torch.Tensor, row: int) -> None:
+    """``histogram_add`` for arguments known to be what it takes (fpaudit's own table,
+    ``x`` flattened and in a native dtype by the caller): one bound launch."""
     n = x.numel()
     if n == 0:
         return
-    _histogram_kernel[(triton.cdiv(n, BLOCK),)](
-        x,
-        table[row],
-        n,
-        BLOCK=BLOCK,
-        BF16=x.dtype == torch.bfloat16,
-    )
+    row_ptr = table[row]
+    n_class = _int_class(n)
+    key = None
+    if n_class is not None:
+        aligned = (x.data_ptr() & 15 == 0, row_ptr.data_ptr() & 15 == 0)
+        key = (x.dtype, aligned, n_class, x.get_device())
+    ONE.launch(key, ((n + BLOCK - 1) // BLOCK, 1, 1), x, row_ptr, n, BLOCK, x.dtype is _BF16)
+
+
+_BF16 = torch.bfloat16
 
 
 # Programs (blocks) per launch of the multi-tensor kernel: a batch of more blocks
@@ -202,7 +281,9 @@ def histogram_add_many(
     launches = 0
     for start in range(0, blocks.shape[0], MAX_PROGRAMS):
         chunk = blocks[start : start + MAX_PROGRAMS]
-        _histogram_many_kernel[(chunk.shape[0],)](chunk, table, BLOCK=BLOCK, DTYPE=kind)
+        # the block table and the table: int64 pointers, aligned (allocated by torch)
+        key = (kind, chunk.data_ptr() & 15 == 0, table.data_ptr() & 15 == 0, table.get_device())
+        MANY.launch(key, (chunk.shape[0], 1, 1), chunk, table, BLOCK, kind)
         launches += 1
     return launches
 

@@ -368,7 +368,7 @@ class HistogramTable:
     def _add_compiled(self, kernel: ModuleType, row: int, x: torch.Tensor) -> bool:
         """Bin ``x`` with the Triton kernel; False (and a warning, once) if it fails."""
         try:
-            kernel.histogram_add(_native_flat(kernel, x), self.table, row)
+            kernel.add_flat(_native_flat(kernel, x), self.table, row)
         except Exception as error:  # Triton too old for the kernel, no compiler, ...
             _device_kernel_failed(error)
             return False

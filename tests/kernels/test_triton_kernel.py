@@ -237,18 +237,6 @@ def test_the_multi_tensor_kernel_refuses_what_it_cannot_read(interpreted: Module
     assert not table.any()  # a refused batch adds nothing
 
 
-class _CountedLaunches:
-    """A kernel's launcher (``kernel[grid](...)``) that counts the launches."""
-
-    def __init__(self, kernel: object) -> None:
-        self.kernel = kernel
-        self.launches = 0
-
-    def __getitem__(self, grid: tuple[int, ...]) -> object:
-        self.launches += 1
-        return self.kernel[grid]  # type: ignore[index]
-
-
 @in_the_interpreter
 def test_add_many_on_cuda_launches_once_per_dtype_and_adds_as_add_does(
     interpreted: ModuleType, monkeypatch: pytest.MonkeyPatch
@@ -256,10 +244,7 @@ def test_add_many_on_cuda_launches_once_per_dtype_and_adds_as_add_does(
     # A CPU table standing in for a CUDA one: add_many takes its device path (the
     # interpreted kernel reads CPU memory); what is left to add takes the CPU's paths,
     # whose counts are the same
-    many_kernel = _CountedLaunches(interpreted._histogram_many_kernel)
-    one_kernel = _CountedLaunches(interpreted._histogram_kernel)
-    monkeypatch.setattr(interpreted, "_histogram_many_kernel", many_kernel)
-    monkeypatch.setattr(interpreted, "_histogram_kernel", one_kernel)
+    many_before, one_before = interpreted.MANY.launches, interpreted.ONE.launches
     monkeypatch.setattr(kernels, "device_kernel", lambda: interpreted)
     monkeypatch.setenv(kernels.ENV, "torch")  # the CPU kernel off: no CPU batch path
     table = H.HistogramTable(torch.device("cpu"))
@@ -270,8 +255,12 @@ def test_add_many_on_cuda_launches_once_per_dtype_and_adds_as_add_does(
     mixed += [edge_values().double(), torch.tensor([1e-300, 1e300, 3.0], dtype=torch.float64)]
     rows = [table_rows[i % 7] for i in range(len(mixed))]
     table.add_many(rows, mixed)
-    assert many_kernel.launches == 3  # fp32 (with the fp8 tensors, widened), fp16, bf16
-    assert one_kernel.launches == 0  # the fp64 ones: add's pure-torch path
+    # fp32 (with the fp8 tensors, widened), fp16, bf16; the fp64 ones: add's pure-torch path
+    assert (interpreted.MANY.launches - many_before, interpreted.ONE.launches - one_before) == (
+        3,
+        0,
+    )
+    assert interpreted.MANY.bound == interpreted.ONE.bound == 0  # the interpreter binds nothing
 
     one = H.HistogramTable(torch.device("cpu"))
     for _ in table_rows:
@@ -357,7 +346,7 @@ def test_a_failing_kernel_falls_back_to_torch_with_one_warning(
     def broken(x: torch.Tensor, table: torch.Tensor, row: int) -> None:
         raise RuntimeError("PTX too old\nmore")
 
-    fake = SimpleNamespace(NATIVE=(torch.float32,), histogram_add=broken)
+    fake = SimpleNamespace(NATIVE=(torch.float32,), add_flat=broken)
     monkeypatch.setattr(kernels._HISTOGRAM, "module", fake)
     monkeypatch.setattr(kernels._HISTOGRAM, "failure", None)
     monkeypatch.delenv(kernels.ENV, raising=False)
