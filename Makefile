@@ -45,10 +45,12 @@ test-fast: setup
 
 # The tests that touch torch's internals or lean on its numerics: the capture, the oracles,
 # the patches, the private-torch seam, transparency, the CLI, the cross-release identity,
-# torch.compile's backward (Inductor's internals) and autocast's op lists.
+# torch.compile's backward (Inductor's internals), autocast's op lists, and Triton's launch
+# path as each release's Triton has it (the bound launches).
 TORCH_TESTS := tests/capture/test_capture.py tests/capture/test_torch_patches.py \
 	tests/capture/test_compiled.py tests/capture/test_compiled_zoo.py tests/capture/test_autocast.py \
-	tests/kernels/test_histogram.py tests/numerics/test_formats.py tests/test_torch_seam.py \
+	tests/kernels/test_histogram.py tests/kernels/test_triton_bound.py tests/numerics/test_formats.py \
+	tests/test_torch_seam.py \
 	tests/run/test_transparency.py tests/cli/test_cli.py tests/project/test_release_identity.py
 TORCH_TEST_DEPS := pytest hypothesis transformers accelerate
 

@@ -73,6 +73,7 @@ ROOMS = {
     "test_histogram.py": "kernels",
     "test_histogram_many.py": "kernels",
     "test_triton_kernel.py": "kernels",
+    "test_triton_bound.py": "kernels",
     "test_blockstats.py": "kernels",
     "test_blockstats_sr.py": "kernels",
     "test_blockstats_torchao.py": "kernels",
