@@ -34,6 +34,12 @@ What it checks, on the sample transformer:
    parameters' gradients in one multi-tensor launch per dtype (``add_many``) and, for
    comparison, one launch each (the path before it), interleaved; and that the
    launches do not grow with the parameters (at most one per dtype).
+10. bound launches: the Triton histogram kernel launched through the compiled kernel the
+    JIT returned for the arguments' class (``_triton_kernel.BoundKernel``) counts what
+    the JIT's own launch counts, and the CPU reference, for each dtype, aligned and
+    unaligned tensors of sizes from 1 to a million and more, without a host sync; and
+    the host time per launch of ``benchmarks/launch_overhead.py`` on the device (the
+    JIT's launch, bound, binding off, ``HistogramTable.add``).
 
 Prints a summary; ``--json FILE`` also writes it.
 """
@@ -295,31 +301,65 @@ def count_syncs(device: torch.device, run: Any) -> int:
 
 @contextmanager
 def counted_launches():
-    """Count the Triton histogram kernels' launches (both kernels) inside the block:
-    yields a dict whose "launches" grows with each one (0 where there is no kernel)."""
+    """Count the Triton histogram kernels' launches (both kernels, bound or not) inside
+    the block: yields a dict whose "launches" is set to their number at its end (0 where
+    there is no kernel)."""
     counter = {"launches": 0}
     module = kernels.device_kernel()
     if module is None:
         yield counter
         return
-
-    class Counted:
-        def __init__(self, kernel: Any) -> None:
-            self.kernel = kernel
-
-        def __getitem__(self, grid: Any) -> Any:
-            counter["launches"] += 1
-            return self.kernel[grid]
-
-    names = ("_histogram_kernel", "_histogram_many_kernel")
-    saved = {name: getattr(module, name) for name in names}
-    for name, kernel in saved.items():
-        setattr(module, name, Counted(kernel))
+    before = module.ONE.launches + module.MANY.launches
     try:
         yield counter
     finally:
-        for name, kernel in saved.items():
-            setattr(module, name, kernel)
+        counter["launches"] = module.ONE.launches + module.MANY.launches - before
+
+
+def check_bound_launches(device: torch.device, quick: bool) -> dict[str, Any]:
+    """Bound launches (``_triton_kernel.BoundKernel``) against the JIT's own: each dtype,
+    aligned and unaligned tensors of sizes 1 to a million and more, added three times by
+    ``add_flat`` (the first the JIT's, the next two bound) and three times by the JIT,
+    to rows of two tables that must come out equal, and equal to three times the CPU
+    reference; without a host sync. Then the host time per launch of
+    ``benchmarks/launch_overhead.py`` (JIT, bound, binding off, ``HistogramTable.add``)."""
+    module = kernels.device_kernel() if device.type == "cuda" else None
+    if module is None or not module.BINDS:
+        return {"bound_launches_exact": True, "bound_launches_ok": True, "launch_us": {}}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from launch_overhead import _jit_launch, measure
+
+    generator = torch.Generator().manual_seed(1)
+    base = torch.randn(1 << 20 | 77, generator=generator) * 1e-3
+    base[::97] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 2.0**-149, 65520.0])[
+        torch.arange(base[::97].numel()) % 6
+    ]
+    slices = [(0, 1), (0, 1000), (3, 1000), (0, 5000), (1, 4097), (0, base.numel())]
+    cases = [(base[a : a + n].to(dtype), dtype) for dtype in module.NATIVE for a, n in slices]
+    bound_table = torch.zeros((len(cases) + 1, histogram.WIDTH), dtype=torch.int64, device=device)
+    jit_table = torch.zeros_like(bound_table)
+    bound_before = module.ONE.bound
+    on_device = [x.to(device) for x, _ in cases]
+    with no_host_sync(device):
+        for row, x in enumerate(on_device):
+            for _ in range(3):
+                module.add_flat(x, bound_table, row)
+                _jit_launch(module, x, jit_table, row)
+    bound_rows = bound_table.cpu().numpy()
+    exact = bool(np.array_equal(bound_rows, jit_table.cpu().numpy()))
+    for row, (x, _) in enumerate(cases):
+        wide = x.float()
+        counts = torch.bincount(histogram.bin_indices(wide), minlength=histogram.N_BINS)
+        counted = bound_rows[row, : histogram.N_BINS]
+        exact = exact and bool(np.array_equal(counted, 3 * counts.numpy()))
+        amax = int(histogram.finite_amax_bits(histogram._abs_bits(wide)))
+        exact = exact and int(bound_rows[row, histogram.AMAX_COLUMN]) == amax
+    return {
+        "bound_launches_exact": exact,
+        "bound_launches": module.ONE.bound - bound_before,
+        "bound_launches_ok": module.ONE.bound - bound_before >= 2 * len(cases),  # 2 a case
+        "launch_us": measure(module, device, 3 if quick else 7, 50 if quick else 500),
+    }
 
 
 def check_step_close(device: torch.device, reps: int, quick: bool) -> dict[str, Any]:
@@ -523,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             }
     summary.update(check_run(device, 20 if args.quick else 200))
     summary.update(check_step_close(device, 1 if args.quick else args.reps, args.quick))
+    summary.update(check_bound_launches(device, args.quick))
     summary.update(
         {
             "no_host_sync_during_capture": sync_error is None,
@@ -549,10 +590,14 @@ def main(argv: list[str] | None = None) -> int:
     ok = ok and all(v["float16_records"] > 0 for v in live.values())
     ok = ok and summary["run_no_extra_sync"] and len(summary["run_findings"]) == 3
     ok = ok and summary["step_close_fixed_launches"]
+    ok = ok and summary["bound_launches_exact"]
+    ok = ok and summary["bound_launches_ok"]
     summary["ok"] = bool(ok)
     print(json.dumps(summary, indent=2))
     print_block_summary(summary)
     print_step_close_summary(summary)
+    for name, us in summary["launch_us"].items():
+        print(f"launch host time: {name} {us:.2f} us")
     print(f"gpu_check: {'PASS' if ok else 'FAIL'}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
