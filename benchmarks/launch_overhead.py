@@ -111,9 +111,11 @@ def stand_in(module: Any, record: list[tuple[Any, ...]] | None = None) -> Iterat
         driver.set_active(saved)
 
 
-def _jit_launch(module: Any, x: torch.Tensor, table: torch.Tensor, row: int) -> None:
+def jit_launch(module: Any, x: torch.Tensor, table: torch.Tensor, row: int) -> Any:
+    """The JIT's own launch of ``module``'s one-tensor kernel, as ``add_flat`` made it
+    before launches were bound; the compiled kernel the JIT returns (None: interpreted)."""
     n = x.numel()
-    module.ONE.fn[(-(-n // module.BLOCK),)](
+    return module.ONE.fn[(-(-n // module.BLOCK),)](  # not triton.cdiv: see add_flat
         x, table[row], n, BLOCK=module.BLOCK, BF16=x.dtype == torch.bfloat16
     )
 
@@ -125,14 +127,14 @@ def measure(module: Any, device: torch.device, rounds: int, calls: int) -> dict[
     table = torch.zeros((4, layout.WIDTH), dtype=torch.int64, device=device)
 
     def unbound() -> None:
-        module.ONE.binds = False
+        binds, module.ONE.binds = module.ONE.binds, False
         try:
             module.add_flat(x, table, 1)
         finally:
-            module.ONE.binds = True
+            module.ONE.binds = binds
 
     variants: dict[str, Callable[[], None]] = {
-        "JIT launch": lambda: _jit_launch(module, x, table, 1),
+        "JIT launch": lambda: jit_launch(module, x, table, 1),
         "add_flat, bound": lambda: module.add_flat(x, table, 1),
         "add_flat, binding off": unbound,
     }

@@ -56,6 +56,7 @@ _AMAX_COLUMN = tl.constexpr(layout.AMAX_COLUMN)
 _WINDOW = tl.constexpr(WINDOW)
 # Dtypes loaded as they are; any other is converted to fp32 by torch first.
 NATIVE = (torch.float32, torch.float16, torch.bfloat16)
+_BF16 = torch.bfloat16
 
 
 @triton.jit
@@ -229,15 +230,18 @@ def add_flat(x: torch.Tensor, table: torch.Tensor, row: int) -> None:
     if n == 0:
         return
     row_ptr = table[row]
+    key = one_key(x, row_ptr, n)
+    # -(-n // BLOCK), not triton.cdiv: a ConstexprFunction, about 1.7 µs a call from Python
+    ONE.launch(key, (-(-n // BLOCK), 1, 1), x, row_ptr, n, BLOCK, x.dtype is _BF16)
+
+
+def one_key(x: torch.Tensor, row_ptr: torch.Tensor, n: int) -> Hashable | None:
+    """The class of the one-tensor kernel's arguments (``BoundKernel.launch``'s key)."""
     n_class = _int_class(n)
-    key = None
-    if n_class is not None:
-        aligned = (x.data_ptr() & 15 == 0, row_ptr.data_ptr() & 15 == 0)
-        key = (x.dtype, aligned, n_class, x.get_device())
-    ONE.launch(key, ((n + BLOCK - 1) // BLOCK, 1, 1), x, row_ptr, n, BLOCK, x.dtype is _BF16)
-
-
-_BF16 = torch.bfloat16
+    if n_class is None:
+        return None
+    aligned = (x.data_ptr() & 15 == 0, row_ptr.data_ptr() & 15 == 0)
+    return x.dtype, aligned, n_class, x.get_device()
 
 
 # Programs (blocks) per launch of the multi-tensor kernel: a batch of more blocks

@@ -83,13 +83,6 @@ def _cases() -> list[tuple[torch.Tensor, int]]:
     return cases
 
 
-def _jit(x: torch.Tensor, table: torch.Tensor, row: int) -> Any:
-    """The JIT's own launch, as ``add_flat`` made it before launches were bound."""
-    n = x.numel()
-    grid = (triton.cdiv(n, K.BLOCK),)
-    return K.ONE.fn[grid](x, table[row], n, BLOCK=K.BLOCK, BF16=x.dtype == torch.bfloat16)
-
-
 def _same_launch(bound: tuple[Any, ...], jit: tuple[Any, ...]) -> bool:
     """Grid, stream, kernel handle, its metadata and arguments equal (the launch
     metadata and hooks, 6 to 8, are made afresh by each)."""
@@ -104,10 +97,12 @@ def _same_launch(bound: tuple[Any, ...], jit: tuple[Any, ...]) -> bool:
     return True
 
 
-def test_a_bound_launch_hands_the_launcher_what_the_jits_launch_does(stand_in: ModuleType) -> None:
+def test_a_bound_launch_hands_the_launcher_what_the_jits_launch_does(
+    stand_in: ModuleType, launch_overhead: ModuleType
+) -> None:
     table = _table()
     for x, row in _cases():
-        _jit(x, table, row)
+        launch_overhead.jit_launch(stand_in, x, table, row)
         jit = LAUNCHES[-1]
         bound_before = stand_in.ONE.bound
         stand_in.add_flat(x, table, row)  # the first of a class: the JIT's, then bound
@@ -120,15 +115,20 @@ def test_a_bound_launch_hands_the_launcher_what_the_jits_launch_does(stand_in: M
     assert stand_in.ONE.bound == stand_in.ONE.launches - len(stand_in.ONE.compiled)
 
 
-def test_arguments_of_one_class_get_one_compiled_kernel_from_the_jit(stand_in: ModuleType) -> None:
+def test_arguments_of_one_class_get_one_compiled_kernel_from_the_jit(
+    stand_in: ModuleType, launch_overhead: ModuleType
+) -> None:
     # The key is not coarser than the JIT's specialisation: within a class, the JIT
-    # returns one compiled kernel for every member (finer would only bind twice).
+    # returns one compiled kernel for every member (finer would only bind twice), the
+    # one bound for that class.
     table = _table()
     kernels: dict[Any, set[int]] = collections.defaultdict(set)
     for x, row in _cases():
         stand_in.add_flat(x, table, row)
-        key = next(k for k, v in stand_in.ONE.compiled.items() if v is _jit(x, table, row))
-        kernels[key].add(id(_jit(x, table, row)))
+        jit = launch_overhead.jit_launch(stand_in, x, table, row)
+        key = stand_in.one_key(x, table[row], x.numel())
+        assert stand_in.ONE.compiled[key] is jit, (x.dtype, x.numel(), row)
+        kernels[key].add(id(jit))
     assert all(len(ids) == 1 for ids in kernels.values())
     assert len(kernels) == len(stand_in.ONE.compiled) >= 2 * len(K.NATIVE)
 
