@@ -204,6 +204,9 @@ class HistogramTable:
         # the CPU kernel's spans: per row, the bins its adds touched (histogram_clear)
         self.spans = _empty_spans(capacity) if self._cpu else None
         self.calls: list[int] = []  # tensors added to each row since the last reset
+        # the total of calls when nonzero_bins last cleared the rows it read (see
+        # reset_touched); None: not since the last reset, or a row was written since
+        self._cleared: int | None = None
         # fp64 values that fp32 (the binned range) cannot hold: nonzero finite values
         # that round to zero or to inf. Cumulative: reset() keeps it.
         self.out_of_range = torch.zeros((), dtype=torch.int64, device=device)
@@ -345,6 +348,7 @@ class HistogramTable:
                 (torch.isfinite(shadow) & ~torch.isfinite(real)).sum(),
             ]
         )
+        self._cleared = None  # a write that counts no call (see reset_touched)
         self.table[row, SHADOW_CALLS_COLUMN] += 1
         self.table[row, SHADOW_NONZERO_COLUMN : OVERFLOWED_COLUMN + 1] += counts
 
@@ -357,6 +361,7 @@ class HistogramTable:
         if clean is not None:
             bad = bad & clean
         score = torch.where(bad, NEVER - sequence, 0).to(torch.int64).reshape(1)
+        self._cleared = None  # a write that counts no call (see reset_touched)
         column = self.table[row, FIRST_NONFINITE_COLUMN : FIRST_NONFINITE_COLUMN + 1]
         torch.maximum(column, score, out=column)
 
@@ -426,16 +431,19 @@ class HistogramTable:
         directly) are not looked at beyond their spans. ``clear``: each row is also
         cleared (as ``reset_touched`` clears it) as soon as it is read, while in cache:
         the rows then read as zeros, and ``reset_touched`` is still called for the
-        calls (and any row written since), but finds the bins clean."""
+        calls: it clears the rows again only where one was written since."""
         kernel = self._kernel if self._kernel is not _UNRESOLVED else self._resolve_kernel()
         if kernel is None:
             return None
         read = kernel.histogram_nonzero(self.table, self.rows, self.spans, clear=clear)
+        if clear:  # what reset_touched finds clean while no add came since
+            self._cleared = sum(self.calls)
         return NonzeroBins(*(part.numpy() for part in read))
 
     def reset(self) -> None:
         """Zero every row (however it was written)."""
         self.table[: self.rows].zero_()
+        self._cleared = None
         if self.spans is not None:
             self.spans[: self.rows] = _empty_spans(self.rows)
         self.calls = [0] * self.rows
@@ -449,7 +457,12 @@ class HistogramTable:
         if kernel is None:
             self.reset()
             return
-        kernel.histogram_clear(self.table, self.rows, self.spans)
+        # Rows that nonzero_bins(clear=True) read are clean while nothing wrote them since:
+        # every add counts a call (calls only grow until here), the writes that count none
+        # forget the read, and a new row is a clean one.
+        cleared, self._cleared = self._cleared, None
+        if cleared is None or cleared != sum(self.calls):
+            kernel.histogram_clear(self.table, self.rows, self.spans)
         self.calls = [0] * self.rows
 
 

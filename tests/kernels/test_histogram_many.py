@@ -232,6 +232,33 @@ def test_reading_with_clear_reads_the_same_and_leaves_the_rows_as_new() -> None:
     assert not cleared.table.any() and cleared.calls == [0] * cleared.rows
 
 
+def test_a_row_written_after_the_clearing_read_is_cleared_by_reset_touched() -> None:
+    """reset_touched skips its pass after nonzero_bins(clear=True) only while nothing
+    wrote a row since: an add (it counts a call), the shadow columns and the first
+    non-finite op (they count none) each make it clear again."""
+    compiled_cpu_kernel()
+    writes = {
+        "add": lambda t: t.add(2, torch.tensor([3.0, -0.5])),
+        "add_many": lambda t: t.add_many([1], [torch.tensor([7.0])]),
+        "shadow": lambda t: t.add_shadow(0, torch.tensor([0.0, 1.0]), torch.ones(2)),
+        "nonfinite": lambda t: t.mark_nonfinite(1, torch.tensor([float("inf")]), 5),
+        "new row, then add": lambda t: t.add(t.new_row(), torch.tensor([1.0])),
+    }
+    for name, write in writes.items():
+        table = _filled()
+        assert table.nonzero_bins(clear=True) is not None
+        write(table)
+        assert table.table.any(), name  # the write is there to be cleared
+        table.reset_touched()
+        assert not table.table.any(), name
+        assert table.calls == [0] * table.rows, name
+    untouched = _filled()
+    untouched.nonzero_bins(clear=True)
+    untouched.new_row()  # a new row is clean: nothing to clear
+    untouched.reset_touched()
+    assert not untouched.table.any() and untouched.calls == [0] * untouched.rows
+
+
 def test_clearing_the_touched_bins_leaves_the_rows_as_new() -> None:
     compiled_cpu_kernel()
     table = _filled()
