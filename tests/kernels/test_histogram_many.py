@@ -186,6 +186,32 @@ def _filled() -> H.HistogramTable:
     return table
 
 
+def test_a_table_grown_by_the_kernel_keeps_its_rows_and_spans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows made after the first add (the kernel resolved) grow the table as the kernel's
+    mapped memory: first to ``_MAPPED_ROWS`` rows, then doubling. Every row added before
+    a growth reads the same after it, spans included, as in a table that never grew."""
+    compiled_cpu_kernel()
+    monkeypatch.setattr(H, "_MAPPED_ROWS", 6)
+    tensors = _sized_tensors() + [x.float() * 2.0**-30 for x in _sized_tensors()]
+    grown = H.HistogramTable(torch.device("cpu"), capacity=2)
+    reference = H.HistogramTable(torch.device("cpu"), capacity=64)
+    sizes = []
+    for x in tensors:
+        for table in (grown, reference):
+            table.add(table.new_row(), x)  # the first add resolves the kernel
+        sizes.append(grown.table.shape[0])
+    # 2 rows, then 6 (the first growth after the first add), then doubling: 12, 24
+    expected = [2 if n <= 2 else 6 if n <= 6 else 12 if n <= 12 else 24 for n in range(1, 30)]
+    assert len(tensors) > 12 and sizes == expected[: len(tensors)]
+    assert grown.spans is not None and reference.spans is not None
+    rows = grown.rows
+    assert np.array_equal(grown.collect()[0], reference.collect()[0][:rows])
+    assert torch.equal(grown.spans[:rows], reference.spans[:rows])
+    assert (grown.spans[rows:] == torch.tensor([H.N_BINS, -1])).all()
+
+
 def test_the_kernels_nonzero_bins_are_numpys_reading_of_the_whole_rows() -> None:
     compiled_cpu_kernel()
     table = _filled()
