@@ -55,6 +55,29 @@ def test_benchmark_runs_quick(tmp_path: Path) -> None:
     assert "step overhead" in result.stdout
 
 
+def test_host_overhead_measures_each_variant_and_the_first_step() -> None:
+    """benchmarks/host_overhead.py runs (the small models, one round): every variant is
+    timed, the audited ones after their warm-up steps, and the first step apart."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_overhead
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    result = host_overhead.measure("mlp", host_overhead.deep_mlp(True), 1, 2, warmup=2)
+    seconds = result["median_step_seconds"]
+    assert list(seconds) == ["plain", "bare mode", "capture, not closed", "audit.step() each step"]
+    assert all(s > 0 for s in seconds.values())
+    assert result["aten_calls"] > 200 and result["parameters"] == 40
+    assert result["us_per_parameter_step_alone"] > 0
+    assert result["first_step_seconds"] is not None and result["first_step_seconds"] > 0
+    assert (
+        host_overhead.measure("mlp", host_overhead.deep_mlp(True), 1, 1, warmup=0)[
+            "first_step_seconds"
+        ]
+        is None
+    )  # without warm-up steps no first step is timed apart
+
+
 @pytest.mark.parametrize(
     ("code", "absent"),
     [
