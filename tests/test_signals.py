@@ -24,14 +24,18 @@ def test_a_signal_inside_the_block_arrives_after_it_once() -> None:
 
 
 def test_ctrl_c_inside_the_block_is_a_keyboard_interrupt_after_it() -> None:
-    before = signal.getsignal(signal.SIGINT)
+    # Python's own Ctrl-C handler, whatever an earlier test left in place
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     finished = False
-    with pytest.raises(KeyboardInterrupt), _signals.deferred():
-        signal.raise_signal(signal.SIGINT)
-        finished = True  # the block runs to its end first
-    assert finished
-    assert signal.getsignal(signal.SIGINT) is before
-    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    try:
+        with pytest.raises(KeyboardInterrupt), _signals.deferred():
+            signal.raise_signal(signal.SIGINT)
+            finished = True  # the block runs to its end first
+        assert finished
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_an_ignored_signal_stays_ignored() -> None:
