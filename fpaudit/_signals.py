@@ -13,12 +13,10 @@ _STOPPING = (int(signal.SIGINT), int(signal.SIGTERM))
 # The C functions behind ``signal``'s: its wrappers convert every number, handler and
 # mask to and from enums, most of what the block cost on every closed step (17 us a
 # block through them, 3 us without). They take and return the same values as ints.
-_signal: Any
 try:
-    _signal = importlib.import_module("_signal")  # CPython's; typeshed has no stub for it
-    _getsignal, _set, _sigmask = _signal.getsignal, _signal.signal, _signal.pthread_sigmask
+    _c: Any = importlib.import_module("_signal")  # CPython's; typeshed has no stub for it
+    _getsignal, _set, _sigmask = _c.getsignal, _c.signal, _c.pthread_sigmask
 except (ImportError, AttributeError):  # another interpreter: the wrappers do the same
-    _signal = signal
     _getsignal, _set = signal.getsignal, signal.signal
     _sigmask = getattr(signal, "pthread_sigmask", None)
 _IGNORED = int(signal.SIG_IGN)
