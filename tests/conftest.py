@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -51,6 +53,17 @@ def compiled_cpu_kernel() -> ModuleType:
     if module is None:
         missing_kernel("the compiled CPU kernel", f"it did not build: {kernels.failure()}")
     return module
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` imported as a module, with its folder on ``sys.path``
+    while it loads (the scripts import each other as top-level modules)."""
+    folder = str(ROOT / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
 
 
 def default_signals() -> None:

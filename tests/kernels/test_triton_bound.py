@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import collections
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -26,6 +24,8 @@ import torch
 
 from fpaudit.numerics import layout
 
+from ..conftest import benchmark_module
+
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the interpreter compiles nothing", allow_module_level=True)
@@ -33,17 +33,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from fpaudit.kernels import _triton_kernel as K  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not K.BINDS, reason=f"Triton {triton.__version__} is not bound")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def launch_overhead() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import launch_overhead
-    finally:
-        sys.path.pop(0)
-    return launch_overhead
+    return benchmark_module("launch_overhead")
 
 
 @pytest.fixture(scope="module")

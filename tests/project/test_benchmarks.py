@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ROOT
+from ..conftest import ROOT, benchmark_module
 
 
 @pytest.mark.slow
@@ -58,11 +58,7 @@ def test_benchmark_runs_quick(tmp_path: Path) -> None:
 def test_host_overhead_measures_each_variant_and_the_first_step() -> None:
     """benchmarks/host_overhead.py runs (the small models, one round): every variant is
     timed, the audited ones after their warm-up steps, and the first step apart."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import host_overhead
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    host_overhead = benchmark_module("host_overhead")
     result = host_overhead.measure("mlp", host_overhead.deep_mlp(True), 1, 2, warmup=2)
     seconds = result["median_step_seconds"]
     assert list(seconds) == ["plain", "bare mode", "capture, not closed", "audit.step() each step"]
