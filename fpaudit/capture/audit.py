@@ -89,6 +89,7 @@ from fpaudit import _signals
 from fpaudit.capture import compiled
 from fpaudit.capture.clock import ModuleClock
 from fpaudit.capture.compiled_receiver import CompiledReceiver
+from fpaudit.capture.context import CaptureContext
 from fpaudit.capture.engine import activate_during_backward
 from fpaudit.capture.mode import BackwardMode
 from fpaudit.capture.optimizer_hooks import optimizer_steps_counted
@@ -168,7 +169,7 @@ class Audit:
             )
         self.model = model
         self.loss_scale = loss_scale
-        self.shadow = shadow
+        self._context = CaptureContext(shadow=shadow)
         # scan --origins: per op call, did it make inf/NaN (fpaudit.capture.origin_probe)
         self.origins: OriginTracker | None = OriginTracker() if origins else None
         self._mode: BackwardMode | None = None
@@ -190,6 +191,16 @@ class Audit:
         self._metric_modules: dict[tuple[str, int], list[str]] = {}
         # torch.compile: observed compiled backward runs, ops fused away, what is not covered
         self._compiled = CompiledReceiver(model, self._clock, self._recorder)
+
+    @property
+    def shadow(self) -> bool:
+        """Also record each low-precision backward output re-run in fp32 (``--shadow``);
+        may change between steps."""
+        return self._context.shadow
+
+    @shadow.setter
+    def shadow(self, shadow: bool) -> None:
+        self._context.shadow = shadow
 
     @property
     def selection(self) -> Selection:
@@ -216,10 +227,13 @@ class Audit:
         stack = ExitStack()
         try:
             self._clock.install(self.model, stack)
-            mode = BackwardMode(self, self._clock, self._provenance, self._recorder)
+            context = self._context
+            mode = BackwardMode(
+                context, self.model, self._clock, self._provenance, self._recorder, self.origins
+            )
             self._mode = mode
-            stack.enter_context(optimizer_steps_counted(mode))
-            restore = activate_during_backward(mode) if self.backward_only else None
+            stack.enter_context(optimizer_steps_counted(context))
+            restore = activate_during_backward(mode, context) if self.backward_only else None
             if restore is not None:
                 stack.callback(restore)
             else:

@@ -16,6 +16,7 @@ from fpaudit import torch_internals as _internals
 from fpaudit.errors import MonitorFailure
 
 if TYPE_CHECKING:
+    from fpaudit.capture.context import CaptureContext
     from fpaudit.capture.mode import BackwardMode
 
 _TRACING_TENSORS = frozenset({"FakeTensor", "FunctionalTensor"})
@@ -32,7 +33,9 @@ def _tracing(args: tuple[Any, ...]) -> bool:
     )
 
 
-def activate_during_backward(mode: BackwardMode) -> Callable[[], None] | None:
+def activate_during_backward(
+    mode: BackwardMode, context: CaptureContext
+) -> Callable[[], None] | None:
     """Make ``mode`` active only while the autograd engine runs; return the undo.
 
     ``torch.autograd.backward`` and ``torch.autograd.grad`` both enter the
@@ -66,14 +69,13 @@ def activate_during_backward(mode: BackwardMode) -> Callable[[], None] | None:
             except Exception as error:
                 raise MonitorFailure(f"before {entry}()", error) from error
             depth.n = 1
-            mode.grad_mode_means_recompute = not create_graph
-            mode.optimizer_steps = 0  # a step that raised never ran its post hook
+            context.backward_started(create_graph)
             try:
                 with mode:
                     return original(*args, **kwargs)
             finally:
                 depth.n = 0
-                mode.grad_mode_means_recompute = False
+                context.backward_ended()
                 mode.forget_node()
 
         return run_backward

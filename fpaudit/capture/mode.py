@@ -32,11 +32,13 @@ from fpaudit.capture.provenance import UNSCALABLE as _UNSCALABLE
 from fpaudit.capture.provenance import Provenance
 from fpaudit.capture.recorder import Place, Recorder
 from fpaudit.errors import MonitorFailure
+from fpaudit.numerics.formats import FORMATS
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.torch_internals import OpOverload, TorchDispatchMode
 
 if TYPE_CHECKING:
-    from fpaudit.capture.audit import Audit
+    from fpaudit.capture.context import CaptureContext
+    from fpaudit.capture.origin_probe import OriginTracker
 
 _aten = torch.ops.aten
 current_autograd_node = _internals.current_autograd_node
@@ -57,7 +59,9 @@ def weight_modules(model: nn.Module) -> frozenset[str]:
     return frozenset(names)
 
 
-_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2})
+# The dtypes --shadow re-runs in fp32: every registered format's (a format added to
+# numerics/formats.py is shadowed too)
+_LOW_PRECISION = frozenset(fmt.dtype for fmt in FORMATS.values())
 _CASTS = frozenset({_aten._to_copy.default, _aten.copy_.default})
 
 
@@ -166,10 +170,16 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         return False
 
     def __init__(
-        self, audit: Audit, clock: ModuleClock, provenance: Provenance, recorder: Recorder
+        self,
+        context: CaptureContext,
+        model: nn.Module,
+        clock: ModuleClock,
+        provenance: Provenance,
+        recorder: Recorder,
+        origins: OriginTracker | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode untyped
-        self._audit = audit  # its settings (shadow), read as they are now
+        self._context = context  # the audit's shared state (shadow, recompute, optimizer steps)
         self._clock = clock
         self._provenance = provenance
         self._recorder = recorder
@@ -177,15 +187,13 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self._op_names: dict[OpOverload, str] = {}
         self._ops: dict[int, _Op] = {}
         self._unshadowable: set[OpOverload] = set()
-        self._origins = audit.origins  # scan --origins: None unless asked for
-        self.grad_mode_means_recompute = False
-        self.optimizer_steps = 0  # optimizer steps running now (optimizer in backward)
+        self._origins = origins  # scan --origins: None unless asked for
         self._owners: list[str] = []  # of the nested (reentrant checkpoint) backward passes
         self._last_node: tuple[torch.autograd.graph.Node | None, str] = (None, LOSS_MODULE)
         self._last_name: tuple[torch.autograd.graph.Node | None, str] = (None, "")
         self._forward = clock.forward_frames  # this thread's modules in forward (in_forward)
         # --recipe: the modules whose backward GEMMs' operands get block statistics
-        self._gemm_modules = weight_modules(audit.model) if recorder.blocks is not None else None
+        self._gemm_modules = weight_modules(model) if recorder.blocks is not None else None
         self._lean = self._origins is None and self._gemm_modules is None
 
     def enter_nested(self, node: torch.autograd.graph.Node | None) -> None:
@@ -294,7 +302,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             if self._recorder.forward_active:
                 self._observe_forward(info.func, args, output, before)
             return
-        if self._forward.frames or (self.grad_mode_means_recompute and is_grad_enabled()):
+        if self._forward.frames or (self._context.grad_mode_means_recompute and is_grad_enabled()):
             # Forward work in backward: activation checkpointing recomputing a module, a
             # method or a function (the engine runs backward with grad mode off unless
             # create_graph; checkpointing turns it on to rebuild the graph).
@@ -309,7 +317,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             self._last_name = (node, node_name)
         if node_name == _COMPILED_NODE and compiled.inside_observed_backward():
             return  # its stored values come from its outputs (compiled_receiver)
-        if self.optimizer_steps or (
+        if self._context.optimizer_steps or (
             node_name == ACCUMULATE_GRAD
             and not info.grad_work
             and not works_on_grad(info.func, args, kwargs, output, node)
@@ -345,7 +353,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
                 module = last[1] if last[0] is node else self._node_module(node)
                 place = self._record(KIND_BACKWARD, module, node_name, info.name, 0, not fixed,
                                      output)  # fmt: skip
-                if self._audit.shadow and output.dtype in _LOW_PRECISION:
+                if self._context.shadow and output.dtype in _LOW_PRECISION:
                     self._compare_with_fp32(info.func, args, kwargs, [(place, output)])
                 return
             if not output.is_complex():
@@ -379,7 +387,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         func = info.func
         if self._origins is not None or self._gemm_modules is not None:
             self._observe_extras(func, args, node_name, info.name, module, outputs, fixed, before)
-        if places and self._audit.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
+        if places and self._context.shadow and any(t.dtype in _LOW_PRECISION for _, t in places):
             self._compare_with_fp32(func, args, kwargs, places)
 
     def _observe_forward(

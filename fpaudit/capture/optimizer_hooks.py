@@ -9,25 +9,25 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fpaudit.capture.mode import BackwardMode
+    from fpaudit.capture.context import CaptureContext
 
-# The modes of open audits, told of every optimizer step (see optimizer_steps_counted).
-_COUNTING_MODES: list[BackwardMode] = []
+# The capture contexts of open audits, told of every optimizer step (optimizer_steps_counted).
+_COUNTING: list[CaptureContext] = []
 _step_hooks: list[Any] = []
 
 
 def _optimizer_step_started(*_: Any) -> None:
-    for mode in _COUNTING_MODES:
-        mode.optimizer_steps += 1
+    for context in _COUNTING:
+        context.optimizer_step_started()
 
 
 def _optimizer_step_finished(*_: Any) -> None:
-    for mode in _COUNTING_MODES:
-        mode.optimizer_steps = max(mode.optimizer_steps - 1, 0)
+    for context in _COUNTING:
+        context.optimizer_step_finished()
 
 
 @contextmanager
-def optimizer_steps_counted(mode: BackwardMode) -> Iterator[None]:
+def optimizer_steps_counted(context: CaptureContext) -> Iterator[None]:
     """Count running optimizer steps (any optimizer, through torch's global step hooks),
     so that an optimizer stepping inside backward is not recorded as backward values.
 
@@ -44,8 +44,8 @@ def optimizer_steps_counted(mode: BackwardMode) -> Iterator[None]:
 
         _step_hooks.append(register_optimizer_step_pre_hook(_optimizer_step_started))
         _step_hooks.append(register_optimizer_step_post_hook(_optimizer_step_finished))
-    _COUNTING_MODES.append(mode)
+    _COUNTING.append(context)
     try:
         yield
     finally:
-        _COUNTING_MODES.remove(mode)
+        _COUNTING.remove(context)

@@ -7,16 +7,13 @@ Plain numpy: a training process that captures never imports pandas or pyarrow
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, Self, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, Self, TypeVar
 
 import numpy as np
 
 from fpaudit.numerics import layout
-
-if TYPE_CHECKING:
-    from fpaudit.kernels.histogram import HostHistogram
 
 K = TypeVar("K")
 C = TypeVar("C", bound="Mergeable")
@@ -237,7 +234,7 @@ class StepRecords:
             self.shadow = np.zeros((len(self.keys), 4), dtype=np.int64)
 
     @classmethod
-    def from_histograms(cls, records: dict[RecordKey, HostHistogram]) -> StepRecords:
+    def from_histograms(cls, records: Mapping[RecordKey, HostCounts]) -> StepRecords:
         hosts = list(records.values())
         return cls(
             keys=list(records),
@@ -272,6 +269,22 @@ class StepRecords:
             assert self.counts is not None
             special = self.counts[:, layout.INF_BIN] + self.counts[:, layout.NAN_BIN]
         return int(special[mask].sum()) if len(mask) else 0
+
+
+class HostCounts(Protocol):
+    """One record's histogram on the host, as a kernel brings it there
+    (``fpaudit.kernels.histogram.HostHistogram``): dense counts, the finite amax, and
+    how many tensors were added. Declared here, the data model's room, so that the
+    kernels depend on the report's types and not the other way round."""
+
+    @property
+    def counts(self) -> np.ndarray: ...  # int64, layout.N_BINS
+
+    @property
+    def amax(self) -> float: ...
+
+    @property
+    def calls(self) -> int: ...
 
 
 class Mergeable(Protocol):

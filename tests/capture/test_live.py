@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
+import pytest
+
+from fpaudit.numerics.formats import FORMATS, Format
 
 from ..conftest import MODELS, SAMPLES
 
@@ -191,3 +195,41 @@ def test_live_mode_and_forward_phase_together(cli, tmp_path: Path) -> None:
     assert any(
         row["dtype"] == "bfloat16" for row in forward
     )  # the autocast ops, in their real dtype
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
+def test_shadow_re_runs_every_registered_format_in_fp32(fmt: Format) -> None:
+    """``--shadow`` compares each op whose output is held in a registered format with its
+    fp32 re-run: a format added to numerics/formats.py is shadowed without a second list.
+
+    Forward holds a weight in the format and computes in fp32; in backward, the cast back
+    (``ToCopyBackward0``) turns the gradient into the format. The gradient is a quarter of
+    the format's smallest subnormal, 2**(min_normal_exp - mantissa_bits - 2) (fp16: 2**-26,
+    bf16: 2**-135, an fp32 subnormal; fp8_e4m3fn: 2**-11; fp8_e5m2: 2**-18): below the
+    round-to-zero edge (half the smallest subnormal), so the cast makes 0 of every one of the
+    6 values, and the fp32 re-run keeps all 6 nonzero."""
+    import torch
+
+    from fpaudit import Audit
+
+    tiny = math.ldexp(1.0, fmt.min_normal_exp - fmt.mantissa_bits - 2)
+    assert torch.tensor(tiny).to(fmt.dtype).item() == 0.0  # the oracle: torch's own cast
+
+    class Held(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(6))
+
+        def forward(self) -> torch.Tensor:
+            return (self.weight.to(fmt.dtype).to(torch.float32) * tiny).sum()
+
+    model = Held()
+    with Audit(model, shadow=True) as audit:
+        model().backward()
+        audit.step()
+    records = audit.report.records
+    cast = records[(records["dtype"] == fmt.dtype_name) & (records["kind"] == "backward")]
+    assert len(cast) == 1, records[["node", "op", "dtype"]]
+    row = cast.iloc[0]
+    assert row["elements"] == 6 and row["zeros"] == 6  # the device's values: all zero
+    assert row["shadow_calls"] == 1 and row["shadow_nonzero"] == 6  # fp32 kept all 6

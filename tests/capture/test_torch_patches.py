@@ -522,8 +522,10 @@ def test_the_capture_finds_create_graph_however_the_engine_is_called(
             assert mode is not None
             observe = mode._observe
 
+            context = audit._context
+
             def spy(*args: Any) -> None:
-                seen.append(mode.grad_mode_means_recompute)
+                seen.append(context.grad_mode_means_recompute)
                 observe(*args)
 
             mode._observe = spy  # type: ignore[method-assign]
