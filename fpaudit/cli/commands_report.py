@@ -41,7 +41,7 @@ from fpaudit.cli.options import (
 from fpaudit.errors import UsageError
 from fpaudit.numerics.formats import FORMATS, get_format
 from fpaudit.numerics.recipes import RECIPES
-from fpaudit.rules import scalers
+from fpaudit.rules import fp8_policies, scalers
 
 if TYPE_CHECKING:
     from fpaudit.report.store import Report
@@ -198,10 +198,10 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
     from fpaudit.rules.simulation import ScalerOverrides, simulate
     from fpaudit.rules.summary import reading_format
 
-    entry = scalers.REGISTRY[options.policy]  # one of the declared choices
-    if entry.delayed:
+    if options.policy in fp8_policies.REGISTRY:
         _simulate_delayed(report_path, options)
         return
+    entry = scalers.REGISTRY[options.policy]  # one of the declared choices
     for name in _FP8_SETTINGS:  # a config file may hold them for another --policy
         if name in options.flagged:
             flag = specs.spec("simulate", name).flag

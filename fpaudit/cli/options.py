@@ -44,7 +44,7 @@ from fpaudit.bounds import AT_LEAST_1, FRACTION, Bounds
 from fpaudit.numerics.formats import FORMATS
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS, MAX_HEADROOM_BITS
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, KIND_GRAD
-from fpaudit.rules import scalers
+from fpaudit.rules import fp8_policies, scalers
 
 CONFIG_FIELD = "config_file"  # --config: where the command reads the rest from
 
@@ -263,8 +263,8 @@ GROUPINGS = ("module", "op")  # show --by
 
 
 def _policies() -> tuple[str, ...]:
-    """simulate's policies: the loss scalers', then FP8 delayed scaling's (one registry)."""
-    return tuple(scalers.REGISTRY)
+    """simulate's policies: the loss scalers', then FP8 delayed scaling's."""
+    return scalers.POLICIES + fp8_policies.POLICIES
 
 
 def _diff_sorts() -> tuple[str, ...]:

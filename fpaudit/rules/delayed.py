@@ -86,9 +86,9 @@ from fpaudit.numerics import layout
 from fpaudit.numerics.formats import Format, get_format
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE, OP_KEY_COLUMNS
 from fpaudit.report.store import Report
-from fpaudit.rules import scalers
+from fpaudit.rules import fp8_policies
 
-POLICIES: tuple[str, ...] = scalers.DELAYED_POLICIES  # declared in the one policy registry
+POLICIES: tuple[str, ...] = fp8_policies.POLICIES  # declared in their own registry
 AMAX_ALGORITHMS: tuple[str, ...] = ("max", "most_recent")
 SWEEP_HISTORY_LENGTHS: tuple[int, ...] = (1, 16, 64, 256, 1024)
 SWEEP_MARGINS: tuple[int, ...] = (0, 1, 2)
@@ -139,7 +139,7 @@ def scale_update(
     usable = (amax > 0) & np.isfinite(amax)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         quotient = fmax / amax  # float32 / float32: one rounding, as torch does
-        if not scalers.REGISTRY[policy].power_of_two:  # te-delayed
+        if not fp8_policies.REGISTRY[policy].power_of_two:  # te-delayed
             sf = quotient / np.float32(2.0**margin)
             sf = np.where(usable, sf, scale)
             return np.where(np.isinf(sf), _FP32_MAX, sf).astype(np.float32)

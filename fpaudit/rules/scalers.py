@@ -116,7 +116,7 @@ def settings(policy: str, **overrides: float | int | None) -> PolicySettings:
     does not take or a value out of range.
     """
     entry = REGISTRY.get(policy)
-    if entry is None or entry.scaler is None:
+    if entry is None:
         raise OptionError("policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
     unknown = sorted(set(overrides) - set(PARAMETERS))
     if unknown:
@@ -330,29 +330,23 @@ class Policy:
     class that replays its update rule, the checks its values must pass, the option that
     sets its initial scale (``static`` has one scale: the static scale every replay is
     compared with), whether it keeps its scale in a float32 (then ``init_scale`` must fit
-    one) and whether a replay starts from the scaler a run recorded (torch's GradScaler);
-    for FP8 delayed scaling (``scaler`` None), :mod:`fpaudit.rules.delayed` replays it,
-    with its scale rounded to a power of two or not (``power_of_two``).
-    Adding a policy is one entry in ``REGISTRY``; ``simulate --help`` lists it."""
+    one) and whether a replay starts from the scaler a run recorded (torch's GradScaler).
+    Adding a policy is one entry in ``REGISTRY``; ``simulate --help`` lists it. FP8
+    delayed scaling is no loss scaler: its policies have a registry of their own
+    (:mod:`fpaudit.rules.fp8_policies`)."""
 
     name: str
     defaults: Mapping[str, float | int | None]
-    scaler: type[Scaler] | None
+    scaler: type[Scaler]
     checks: tuple[Check, ...] = (_check_scale, _check_dynamic)
     scale_option: str = INIT_SCALE
     float32_scale: bool = False
     recorded: bool = False
-    power_of_two: bool = False  # FP8 delayed scaling: the scale rounded to a power of two
 
     @property
     def is_static(self) -> bool:
         """Its one scale is the static scale every replay is compared with (``static``)."""
         return self.scale_option == STATIC_SCALE
-
-    @property
-    def delayed(self) -> bool:
-        """FP8 delayed scaling, per tensor (not a loss scaler)."""
-        return self.scaler is None
 
     def option(self, name: str) -> str:
         """The parameter ``name`` as messages and flags name it for this policy."""
@@ -413,15 +407,11 @@ REGISTRY: dict[str, Policy] = {
             float32_scale=True,
         ),
         Policy("static", {"init_scale": 2.0**16}, Scaler, (_check_scale,), STATIC_SCALE),
-        # FP8 delayed scaling (fpaudit.rules.delayed): a scale per tensor, from its amax history
-        Policy("te-delayed", {}, None),
-        Policy("msamp-delayed", {}, None, power_of_two=True),
     )
 }
-POLICIES: tuple[str, ...] = tuple(name for name, p in REGISTRY.items() if not p.delayed)
-DELAYED_POLICIES: tuple[str, ...] = tuple(name for name, p in REGISTRY.items() if p.delayed)
+POLICIES: tuple[str, ...] = tuple(REGISTRY)
 POLICY_PARAMETERS: dict[str, tuple[str, ...]] = {
-    name: tuple(policy.defaults) for name, policy in REGISTRY.items() if not policy.delayed
+    name: tuple(policy.defaults) for name, policy in REGISTRY.items()
 }
 
 

@@ -263,19 +263,33 @@ def test_static() -> None:
 # --- settings --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("policy", "expected"),
-    [
-        ("torch", (2.0**16, 2.0, 0.5, 2000, 1, None, None)),
-        ("apex", (2.0**16, 2.0, 0.5, 2000, 1, None, 2.0**24)),
-        ("deepspeed", (2.0**16, 2.0, 0.5, 1000, 2, 1.0, None)),
-        ("megatron", (2.0**32, 2.0, 0.5, 1000, 2, 1.0, None)),
-        ("static", (2.0**16, 1.0, 1.0, 1, 1, None, None)),
-    ],
-)
-def test_settings_defaults(policy: str, expected: tuple[object, ...]) -> None:
+# Each framework's documented defaults (the module docstring of fpaudit.rules.scalers cites
+# the source of each), by parameter name: a parameter added to PolicySettings later is one
+# these policies do not take, None in their dict, and breaks none of these rows.
+DOCUMENTED_DEFAULTS: dict[str, dict[str, float | int | None]] = {
+    "torch": {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
+              "growth_interval": 2000},
+    "apex": {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
+             "growth_interval": 2000, "min_scale": None, "max_scale": 2.0**24},
+    "deepspeed": {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
+                  "growth_interval": 1000, "hysteresis": 2, "min_scale": 1.0},
+    "megatron": {"init_scale": 2.0**32, "growth_factor": 2.0, "backoff_factor": 0.5,
+                 "growth_interval": 1000, "hysteresis": 2, "min_scale": 1.0},
+    "static": {"init_scale": 2.0**16},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", list(DOCUMENTED_DEFAULTS))
+def test_settings_defaults(policy: str) -> None:
+    documented = DOCUMENTED_DEFAULTS[policy]
     s = settings(policy)
-    assert s == PolicySettings(policy, *expected)  # type: ignore[arg-type]
+    assert {name: getattr(s, name) for name in documented} == documented
+    # what the policy does not take is None in its dict, whatever else is declared
+    assert s.to_dict() == {"policy": policy, **dict.fromkeys(PARAMETERS), **documented}
+
+
+def test_every_policy_has_its_documented_defaults() -> None:
+    assert set(DOCUMENTED_DEFAULTS) == set(POLICIES)
 
 
 def test_settings_overrides_and_none_keeps_default() -> None:
@@ -456,9 +470,10 @@ def test_a_scaler_parameter_is_declared_once_as_a_field_of_the_settings() -> Non
 
     declared = tuple(f.name for f in fields(PolicySettings))
     assert declared == ("policy", *PARAMETERS)
-    # what a policy lacks behaves as a scaler that never changes
-    assert scalers._INERT == {"growth_factor": 1.0, "backoff_factor": 1.0, "growth_interval": 1,
-                              "hysteresis": 1, "min_scale": None, "max_scale": None}  # fmt: skip
+    # what a policy lacks behaves as a scaler that never changes: static takes none of the
+    # factors, intervals or bounds, and keeps its scale through overflows and clean runs
+    held = trace("static", set(range(0, 40, 3)), 40, init_scale=1024.0)
+    assert set(held.scale.tolist()) == set(held.scale_after.tolist()) == {1024.0}
     assert list(ScalerOverrides().to_dict()) == list(PARAMETERS)
     # simulate has a flag for each, and the static scale; a scale reads as one (2^16)
     options = SimulateArgs.option_names()
@@ -467,15 +482,16 @@ def test_a_scaler_parameter_is_declared_once_as_a_field_of_the_settings() -> Non
         assert spec("simulate", name).kind == "scale"
 
 
-def test_one_registry_holds_every_policy_simulate_takes() -> None:
+def test_the_two_registries_hold_every_policy_simulate_takes() -> None:
     from fpaudit.cli.options import spec
-    from fpaudit.rules import delayed, scalers
+    from fpaudit.rules import delayed, fp8_policies, scalers
 
     choices = spec("simulate", "policy").bounds
     assert choices is not None and choices.choices is not None
-    assert choices.choices() == tuple(scalers.REGISTRY)
+    assert choices.choices() == (*scalers.REGISTRY, *fp8_policies.REGISTRY)
     assert POLICIES == ("torch", "apex", "deepspeed", "megatron", "static")
     assert delayed.POLICIES == ("te-delayed", "msamp-delayed")
+    assert not set(scalers.REGISTRY) & set(fp8_policies.REGISTRY)  # one name, one kind
     # static's one scale is simulate's --static-scale; only torch starts from the run's
     assert {p.name: p.option("init_scale") for p in scalers.REGISTRY.values()}["static"] == (
         "static_scale"
