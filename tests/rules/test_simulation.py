@@ -258,9 +258,6 @@ def test_recommend_worst_window_and_drift_warning(cli, tmp_path: Path) -> None:
 
 def test_scaler_overrides_keep_the_flags_order_and_give_only_what_is_set() -> None:
     overrides = ScalerOverrides(growth_factor=3.0, hysteresis=2)
-    assert list(overrides.to_dict()) == [
-        "init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
-        "min_scale", "max_scale",
-    ]  # fmt: skip
+    assert list(overrides.to_dict()) == list(scalers.PARAMETERS)  # the declared order
     assert overrides.given == {"growth_factor": 3.0, "hysteresis": 2}
     assert ScalerOverrides(**overrides.to_dict()) == overrides
