@@ -49,8 +49,9 @@ Only backward work is recorded as backward:
   recorded under the node they run in.
 
 Each captured tensor is handed to one recording function with
-``(kind, module, node, op, output_index, tensor)``; statistics accumulate in
-``histogram.Histogram`` on the tensor's device and nothing is retained.
+``(kind, module, node, op, output_index, scales_with_loss, tensor)``
+(``recorder.Recorder.record``); its counts accumulate in a row of a
+``kernels.histogram.HistogramTable`` on the tensor's device and nothing is retained.
 ``Audit.step`` brings a step's statistics to the host with one transfer.
 Complex tensors are recorded as their real and imaginary parts
 (``view_as_real``).
@@ -67,8 +68,10 @@ Known limitations:
 
 * Attribution assumes forward runs on one thread (not ``nn.DataParallel``).
 * ``torch.compile`` with ``backend="aot_eager"`` is captured and attributed like
-  the eager model; ``inductor`` runs fused kernels outside aten, so only the ops
-  it leaves to aten are seen: audit the eager model.
+  the eager model. With ``inductor``, a model compiled through ``fpaudit.compile``
+  (or ``scan --compile``) has every buffer its compiled backward stores counted, in
+  the dtype it stores, under the model's module names; values a fused kernel keeps in
+  registers are never rounded and are not counted (``docs/compile.md``).
 * ``torch.jit.script``ed models cannot be hooked; audit the eager module.
 """
 
@@ -137,7 +140,8 @@ class Audit:
 
         with fpaudit.audit(model) as audit:
             for batch in batches:
-                loss_fn(model, batch).backward()
+                loss = loss_fn(model, batch)
+                loss.backward()
                 audit.step(loss=loss)
         audit.report.write("report-dir")
 

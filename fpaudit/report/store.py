@@ -127,7 +127,9 @@ def run_metadata(model: Any = None) -> dict[str, Any]:
 
 @dataclass
 class Report:
-    """An in-memory report: metadata and three tables (pandas DataFrames)."""
+    """An in-memory report: metadata, the three tables every report has (``records``,
+    ``bins``, ``steps``) and the optional ones (``origins``, ``blocks``): pandas
+    DataFrames."""
 
     meta: dict[str, Any]
     records: pd.DataFrame
@@ -298,8 +300,8 @@ class Report:
         return target
 
     def write_tables(self, directory: Path, prefix: str = "") -> dict[str, dict[str, Any]]:
-        """Write the three tables, and the optional ones present, under ``directory /
-        prefix``; their checksummed entries."""
+        """Write the three tables every report has, and the optional ones present,
+        under ``directory / prefix``; their checksummed entries."""
         (directory / prefix).mkdir(parents=True, exist_ok=True)
         files: dict[str, dict[str, Any]] = {}
         for name, schema in {**TABLES, **OPTIONAL_TABLES}.items():
