@@ -36,6 +36,13 @@ if TYPE_CHECKING:
     import torch
 
 
+class OverflowResult(enum.StrEnum):
+    """What torch's cast gives past a format's overflow edge."""
+
+    INF = "inf"
+    SATURATE = "saturate"  # the largest finite value (a format without inf)
+
+
 class Fate(enum.IntEnum):
     """Where a nonzero finite value lands after scaling and casting."""
 
@@ -58,7 +65,7 @@ class FormatLimits:
     max_finite: float
     overflow_edge: float
     overflow_edge_inclusive: bool
-    overflow_result: str
+    overflow_result: OverflowResult
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -77,10 +84,12 @@ class Format:
     mantissa_bits: int
     min_normal_exp: int
     max_finite: float
-    overflow_result: str = "inf"  # what torch's cast gives past the edge: "inf" or "saturate"
+    overflow_result: OverflowResult = OverflowResult.INF  # what torch's cast gives past the edge
 
     @classmethod
-    def from_dtype(cls, name: str, dtype: torch.dtype, overflow_result: str = "inf") -> Format:
+    def from_dtype(
+        cls, name: str, dtype: torch.dtype, overflow_result: OverflowResult = OverflowResult.INF
+    ) -> Format:
         import torch
 
         info = torch.finfo(dtype)
@@ -144,7 +153,7 @@ class Format:
         """What a reader of the thresholds must know of this format's overflow: that it
         has no inf and torch's cast saturates, and from which torch release where earlier
         ones gave NaN (None when overflow gives inf). True on every supported release."""
-        if self.overflow_result != "saturate":
+        if self.overflow_result is not OverflowResult.SATURATE:
             return None
         since = SATURATING_CAST_SINCE.get(self.name)
         releases = f" (torch {since} on; NaN before)" if since else ""
@@ -194,7 +203,7 @@ FORMATS: dict[str, Format] = {
     for f in (
         Format("fp16", "float16", 10, -14, 65504.0),
         Format("bf16", "bfloat16", 7, -126, math.ldexp(2 - 2**-7, 127)),
-        Format("fp8_e4m3fn", "float8_e4m3fn", 3, -6, 448.0, overflow_result="saturate"),
+        Format("fp8_e4m3fn", "float8_e4m3fn", 3, -6, 448.0, OverflowResult.SATURATE),
         Format("fp8_e5m2", "float8_e5m2", 2, -14, 57344.0),
     )
 }

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fpaudit.errors import UsageError
-from fpaudit.numerics.formats import FORMATS, Format
+from fpaudit.numerics.formats import FORMATS, Format, OverflowResult
 
-E2M1 = Format("fp4_e2m1", "float4_e2m1fn_x2", 1, 0, 6.0, overflow_result="saturate")
+E2M1 = Format("fp4_e2m1", "float4_e2m1fn_x2", 1, 0, 6.0, OverflowResult.SATURATE)
 """OCP FP4 E2M1: 1 fraction bit, smallest normal 1.0, largest 6.0, subnormal 0.5."""
 E4M3 = FORMATS["fp8_e4m3fn"]
 E5M2 = FORMATS["fp8_e5m2"]
