@@ -98,7 +98,7 @@ from fpaudit.capture.mode import BackwardMode
 from fpaudit.capture.optimizer_hooks import optimizer_steps_counted
 from fpaudit.capture.origin_probe import OriginTracker
 from fpaudit.capture.provenance import Provenance
-from fpaudit.capture.recorder import Recorder
+from fpaudit.capture.recorder import Recorder, registrations_watched
 from fpaudit.capture.selection import Selection
 from fpaudit.kernels.blockstats import BlockRecorder
 from fpaudit.numerics.recipes import Recipe, as_recipe
@@ -231,6 +231,7 @@ class Audit:
         stack = ExitStack()
         try:
             self._clock.install(self.model, stack)
+            stack.enter_context(registrations_watched())
             context = self._context
             mode = BackwardMode(
                 context, self.model, self._clock, self._provenance, self._recorder, self.origins

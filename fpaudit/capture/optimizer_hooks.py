@@ -33,8 +33,11 @@ def optimizer_steps_counted(context: CaptureContext) -> Iterator[None]:
 
     The two global hooks are registered once per process and stay (doing nothing while
     no audit is open): an audit may open or close inside another optimizer step hook
-    (``fpaudit run`` closes its step there), and registering or removing a hook while
-    torch iterates over them raises "OrderedDict mutated during iteration".
+    (``fpaudit run`` closes its step in its own global pre hook, which torch calls before
+    these), and registering or removing a hook while torch iterates over them raises
+    "OrderedDict mutated during iteration". (The module registration hooks of
+    ``recorder.registrations_watched`` are removed when the last audit closes: no audit
+    closes while torch registers a parameter.)
     """
     if not _step_hooks:
         from torch.optim.optimizer import (

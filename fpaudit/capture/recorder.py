@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,30 +36,57 @@ _Parameter = tuple[nn.Module | None, str, str, nn.Parameter]
 
 
 class _Registrations:
-    """Counts parameters and submodules registered on any module (torch's global
-    registration hooks, installed once, on first use): a model's parameters are walked
-    again only when the count moved."""
+    """Counts parameters and submodules registered on any module, through torch's global
+    registration hooks, installed while any audit is open (:meth:`watching`: the first
+    audit to open installs them, the last to close removes them, so no hook of fpaudit's
+    stays in the process): a model's parameters are walked again only when the count
+    moved. While nothing watches, registrations go unseen, so every count then is new."""
 
     def __init__(self) -> None:
         self._count = 0
-        self._installed = False
+        self._watchers = 0
+        self._handles: list[Any] = []
         self._lock = threading.Lock()
 
     def _bump(self, *_: object) -> None:
         self._count += 1
 
-    def count(self) -> int:
-        if not self._installed:
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        with self._lock:
+            if not self._watchers:
+                self._count += 1  # what was registered while nothing watched is unknown
+                module_hooks = nn.modules.module
+                self._handles = [
+                    module_hooks.register_module_parameter_registration_hook(self._bump),
+                    module_hooks.register_module_module_registration_hook(self._bump),
+                ]
+            self._watchers += 1
+        try:
+            yield
+        finally:
             with self._lock:
-                if not self._installed:
-                    module_hooks = nn.modules.module
-                    module_hooks.register_module_parameter_registration_hook(self._bump)
-                    module_hooks.register_module_module_registration_hook(self._bump)
-                    self._installed = True
+                self._watchers -= 1
+                if not self._watchers:
+                    handles, self._handles = self._handles, []
+                    for handle in handles:
+                        handle.remove()
+
+    def count(self) -> int:
+        if not self._watchers:
+            self._count += 1
         return self._count
 
 
 _registrations = _Registrations()
+
+
+def registrations_watched() -> AbstractContextManager[None]:
+    """While open, count module registrations for the parameter walks' cache (an open
+    audit holds one; torch's global hooks are removed when the last one closes)."""
+    return _registrations.watching()
+
+
 _NEW: Any = object()  # not looked up yet (a key's place is a pair, or None)
 _CPU = torch.device("cpu")
 

@@ -40,6 +40,44 @@ def test_open_installs_and_close_removes_the_hooks() -> None:
     assert _get_current_dispatch_mode() is None
 
 
+def _global_registration_hooks() -> int:
+    module = nn.modules.module
+    return len(module._global_parameter_registration_hooks) + len(
+        module._global_module_registration_hooks
+    )
+
+
+def test_the_last_audit_to_close_removes_torchs_global_registration_hooks() -> None:
+    before = _global_registration_hooks()
+    first, second = Audit(_model()), Audit(_model())
+    first.open()
+    second.open()
+    assert _global_registration_hooks() == before + 2  # one pair, however many audits
+    first.close()
+    assert _global_registration_hooks() == before + 2  # the second still watches
+    second.close()
+    assert _global_registration_hooks() == before
+
+
+def test_a_parameter_registered_while_no_audit_is_open_is_recorded_after_reopening() -> None:
+    """While no audit watches, registrations go unseen: an audit opened again (as
+    ``fpaudit run`` reopens its audit for each captured step) must walk the model's
+    parameters again, not reuse the walk it made before."""
+    model = _model()
+    audit = Audit(model)
+    with audit:
+        _backward(model)
+        audit.step()
+    model[0].extra = nn.Parameter(torch.ones(2))  # registered while nothing watched
+    with audit:
+        model.zero_grad(set_to_none=True)
+        (model(torch.randn(5, 3)).pow(2).mean() + model[0].extra.sum()).backward()
+        audit.step()
+    records = audit.report.records
+    grads = records[(records["kind"] == "grad") & (records["step"] == 1)]
+    assert ("0", "extra") in set(zip(grads["module"], grads["op"], strict=True)), grads
+
+
 def test_close_records_the_open_step_and_discard_drops_it() -> None:
     model = _model()
     audit = Audit(model)
