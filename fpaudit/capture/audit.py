@@ -173,9 +173,9 @@ class Audit:
             )
         self.model = model
         self.loss_scale = loss_scale
-        self._context = CaptureContext(shadow=shadow)
         # scan --origins: per op call, did it make inf/NaN (fpaudit.capture.origin_probe)
         self.origins: OriginTracker | None = OriginTracker() if origins else None
+        self._context = CaptureContext(shadow=shadow, origins=self.origins)
         self._mode: BackwardMode | None = None
         self._clock = ModuleClock(model)
         self._provenance = Provenance()
@@ -198,13 +198,8 @@ class Audit:
 
     @property
     def shadow(self) -> bool:
-        """Also record each low-precision backward output re-run in fp32 (``--shadow``);
-        may change between steps."""
+        """Low-precision backward outputs are also re-run in fp32 (``--shadow``)."""
         return self._context.shadow
-
-    @shadow.setter
-    def shadow(self, shadow: bool) -> None:
-        self._context.shadow = shadow
 
     @property
     def selection(self) -> Selection:
@@ -232,13 +227,12 @@ class Audit:
         try:
             self._clock.install(self.model, stack)
             stack.enter_context(registrations_watched())
-            context = self._context
             mode = BackwardMode(
-                context, self.model, self._clock, self._provenance, self._recorder, self.origins
+                self._context, self.model, self._clock, self._provenance, self._recorder
             )
             self._mode = mode
-            stack.enter_context(optimizer_steps_counted(context))
-            restore = activate_during_backward(mode, context) if self.backward_only else None
+            stack.enter_context(optimizer_steps_counted(self._context))
+            restore = activate_during_backward(mode, self._context) if self.backward_only else None
             if restore is not None:
                 stack.callback(restore)
             else:

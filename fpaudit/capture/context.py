@@ -13,14 +13,18 @@ call per op); only this module assigns them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fpaudit.capture.origin_probe import OriginTracker
 
 
 @dataclass(eq=False)
 class CaptureContext:
     """The state an open audit's capture parts share.
 
-    ``shadow``: also record low-precision backward outputs re-run in fp32 (the audit's
-    setting, which its owner may change between steps).
+    ``shadow``: also record low-precision backward outputs re-run in fp32 (``--shadow``).
+    ``origins``: which op calls made inf/NaN (``scan --origins``; None unless asked for).
     ``grad_mode_means_recompute``: inside the running backward, grad mode on means
     activation checkpointing recomputing a forward (True unless the backward was asked
     for ``create_graph``, which turns grad mode on for the backward's own ops).
@@ -29,6 +33,7 @@ class CaptureContext:
     """
 
     shadow: bool = False
+    origins: OriginTracker | None = None
     grad_mode_means_recompute: bool = False
     optimizer_steps: int = 0
 

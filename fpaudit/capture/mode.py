@@ -38,7 +38,6 @@ from fpaudit.torch_internals import OpOverload, TorchDispatchMode
 
 if TYPE_CHECKING:
     from fpaudit.capture.context import CaptureContext
-    from fpaudit.capture.origin_probe import OriginTracker
 
 _aten = torch.ops.aten
 current_autograd_node = _internals.current_autograd_node
@@ -176,18 +175,15 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         clock: ModuleClock,
         provenance: Provenance,
         recorder: Recorder,
-        origins: OriginTracker | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode untyped
         self._context = context  # the audit's shared state (shadow, recompute, optimizer steps)
-        self._clock = clock
-        self._provenance = provenance
-        self._recorder = recorder
+        self._clock, self._provenance, self._recorder = clock, provenance, recorder
         self._record = recorder.record
         self._op_names: dict[OpOverload, str] = {}
         self._ops: dict[int, _Op] = {}
         self._unshadowable: set[OpOverload] = set()
-        self._origins = origins  # scan --origins: None unless asked for
+        self._origins = context.origins  # scan --origins: None unless asked for
         self._owners: list[str] = []  # of the nested (reentrant checkpoint) backward passes
         self._last_node: tuple[torch.autograd.graph.Node | None, str] = (None, LOSS_MODULE)
         self._last_name: tuple[torch.autograd.graph.Node | None, str] = (None, "")
