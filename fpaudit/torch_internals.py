@@ -53,6 +53,17 @@ going missing in a future release, and say what is lost then.
   ``step()`` is not the script's.
 * ``torch._foreach_norm``: the largest ``|grad|`` of many tensors in one kernel.
 
+**Lightning's private names** (``integrations.lightning``; checked on Lightning 2.6.6,
+the release the tests install, and read with ``getattr`` so that a release without them
+falls back to public state):
+
+* ``LightningModule._compiler_ctx``: the dict Lightning keeps for a module it unwrapped
+  from ``torch.compile`` (``compiler``, ``dynamo_ctx``, ``original_forward``,
+  ``original_training_step``). Missing: a compiled model is audited as an eager one.
+* ``_FitLoop._should_accumulate()``: Lightning's own rule for whether more
+  micro-batches accumulate before the optimizer steps. Missing: the callback derives
+  it from the public batch progress and ``accumulate_grad_batches``.
+
 **Kernel build** (``kernels``): ``torch.utils.cpp_extension._get_build_directory``,
 where torch keeps a built extension (to tell whether a build is cached).
 
@@ -308,3 +319,17 @@ def extension_build_directory(name: str) -> str:
     from torch.utils.cpp_extension import _get_build_directory
 
     return str(_get_build_directory(name, verbose=False))
+
+
+def lightning_compiler_context(pl_module: Any) -> dict[str, Any] | None:
+    """Lightning's record of the ``torch.compile`` it unwrapped from ``pl_module`` (a dict
+    with ``compiler == "dynamo"``), or None."""
+    context = getattr(pl_module, "_compiler_ctx", None)
+    return context if isinstance(context, dict) else None
+
+
+def lightning_should_accumulate(fit_loop: Any) -> bool | None:
+    """Lightning's own answer to "do more micro-batches accumulate before the optimizer
+    steps?", or None when this release has no such method."""
+    should_accumulate = getattr(fit_loop, "_should_accumulate", None)
+    return bool(should_accumulate()) if callable(should_accumulate) else None

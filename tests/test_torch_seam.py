@@ -46,6 +46,13 @@ def _torch_private_attributes() -> frozenset[str]:
         torch.utils.cpp_extension, torch.Tensor, x, layer, nn.Module, optimizer, scheduler,
         scaler, node, torch.ops.aten.add.Tensor, torch.distributed.fsdp.FullyShardedDataParallel,
     ]  # fmt: skip
+    try:  # Lightning's private names are read through the seam too (fpaudit[lightning])
+        import lightning.pytorch as pl
+        from lightning.pytorch.loops import _FitLoop
+
+        objects += [pl.LightningModule(), _FitLoop]
+    except ImportError:
+        pass
     names = {n for o in objects for n in dir(o) if _private(n)}
     names |= {n for o in (scaler, scheduler, optimizer) for n in vars(o) if _private(n)}
     # Set on instances in torch's own constructors, out of introspection's reach here.
@@ -336,3 +343,25 @@ def test_the_compile_seam_lists_each_private_name_it_reads() -> None:
     assert {"_inductor", "_orig_mod", "_torchdynamo_orig_backend"} <= read
     doc = compile_internals.__doc__ or ""
     assert sorted(n for n in read if n not in doc) == []
+
+
+def test_lightnings_private_names_resolve_on_the_installed_release() -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x)
+
+    module = Tiny()
+    assert internals.lightning_compiler_context(module) is None  # not compiled
+    trainer = pl.Trainer(
+        accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    # not fitting: no batch seen, so Lightning's own rule is answered, not missing
+    assert internals.lightning_should_accumulate(trainer.fit_loop) in (True, False)
+    assert internals.lightning_should_accumulate(object()) is None  # a release without it

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fpaudit import torch_internals as _internals
 from fpaudit.capture import compiled
 from fpaudit.integrations import SessionCallback, scale_tensor, unscaled
 
@@ -202,8 +203,8 @@ def _observed_in_place(pl_module: Any) -> compiled.InPlace | None:
     its ``forward`` and ``training_step`` compiled by the context it keeps
     (``_compiler_ctx``, with the eager originals). With Inductor they are compiled again
     from those originals through fpaudit's backend, for the run; None otherwise."""
-    context = getattr(pl_module, "_compiler_ctx", None)
-    if not isinstance(context, dict) or context.get("compiler") != "dynamo":
+    context = _internals.lightning_compiler_context(pl_module)
+    if context is None or context.get("compiler") != "dynamo":
         return None
     options = compiled.inductor_options(context.get("dynamo_ctx"))
     if options is None:  # another backend: audited as an eager module (hooks break its graph)
@@ -218,9 +219,9 @@ def _observed_in_place(pl_module: Any) -> compiled.InPlace | None:
 
 def _accumulating(trainer: Any) -> bool:
     """Will more micro-batches be accumulated before the optimizer steps?"""
-    should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
-    if callable(should_accumulate):  # private, but exactly Lightning's own rule
-        return bool(should_accumulate())
+    should_accumulate = _internals.lightning_should_accumulate(trainer.fit_loop)
+    if should_accumulate is not None:  # private, but exactly Lightning's own rule
+        return should_accumulate
     epoch_loop = trainer.fit_loop.epoch_loop
     ready = epoch_loop.batch_progress.current.ready
     last = ready == trainer.num_training_batches or epoch_loop.batch_progress.is_last_batch
