@@ -111,6 +111,7 @@ ROOMS = {
     "test_training.py": "run",
     "test_transparency.py": "run",
     "test_distributed.py": "run",
+    "test_distributed_faults.py": "run",
     # integrations/
     "test_integrations.py": "integrations",
     # cli/

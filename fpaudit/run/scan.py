@@ -435,8 +435,10 @@ def _record(setup: _Setup, report: Report, ran: _Ran, meta: RunMeta | None) -> N
         if ran.interrupted is not None
         else ("an exit in model code" if ran.exited is not None else None)
     )
-    if ran.failed is not None:
-        stopped_by = f"a failed rank ({ran.failed})"
+    if isinstance(ran.failed, distributed.RankFailed):  # its words name the rank
+        stopped_by = f"an error on another rank ({ran.failed})"
+    elif ran.failed is not None:
+        stopped_by = f"an error on rank {setup.rank} ({ran.failed})"
     steps = (options.steps, ran.steps_run)
     run = RunInfo.ended("scan", stopped_by, steps, options.selection.describe(), held,
                         model_file=str(setup.path))  # fmt: skip
