@@ -32,6 +32,7 @@ from fpaudit.cli.common import (
 from fpaudit.cli.options import Fp16PlanArgs, RunArgs, ScanArgs, VerifyArgs
 from fpaudit.errors import Interrupted, ModelFileError, UsageError
 from fpaudit.numerics.formats import Format, get_format
+from fpaudit.report.outputs import loop_words, symlink_loop
 from fpaudit.report.records import KIND_BACKWARD
 from fpaudit.report.runinfo import RunMeta
 
@@ -93,6 +94,9 @@ def _new_report_path(options: ScanArgs | RunArgs) -> Path:
             "--out fpaudit-report"
         )
     out_path = Path(os.path.abspath(given))
+    loop = symlink_loop(out_path)
+    if loop is not None:
+        raise UsageError(f"--out {given}: {loop_words(loop)}")
     length = len(os.fsencode(out_path))
     if length + _INSIDE_REPORT > _path_max():
         raise UsageError(

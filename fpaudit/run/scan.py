@@ -367,7 +367,8 @@ def _run_agreed_steps(
                 if stop is not None:
                     if stop.signal_name is not None:
                         return _Ran(steps_run, Interrupted(stop.signal_name, stop.exit_code), None)
-                    return _Ran(steps_run, None, None, ended_on=stop.ended)
+                    shorter = stop.ended if len(stop.ended) < setup.world else ()
+                    return _Ran(steps_run, None, None, ended_on=shorter)
                 progress = _step(setup, step, batch, first)
                 steps_run = step + 1
                 if listeners.on_captured is not None and progress.summary is not None:

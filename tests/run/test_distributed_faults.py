@@ -64,7 +64,7 @@ class Launch:
         """Wait until ``path`` exists (a rank's steps run)."""
         deadline = time.monotonic() + within
         while not path.exists():
-            assert self.process.poll() is None, self.process.communicate()[1][-2000:]
+            assert self.process.poll() is None, _ours(self.process.communicate()[1])
             assert time.monotonic() < deadline, "the steps never started"
             time.sleep(0.2)
 
