@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from fpaudit import defaults
+from fpaudit import defaults, torch_internals_compile
 from fpaudit._process import Owner
 from fpaudit.bounds import AT_LEAST_1
 from fpaudit.capture import compiled
@@ -287,10 +288,12 @@ def _set_up_on(
     # torch.compile: a compiled model file (or --compile) runs through fpaudit's Inductor
     # backend, which hands out what its backward stores (fpaudit.capture.compiled)
     not_covered: str | None = None
+    if options.compile or compiled.eager_module(model) is not None:
+        _check_compile_cache()
     if options.compile and compiled.eager_module(model) is None:
         model = compiled.compile(model)
     else:
-        model, not_covered = compiled.observed(model)
+        model, not_covered = _observed(model)
     trained: torch.nn.Module = model
     if world > 1 and any(p.requires_grad for p in model.parameters()):
         ids = [device.index] if device.type == "cuda" else None
@@ -318,6 +321,34 @@ def _set_up_on(
         audit.note_not_covered(not_covered)
     options.selection.check_modules(audit.module_names)  # a typo fails before any step
     return _Setup(path, options, device, rank, world, spec, model, trained, optimizer, audit, peers)
+
+
+def _observed(model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
+    """``compiled.observed``, keeping what the model file gave ``torch.compile``
+    (``fullgraph=True``: a graph break fails as it fails without fpaudit; ``dynamic``)."""
+    given = torch_internals_compile.compile_arguments(model)
+    options = compiled.inductor_options(model)
+    eager = compiled.eager_module(model)
+    if not given or options is None or eager is None or options.get("triton.cudagraphs"):
+        return compiled.observed(model)
+    return compiled.compile(eager, options=options, **given), None
+
+
+def _check_compile_cache() -> None:
+    """torch.compile writes compiled code to Inductor's cache folder: one that cannot be
+    written is the machine's problem, said before any step (not the model's error)."""
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        folder = torch_internals_compile.inductor_cache_dir()
+        problem = None if os.access(folder, os.W_OK | os.X_OK) else "it is not writable"
+    except OSError as error:
+        folder, problem = str(error.filename or named), error.strerror or str(error)
+    if problem is not None:
+        given = "TORCHINDUCTOR_CACHE_DIR" if named else "Inductor's default"
+        raise UsageError(
+            f"torch.compile cannot write Inductor's cache folder {folder} ({given}): "
+            f"{problem}; set TORCHINDUCTOR_CACHE_DIR to a writable folder"
+        )
 
 
 def _run_steps(
