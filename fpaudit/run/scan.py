@@ -339,6 +339,8 @@ def _check_compile_cache() -> None:
     written is the machine's problem, said before any step (not the model's error)."""
     named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     try:
+        if named:  # made here first: Inductor makes it while it is imported, and an
+            os.makedirs(named, exist_ok=True)  # import that failed half-way stays broken
         folder = torch_internals_compile.inductor_cache_dir()
         problem = None if os.access(folder, os.W_OK | os.X_OK) else "it is not writable"
     except OSError as error:

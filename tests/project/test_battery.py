@@ -16,7 +16,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,6 +227,7 @@ class Case:
     says: str  # words the user sees (on stderr for failures, else stdout)
     setup: Callable[[Path], None] = field(default=lambda tmp: None)
     hold_lock: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # set while it runs ({tmp} filled)
 
 
 AWKWARD_OUTPUTS = """import torch
@@ -459,6 +460,24 @@ CASES: list[Case] = [
          model(GOOD.replace("model = torch.nn.Linear(2, 1)", "import sys\ndef model():\n    sys.exit(1)"))),
     Case("sys.exit while iterating `batches`", ["scan", "{tmp}/model.py"], 2, "iterating `batches` called sys.exit(None)",
          model(GOOD.replace("batches = [torch.ones(3, 2)]", "def batches():\n    raise SystemExit\n    yield"))),
+    # -- the environment at fault, and what fpaudit changes of the request ----------------
+    Case("report path is a symlink loop", ["show", "{tmp}/loop"], 2,
+         "report <tmp>/loop: <tmp>/loop is a symbolic link that leads back to itself (a symlink loop)",
+         lambda tmp: (tmp / "loop").symlink_to("loop")),
+    Case("--junit is a symlink loop", ["gate", "{tmp}/report", "--max-underflow", "1", "--junit", "{tmp}/loop"], 2,
+         "--junit <tmp>/loop: <tmp>/loop is a symbolic link that leads back to itself",
+         report(lambda root: (root.parent / "loop").symlink_to("loop"))),
+    Case("--out under a symlink loop", ["scan", "{tmp}/model.py", "--out", "{tmp}/loop/sub"], 2,
+         "--out <tmp>/loop/sub: <tmp>/loop is a symbolic link that leads back to itself",
+         lambda tmp: (model(GOOD)(tmp), (tmp / "loop").symlink_to("loop"))),
+    Case("Inductor's cache folder under a file", ["scan", "{tmp}/model.py", "--compile", "--out", "{tmp}/r"], 2,
+         "torch.compile cannot write Inductor's cache folder <tmp>/model.py/inductor (TORCHINDUCTOR_CACHE_DIR): Not a directory",
+         model(GOOD), env={"TORCHINDUCTOR_CACHE_DIR": "{tmp}/model.py/inductor"}),
+    Case("fullgraph=True model with a graph break", ["scan", "{tmp}/model.py", "--out", "{tmp}/r"], 2,
+         "model.py:9: loss(model, batch) raised Unsupported: Failed to trace builtin operator",
+         model(GOOD.replace("model = torch.nn.Linear(2, 1)", "class Breaks(torch.nn.Linear):\n"
+               "    def forward(self, x):\n        print(end='')  # a graph break\n"
+               "        return super().forward(x)\nmodel = torch.compile(Breaks(2, 1), fullgraph=True)"))),
 ]  # fmt: skip
 
 
@@ -484,7 +503,8 @@ def run_case(case: Case, tmp: Path) -> Outcome:
     before = set(tmp.iterdir())
     out, err = io.StringIO(), io.StringIO()
     lock = output_lock(tmp / "r") if case.hold_lock else contextlib.nullcontext()
-    with lock, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    env = {name: _fill(value, tmp) for name, value in case.env.items()}
+    with lock, _environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = run([_fill(a, tmp) for a in case.args])
     errors = [line for line in err.getvalue().splitlines() if line.strip()]
     shown = (
@@ -499,6 +519,20 @@ def run_case(case: Case, tmp: Path) -> Outcome:
         traceback="Traceback" in err.getvalue(),
         report_left=any((p / "meta.json").exists() or p.name.startswith(".") for p in created),
     )
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # Each case's outcome as test_bad_input observed it, by case name: the reliability doc is
