@@ -138,6 +138,7 @@ ROOMS = {
     "test_battery.py": "project",
     "test_evidence.py": "project",  # each case of issue 12 through a real process
     "test_faults.py": "project",  # signals, forks, locks, full disks, across the product
+    "test_faults_environment.py": "project",  # stdout, dashboard disk, Inductor cache
 }
 
 # Never rewritten: the changelog's lines are history, and this file names old places.

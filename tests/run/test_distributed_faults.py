@@ -135,7 +135,8 @@ def test_a_rank_that_builds_another_model_is_named(tmp_path: Path) -> None:
                "process 0.); every rank must build the same model")  # fmt: skip
     lines = _ours(err)
     assert len(lines) == 2 and set(lines) == {
-        f"fpaudit: error: rank 1 failed: {differs}", f"fpaudit: error: {differs}"
+        f"fpaudit: error: rank 1 failed: {differs}",
+        f"fpaudit: error: {differs}",
     }
     assert "internal error" not in err and not out.exists()
 
