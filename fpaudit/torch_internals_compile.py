@@ -263,17 +263,13 @@ def cudagraphs_requested(kwargs: dict[str, Any]) -> bool:
     return bool(getattr(flag, "value", flag))
 
 
-def compile_arguments(model: nn.Module) -> dict[str, Any]:
-    """What a ``torch.compile``d module was compiled with besides its backend, where it
-    differs from ``torch.compile``'s defaults: ``fullgraph=True``, ``dynamic``."""
+def compile_arguments(model: nn.Module) -> tuple[bool, bool | None]:
+    """What a ``torch.compile``d module was compiled with besides its backend:
+    ``(fullgraph, dynamic)``, ``(False, None)`` being ``torch.compile``'s defaults."""
     context = getattr(model, "dynamo_ctx", None)
-    given: dict[str, Any] = {}
-    if getattr(context, "fullgraph", False) is True:
-        given["fullgraph"] = True
+    fullgraph = getattr(context, "fullgraph", False) is True
     dynamic = getattr(context, "_dynamic", None)
-    if isinstance(dynamic, bool):
-        given["dynamic"] = dynamic
-    return given
+    return fullgraph, dynamic if isinstance(dynamic, bool) else None
 
 
 def inductor_cache_dir() -> str:

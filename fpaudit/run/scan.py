@@ -326,12 +326,13 @@ def _set_up_on(
 def _observed(model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
     """``compiled.observed``, keeping what the model file gave ``torch.compile``
     (``fullgraph=True``: a graph break fails as it fails without fpaudit; ``dynamic``)."""
-    given = torch_internals_compile.compile_arguments(model)
+    fullgraph, dynamic = torch_internals_compile.compile_arguments(model)
     options = compiled.inductor_options(model)
     eager = compiled.eager_module(model)
+    given = (fullgraph, dynamic) != (False, None)
     if not given or options is None or eager is None or options.get("triton.cudagraphs"):
         return compiled.observed(model)
-    return compiled.compile(eager, options=options, **given), None
+    return compiled.compile(eager, options=options, fullgraph=fullgraph, dynamic=dynamic), None
 
 
 def _check_compile_cache() -> None:
