@@ -288,8 +288,8 @@ def _set_up_on(
     # torch.compile: a compiled model file (or --compile) runs through fpaudit's Inductor
     # backend, which hands out what its backward stores (fpaudit.capture.compiled)
     not_covered: str | None = None
-    if options.compile or compiled.eager_module(model) is not None:
-        _check_compile_cache()
+    if options.compile or compiled.inductor_options(model) is not None:
+        _check_compile_cache()  # (another backend writes no Inductor cache)
     if options.compile and compiled.eager_module(model) is None:
         model = compiled.compile(model)
     else:
