@@ -35,6 +35,10 @@ tests on 2.10.0 and 2.15.0.
   ``inductor`` backend's wrapper: its mode's options); the same read of a context
   Lightning keeps (``LightningModule._compiler_ctx["dynamo_ctx"]``).
 * ``torch._inductor.list_mode_options``: the options a ``torch.compile`` mode sets.
+* ``OptimizedModule.dynamo_ctx.fullgraph`` and ``._dynamic``: what ``torch.compile`` was
+  given besides the backend, kept when fpaudit compiles the module again.
+* ``torch._inductor.runtime.cache_dir_utils.cache_dir``: the folder Inductor caches
+  compiled code in (importing ``torch._inductor`` creates it).
 """
 
 from __future__ import annotations
@@ -257,3 +261,20 @@ def cudagraphs_requested(kwargs: dict[str, Any]) -> bool:
     """Whether Inductor compiles this graph to run under CUDA graphs."""
     flag = kwargs.get("cudagraphs")
     return bool(getattr(flag, "value", flag))
+
+
+def compile_arguments(model: nn.Module) -> tuple[bool, bool | None]:
+    """What a ``torch.compile``d module was compiled with besides its backend:
+    ``(fullgraph, dynamic)``, ``(False, None)`` being ``torch.compile``'s defaults."""
+    context = getattr(model, "dynamo_ctx", None)
+    fullgraph = getattr(context, "fullgraph", False) is True
+    dynamic = getattr(context, "_dynamic", None)
+    return fullgraph, dynamic if isinstance(dynamic, bool) else None
+
+
+def inductor_cache_dir() -> str:
+    """The folder Inductor caches compiled code in (``TORCHINDUCTOR_CACHE_DIR`` or its
+    default); an OSError when it cannot be made."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return str(cache_dir())

@@ -15,6 +15,7 @@ interrupted. Errors are one line on stderr; ``--debug`` adds the traceback.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import re
@@ -178,6 +179,14 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+class _OutputFailed(Exception):
+    """Printing the result failed (typer would exit 1 quietly on a closed pipe)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Stopped(Exception):
     """A command was interrupted: typer would turn the KeyboardInterrupt into a bare 130."""
 
@@ -193,6 +202,10 @@ def _stoppable(callback: Any) -> Any:
             return callback(*args, **kwargs)
         except KeyboardInterrupt as error:
             raise _Stopped(error) from None
+        except OSError as error:
+            if _stdout_failed(error):
+                raise _OutputFailed(error) from None
+            raise
 
     return command
 
@@ -281,16 +294,60 @@ def run(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except (typer.Abort, KeyboardInterrupt) as error:
         return _interrupted(error.__cause__ if isinstance(error, typer.Abort) else error)
-    except (Exception, MonitorFailure) as error:  # fpaudit's own code failed: a bug
-        if state.debug:
-            traceback.print_exc()
-        if isinstance(error, MonitorFailure):  # in a hook or the capture, under a user call
-            what = f"fpaudit's own code failed ({error})"
-        else:
-            what = f"{type(error).__name__}: {error}"
-        render.error_line(f"internal error: {what} (please report it; --debug shows the traceback)")
+    except _OutputFailed as failed:  # the result could not be printed: the environment's
+        render.error_line(_stdout_words(failed.error))
         return EXIT_ERROR
+    except (Exception, MonitorFailure) as error:  # fpaudit's own code failed: a bug
+        return _internal_error(error)
     return result if isinstance(result, int) else EXIT_OK
+
+
+def _internal_error(error: BaseException) -> int:
+    """fpaudit's own code failed: one line, the traceback with --debug."""
+    if state.debug:
+        traceback.print_exc()
+    if isinstance(error, MonitorFailure):  # in a hook or the capture, under a user call
+        what = f"fpaudit's own code failed ({error})"
+    else:
+        what = f"{type(error).__name__}: {error}"
+    render.error_line(f"internal error: {what} (please report it; --debug shows the traceback)")
+    return EXIT_ERROR
+
+
+def _stdout_failed(error: OSError) -> bool:
+    """True when ``error`` came from printing the result (a full disk, /dev/full, a
+    closed pipe): the innermost frame of fpaudit or rich that raised it prints. Standard
+    output is then pointed at /dev/null, so that Python's own flush at exit is quiet."""
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if f"{os.sep}rich{os.sep}" in frame.filename or _PACKAGE in frame.filename
+    ]
+    if not frames:
+        return False
+    last = frames[-1].filename
+    if _PACKAGE in last and not os.path.basename(last).startswith("render"):
+        return False
+    _quiet_stdout()
+    return True
+
+
+def _quiet_stdout() -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _stdout_words(error: OSError) -> str:
+    """The one line for standard output that cannot be written."""
+    reason = error.strerror or str(error)
+    if error.errno == errno.EPIPE:
+        return f"standard output was closed before fpaudit wrote its result ({reason})"
+    return f"cannot write the result to standard output: {reason}"
 
 
 def _interrupted(cause: BaseException | None) -> int:
@@ -303,11 +360,23 @@ def _interrupted(cause: BaseException | None) -> int:
 def main() -> None:
     """Console-script entry point."""
     if _command_name(sys.argv[1:]) == "run":  # (a script's threads are its own business)
-        sys.exit(run())
+        sys.exit(_flushed(run()))
     with _threads.watching():
-        code = run()
+        code = _flushed(run())
         _leave_model_threads(code)
     sys.exit(code)
+
+
+def _flushed(code: int) -> int:
+    """``code``, once what is buffered for standard output is written; if it cannot be
+    (a closed pipe, a full disk), one line and exit 2."""
+    try:
+        sys.stdout.flush()
+    except OSError as error:
+        _quiet_stdout()
+        render.error_line(_stdout_words(error))
+        return EXIT_ERROR
+    return code
 
 
 def _command_name(argv: list[str]) -> str | None:

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
@@ -31,6 +32,7 @@ from fpaudit.cli.common import (
 from fpaudit.cli.options import Fp16PlanArgs, RunArgs, ScanArgs, VerifyArgs
 from fpaudit.errors import Interrupted, ModelFileError, UsageError
 from fpaudit.numerics.formats import Format, get_format
+from fpaudit.report.outputs import loop_words, symlink_loop
 from fpaudit.report.records import KIND_BACKWARD
 from fpaudit.report.runinfo import RunMeta
 
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 
     from fpaudit.integrations.tensorboard import LiveWriter
     from fpaudit.report.store import Report
+    from fpaudit.run.scan import ScanFailed
     from fpaudit.run.training import RunOutcome
 
 # The analysis and report modules are imported inside the commands: pandas and
@@ -91,6 +94,9 @@ def _new_report_path(options: ScanArgs | RunArgs) -> Path:
             "--out fpaudit-report"
         )
     out_path = Path(os.path.abspath(given))
+    loop = symlink_loop(out_path)
+    if loop is not None:
+        raise UsageError(f"--out {given}: {loop_words(loop)}")
     length = len(os.fsencode(out_path))
     if length + _INSIDE_REPORT > _path_max():
         raise UsageError(
@@ -235,6 +241,12 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
         from fpaudit.report.store import Report
 
         report = Report.read(out_path)  # every rank's part, merged
+        ended = report.meta.get("batches_ended_on")
+        if ended:  # a one-shot generator shorter on some ranks: all stopped together
+            sys.stderr.write(
+                f"fpaudit: note: the batches of rank {', '.join(map(str, ended))} ended after "
+                f"{report.info.steps_run} step(s); every rank stopped there\n"
+            )
     _scan_summary(report, formats, options)
 
 
@@ -251,7 +263,7 @@ def _scan_and_write(
     exits, a scan whose model code exited keeps them and fails."""
     from fpaudit.report.files import output_lock
     from fpaudit.run import distributed
-    from fpaudit.run.scan import ScanExited, ScanInterrupted, scan
+    from fpaudit.run.scan import ScanExited, ScanFailed, ScanInterrupted, scan
 
     lead = distributed.leads()
     lock = output_lock(out_path) if lead else contextlib.nullcontext()
@@ -275,6 +287,10 @@ def _scan_and_write(
                 render.error_line(f"interrupted by {stopped.signal_name} after {done} of "
                                   f"{scan_options.steps} step(s); {kept}")  # fmt: skip
             raise typer.Exit(stopped.exit_code) from None
+        except ScanFailed as failed:  # torchrun: a rank failed; each keeps its steps apart
+            if _forked():
+                raise typer.Exit(EXIT_ERROR) from None
+            _write_alone(failed, out_path, options)
         except ScanExited as exited:  # model code called sys.exit/os._exit
             if _forked():
                 raise typer.Exit(EXIT_ERROR) from None
@@ -288,6 +304,26 @@ def _scan_and_write(
             raise typer.Exit(EXIT_OK)
         _write(lambda: distributed.write_report(report, out_path, force=options.force), report)
     return report
+
+
+def _write_alone(failed: ScanFailed, out_path: Path, options: ScanArgs) -> NoReturn:
+    """Under torchrun, after a rank failed: write this rank's completed steps alone to
+    ``OUT.rankN`` (the ranks cannot meet to write one report: the failed one is gone)
+    and fail with the failing rank's words. SIGINT and SIGTERM (torchrun stops every
+    rank once one exits) no longer interrupt: this rank is ending, within seconds."""
+    for number in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to hold
+            signal.signal(number, signal.SIG_IGN)
+    report, done = failed.report, failed.report.info.steps_run or 0
+    own = out_path.with_name(f"{out_path.name}.rank{int(os.environ.get('RANK', '0'))}")
+    shown = f"{options.out}.rank{int(os.environ.get('RANK', '0'))}"
+    try:
+        report.write(own, force=options.force)
+        kept = f"this rank's {done} completed step(s) are in {shown}, marked incomplete"
+    except Exception as problem:  # the failure is the news; the write a note in its line
+        kept = f"this rank's {done} completed step(s) could not be written to {shown} ({problem})"
+    error = failed.error
+    raise type(error)(*error.wording.parts, f"; {kept}")
 
 
 def _scan_summary(report: Report, formats: list[Format], options: ScanArgs) -> None:

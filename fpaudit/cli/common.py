@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +161,11 @@ def verdict(result: Any, as_json: bool, show: Callable[[Any], None]) -> NoReturn
 def outside_report(path: Path, report_path: Path, flag: str) -> None:
     """Refuse an output file inside the report being read: it would change the report
     (and a later --force would delete it with the report)."""
+    from fpaudit.report.outputs import loop_words, symlink_loop
+
+    loop = symlink_loop(Path(os.path.abspath(path)))
+    if loop is not None:
+        raise UsageError(f"{flag} {path}: {loop_words(loop)}")
     target, root = path.resolve(), report_path.resolve()
     if target == root or root in target.parents:
         raise UsageError(

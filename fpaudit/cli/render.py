@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -66,9 +67,16 @@ def _console(stream: Any) -> Console:
     width = None
     if not (hasattr(stream, "isatty") and stream.isatty()):
         width = int(os.environ.get("COLUMNS", "") or PIPE_WIDTH)
-    return Console(
+    return _Console(
         file=stream, highlight=False, soft_wrap=True, width=width, markup=False, emoji=False
     )
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """A closed pipe is an error the command line words (rich would exit 1, the
+        gate's failure): raise it."""
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
 def stdout() -> Console:

@@ -20,6 +20,7 @@ are those of its bucket edges (the report keeps counts per binade, not the value
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -160,13 +161,37 @@ class LiveWriter:
         self._writer: Any = None
         self.steps_written = 0
         self.failed: str | None = None
+        self._unhook: Callable[[], None] = lambda: None
 
     @property
     def writer(self) -> Any:
         """The ``SummaryWriter`` (made on first use)."""
         if self._writer is None:
+            self._hook_writer_thread()  # (its thread starts writing in the constructor)
             self._writer = self._writer_class(log_dir=str(self.directory))
         return self._writer
+
+    def _hook_writer_thread(self) -> None:
+        """The writer's own thread writes the event file; a write that fails there (a
+        full disk) is this writer's failure, warned about once, not a traceback on
+        stderr: the thread's exceptions go to :meth:`_failed` until :meth:`close`."""
+        previous = threading.excepthook
+
+        def hook(args: Any) -> None:
+            if type(args.thread).__module__.startswith("tensorboard") and isinstance(
+                args.exc_value, Exception
+            ):
+                self._failed(args.exc_value)
+            else:
+                previous(args)
+
+        threading.excepthook = hook
+
+        def unhook() -> None:
+            if threading.excepthook is hook:  # (not another's hook, set after ours)
+                threading.excepthook = previous
+
+        self._unhook = unhook
 
     def write_step(self, audit: Audit) -> None:
         """The last closed step's metrics and histograms (nothing before a step closed)."""
@@ -186,6 +211,7 @@ class LiveWriter:
             self._guarded(lambda: self._write_skips(report))
         if self._writer is not None:
             self._guarded(self._writer.close)
+        self._unhook()
 
     def _write_skips(self, report: Report) -> None:
         for step, skipped in skipped_series(report):

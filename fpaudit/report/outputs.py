@@ -12,6 +12,7 @@ same way (``fpaudit.report.store``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import tempfile
@@ -24,6 +25,28 @@ from fpaudit.errors import Named, UsageError
 __all__ = ["STAGING_SUFFIX", "hidden_sibling", "make_parent", "staging_prefix", "write_atomically"]
 
 STAGING_SUFFIX = ".tmp"
+
+
+def symlink_loop(path: Path) -> Path | None:
+    """The first part of ``path`` that is a symbolic link leading back to itself (the
+    system gives up following it: ELOOP), or None. Such a path neither exists nor can be
+    created, and ``Path.resolve`` raises on it."""
+    here = Path(path.anchor) if path.is_absolute() else Path()
+    for part in path.parts[1:] if path.is_absolute() else path.parts:
+        here = here / part
+        try:
+            os.stat(here)
+        except OSError as error:
+            return here if error.errno == errno.ELOOP else None
+    return None
+
+
+def loop_words(loop: Path) -> str:
+    """How a message names a symlink loop."""
+    return (
+        f"{loop} is a symbolic link that leads back to itself (a symlink loop); "
+        "remove or re-point it"
+    )
 
 
 def make_parent(path: Path, option: str) -> Path:

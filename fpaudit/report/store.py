@@ -67,6 +67,7 @@ from fpaudit.report.files import (
     output_errors,
     sha256,
 )
+from fpaudit.report.outputs import loop_words, symlink_loop
 from fpaudit.report.records import (
     BIN_COLUMNS,
     BLOCK_COUNT_COLUMNS,
@@ -359,6 +360,9 @@ class Report:
     @classmethod
     def _read_once(cls, root: Path) -> Report:
         if not root.exists():
+            loop = symlink_loop(Path(os.path.abspath(root)))
+            if loop is not None:
+                raise ReportError(f"report {root}: {loop_words(loop)}")
             raise ReportError(f"report {root} does not exist")
         if not root.is_dir():
             raise ReportError(f"report {root} is not a directory")

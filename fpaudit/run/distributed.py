@@ -28,8 +28,17 @@ gradients (``use_orig_params=True``) or of each unit's flat parameter
 from __future__ import annotations
 
 import atexit
+import contextlib
+import datetime
 import os
+import re
 import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +46,14 @@ import torch
 import torch.distributed as dist
 
 from fpaudit._process import Owner
-from fpaudit.errors import FpauditError, Named, ReportError, ReportExists, UsageError
+from fpaudit.errors import (
+    FpauditError,
+    ModelFileError,
+    Named,
+    ReportError,
+    ReportExists,
+    UsageError,
+)
 
 if TYPE_CHECKING:  # pandas and pyarrow: only once a report is written
     from fpaudit.report.store import Report
@@ -170,3 +186,178 @@ def _parts(error: BaseException) -> tuple[str | Named, ...]:
     """What an error says, as parts another rank can raise again (``Named`` parameters
     stay parameters, so the CLI still words them as flags)."""
     return error.wording.parts if isinstance(error, FpauditError) else (str(error),)
+
+
+# -- the ranks agree on the end ---------------------------------------------------------
+# What each rank says before each step (one all-reduce of one number per rank): it has a
+# batch, its batches ended, or a signal arrived (SIGINT, SIGTERM) since the last step.
+_GO, _ENDED, _SIGINT, _SIGTERM = 0, 1, 2, 3
+_SIGNALS = {int(signal.SIGINT): ("SIGINT", _SIGINT), int(signal.SIGTERM): ("SIGTERM", _SIGTERM)}
+# What a collective's failure says when a peer's process went away (gloo, NCCL)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "gloo", "NCCL", "DistBackendError", "DistNetworkError")  # fmt: skip
+# How long a rank whose collective failed waits for the failing rank's word in the store
+# (that rank wrote it before leaving, which is what failed the collective)
+PEER_WORD_WAIT_S = 2.0
+
+
+class RankFailed(ModelFileError):
+    """Another rank of the launch failed (its error, in its words) or its process ended
+    without a word; this rank stopped too. Exit 2."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why the ranks stopped together before a step: the ranks whose batches ended
+    (``ended``), or the signal that arrived (``signal_name``, with its exit code)."""
+
+    ended: tuple[int, ...] = ()
+    signal_name: str | None = None
+    exit_code: int = 0
+
+
+class Peers:
+    """What the ranks of one launch tell each other besides the model's collectives.
+
+    Before each step every rank says, in one all-reduce of one number per rank, whether
+    it has a batch and whether SIGINT or SIGTERM arrived (:meth:`agree`): a rank whose
+    batches ended stops every rank there, and a signal stops every rank at the same step,
+    so that the report is written by every rank (a rank that stopped alone would leave
+    the others waiting in DDP's all-reduce until gloo's 30-minute timeout). A rank that
+    fails in a step cannot meet the others there: it leaves its error in the launch's
+    key-value store (torchrun's TCPStore; :meth:`fail`) and exits, which fails the
+    collective its peers wait in; they then read its words (:meth:`failure`) and stop
+    with them. Known limitation: NCCL does not fail a collective when a peer's process
+    ends; there a rank that fails mid-step leaves its peers waiting until NCCL's timeout.
+    """
+
+    def __init__(self, rank: int, world: int, device: torch.device) -> None:
+        self.rank, self.world, self.device = rank, world, device
+        self.store = _launch_store()
+        self._signal: tuple[str, int] | None = None  # (name, word) of a signal held
+
+    @contextmanager
+    def signals_held(self) -> Iterator[None]:
+        """SIGINT and SIGTERM only remembered inside the block, for :meth:`agree` to
+        tell every rank (torchrun sends them to every rank, at different points of a
+        step). Main thread only; elsewhere nothing changes."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def remember(signum: int, frame: object) -> None:
+            if self._signal is None:
+                self._signal = _SIGNALS[signum]
+
+        previous = {number: signal.signal(number, remember) for number in _SIGNALS}
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def agree(self, have_batch: bool) -> Stop | None:
+        """Every rank's word before a step; None when every rank goes on."""
+        mine = _GO if have_batch else _ENDED
+        if self._signal is not None:
+            mine = self._signal[1]
+        words = torch.zeros(self.world, dtype=torch.int64, device=self.device)
+        words[self.rank] = mine
+        dist.all_reduce(words)
+        said = words.tolist()
+        if not any(said):
+            return None
+        for code, name, exit_code in ((_SIGTERM, "SIGTERM", 143), (_SIGINT, "SIGINT", 130)):
+            if code in said:
+                return Stop(signal_name=name, exit_code=exit_code)
+        return Stop(ended=tuple(r for r, word in enumerate(said) if word == _ENDED))
+
+    def failure(self, error: BaseException) -> FpauditError:
+        """What this rank says after ``error`` ended its steps: a peer's words when a peer
+        failed first (the collective this rank waited in failed because it left), else
+        this rank's own error, left in the store for the others."""
+        said = self._peer_word(wait=0.0)
+        if said is None and looks_like_peer_gone(error):
+            said = self._peer_word(wait=PEER_WORD_WAIT_S)
+            if said is None:
+                return RankFailed(
+                    "another rank's process ended without a word (killed, or it crashed); "
+                    f"rank {self.rank} stopped: {first_line(_peer_gone(error) or error)}"
+                )
+        if said is not None:
+            return RankFailed(said)
+        own = error if isinstance(error, FpauditError) else None
+        words = own.as_flag() if own is not None else f"{type(error).__name__}: {first_line(error)}"
+        self._leave_word(f"rank {self.rank} failed: {words}")
+        return own if own is not None else ModelFileError(f"rank {self.rank}: {words}")
+
+    def _leave_word(self, words: str) -> None:
+        if self.store is None:
+            return
+        # the first rank to fail is the one the others name; with the store gone too,
+        # the others say "without a word"
+        with contextlib.suppress(Exception):
+            self.store.compare_set("failed", "", words)
+
+    def _peer_word(self, *, wait: float) -> str | None:
+        if self.store is None:
+            return None
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if self.store.check(["failed"]):
+                    return bytes(self.store.get("failed")).decode()
+            except Exception:
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+
+def _launch_store() -> Any:
+    """A client of the launch's key-value store (torchrun's, or rank 0's where the
+    process group was set up from MASTER_ADDR/MASTER_PORT), under keys of this
+    launch and restart; None where there is none to reach."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        client = dist.TCPStore(  # type: ignore[attr-defined]  # public, re-exported from C
+            host, int(port), is_master=False, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=10),
+        )  # fmt: skip
+    except Exception:
+        return None
+    launch = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"fpaudit/{launch}/{restart}/", client)  # type: ignore[attr-defined]
+
+
+def looks_like_peer_gone(error: BaseException) -> bool:
+    """True when ``error`` (or what it was raised from) is a collective that failed
+    because a peer went away."""
+    return _peer_gone(error) is not None
+
+
+def _peer_gone(error: BaseException) -> BaseException | None:
+    """The innermost error of ``error``'s chain that says a peer went away, or None."""
+    found, seen = None, error
+    for _ in range(16):  # (a chain is short; a cycle is not followed)
+        if isinstance(seen, dist.DistError) or any(w in str(seen) for w in _PEER_GONE):
+            found = seen
+        following = seen.__cause__ or seen.__context__
+        if following is None:
+            break
+        seen = following
+    return found
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line, without the C++ source location gloo puts before it."""
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    text = _SOURCE_LOCATION.sub("", text)
+    return text.split(". This is typically caused by", 1)[0]  # gloo's advice: torchrun's job
+
+
+# "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] " before gloo's words
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,12 +22,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from fpaudit import defaults
+from fpaudit import defaults, torch_internals_compile
 from fpaudit._process import Owner
 from fpaudit.bounds import AT_LEAST_1
 from fpaudit.capture import compiled
 from fpaudit.capture.audit import Audit, Selection, StepSummary
-from fpaudit.errors import Interrupted, ModelExit, ModelFileError, Named, OptionError, UsageError
+from fpaudit.errors import (
+    FpauditError,
+    Interrupted,
+    ModelExit,
+    ModelFileError,
+    Named,
+    OptionError,
+    UsageError,
+)
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
 from fpaudit.report.runinfo import AMP_NAMES, AutocastPrediction, RunInfo, RunMeta
@@ -107,6 +116,17 @@ class ScanInterrupted(Interrupted):
         self.report = report
 
 
+class ScanFailed(Exception):
+    """Under torchrun, a rank failed after some steps (this one, or another: ``error``
+    says which, in its words); ``report`` holds this rank's completed steps, marked
+    incomplete, for the caller to write apart (the ranks cannot meet to write one)."""
+
+    def __init__(self, report: Report, error: FpauditError) -> None:
+        super().__init__(str(error))
+        self.report = report
+        self.error = error
+
+
 class ScanExited(ModelExit):
     """Model code called ``sys.exit``/``os._exit`` after some steps: ``report`` holds them,
     marked incomplete; the error stands (exit 2)."""
@@ -157,7 +177,11 @@ def scan(
 
     Raises :class:`ScanInterrupted` on SIGINT/SIGTERM and :class:`ScanExited` when model
     code calls ``sys.exit`` or ``os._exit`` after a completed step; both carry the
-    completed steps as a report marked incomplete.
+    completed steps as a report marked incomplete. Under torchrun the ranks agree before
+    each step (``distributed.Peers``): they stop together when a rank's batches end or a
+    signal arrives; a rank that fails raises :class:`ScanFailed` there, and so do the
+    others, with its words (or :class:`~fpaudit.run.distributed.RankFailed` before a
+    step completed).
     """
     with modelfile.exits_caught():
         return _scan(Path(model_path), options, _Listeners(on_step, on_captured), meta)
@@ -177,6 +201,7 @@ class _Setup:
     trained: torch.nn.Module  # what forward runs through (DDP under torchrun)
     optimizer: torch.optim.Optimizer | None
     audit: Audit
+    peers: distributed.Peers | None  # under torchrun: what the ranks tell each other
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward's autocast (``--amp``), or nothing."""
@@ -198,6 +223,8 @@ class _Ran(NamedTuple):
     steps_run: int
     interrupted: Interrupted | None
     exited: ModelExit | None
+    failed: FpauditError | None = None  # under torchrun: this rank's error or a peer's
+    ended_on: tuple[int, ...] = ()  # under torchrun: the ranks whose batches ended first
 
 
 def _scan(path: Path, options: ScanOptions, listeners: _Listeners, meta: RunMeta | None) -> Report:
@@ -211,12 +238,14 @@ def _scan(path: Path, options: ScanOptions, listeners: _Listeners, meta: RunMeta
     owner = Owner()  # a child the model code forks runs on, but never probes
     ran = _run_steps(setup, batches, listeners, first)
     report = setup.audit.report
-    if first and (ran.interrupted, ran.exited) == (None, None) and owner.here():
+    if first and (ran.interrupted, ran.exited, ran.failed) == (None, None, None) and owner.here():
         # an fp32 scan: what would fp16 autocast hold? One forward after the steps, so
         # that the steps run as they would without it
         probed = _probe_autocast(path, setup.model, setup.spec, first[0], setup.device)
         report.update_info(autocast=probed)
     _record(setup, report, ran, meta)
+    if ran.failed is not None:
+        raise ScanFailed(report, ran.failed)
     if ran.interrupted is not None:
         raise ScanInterrupted(report, ran.interrupted)
     if ran.exited is not None:
@@ -233,6 +262,23 @@ def _set_up(path: Path, options: ScanOptions) -> _Setup:
         rank, world = distributed.init_from_environment(device)
     else:
         device = resolve_device(options.device)
+    if world == 1:
+        return _set_up_on(path, options, device, rank, world, None)
+    peers = distributed.Peers(rank, world, device)
+    try:
+        return _set_up_on(path, options, device, rank, world, peers)
+    except Exception as error:  # this rank's error, left for the others; or a peer's
+        raise peers.failure(error) from error
+
+
+def _set_up_on(
+    path: Path,
+    options: ScanOptions,
+    device: torch.device,
+    rank: int,
+    world: int,
+    peers: distributed.Peers | None,
+) -> _Setup:
     if options.seed is not None:
         seed_everything(options.seed)
     spec = modelfile.load(path)
@@ -242,14 +288,24 @@ def _set_up(path: Path, options: ScanOptions) -> _Setup:
     # torch.compile: a compiled model file (or --compile) runs through fpaudit's Inductor
     # backend, which hands out what its backward stores (fpaudit.capture.compiled)
     not_covered: str | None = None
+    if options.compile or compiled.inductor_options(model) is not None:
+        _check_compile_cache()  # (another backend writes no Inductor cache)
     if options.compile and compiled.eager_module(model) is None:
         model = compiled.compile(model)
     else:
-        model, not_covered = compiled.observed(model)
+        model, not_covered = _observed(model)
     trained: torch.nn.Module = model
     if world > 1 and any(p.requires_grad for p in model.parameters()):
         ids = [device.index] if device.type == "cuda" else None
-        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        try:  # DDP checks that every rank's parameters have the same shapes
+            trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        except RuntimeError as error:
+            if distributed.looks_like_peer_gone(error):
+                raise
+            raise ModelFileError(
+                f"{path}: rank {rank}'s model differs from the other ranks' "
+                f"({distributed.first_line(error)}); every rank must build the same model"
+            ) from error
     optimizer = spec.optimizer(model.parameters())
 
     audit = Audit(
@@ -264,7 +320,38 @@ def _set_up(path: Path, options: ScanOptions) -> _Setup:
     if not_covered is not None:
         audit.note_not_covered(not_covered)
     options.selection.check_modules(audit.module_names)  # a typo fails before any step
-    return _Setup(path, options, device, rank, world, spec, model, trained, optimizer, audit)
+    return _Setup(path, options, device, rank, world, spec, model, trained, optimizer, audit, peers)
+
+
+def _observed(model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
+    """``compiled.observed``, keeping what the model file gave ``torch.compile``
+    (``fullgraph=True``: a graph break fails as it fails without fpaudit; ``dynamic``)."""
+    fullgraph, dynamic = torch_internals_compile.compile_arguments(model)
+    options = compiled.inductor_options(model)
+    eager = compiled.eager_module(model)
+    given = (fullgraph, dynamic) != (False, None)
+    if not given or options is None or eager is None or options.get("triton.cudagraphs"):
+        return compiled.observed(model)
+    return compiled.compile(eager, options=options, fullgraph=fullgraph, dynamic=dynamic), None
+
+
+def _check_compile_cache() -> None:
+    """torch.compile writes compiled code to Inductor's cache folder: one that cannot be
+    written is the machine's problem, said before any step (not the model's error)."""
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        if named:  # made here first: Inductor makes it while it is imported, and an
+            os.makedirs(named, exist_ok=True)  # import that failed half-way stays broken
+        folder = torch_internals_compile.inductor_cache_dir()
+        problem = None if os.access(folder, os.W_OK | os.X_OK) else "it is not writable"
+    except OSError as error:
+        folder, problem = str(error.filename or named), error.strerror or str(error)
+    if problem is not None:
+        given = "TORCHINDUCTOR_CACHE_DIR" if named else "Inductor's default"
+        raise UsageError(
+            f"torch.compile cannot write Inductor's cache folder {folder} ({given}): "
+            f"{problem}; set TORCHINDUCTOR_CACHE_DIR to a writable folder"
+        )
 
 
 def _run_steps(
@@ -272,6 +359,8 @@ def _run_steps(
 ) -> _Ran:
     """Run a step per batch until the batches end, an interruption or an exit in model
     code (once a step completed: before that, the exit stands)."""
+    if setup.peers is not None:
+        return _run_agreed_steps(setup, setup.peers, batches, listeners, first)
     steps_run = 0
     try:
         for step, batch in enumerate(batches):
@@ -288,6 +377,44 @@ def _run_steps(
             raise
         return _Ran(steps_run, None, error)
     return _Ran(steps_run, None, None)
+
+
+_NO_BATCH = object()
+
+
+def _run_agreed_steps(
+    setup: _Setup,
+    peers: distributed.Peers,
+    batches: Iterator[Any],
+    listeners: _Listeners,
+    first: list[Any] | None,
+) -> _Ran:
+    """The steps under torchrun: before each, every rank says whether it has a batch and
+    whether a signal arrived, and all stop together; an error (this rank's, or a peer's
+    that failed a collective) ends this rank's steps with the words every rank says."""
+    steps_run = 0
+    with peers.signals_held():
+        try:
+            for step in itertools.count():
+                batch = next(batches, _NO_BATCH)
+                stop = peers.agree(batch is not _NO_BATCH)
+                if stop is not None:
+                    if stop.signal_name is not None:
+                        return _Ran(steps_run, Interrupted(stop.signal_name, stop.exit_code), None)
+                    shorter = stop.ended if len(stop.ended) < setup.world else ()
+                    return _Ran(steps_run, None, None, ended_on=shorter)
+                progress = _step(setup, step, batch, first)
+                steps_run = step + 1
+                if listeners.on_captured is not None and progress.summary is not None:
+                    listeners.on_captured(setup.audit)
+                if listeners.on_step is not None:
+                    listeners.on_step(progress)
+        except Exception as error:  # ModelExit included: the others cannot go on alone
+            failed = peers.failure(error)
+            if steps_run == 0:
+                raise failed from error
+            return _Ran(steps_run, None, None, failed=failed)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _step(setup: _Setup, step: int, batch: Any, first: list[Any] | None) -> StepProgress:
@@ -343,6 +470,10 @@ def _record(setup: _Setup, report: Report, ran: _Ran, meta: RunMeta | None) -> N
         if ran.interrupted is not None
         else ("an exit in model code" if ran.exited is not None else None)
     )
+    if isinstance(ran.failed, distributed.RankFailed):  # its words name the rank
+        stopped_by = f"an error on another rank ({ran.failed})"
+    elif ran.failed is not None:
+        stopped_by = f"an error on rank {setup.rank} ({ran.failed})"
     steps = (options.steps, ran.steps_run)
     run = RunInfo.ended("scan", stopped_by, steps, options.selection.describe(), held,
                         model_file=str(setup.path))  # fmt: skip
@@ -359,6 +490,7 @@ def _record(setup: _Setup, report: Report, ran: _Ran, meta: RunMeta | None) -> N
             "origins": options.origins,
             "capture_dtype": str(next(setup.model.parameters()).dtype).removeprefix("torch."),
             "world_size": setup.world,
+            **({"batches_ended_on": list(ran.ended_on)} if ran.ended_on else {}),
             **(
                 {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
             ),

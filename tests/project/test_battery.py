@@ -16,7 +16,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,6 +227,7 @@ class Case:
     says: str  # words the user sees (on stderr for failures, else stdout)
     setup: Callable[[Path], None] = field(default=lambda tmp: None)
     hold_lock: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # set while it runs ({tmp} filled)
 
 
 AWKWARD_OUTPUTS = """import torch
@@ -459,6 +460,24 @@ CASES: list[Case] = [
          model(GOOD.replace("model = torch.nn.Linear(2, 1)", "import sys\ndef model():\n    sys.exit(1)"))),
     Case("sys.exit while iterating `batches`", ["scan", "{tmp}/model.py"], 2, "iterating `batches` called sys.exit(None)",
          model(GOOD.replace("batches = [torch.ones(3, 2)]", "def batches():\n    raise SystemExit\n    yield"))),
+    # -- the environment at fault, and what fpaudit changes of the request ----------------
+    Case("report path is a symlink loop", ["show", "{tmp}/loop"], 2,
+         "report <tmp>/loop: <tmp>/loop is a symbolic link that leads back to itself (a symlink loop)",
+         lambda tmp: (tmp / "loop").symlink_to("loop")),
+    Case("--junit is a symlink loop", ["gate", "{tmp}/report", "--max-underflow", "1", "--junit", "{tmp}/loop"], 2,
+         "--junit <tmp>/loop: <tmp>/loop is a symbolic link that leads back to itself",
+         report(lambda root: (root.parent / "loop").symlink_to("loop"))),
+    Case("--out under a symlink loop", ["scan", "{tmp}/model.py", "--out", "{tmp}/loop/sub"], 2,
+         "--out <tmp>/loop/sub: <tmp>/loop is a symbolic link that leads back to itself",
+         lambda tmp: (model(GOOD)(tmp), (tmp / "loop").symlink_to("loop"))),
+    Case("Inductor's cache folder under a file", ["scan", "{tmp}/model.py", "--compile", "--out", "{tmp}/r"], 2,
+         "torch.compile cannot write Inductor's cache folder <tmp>/model.py/inductor (TORCHINDUCTOR_CACHE_DIR): Not a directory",
+         model(GOOD), env={"TORCHINDUCTOR_CACHE_DIR": "{tmp}/model.py/inductor"}),
+    Case("fullgraph=True model with a graph break", ["scan", "{tmp}/model.py", "--out", "{tmp}/r"], 2,
+         "model.py:9: loss(model, batch) raised Unsupported: Failed to trace builtin operator",
+         model(GOOD.replace("model = torch.nn.Linear(2, 1)", "class Breaks(torch.nn.Linear):\n"
+               "    def forward(self, x):\n        print(end='')  # a graph break\n"
+               "        return super().forward(x)\nmodel = torch.compile(Breaks(2, 1), fullgraph=True)"))),
 ]  # fmt: skip
 
 
@@ -484,7 +503,8 @@ def run_case(case: Case, tmp: Path) -> Outcome:
     before = set(tmp.iterdir())
     out, err = io.StringIO(), io.StringIO()
     lock = output_lock(tmp / "r") if case.hold_lock else contextlib.nullcontext()
-    with lock, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    env = {name: _fill(value, tmp) for name, value in case.env.items()}
+    with lock, _environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = run([_fill(a, tmp) for a in case.args])
     errors = [line for line in err.getvalue().splitlines() if line.strip()]
     shown = (
@@ -499,6 +519,20 @@ def run_case(case: Case, tmp: Path) -> Outcome:
         traceback="Traceback" in err.getvalue(),
         report_left=any((p / "meta.json").exists() or p.name.startswith(".") for p in created),
     )
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # Each case's outcome as test_bad_input observed it, by case name: the reliability doc is
@@ -579,6 +613,44 @@ def render(outcomes: list[tuple[Case, Outcome]]) -> str:
         "  the field, exit 2, from `show`, `recommend` and `gate`.",
         "- A report directory gets the mode `mkdir` gives under the umask (0755 under 022,",
         "  0750 under 027), and its files the mode `open` gives (0644, 0640).",
+        "",
+        "The environment at fault, each tested with a real subprocess in",
+        "`tests/project/test_faults_environment.py` (the tmpfs cases where the tests run as root):",
+        "",
+        "- Standard output full (`fpaudit gate r ... > /dev/full`): `fpaudit: error: cannot",
+        "  write the result to standard output: No space left on device`, exit 2.",
+        "- Standard output closed (`fpaudit show r | head -0`): `fpaudit: error: standard",
+        "  output was closed before fpaudit wrote its result (Broken pipe)`, exit 2 (not 1,",
+        "  a failed gate's status).",
+        "- `run --tensorboard DIR` with DIR on a full disk: one `fpaudit: warning: writing",
+        "  TensorBoard event files to DIR failed (OSError: [Errno 28] No space left on",
+        "  device); the audit goes on without them`, no thread traceback; the run and its",
+        "  report complete, exit 0.",
+        "- `scan --compile` with `TORCHINDUCTOR_CACHE_DIR` on a read-only mount:",
+        "  `fpaudit: error: torch.compile cannot write Inductor's cache folder DIR",
+        "  (TORCHINDUCTOR_CACHE_DIR): Read-only file system; set TORCHINDUCTOR_CACHE_DIR to",
+        "  a writable folder`, exit 2, nothing written.",
+        "",
+        "Faults under `torchrun` (2 ranks, gloo on the CPU), each tested in",
+        "`tests/run/test_distributed_faults.py`; every rank ends within 60 s of the fault, no",
+        "process of the launch is left and no lock is held:",
+        "",
+        "- One-shot `batches` shorter on rank 1: every rank stops at the shortest; exit 0 and",
+        "  `fpaudit: note: the batches of rank 1 ended after 2 step(s); every rank stopped",
+        "  there`; the report holds those steps of both ranks.",
+        "- SIGTERM to torchrun, or Ctrl-C (SIGINT to the job): every rank stops at the same",
+        "  step; `fpaudit: interrupted by SIGTERM after N of M step(s); the completed steps",
+        "  are in OUT, marked incomplete`; one report of both ranks, incomplete.",
+        "- `loss` raises on rank 1: rank 1 says its error, rank 0 `fpaudit: error: rank 1",
+        "  failed: model.py:38: loss(model, batch) raised ValueError: ...; this rank's 2",
+        "  completed step(s) are in OUT.rank0, marked incomplete`; each rank's steps in",
+        "  `OUT.rankN`, incomplete; no torch file named as the culprit. Exit 2.",
+        "- Rank 1 builds a different model: `fpaudit: error: rank 1 failed: model.py: rank",
+        "  1's model differs from the other ranks' ([1]: params[0] in this process with sizes",
+        "  [12, 4] appears not to match ...); every rank must build the same model`, exit 2.",
+        "- Rank 1 killed (SIGKILL): rank 0 says `fpaudit: error: another rank's process ended",
+        "  without a word (killed, or it crashed); rank 0 stopped: Connection closed by peer",
+        "  ...; this rank's N completed step(s) are in OUT.rank0, marked incomplete`.",
         "",
         "Damaged and tampered",
         "reports are also fuzzed (`tests/report/test_fuzz.py`): random metadata, random bytes in the",
