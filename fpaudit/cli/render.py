@@ -273,21 +273,24 @@ def _scale_lines(rec: Recommendation) -> list[str]:
             f"  A larger S loses no fewer values: every S from here up to "
             f"{power_text(rec.ceiling_log2_scale)}, the largest the headroom allows "
             f"({module_in_prose(rec.limiting_module or '')} ({rec.limiting_op}), largest "
-            f"backward value {magnitude(rec.amax)} at S = 1), underflows the same values."
+            f"backward value {magnitude(rec.amax)} at S = 1), underflows and flushes as many."
         )
     else:
         lines.append(
             f"  Limited by {module_in_prose(rec.limiting_module or '')} ({rec.limiting_op}), "
             f"largest backward value {magnitude(rec.amax)} at S = 1."
         )
+    at_scale = "" if rec.log2_scale == 0 else (
+        f", {percent(rec.underflow_fraction)} at S = 2^{rec.log2_scale}")  # fmt: skip
     lines.append(
-        f"  Underflow: {percent(rec.underflow_fraction_at_1)} of nonzero backward values at S = 1, "
-        f"{percent(rec.underflow_fraction)} at S = 2^{rec.log2_scale}."
+        f"  Underflow: {percent(rec.underflow_fraction_at_1)} of nonzero backward values at S = 1"
+        f"{at_scale}."
     )
-    lines.append(
-        "  One fewer headroom bit would recover another "
-        f"{percent(rec.underflow_recovered_by_one_fewer_headroom_bit)}."
-    )
+    if rec.underflow_recovered_by_one_fewer_headroom_bit or rec.underflow_fraction:
+        lines.append(
+            "  One fewer headroom bit would recover another "
+            f"{percent(rec.underflow_recovered_by_one_fewer_headroom_bit)}."
+        )
     lines += unscalable_lines(rec)
     if not rec.include_loss:
         lines.append(

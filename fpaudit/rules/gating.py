@@ -589,10 +589,12 @@ def _range_reason(
 ) -> Wording:
     parts: list[str | Named] = []
     if UNDERFLOW in kinds:
-        parts.append(
+        parts += [
             f"underflow {percent(numbers.judged_underflow_fraction)} exceeds the "
-            f"limit {percent(limit)}"
-        )
+            f"limit {percent(limit)} (",
+            Named("max_underflow"),
+            ")",
+        ]
     if LOST in kinds:
         parts.append(
             f"the device lost {percent(numbers.lost_fraction)} of its values at the "
@@ -616,11 +618,8 @@ def _range_reason(
     return Wording(
         f"{subject}: ",
         *joined,
-        f"; underflow {percent(numbers.judged_underflow_fraction)} vs the limit "
-        f"{percent(limit)} of ",
-        Named("max_underflow"),
-        f" ({count(numbers.judged_underflow)} of {count(numbers.nonzero)} nonzero backward "
-        f"values), overflow {count(numbers.judged_overflow)}; {where}",
+        f"; {count(numbers.judged_underflow)} of {count(numbers.nonzero)} nonzero backward "
+        f"values underflow, {count(numbers.judged_overflow)} overflow; {where}",
     )
 
 
