@@ -26,7 +26,7 @@ from fpaudit.numerics import limits
 from fpaudit.numerics.formats import Format
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis
-from fpaudit.rules.recommendation import loss_counter, log2_scale_for
+from fpaudit.rules.recommendation import log2_scale_for, loss_counter
 
 DEFAULT_WINDOWS = 10  # windows per run when --drift-window is not given
 # warn when per-window recommendations span more binades than this (declared with --drift-binades)

@@ -766,5 +766,14 @@ def _nothing_reason(report: Report, overall: analysis.Totals) -> Wording:
     )
 
 
+def judged_module_table(report: Report, result: GateResult, *, include_loss: bool = False) -> Any:
+    """Per module, the numbers at the scale ``result`` judged ``report`` at (a run judged at
+    the scales it trained at: each value at its step's), in ``result``'s format and scope."""
+    scope = analysis.default_scope(report, include_loss)
+    if result.scale_source == TRAINED:
+        return analysis.module_table(analysis.as_trained(report), result.format, 0, scope=scope)
+    return analysis.module_table(report, result.format, result.log2_scale, scope=scope)
+
+
 def _offender(module: str, row: analysis.Totals) -> Offender:
     return Offender(module=module, **_numbers(row, Offender))

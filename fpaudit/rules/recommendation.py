@@ -16,7 +16,8 @@ the least the headroom allows: a larger scale only moves values toward the top o
 range. Neither count grows with S (a value that survives at ``2**k`` survives at
 ``2**(k+1)``), so when they still fall with each binade, as fp16's usually do, the
 recommendation is the ceiling; when nothing underflows or flushes at S = 1 (bf16 with
-values in fp32's normal range), it is S = 1: no loss scale needed. Scales below 1 are recommended only where the headroom demands them.
+values in fp32's normal range), it is S = 1: no loss scale needed. Scales below 1 are
+recommended only where the headroom demands them.
 
 Values that do not scale with the loss and underflow or overflow the format do so
 at every scale (:mod:`fpaudit.rules.analysis` counts them apart): no loss scale fixes

@@ -147,7 +147,9 @@ def test_the_baseline_gate_fails_a_loss_divided_by_8_at_the_baselines_scale() ->
     # scale moved 3 binades with the values and nothing more underflows there
     own = gate(new, FP16, None, log2_scale="recommended", baseline=base, max_increase=limit)
     assert own.passed and own.log2_scale == base_k + 3
-    assert zeros_at(new_values, base_k + 3, torch.float16) == zeros_at(base_values, base_k, torch.float16)
+    assert zeros_at(new_values, base_k + 3, torch.float16) == zeros_at(
+        base_values, base_k, torch.float16
+    )
     # identical runs still pass
     twin = report_from({"m": base_values.clone()})
     assert gate(twin, FP16, None, baseline=base, max_increase=0.0).passed
@@ -191,7 +193,7 @@ def test_a_run_report_is_judged_at_the_scales_it_trained_at() -> None:
 
 
 # -- item 4: non-finite steps are evidence -------------------------------------------------
-NAN_SCRIPT = '''
+NAN_SCRIPT = """
 import torch
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
@@ -204,7 +206,7 @@ for step in range(10):
     loss = model(x).pow(2).mean()
     loss.backward()
     opt.step()
-'''
+"""
 
 
 def test_a_run_with_nan_steps_and_no_scaler_fails_the_gate_naming_the_first(
