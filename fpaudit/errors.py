@@ -28,6 +28,7 @@ LIBRARY_NAMES: dict[str, str] = {
     "op": "ops",
     "exclude_op": "exclude_ops",
     "recipe": "recipes",
+    "scale": "log2_scale",
 }
 _FLAGS = {library: "--" + option.replace("_", "-") for option, library in LIBRARY_NAMES.items()}
 

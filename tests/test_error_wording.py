@@ -201,7 +201,7 @@ def test_gate_reasons_name_the_library_options_and_render_as_flags() -> None:
     report.meta["complete"] = False
     result = gate(report, "fp16", 0.001, log2_scale=0)
     reasons = result.reasons
-    assert any("vs max_underflow 0.001 " in reason for reason in reasons), reasons
+    assert any("the limit 0.1% (max_underflow)" in reason for reason in reasons), reasons
     incomplete = [f for f in result.failures if f.subject == "(complete)"]
     assert [f.reason for f in incomplete] == [
         "the report is incomplete (its run was interrupted), which fails the gate; "
@@ -216,7 +216,7 @@ def test_gate_reasons_name_the_library_options_and_render_as_flags() -> None:
     flagged = [f["reason"] for f in result.to_dict(flags=True)["failures"]]
     assert flagged == [f.as_flag() for f in result.failures]
     assert [f["reason"] for f in result.to_dict()["failures"]] == reasons
-    assert any("vs --max-underflow 0.001 " in reason for reason in flagged)
+    assert any("the limit 0.1% (--max-underflow)" in reason for reason in flagged)
 
 
 def test_nonfinite_and_empty_reasons_name_the_library_options() -> None:

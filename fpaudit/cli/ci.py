@@ -203,10 +203,9 @@ def gate_modules(report: Report, result: GateResult, *, include_loss: bool = Fal
 
     Pass the ``include_loss`` the gate ran with.
     """
-    from fpaudit.rules import analysis
+    from fpaudit.rules.gating import judged_module_table
 
-    scope = analysis.default_scope(report, include_loss)
-    table = analysis.module_table(report, result.format, result.log2_scale, scope=scope)
+    table = judged_module_table(report, result, include_loss=include_loss)
     # the numbers the gate judged (values no loss scale fixes apart, as the gate counts them)
     return table.assign(
         underflow_fraction=table["judged_underflow_fraction"],

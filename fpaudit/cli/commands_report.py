@@ -24,6 +24,7 @@ from fpaudit.cli.common import (
     JsonOption,
     ReportArgument,
     from_report,
+    named_scale,
     outside_report,
     scale,
     verdict,
@@ -352,7 +353,9 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
             "gate needs --max-underflow FRACTION (for example 0.001), --baseline BASE with "
             "--max-increase FRACTION, or max_underflow in --config"
         )
-    log2_scale = scale(options.scale)
+    from fpaudit.rules.gating import SCALE_NAMES
+
+    log2_scale = named_scale(options.scale, SCALE_NAMES)
     if options.junit is not None:
         outside_report(Path(options.junit), report_path, "--junit")
     report = Report.read(report_path)
@@ -449,9 +452,9 @@ def diff_command(base: BaseArgument, new: NewArgument, options: DiffArgs) -> Non
     Example: fpaudit diff main-report pr-report --format fp16 --by op --json
     """
     from fpaudit.report.store import Report
-    from fpaudit.rules.comparison import compare
+    from fpaudit.rules.comparison import SCALE_NAMES, compare
 
-    log2_scale = scale(options.scale)
+    log2_scale = named_scale(options.scale, SCALE_NAMES)
     if base.resolve() == new.resolve():
         raise UsageError(f"BASE and NEW are the same report ({new}); compare two reports")
     base_report, new_report = Report.read(base), Report.read(new)

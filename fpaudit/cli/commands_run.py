@@ -468,8 +468,9 @@ def _run_summary(report: Report, fmt: Format, options: RunArgs) -> None:
     )  # fmt: skip
     render.report_notes(report, incomplete=False)  # the summary says if it was interrupted
     render_run.run_summary(
-        str(options.out), report, list(summary.findings), summary.recommendation, summary.drift
-    )
+        str(options.out), report, list(summary.findings), summary.recommendation, summary.drift,
+        summary.nonfinite_steps,
+    )  # fmt: skip
     _block_summaries(report, specs.default_int("scan", "top"))
 
 

@@ -149,6 +149,15 @@ def scale(text: str | None, what: str = "scale") -> int | None:
     return config.parse_scale(text, what)
 
 
+def named_scale(text: str | None, names: tuple[str, ...]) -> int | str | None:
+    """A scale given as a power of two (log2 of it) or by one of ``names`` (the name, for
+    the library to resolve); None when not given."""
+    if text is None:
+        return None
+    name = text.strip().lower()
+    return name if name in names else config.parse_scale(text, "scale")
+
+
 def verdict(result: Any, as_json: bool, show: Callable[[Any], None]) -> NoReturn:
     """Print a pass/fail result (JSON or through ``show``) and exit 0 (passed) or 1."""
     if as_json:

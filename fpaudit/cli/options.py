@@ -543,7 +543,10 @@ class GateArgs(CommandOptions):
     )()
     format: str | None = REPORT_FORMAT()
     scale: str | None = Option(
-        None, "Power-of-two scale to judge", kind="scale", shown="the recommended one",
+        None, "Power-of-two scale to judge (4096, 2^12), or 'recommended' (the report's), "
+        "'baseline' (the baseline's recommended), 'trained' (a run's own scales)", kind="scale",
+        shown="the baseline's recommended one with --baseline, a run's own scales for a "
+        "`fpaudit run` report, else the recommended one",
         short="-s",
     )()  # fmt: skip
     per_module: bool = flag(
@@ -596,8 +599,9 @@ class DiffArgs(CommandOptions):  # no config file
         shown="NEW's first that BASE has too", short="-f",
     )()  # fmt: skip
     scale: str | None = Option(
-        None, "Power-of-two scale both are read at (4096, 2^12) or 'recommended'",
-        kind="scale", shown="NEW's recommended one", short="-s",
+        None, "Power-of-two scale both are read at (4096, 2^12), or a recommended one: "
+        "'base' (or 'recommended'), 'new'",
+        kind="scale", shown="BASE's recommended one", short="-s",
     )()  # fmt: skip
     by: str = Option(
         "module", "module, or op (module, autograd node and aten op)",

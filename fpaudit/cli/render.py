@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fpaudit.numerics.formats import Format, as_format
+from fpaudit.rules.recommendation import LEAST_UNDERFLOW
 from fpaudit.rules.summary import json_rows, worst_modules
 from fpaudit.text import count, module_in_prose, module_label, percent, power, scale_text
 
@@ -194,12 +195,14 @@ def show(view: ModuleView) -> None:
         grid.add_column("node", no_wrap=True, overflow="ellipsis", max_width=24)
         grid.add_column("op", no_wrap=True, overflow="ellipsis", max_width=24)
         counts: tuple[str, ...] = ("values", "under %", "flush %", "overflow")
-        if shadowed:  # a live report: what the device held, and which op lost values
-            counts = ("dtype", "values", "zeros", "lost", "under %", "overflow")
+        if shadowed:  # a live report: which op lost values first, then what the device held
+            counts = ("lost", "lost %", "dtype", "values", "zeros", "under %", "overflow")
     else:
         counts = ("values", "zeros", "inf/nan", "underflow", "under %", "flush %", "overflow")
         if shadowed:
-            counts = ("values", "zeros", "lost", "under %", "flush %", "overflowed", "overflow")
+            counts = (
+                "lost", "lost %", "values", "zeros", "under %", "flush %", "overflowed", "overflow"
+            )  # fmt: skip
     if "unscalable_overflow" in table:  # values no loss scale fixes, apart
         apart = table["unscalable_overflow"] + table["unscalable_underflow"]
         if bool((apart > 0).any()):
@@ -219,6 +222,7 @@ def show(view: ModuleView) -> None:
             "overflow": count(row.overflow),
             "dtype": str(row.dtype),
             "lost": count(row.lost) if row.shadow_calls else "-",
+            "lost %": percent(row.lost_fraction) if row.shadow_calls else "-",
             "overflowed": count(row.overflowed) if row.shadow_calls else "-",
             "at every S": count(row.unscalable_overflow + row.unscalable_underflow)
             if hasattr(row, "unscalable_overflow")
@@ -233,6 +237,10 @@ def show(view: ModuleView) -> None:
     console.print(grid)
     if top is not None:
         console.print(f"(the {top} rows with the highest underflow fraction)")
+    if view.left_out is not None and view.left_out.format_dtype is not None:
+        left = view.left_out
+        assert left.format_dtype is not None
+        console.print(left_out_line(left.format_dtype, left.nonzero, left.dtypes))
     if "at every S" in counts:
         console.print(
             "(at every S: values that do not scale with the loss and underflow or overflow "
@@ -243,6 +251,11 @@ def show(view: ModuleView) -> None:
 
 # -- recommend -------------------------------------------------------------
 def recommendation_lines(rec: Recommendation) -> list[str]:
+    """What ``recommend`` says, a live ``--shadow`` report's loss first."""
+    return lost_lines(rec) + _scale_lines(rec)
+
+
+def _scale_lines(rec: Recommendation) -> list[str]:
     if rec.log2_scale is None and rec.live_dtype is not None:
         return [
             f"No recommendation for {rec.format}: no nonzero {rec.live_dtype} backward value in "
@@ -256,25 +269,36 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
             "values that scale with the loss, so any scale keeps them all (there is nothing to "
             "lose)."
         ]
+    no_scale = rec.log2_scale == 0 and rec.limited_by == LEAST_UNDERFLOW
     lines = [
         f"Recommended static loss scale for {rec.format}: S = {scale_text(rec.log2_scale)} "
-        f"(headroom {rec.headroom_bits} bits)."
+        f"(headroom {rec.headroom_bits} bits)" + (": no loss scale needed." if no_scale else ".")
     ]
     if rec.limited_by == "scale range":
         lines.append("  Limited by the range a loss scale can take (fp32 normal numbers).")
+    elif rec.limited_by == LEAST_UNDERFLOW:
+        lines.append(
+            f"  A larger S loses no fewer values: every S from here up to "
+            f"{power_text(rec.ceiling_log2_scale)}, the largest the headroom allows "
+            f"({module_in_prose(rec.limiting_module or '')} ({rec.limiting_op}), largest "
+            f"backward value {magnitude(rec.amax)} at S = 1), underflows and flushes as many."
+        )
     else:
         lines.append(
             f"  Limited by {module_in_prose(rec.limiting_module or '')} ({rec.limiting_op}), "
             f"largest backward value {magnitude(rec.amax)} at S = 1."
         )
+    at_scale = "" if rec.log2_scale == 0 else (
+        f", {percent(rec.underflow_fraction)} at S = 2^{rec.log2_scale}")  # fmt: skip
     lines.append(
-        f"  Underflow: {percent(rec.underflow_fraction_at_1)} of nonzero backward values at S = 1, "
-        f"{percent(rec.underflow_fraction)} at S = 2^{rec.log2_scale}."
+        f"  Underflow: {percent(rec.underflow_fraction_at_1)} of nonzero backward values at S = 1"
+        f"{at_scale}."
     )
-    lines.append(
-        "  One fewer headroom bit would recover another "
-        f"{percent(rec.underflow_recovered_by_one_fewer_headroom_bit)}."
-    )
+    if rec.underflow_recovered_by_one_fewer_headroom_bit or rec.underflow_fraction:
+        lines.append(
+            "  One fewer headroom bit would recover another "
+            f"{percent(rec.underflow_recovered_by_one_fewer_headroom_bit)}."
+        )
     lines += unscalable_lines(rec)
     if not rec.include_loss:
         lines.append(
@@ -282,16 +306,45 @@ def recommendation_lines(rec: Recommendation) -> list[str]:
         )
     if rec.live_dtype is not None:
         lines.append(
-            f"  Live report: only values the device really held in {rec.live_dtype} count "
-            "(fp32 ops under autocast are left out)."
+            "  " + left_out_line(rec.live_dtype, rec.left_out_nonzero, rec.left_out_dtypes)
         )
-    if as_format(rec.format).fp32_range:
+    if as_format(rec.format).fp32_range and not no_scale:
         lines.append(
             f"  Note: {rec.format} has fp32's exponent range, so it rarely needs loss scaling: "
             f"S = 1 loses {percent(rec.underflow_fraction_at_1)} here; a large S only moves "
             "values toward the top of a range they already fit in."
         )
     return lines
+
+
+def lost_lines(rec: Recommendation) -> list[str]:
+    """A live ``--shadow`` report's first line: what the device really lost."""
+    if not rec.shadow_nonzero:
+        return []
+    worst = sorted(
+        (m for m in rec.modules if m.lost), key=lambda m: -m.lost_fraction
+    )[:3]  # fmt: skip
+    where = "; ".join(
+        f"{module_label(m.module)} {percent(m.lost_fraction)} ({count(m.lost)})" for m in worst
+    )
+    return [
+        f"Lost on the device: {percent(rec.lost_fraction)} ({count(rec.lost)} of "
+        f"{count(rec.shadow_nonzero)} nonzero values of the fp32 re-run were zero in "
+        f"{rec.live_dtype or rec.format} at the run's loss scale)"
+        + (f"; most in {where}." if where else ".")
+    ]
+
+
+def left_out_line(dtype: str, nonzero: int, dtypes: tuple[str, ...]) -> str:
+    """A live report: the one line on the values its format leaves out, and why."""
+    if not nonzero:
+        return f"Live report: every backward value counted was held in {dtype} on the device."
+    held = ", ".join(dtypes)
+    return (
+        f"Live report: only values the device held in {dtype} count; {count(nonzero)} "
+        f"nonzero value(s) held in {held} (ops autocast keeps in fp32) are left out: they "
+        "never were in the format."
+    )
 
 
 def unscalable_counts(overflow: int, underflow: int) -> str:
@@ -348,14 +401,17 @@ def gate(result: GateResult) -> None:
     base = result.baseline_overall
     if base is not None and result.policy.max_increase is not None:
         limits.insert(0, f"baseline {percent(base.base_underflow or 0.0)}, increase limit "
-                         f"{result.policy.max_increase:g}")  # fmt: skip
+                         f"{percent(result.policy.max_increase)}")  # fmt: skip
     against = f" (baseline {count(base.base_overflowed or 0)})" if base is not None else ""
     console.print(
-        f"{verdict}: {result.format} at S = {scale_text(result.log2_scale)} "
-        f"({result.scale_source}): underflow {percent(result.underflow_fraction)} of "
+        f"{verdict}: {result.format} at {result.scale_words}: underflow "
+        f"{percent(result.underflow_fraction)} of "
         f"{count(result.nonzero)} nonzero backward values ({'; '.join(limits)}), overflow "
         f"{count(result.overflow)}{against}{lost}."
     )
+    moved = scale_move_line(result)
+    if moved:
+        console.print(moved)
     unscalable = unscalable_counts(result.unscalable_overflow, result.unscalable_underflow)
     if unscalable:
         judged = (
@@ -379,6 +435,21 @@ def gate(result: GateResult) -> None:
         console.print("  inf/NaN values were judged anyway, allowed by --allow-nonfinite.")
     for failure in result.failures:
         console.print(f"  {failure.as_flag()}")
+
+
+def scale_move_line(result: GateResult) -> str:
+    """Against a baseline: how the recommended scale moved, and what that means for a
+    static scale calibrated on the baseline ("" when it did not move)."""
+    base_k, new_k, base = result.base_recommended, result.new_recommended, result.baseline_overall
+    if base_k is None or new_k is None or base_k == new_k or base is None:
+        return ""
+    at = "a static scale calibrated on BASE" if result.scale_source != "given" else (
+        f"at S = 2^{result.log2_scale}")  # fmt: skip
+    return (
+        f"  Recommended S moved 2^{base_k} -> 2^{new_k} ({new_k - base_k:+d} binades): {at} "
+        f"now loses {percent(base.new_underflow or 0.0)} (BASE lost "
+        f"{percent(base.base_underflow or 0.0)}); --scale recommended judges NEW at its own."
+    )
 
 
 # -- diff ------------------------------------------------------------------
@@ -635,18 +706,22 @@ def scan_summary(
         else:
             console.print("  Scan with --forward to find the forward op that first produced it.")
     if rec.log2_scale is not None:
-        grid = Table(
-            title=f"{rec.format}: modules losing the most to underflow at S = 1",
-            title_justify="left",
-        )
+        live = rec.shadow_nonzero > 0  # a live --shadow scan leads with what the device lost
+        what = "lost on the device" if live else "losing the most to underflow at S = 1"
+        grid = Table(title=f"{rec.format}: modules {what}", title_justify="left")
         grid.add_column("module", no_wrap=True)
+        if live:
+            grid.add_column("lost", justify="right", no_wrap=True)
+            grid.add_column("lost %", justify="right", no_wrap=True)
         grid.add_column("nonzero values", justify="right", no_wrap=True)
         grid.add_column("underflow at S=1", justify="right", no_wrap=True)
         grid.add_column(f"at S=2^{rec.log2_scale}", justify="right", no_wrap=True)
         grid.add_column("amax@1", justify="right", no_wrap=True)
         for row in worst_modules(at_1, at_scale, top):
+            lost = [count(row.lost), percent(row.lost_fraction)] if live else []
             grid.add_row(
                 module_label(row.module),
+                *lost,
                 count(row.nonzero),
                 percent(row.underflow_fraction_at_1),
                 percent(row.underflow_fraction),

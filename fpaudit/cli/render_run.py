@@ -80,13 +80,32 @@ def skip_lines(stats: SkipStatistics, scaler: ScalerInfo | None) -> list[str]:
             "problem."
         )
     if stats.steps_after_calibration:
-        lines.append(
+        after = (
             f"  After calibration: {stats.skipped_after_calibration} of "
             f"{stats.steps_after_calibration} skipped "
-            f"({percent(stats.skip_rate_after_calibration)}); a dynamic scaler that grows "
-            f"every {scaler.growth_interval} clean steps skips about 1 in that many by design."
+            f"({percent(stats.skip_rate_after_calibration)})"
         )
+        grows = scaler.growth_factor > 1 and scaler.growth_interval <= stats.steps_after_calibration
+        if grows:  # a scaler that can grow within the run probes the top of the range
+            after += (
+                f"; a dynamic scaler that grows every {scaler.growth_interval} clean steps "
+                "skips about 1 in that many by design"
+            )
+        else:  # it held its scale: a skip is an overflow at that scale, nothing by design
+            after += "; the scaler did not grow in this run, so each skip is an overflow"
+        lines.append(after + ".")
     return lines
+
+
+def nonfinite_lines(steps: Sequence[int]) -> list[str]:
+    """The steps whose loss or gradients were inf or NaN that no loss scaler skipped."""
+    if not steps:
+        return []
+    return [
+        f"The loss or gradients were inf or NaN in {len(steps)} step(s) that no loss scaler "
+        f"skipped, first at step {steps[0]} (steps {steps_list(steps, len(steps))}): the run "
+        "trained on broken values, and `fpaudit gate` fails on them."
+    ]
 
 
 def scale_lines(steps: pd.DataFrame) -> list[str]:
@@ -140,6 +159,7 @@ def run_summary(
     items: Sequence[Finding],
     rec: Recommendation | None,
     drift_result: Drift | None,
+    nonfinite_steps: Sequence[int] = (),
 ) -> None:
     console = stdout()
     info = report.info
@@ -154,6 +174,8 @@ def run_summary(
         console.print(line)
     for line in scale_lines(steps):
         console.print(line)
+    for line in nonfinite_lines(nonfinite_steps):
+        console.print(Text(line, style="red"))
     findings(items, console)
     if rec is not None:
         for line in recommendation_lines(rec):

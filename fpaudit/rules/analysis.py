@@ -179,6 +179,62 @@ def live_dtypes(report: Report) -> tuple[str, ...]:
     return (dtype,) if dtype is not None else ()
 
 
+@dataclass(frozen=True)
+class LeftOut:
+    """The backward values a live report's scope leaves out of its format: those the device
+    held in another dtype (fp32 ops under autocast), counted, with their dtypes."""
+
+    nonzero: int
+    dtypes: tuple[str, ...]
+    format_dtype: str | None  # the dtype judged (None: nothing is left out)
+
+
+def left_out(report: Report, scope: Scope) -> LeftOut:
+    """What ``scope``'s dtype filter leaves out of ``scope``'s kinds and modules."""
+    if not scope.dtypes:
+        return LeftOut(0, (), None)
+    records = dataclasses.replace(scope, dtypes=()).select(report.records)
+    out = records[~records["dtype"].isin(scope.dtypes)]
+    nonzero = out["elements"] - out["zeros"] - out["infs"] - out["nans"]
+    return LeftOut(int(nonzero.sum()), tuple(sorted(set(out["dtype"]))), scope.dtypes[0])
+
+
+def nonfinite_steps(report: Report) -> list[int]:
+    """The steps whose loss or parameter gradients held inf or NaN and whose optimizer step
+    no loss scaler skipped, in order. A scaler skipping such a step is doing its job, so
+    only a report with a loss scaler (``fpaudit run`` with a GradScaler) excuses its
+    skipped steps; any other such step trained on (or stopped at) a broken value."""
+    steps = report.steps
+    if steps.empty:
+        return []
+    excused = steps["skipped"].to_numpy(dtype=bool) & (report.info.scaler is not None)
+    broken = ~steps["loss_finite"].to_numpy(dtype=bool)
+    broken |= steps["nonfinite_grads"].to_numpy(dtype=np.int64) > 0
+    return sorted({int(step) for step in steps.loc[broken & ~excused, "step"]})
+
+
+def trained_log2_scales(report: Report, scope: Scope = Scope()) -> tuple[int, int] | None:
+    """For a ``fpaudit run`` report, the smallest and largest log2 loss scale its captured
+    steps trained at (values in ``scope`` that scale with the loss); None for any other
+    report, or one with no such value."""
+    if report.info.command != "run":
+        return None
+    records = scope.select(report.records)
+    scales = records.loc[records["scales_with_loss"], "loss_scale"].to_numpy(dtype=np.float64)
+    if not len(scales):
+        return None
+    log2 = np.frexp(scales)[1] - 1
+    return int(log2.min()), int(log2.max())
+
+
+def as_trained(report: Report) -> Report:
+    """``report`` with each record's values taken as unscaled at loss scale 1, so that
+    at scale ``2**0`` every value keeps the fate it had at the loss scale its step
+    trained at (a report of a run judged as it ran, step by step)."""
+    records = report.records.assign(loss_scale=1.0)
+    return Report(report.meta, records, report.bins, report.steps, report.path, report.origins)
+
+
 def default_scope(report: Report, include_loss: bool = False) -> Scope:
     """What recommendations and gates judge: backward values inside the model, and in a
     live report only the values the device really held in the low-precision dtype."""
@@ -243,6 +299,16 @@ class Condensed:
             c for c in self.groups.columns if c not in (*COUNT_COLUMNS, *shadow, "amax", "dtype")
         ]
         return table[[*keys, "dtype", *COUNT_COLUMNS, "amax", *fractions, *shadow]]
+
+    def scaled_losses_at(self, fmt: Format, log2_scale: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per group, the values that scale with the loss and underflow, and those flushed
+        (underflow or subnormal), at ``2**log2_scale`` alone, cheaply. The underflow is
+        ``at``'s ``judged_underflow`` column (a value that does not scale with the loss
+        and underflows is counted apart)."""
+        unscaled = np.arange(UNSCALED_MIN, UNSCALED_MAX + 1)
+        masks = _fate_masks(fmt, unscaled, log2_scale)
+        underflow = _cells(self.scaled, masks[Fate.UNDERFLOW])
+        return underflow, underflow + _cells(self.scaled, masks[Fate.SUBNORMAL])
 
     def total(self) -> Condensed:
         """Everything in one group."""

@@ -2,7 +2,10 @@
 
 ``fpaudit diff BASE NEW`` prints :func:`compare`'s result and ``fpaudit gate NEW
 --baseline BASE`` judges it, so a change is measured once. Both reports are read in one
-format at one scale (default: NEW's recommended scale), and every number compared is a
+format at one scale (default: BASE's recommended scale, the static scale a team
+calibrated on it: a change that moves the values moves NEW's own recommendation with
+them, and judging NEW there would hide what a fixed scale now loses; the move of the
+recommended scale is said beside it), and every number compared is a
 *fraction* of each report's own nonzero values, never a raw count: two reports of
 different sizes (steps, batch) compare as well as two of the same. The fractions are the
 ones the gate judges (:mod:`fpaudit.rules.analysis`'s ``judged_*``: values that do not
@@ -131,7 +134,7 @@ class Comparison:
 
     format: str
     log2_scale: int
-    scale_source: str  # "new's recommended" or "given"
+    scale_source: str  # "BASE's recommended", "NEW's recommended" or "given"
     by: str
     sort: str
     base_report: str
@@ -187,6 +190,11 @@ class Comparison:
             "run": self.run.to_dict() if self.run is not None else None,
             "modules": [change.to_dict(self.by) for change in self.rows],
         }
+
+
+# The recommended scales diff reads both reports at by name ("recommended": BASE's).
+RECOMMENDED, BASE, NEW = "recommended", "base", "new"
+SCALE_NAMES = (RECOMMENDED, BASE, NEW)
 
 
 def common_format(base: Report, new: Report, name: str | None = None) -> Format:
@@ -259,14 +267,15 @@ def compare(
     new: Report,
     fmt: Format | str | None = None,
     *,
-    log2_scale: int | None = None,
+    log2_scale: int | str | None = None,
     by: str = "module",
     sort: str = "underflow",
     headroom_bits: int | None = None,
     include_loss: bool = False,
 ) -> Comparison:
-    """BASE and NEW in ``fmt`` (default: :func:`common_format`) at ``2**log2_scale``
-    (default: NEW's recommended scale), per module or (``by="op"``) per module, node and op.
+    """BASE and NEW in ``fmt`` (default: :func:`common_format`) at ``2**log2_scale``, or
+    at a recommended scale named in :data:`SCALE_NAMES` (default: BASE's), per module or
+    (``by="op"``) per module, node and op.
 
     ``headroom_bits`` (default: each report's own) sets each recommended scale.
     Raises :class:`~fpaudit.errors.UsageError` when the reports cannot be compared.
@@ -284,8 +293,16 @@ def compare(
         for report in (base, new)
     ]
     scale_source = "given"
-    if log2_scale is None:
-        log2_scale, scale_source = recommended[1] or 0, "new's recommended"
+    if not isinstance(log2_scale, int):
+        name = BASE if log2_scale in (None, RECOMMENDED) else log2_scale
+        if name not in (BASE, NEW):
+            raise UsageError(
+                Named("log2_scale"), f" {name!r}: a power of two or one of {', '.join(SCALE_NAMES)}"
+            )
+        chosen = recommended[0] if name == BASE else recommended[1]
+        if chosen is None:  # that report recommends nothing: the other's, else S = 1
+            chosen = recommended[1] if name == BASE else recommended[0]
+        log2_scale, scale_source = chosen or 0, f"{name.upper()}'s recommended"
     scopes = [analysis.default_scope(report, include_loss) for report in (base, new)]
     totals = [
         analysis.totals(report, fmt, log2_scale, scope=scope).to_dict()

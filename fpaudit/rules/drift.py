@@ -4,13 +4,12 @@ Gradients change over training, so a static scale calibrated at step 500 can
 be wrong at step 50,000. The run is cut into windows of consecutive steps;
 each window gets the recommendation its own captured steps would give (the
 rule of :func:`fpaudit.rules.recommendation.recommend`, applied by
-:func:`~fpaudit.rules.recommendation.log2_scale_for` to the window's unscaled amax:
-the largest power of two keeping it ``headroom_bits`` below the format's
-maximum, within fp32's scale range), the module that limited it, and its
-underflow at its own scale and at the whole run's scale. The whole run's scale
-is the smallest of the windows' (its amax is the largest), so drift shows up as
-windows that could have used a larger scale and, at the run's scale, lose more
-to underflow.
+:func:`~fpaudit.rules.recommendation.log2_scale_for` to the window's unscaled amax
+and histogram: the smallest power of two that loses as little as the largest one
+keeping amax ``headroom_bits`` below the format's maximum, within fp32's scale
+range), the module that limited it, and its underflow at its own scale and at the
+whole run's scale. Drift shows up as windows that could have used a larger scale
+and, at the run's scale, lose more to underflow.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from fpaudit.numerics import limits
 from fpaudit.numerics.formats import Format
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis
-from fpaudit.rules.recommendation import log2_scale_for
+from fpaudit.rules.recommendation import log2_scale_for, loss_counter
 
 DEFAULT_WINDOWS = 10  # windows per run when --drift-window is not given
 # warn when per-window recommendations span more binades than this (declared with --drift-binades)
@@ -102,7 +101,8 @@ def drift(
     scaling = records[records["scales_with_loss"]]
     unscaled = scaling["amax"] / scaling["loss_scale"]
     run_amax = float(unscaled.max()) if len(unscaled) and unscaled.max() > 0 else 0.0
-    run_k, _ = log2_scale_for(run_amax, fmt, headroom_bits)
+    run_counter = loss_counter(analysis.condense(report, scope), fmt)
+    run_k, _ = log2_scale_for(run_amax, fmt, headroom_bits, run_counter)
 
     # One pass over the bins grouped by window (not by step: a long run has thousands of
     # steps, and a cube of bins per step is hundreds of MB to allocate and sum again).
@@ -126,13 +126,13 @@ def drift(
         captured = np.unique(steps_in_scope[(steps_in_scope >= lo) & (steps_in_scope <= hi)])
         in_window = unscaled[window_of_record == w]
         amax = float(in_window.max()) if len(in_window) else 0.0
-        k, _ = log2_scale_for(amax, fmt, headroom_bits)
         limiter = scaling.loc[in_window.idxmax()] if amax > 0 else None
         part = analysis.Condensed(
             condensed.groups.iloc[rows].reset_index(drop=True),
             condensed.scaled[rows],
             condensed.fixed[rows],
         ).total()
+        k, _ = log2_scale_for(amax, fmt, headroom_bits, loss_counter(part, fmt))
         own = part.at(fmt, k if k is not None else 0).iloc[0]
         at_run = part.at(fmt, run_k if run_k is not None else 0).iloc[0]
         windows.append(

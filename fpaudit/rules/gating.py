@@ -10,8 +10,9 @@ the flags instead (``--max-underflow``, ``--allow-incomplete``). The gate fails
 
 * on **evidence**: when no nonzero finite value in scope was measured (a
   selection that matched nothing, a run that captured nothing, values that
-  were all zero, inf or NaN), when backward values in scope or the loss hold
-  inf or NaN (unless ``allow_nonfinite``; the values of a step whose optimizer
+  were all zero, inf or NaN), when backward values in scope, the loss or the
+  parameter gradients of a step hold inf or NaN (unless ``allow_nonfinite``;
+  the reason names the first such step; the values of a step whose optimizer
   step a loss scaler skipped are excused: skipping them is the scaler's job),
   and when the report holds no completed step (even with ``allow_incomplete``);
 * on **range**: when the underflow fraction (overall, or of any module with
@@ -36,7 +37,10 @@ the range rules judge the values the scale answers for, and the result counts th
 others apart (:attr:`GateResult.unscalable_overflow`); with ``fail_unscalable``
 any such value fails the gate too.
 
-The scale defaults to the recommended one.
+The scale defaults to the recommended one; against a baseline, to the baseline's
+recommended scale (the static scale a team calibrated on it: a change that moves the
+values moves NEW's own recommendation with them, and would hide the loss); for a
+``fpaudit run`` report, to the scales the run trained at, each value at its step's.
 """
 
 from __future__ import annotations
@@ -70,6 +74,55 @@ UNSCALABLE = "unscalable"
 ERROR_FINDING = "error-finding"
 UNDERFLOW_INCREASE = "underflow-increase"  # against a baseline
 NEW_OVERFLOW = "new-overflow"
+
+# The scale a gate judges at, by where it came from.
+RECOMMENDED = "recommended"  # the report's own recommended scale
+GIVEN = "given"  # log2_scale given
+BASELINE_RECOMMENDED = "the baseline's recommended"  # with a baseline: what BASE calibrated
+TRAINED = "trained"  # a run report: each value at the loss scale its step trained at
+NONE_RECOMMENDED = "nothing recommended: no nonzero value to size a scale on"
+
+
+# The scales a gate takes by name: the report's own recommended one, the baseline's, the run's.
+BY_RECOMMENDATION, BY_BASELINE, BY_TRAINING = "recommended", "baseline", "trained"
+SCALE_NAMES = (BY_RECOMMENDATION, BY_BASELINE, BY_TRAINING)
+
+
+def _scale_name(
+    given: int | str | None, baseline: Report | None, trained: tuple[int, int] | None
+) -> str | None:
+    """The named scale to judge at (None: a number was given), checked against what the
+    report and the baseline hold."""
+    if isinstance(given, int):
+        return None
+    if given is None:
+        if baseline is not None:
+            return BY_BASELINE
+        return BY_TRAINING if trained else BY_RECOMMENDATION
+    if given not in SCALE_NAMES:
+        raise UsageError(
+            Named("log2_scale"), f" {given!r}: a power of two or one of {', '.join(SCALE_NAMES)}"
+        )
+    if given == BY_BASELINE and baseline is None:
+        raise UsageError(Named("log2_scale"), " 'baseline' needs ", Named("baseline"))
+    if given == BY_TRAINING and trained is None:
+        raise UsageError(
+            Named("log2_scale"), " 'trained' needs a report of `fpaudit run` that captured "
+            "values scaling with the loss",
+        )  # fmt: skip
+    return given
+
+
+def scale_words(log2_scale: int, source: str, trained: tuple[int, int] | None = None) -> str:
+    """``S = 2^15 = 32768 (recommended)``; a run judged as trained: ``the scales the run
+    trained at (S = 2^16)`` or ``(S = 2^10 to 2^16, step by step)``."""
+    if source != TRAINED or trained is None:
+        return f"S = {scale_text(log2_scale)} ({source})"
+    low, high = trained
+    if low == high:
+        return f"the scale the run trained at (S = {scale_text(low)})"
+    return f"the scales the run trained at (S = 2^{low} to 2^{high}, step by step)"
+
 
 # Subjects that are not modules.
 OVERALL = "(all modules)"
@@ -172,7 +225,7 @@ class GateResult:
     format: str
     log2_scale: int
     scale: float
-    scale_source: str  # "recommended" or "given"
+    scale_source: str  # RECOMMENDED, GIVEN, BASELINE_RECOMMENDED, TRAINED or NONE_RECOMMENDED
     underflow_fraction: float
     underflow: int
     nonzero: int
@@ -182,6 +235,9 @@ class GateResult:
     steps_run: int = 0  # completed steps
     nonfinite: int = 0  # inf/NaN backward values in scope (scaler-skipped steps excused)
     nonfinite_loss_steps: int = 0  # steps whose loss was inf or NaN (skipped steps excused)
+    # steps whose loss or gradients were inf or NaN that no scaler skipped, the first one
+    nonfinite_steps: int = 0
+    first_nonfinite_step: int | None = None
     shadow_nonzero: int = 0  # live --shadow: nonzero values of the fp32 re-runs
     lost: int = 0  # live --shadow: of those, zero on the device
     lost_fraction: float = 0.0
@@ -194,6 +250,16 @@ class GateResult:
     baseline_overall: Change | None = None
     regressions: list[Change] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)  # empty exactly when passed
+    # TRAINED: the smallest and largest log2 scale the run trained at (log2_scale: the first)
+    trained_log2_scales: tuple[int, int] | None = None
+    # against a baseline: log2 of each report's recommended scale
+    base_recommended: int | None = None
+    new_recommended: int | None = None
+
+    @property
+    def scale_words(self) -> str:
+        """The scale judged at, in words: ``S = 2^15 = 32768 (the baseline's recommended)``."""
+        return scale_words(self.log2_scale, self.scale_source, self.trained_log2_scales)
 
     def to_dict(self, *, flags: bool = False) -> dict[str, Any]:
         """Every field as JSON values, the policy's shown among them (see ``_shown``);
@@ -233,7 +299,7 @@ def gate(
     fmt: Format | str,
     max_underflow: float | None,
     *,
-    log2_scale: int | None = None,
+    log2_scale: int | str | None = None,
     per_module: bool = False,
     headroom_bits: int = DEFAULT_HEADROOM_BITS,
     include_loss: bool = False,
@@ -244,7 +310,9 @@ def gate(
     baseline: Report | None = None,
     max_increase: float | None = None,
 ) -> GateResult:
-    """Judge ``report`` at ``2**log2_scale`` (default: the recommended scale), against
+    """Judge ``report`` at ``2**log2_scale`` or at a scale named in :data:`SCALE_NAMES`
+    (default: the baseline's recommended scale with a ``baseline``, the scales a ``fpaudit
+    run`` report trained at, else the report's recommended scale), against
     ``max_underflow``, against ``baseline`` with ``max_increase``, or both (the
     parameters of :class:`GatePolicy`)."""
     policy = GatePolicy(
@@ -261,23 +329,37 @@ def judge(
     fmt: Format | str,
     policy: GatePolicy,
     *,
-    log2_scale: int | None = None,
+    log2_scale: int | str | None = None,
     baseline: Report | None = None,
 ) -> GateResult:
     """:func:`gate` with its parameters as one :class:`GatePolicy`."""
     fmt = as_format(fmt)
     policy.check(baseline)
     include_loss = policy.include_loss
-    scale_source = "given"
-    if log2_scale is None:
-        recommended = recommend(report, fmt, policy.headroom_bits, include_loss=include_loss)
-        log2_scale = recommended.log2_scale if recommended.log2_scale is not None else 0
-        scale_source = "recommended"
     scope = analysis.default_scope(report, include_loss)
-    overall = analysis.totals(report, fmt, log2_scale, scope=scope)
-    where = f"{fmt.name} at S = {scale_text(log2_scale)} ({scale_source})"
+    trained = analysis.trained_log2_scales(report, scope)
+    name = _scale_name(log2_scale, baseline, trained)
+    judged = report
+    if isinstance(log2_scale, int):
+        judged_scale, scale_source = log2_scale, GIVEN
+    elif name == BY_BASELINE:  # the static scale a team calibrated on the baseline
+        assert baseline is not None
+        base_k = recommend(baseline, fmt, policy.headroom_bits, include_loss=include_loss)
+        judged_scale = base_k.log2_scale or 0
+        scale_source = BASELINE_RECOMMENDED if base_k.log2_scale is not None else NONE_RECOMMENDED
+    elif name == BY_TRAINING:
+        assert trained is not None
+        judged, judged_scale = analysis.as_trained(report), 0  # each value at its own scale
+        scale_source = TRAINED
+    else:
+        recommended = recommend(report, fmt, policy.headroom_bits, include_loss=include_loss)
+        judged_scale = recommended.log2_scale or 0
+        scale_source = RECOMMENDED if recommended.log2_scale is not None else NONE_RECOMMENDED
+    log2_scale = trained[0] if scale_source == TRAINED and trained else judged_scale
+    overall = analysis.totals(judged, fmt, judged_scale, scope=scope)
+    where = f"{fmt.name} at {scale_words(log2_scale, scale_source, trained)}"
 
-    failures, offenders = _range_failures(report, fmt, log2_scale, scope, overall, policy, where)
+    failures, offenders = _range_failures(judged, fmt, judged_scale, scope, overall, policy, where)
     compared = None if baseline is None else comparison.compare(
         baseline, report, fmt, log2_scale=log2_scale, headroom_bits=policy.headroom_bits,
         include_loss=include_loss,
@@ -299,11 +381,16 @@ def judge(
         log2_scale=log2_scale,
         scale=math.ldexp(1.0, log2_scale),
         scale_source=scale_source,
+        trained_log2_scales=trained,
+        base_recommended=None if compared is None else compared.base_recommended,
+        new_recommended=None if compared is None else compared.new_recommended,
         offenders=offenders,
         complete=report.complete,
         steps_run=evidence.steps_run,
         nonfinite=evidence.nonfinite,
         nonfinite_loss_steps=evidence.loss_steps,
+        nonfinite_steps=len(evidence.broken_steps),
+        first_nonfinite_step=evidence.broken_steps[0] if evidence.broken_steps else None,
         error_findings=_errors(report),
         baseline=None if baseline is None else str(baseline.path or ""),
         baseline_overall=None if compared is None else compared.overall,
@@ -342,6 +429,7 @@ class _Evidence:
     steps_run: int
     nonfinite: int
     loss_steps: int
+    broken_steps: list[int]  # loss or gradients inf/NaN, no scaler skipped them
     failures: list[Failure]
 
 
@@ -354,10 +442,11 @@ def _all_evidence(
 ) -> _Evidence:
     steps_run = _steps_run(report)
     nonfinite, loss_steps = _nonfinite(report, scope)
+    broken = analysis.nonfinite_steps(report)
     failures = _evidence(
-        report, overall, steps_run, nonfinite, loss_steps, allow_nonfinite, include_loss
+        report, overall, steps_run, nonfinite, broken, allow_nonfinite, include_loss
     )
-    return _Evidence(steps_run, nonfinite, loss_steps, failures)
+    return _Evidence(steps_run, nonfinite, loss_steps, broken, failures)
 
 
 def _baseline_failures(
@@ -419,9 +508,9 @@ def _regression_failure(change: Change, limit: float, where: str) -> Failure:
     base, new = change.base_underflow or 0.0, change.new_underflow or 0.0
     parts: list[str | Named] = [
         f"{subject}: underflow {percent(new)} vs the baseline's {percent(base)} "
-        f"(+{new - base:.6g}, "
+        f"(+{percent(new - base)}, over the limit {percent(limit)} of "
     ]
-    parts += [Named("max_increase"), f" {limit:g})"]
+    parts += [Named("max_increase"), ")"]
     if NEW_OVERFLOW in kinds:
         parts.append(
             f"; {count(change.new_overflowed or 0)} value(s) overflow where the baseline had none"
@@ -500,10 +589,12 @@ def _range_reason(
 ) -> Wording:
     parts: list[str | Named] = []
     if UNDERFLOW in kinds:
-        parts.append(
+        parts += [
             f"underflow {percent(numbers.judged_underflow_fraction)} exceeds the "
-            f"limit {percent(limit)}"
-        )
+            f"limit {percent(limit)} (",
+            Named("max_underflow"),
+            ")",
+        ]
     if LOST in kinds:
         parts.append(
             f"the device lost {percent(numbers.lost_fraction)} of its values at the "
@@ -527,11 +618,8 @@ def _range_reason(
     return Wording(
         f"{subject}: ",
         *joined,
-        f"; underflow fraction {numbers.judged_underflow_fraction:.6g} vs ",
-        Named("max_underflow"),
-        f" {limit:g} "
-        f"({count(numbers.judged_underflow)} of {count(numbers.nonzero)} nonzero backward "
-        f"values), overflow {count(numbers.judged_overflow)}; {where}",
+        f"; {count(numbers.judged_underflow)} of {count(numbers.nonzero)} nonzero backward "
+        f"values underflow, {count(numbers.judged_overflow)} overflow; {where}",
     )
 
 
@@ -591,7 +679,7 @@ def _evidence(
     overall: analysis.Totals,
     steps_run: int,
     nonfinite: int,
-    loss_steps: int,
+    broken_steps: list[int],
     allow_nonfinite: bool,
     include_loss: bool,
 ) -> list[Failure]:
@@ -629,12 +717,15 @@ def _evidence(
                 ),
             )
         )
-    if (nonfinite or loss_steps) and not allow_nonfinite:
+    if (nonfinite or broken_steps) and not allow_nonfinite:
         parts = []
         if nonfinite:
             parts.append(f"{nonfinite:,} backward value(s) in scope are inf or NaN")
-        if loss_steps:
-            parts.append(f"the loss is inf or NaN in {loss_steps:,} step(s)")
+        if broken_steps:
+            parts.append(
+                f"the loss or gradients are inf or NaN in {len(broken_steps):,} step(s) that "
+                f"no loss scaler skipped (first: step {broken_steps[0]})"
+            )
         failures.append(
             Failure(
                 EVIDENCE,
@@ -673,6 +764,15 @@ def _nothing_reason(report: Report, overall: analysis.Totals) -> Wording:
         "; ".join(hints),
         ")",
     )
+
+
+def judged_module_table(report: Report, result: GateResult, *, include_loss: bool = False) -> Any:
+    """Per module, the numbers at the scale ``result`` judged ``report`` at (a run judged at
+    the scales it trained at: each value at its step's), in ``result``'s format and scope."""
+    scope = analysis.default_scope(report, include_loss)
+    if result.scale_source == TRAINED:
+        return analysis.module_table(analysis.as_trained(report), result.format, 0, scope=scope)
+    return analysis.module_table(report, result.format, result.log2_scale, scope=scope)
 
 
 def _offender(module: str, row: analysis.Totals) -> Offender:

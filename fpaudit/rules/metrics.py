@@ -56,6 +56,11 @@ class Metric:
 
 METRICS = (
     Metric(
+        "fpaudit/{format}/lost",
+        "live `--amp ... --shadow` reports only: fraction of the fp32 re-run's nonzero "
+        "backward values that the device held as zero (what it really lost)",
+    ),
+    Metric(
         "fpaudit/{format}/underflow",
         "fraction of nonzero backward values that underflow in the format at the step's loss scale",
     ),
@@ -214,7 +219,9 @@ def _window_metrics(
     # recommend()'s scale and its underflow, without the tables a dashboard does not show
     chosen = choose_scale(window, as_format(fmt), headroom_bits, scope).log2_scale
     at_chosen = at_run if chosen == k else analysis.totals(window, fmt, chosen or 0, scope=scope)
+    lost = {f"fpaudit/{fmt}/lost": at_run.lost_fraction} if at_run.shadow_nonzero else {}
     values = {
+        **lost,  # a live --shadow step leads with what the device really lost
         f"fpaudit/{fmt}/underflow": at_run.judged_underflow_fraction,
         f"fpaudit/{fmt}/underflow_at_recommended": at_chosen.judged_underflow_fraction,
         f"fpaudit/{fmt}/overflow": at_run.overflow_fraction,
@@ -240,7 +247,8 @@ def _window_metrics(
 def bin_series(window: Report, module: str) -> tuple[np.ndarray, np.ndarray]:
     """One step's backward values of ``module`` as a binade histogram, in unscaled units
     (the report's own bins; a value that scales with the loss shifted down by its
-    record's loss scale): the upper edge of each binade (``2**(b+1)``, lowest first) and
+    record's loss scale): the upper edge of each binade (``2**(b+1)``, lowest first) from
+    the smallest nonzero one to the largest, empty binades between them included, and
     its count of nonzero finite values."""
     return bin_series_of(window, [module])[module]
 
@@ -262,7 +270,14 @@ def bin_series_of(
     found: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for module in modules:
         here = names == module
-        unique, inverse = np.unique(binades[here], return_inverse=True)
-        summed = np.bincount(inverse, weights=counts[here], minlength=len(unique))
-        found[module] = (np.ldexp(1.0, unique + 1), summed.astype(np.int64))
+        if not here.any():
+            found[module] = (np.zeros(0), np.zeros(0, dtype=np.int64))
+            continue
+        # every binade from the smallest to the largest nonzero one, empty ones included:
+        # a histogram reader draws bucket i from limit i-1 to limit i, so a bucket after a
+        # gap would be drawn across the gap
+        low = int(binades[here].min())
+        span = int(binades[here].max()) - low + 1
+        summed = np.bincount(binades[here] - low, weights=counts[here], minlength=span)
+        found[module] = (np.ldexp(1.0, np.arange(low, low + span) + 1), summed.astype(np.int64))
     return found

@@ -1,14 +1,23 @@
-"""The static loss scale to use: the largest power of two that leaves headroom.
+"""The static loss scale to use: the smallest power of two that loses as little as the
+headroom allows.
 
-``S = 2**k`` is the largest power of two with ``amax * S <= max_finite / 2**h``
-where ``amax`` is the largest finite unscaled backward value in scope (every
-backward op inside the model, every step, that scales with the loss; values
-computed from forward values alone do not move with S and cannot limit it)
-and ``h`` is the headroom in binades. ``h = 4`` keeps the largest value 16x
-below the format's maximum, as PopART's top histogram bin edge at 1/16 of max
-does. Scales below 1 are
-legitimate. The scale is kept within fp32's normal range (2**-126 .. 2**127),
+One rule for every format. The ceiling ``2**K`` is the largest power of two with
+``amax * 2**K <= max_finite / 2**h`` where ``amax`` is the largest finite unscaled
+backward value in scope (every backward op inside the model, every step, that scales
+with the loss; values computed from forward values alone do not move with S and cannot
+limit it) and ``h`` is the headroom in binades. ``h = 4`` keeps the largest value 16x
+below the format's maximum, as PopART's top histogram bin edge at 1/16 of max does. The
+scale is kept within fp32's normal range (2**-126 .. 2**127),
 where loss scalers hold it.
+
+The recommendation is the smallest ``S = 2**k`` (``k`` from ``min(0, K)`` to ``K``)
+that underflows and flushes (underflow or subnormal) no more values than the ceiling,
+the least the headroom allows: a larger scale only moves values toward the top of the
+range. Neither count grows with S (a value that survives at ``2**k`` survives at
+``2**(k+1)``), so when they still fall with each binade, as fp16's usually do, the
+recommendation is the ceiling; when nothing underflows or flushes at S = 1 (bf16 with
+values in fp32's normal range), it is S = 1: no loss scale needed. Scales below 1 are
+recommended only where the headroom demands them.
 
 Values that do not scale with the loss and underflow or overflow the format do so
 at every scale (:mod:`fpaudit.rules.analysis` counts them apart): no loss scale fixes
@@ -20,6 +29,7 @@ node and op, so that a reader keeps those ops out of the format instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -39,16 +49,40 @@ def largest_log2_scale(amax: float, limit: float) -> int:
     return k
 
 
-def log2_scale_for(amax: float, fmt: Format, headroom_bits: int) -> tuple[int | None, str]:
-    """The rule, on one number: the recommended ``k`` for the largest unscaled value
-    ``amax``, and what limited it ("amax", "scale range" or "no nonzero values", with
-    ``k`` None). ``recommend`` applies it to a report, ``drift`` to each window."""
+def log2_scale_for(
+    amax: float,
+    fmt: Format,
+    headroom_bits: int,
+    losses: Callable[[int], tuple[int, int]] | None = None,
+) -> tuple[int | None, str]:
+    """The rule: the recommended ``k`` for the largest unscaled value ``amax`` and the
+    values lost at each ``2**k`` (``losses(k)``: the judged underflow and flushed counts;
+    None: the ceiling alone), and what set it: "amax" (the headroom's ceiling), "scale
+    range", "least underflow" (a smaller scale already underflows and flushes no more
+    than the ceiling), or "no nonzero values" with ``k`` None. ``recommend`` applies it to
+    a report, ``drift`` to each window, the dashboards to each step."""
     if not amax > 0:
         return None, "no nonzero values"
-    k = largest_log2_scale(amax, math.ldexp(fmt.max_finite, -headroom_bits))
-    if not LOG2_SCALE_MIN <= k <= LOG2_SCALE_MAX:
-        return min(max(k, LOG2_SCALE_MIN), LOG2_SCALE_MAX), "scale range"
-    return k, "amax"
+    ceiling = largest_log2_scale(amax, math.ldexp(fmt.max_finite, -headroom_bits))
+    limited_by = "amax"
+    if not LOG2_SCALE_MIN <= ceiling <= LOG2_SCALE_MAX:
+        ceiling, limited_by = min(max(ceiling, LOG2_SCALE_MIN), LOG2_SCALE_MAX), "scale range"
+    if losses is None:
+        return ceiling, limited_by
+    least_underflow, least_flushed = losses(ceiling)
+    # Neither count grows with k: bisect for the smallest k in [min(0, K), K] at the least.
+    lo, hi = min(0, ceiling), ceiling
+    while lo < hi:
+        mid = (lo + hi) // 2
+        underflow, flushed = losses(mid)
+        if underflow <= least_underflow and flushed <= least_flushed:
+            hi = mid
+        else:
+            lo = mid + 1
+    return (hi, limited_by) if hi == ceiling else (hi, LEAST_UNDERFLOW)
+
+
+LEAST_UNDERFLOW = "least underflow"  # limited_by when a scale below the ceiling loses as little
 
 
 @dataclass(frozen=True)
@@ -60,6 +94,10 @@ class ModuleUnderflow:
     underflow_fraction_at_1: float
     underflow_fraction: float
     amax: float
+    # live --shadow: nonzero values of the fp32 re-run the device held as zero
+    lost: int = 0
+    shadow_nonzero: int = 0
+    lost_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +124,7 @@ class Recommendation:
     amax: float
     limiting_module: str | None
     limiting_op: str | None
-    limited_by: str  # "amax", "scale range" or "no nonzero values"
+    limited_by: str  # "amax", "scale range", "least underflow" or "no nonzero values"
     underflow_fraction: float  # at the recommended scale
     underflow_fraction_at_1: float
     underflow_recovered_by_one_fewer_headroom_bit: float
@@ -97,6 +135,15 @@ class Recommendation:
     unscalable_underflow: int = 0
     unscalable_overflow: int = 0
     unscalable: list[UnscalableOp] = field(default_factory=list)  # by node and op
+    ceiling_log2_scale: int | None = None  # the largest scale the headroom allows
+    # live --shadow: what the device lost at the run's loss scale (the fp32 re-run's nonzero
+    # values it held as zero), over every module
+    lost: int = 0
+    shadow_nonzero: int = 0
+    lost_fraction: float = 0.0
+    # live: nonzero backward values held in another dtype (fp32 under autocast), left out
+    left_out_nonzero: int = 0
+    left_out_dtypes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,15 +151,29 @@ class Recommendation:
 
 @dataclass(frozen=True)
 class ScaleChoice:
-    """The power of two :func:`recommend` picks, and why: the largest unscaled amax of the
-    values that scale with the loss (its record's module and op) sized to the format with
-    the headroom; ``log2_scale`` None when no such value is nonzero."""
+    """The power of two :func:`recommend` picks, and why (:func:`log2_scale_for`): the
+    largest unscaled amax of the values that scale with the loss (its record's module and
+    op) sizes the ceiling to the format with the headroom; ``log2_scale`` None when no
+    such value is nonzero. ``ceiling`` is that largest scale the headroom allows."""
 
     log2_scale: int | None
     limited_by: str
     amax: float = 0.0
     limiting_module: str | None = None
     limiting_op: str | None = None
+    ceiling: int | None = None
+
+
+def loss_counter(condensed: analysis.Condensed, fmt: Format) -> Callable[[int], tuple[int, int]]:
+    """``k -> (judged underflow, flushed)`` of everything in ``condensed`` at ``2**k``, for
+    the rule (:func:`log2_scale_for`)."""
+    total = condensed.total()
+
+    def losses(k: int) -> tuple[int, int]:
+        underflow, flushed = total.scaled_losses_at(fmt, k)
+        return int(underflow[0]), int(flushed[0])
+
+    return losses
 
 
 def choose_scale(
@@ -127,9 +188,11 @@ def choose_scale(
         return ScaleChoice(None, "no nonzero values")
     limiter = records.loc[unscaled.idxmax()]
     amax = float(unscaled.max())
-    k, limited_by = log2_scale_for(amax, fmt, headroom_bits)
+    counter = loss_counter(analysis.condense(report, scope), fmt)
+    k, limited_by = log2_scale_for(amax, fmt, headroom_bits, counter)
+    ceiling, _ = log2_scale_for(amax, fmt, headroom_bits)
     assert k is not None  # amax > 0
-    return ScaleChoice(k, limited_by, amax, str(limiter["module"]), str(limiter["op"]))
+    return ScaleChoice(k, limited_by, amax, str(limiter["module"]), str(limiter["op"]), ceiling)
 
 
 def recommend(
@@ -149,10 +212,16 @@ def recommend(
     overall_at_1 = analysis.totals(report, fmt, 0, scope=scope)
 
     apart = unscalable(report, fmt, scope)
-    unscalable_counts: dict[str, Any] = {  # the same three fields for both answers
+    outside = analysis.left_out(report, scope)
+    unscalable_counts: dict[str, Any] = {  # the same fields for both answers
         "unscalable_underflow": overall_at_1.unscalable_underflow,
         "unscalable_overflow": overall_at_1.unscalable_overflow,
         "unscalable": apart,
+        "lost": overall_at_1.lost,
+        "shadow_nonzero": overall_at_1.shadow_nonzero,
+        "lost_fraction": overall_at_1.lost_fraction,
+        "left_out_nonzero": outside.nonzero,
+        "left_out_dtypes": outside.dtypes,
     }
     if choice.log2_scale is None:
         return Recommendation(
@@ -175,7 +244,8 @@ def recommend(
 
     k, limited_by, amax = choice.log2_scale, choice.limited_by, choice.amax
     overall = analysis.totals(report, fmt, k, scope=scope)
-    one_fewer = min(k + 1, LOG2_SCALE_MAX) if limited_by == "amax" else k
+    ceiling = choice.ceiling if choice.ceiling is not None else k
+    one_fewer = min(ceiling + 1, LOG2_SCALE_MAX) if limited_by != "scale range" else ceiling
     overall_one_fewer = analysis.totals(report, fmt, one_fewer, scope=scope)
     return Recommendation(
         format=fmt.name,
@@ -195,6 +265,7 @@ def recommend(
         modules=_modules(at_1, analysis.module_table(report, fmt, k, scope=scope)),
         live_dtype=scope.dtypes[0] if scope.dtypes else None,
         **unscalable_counts,
+        ceiling_log2_scale=ceiling,
     )
 
 
@@ -223,7 +294,8 @@ def unscalable(
 def _modules(at_1: Any, at_scale: Any) -> list[ModuleUnderflow]:
     at_1 = at_1.assign(underflow_fraction=at_1["judged_underflow_fraction"])
     at_scale = at_scale.assign(underflow_fraction=at_scale["judged_underflow_fraction"])
-    merged = at_1[["module", "underflow_fraction", "amax"]].merge(
+    shadow = ["lost", "shadow_nonzero", "lost_fraction"]
+    merged = at_1[["module", "underflow_fraction", "amax", *shadow]].merge(
         at_scale[["module", "underflow_fraction"]], on="module", suffixes=("_at_1", "")
     )
     return [
@@ -232,6 +304,9 @@ def _modules(at_1: Any, at_scale: Any) -> list[ModuleUnderflow]:
             underflow_fraction_at_1=float(row.underflow_fraction_at_1),
             underflow_fraction=float(row.underflow_fraction),
             amax=float(row.amax),
+            lost=int(row.lost),
+            shadow_nonzero=int(row.shadow_nonzero),
+            lost_fraction=float(row.lost_fraction),
         )
         for row in merged.itertuples()
     ]

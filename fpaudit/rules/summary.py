@@ -11,6 +11,7 @@ print at the end), ``module_view`` (``show``), ``recommendation_view`` (``recomm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
     from fpaudit.report.runinfo import Finding, ScalerInfo, SkipStatistics
     from fpaudit.report.store import Report
+    from fpaudit.rules.analysis import LeftOut
     from fpaudit.rules.drift import Drift, Window
     from fpaudit.rules.origins import Origins
     from fpaudit.rules.recommendation import Recommendation
@@ -110,19 +112,37 @@ class WorstModule:
     underflow_fraction_at_1: float
     underflow_fraction: float  # at the recommended scale
     amax: float
+    lost: int = 0  # live --shadow: the fp32 re-run's nonzero values the device held as zero
+    lost_fraction: float = 0.0
 
 
 def worst_modules(at_1: pd.DataFrame, at_scale: pd.DataFrame, top: int) -> tuple[WorstModule, ...]:
     """The ``top`` modules of the module tables ``at_1`` (S = 1) and ``at_scale`` (the
     recommended S) with the largest judged underflow fraction at S = 1 (what the
-    recommendation judges), in table order among equals."""
+    recommendation judges), in table order among equals; in a live ``--shadow`` report,
+    the largest fraction the device really lost."""
     judged = "judged_underflow_fraction"
     merged = at_1.merge(at_scale, on="module", suffixes=("_at_1", "_at_s"))
-    worst = merged.sort_values(f"{judged}_at_1", ascending=False, kind="stable").head(top)
-    columns = ("module", "nonzero_at_1", f"{judged}_at_1", f"{judged}_at_s", "amax_at_1")
+    live = bool((merged["shadow_nonzero_at_1"] > 0).any())
+    key = "lost_fraction_at_1" if live else f"{judged}_at_1"
+    worst = merged.sort_values(key, ascending=False, kind="stable").head(top)
+    columns = (
+        "module", "nonzero_at_1", f"{judged}_at_1", f"{judged}_at_s", "amax_at_1",
+        "lost_at_1", "lost_fraction_at_1",
+    )  # fmt: skip
     return tuple(
-        WorstModule(str(module), int(nonzero), float(at_1_), float(at_s), float(amax))
-        for module, nonzero, at_1_, at_s, amax in zip(*(worst[c] for c in columns), strict=True)
+        WorstModule(
+            str(module),
+            int(nonzero),
+            float(at_1_),
+            float(at_s),
+            float(amax),
+            int(lost),
+            float(lost_fraction),
+        )
+        for module, nonzero, at_1_, at_s, amax, lost, lost_fraction in zip(
+            *(worst[c] for c in columns), strict=True
+        )
     )
 
 
@@ -185,11 +205,13 @@ def scan_summary(
 @dataclass(frozen=True)
 class RunSummary:
     """What ``fpaudit run`` judges at the end: the recommendation and drift, both
-    ``None`` when no step was captured, and the findings of the loop's misuse rules."""
+    ``None`` when no step was captured, the findings of the loop's misuse rules, and the
+    steps whose loss or gradients were inf or NaN that no loss scaler skipped."""
 
     recommendation: Recommendation | None
     drift: Drift | None
     findings: tuple[Finding, ...]
+    nonfinite_steps: tuple[int, ...] = ()  # loss or gradients inf/NaN, no scaler skipped
 
     def to_dict(self) -> dict[str, Any]:
         rec, drifted = self.recommendation, self.drift
@@ -197,6 +219,7 @@ class RunSummary:
             "recommendation": rec.to_dict() if rec is not None else None,
             "drift": drifted.to_dict() if drifted is not None else None,
             "findings": [finding.to_dict() for finding in self.findings],
+            "nonfinite_steps": list(self.nonfinite_steps),
         }
 
 
@@ -218,7 +241,10 @@ def run_summary(
             report, fmt, headroom_bits, window_steps=window_steps,
             threshold_binades=threshold_binades,
         )  # fmt: skip
-    return RunSummary(rec, drifted, tuple(report.info.findings))
+    from fpaudit.rules.analysis import nonfinite_steps
+
+    broken = tuple(nonfinite_steps(report))
+    return RunSummary(rec, drifted, tuple(report.info.findings), broken)
 
 
 # -- show, recommend -------------------------------------------------------------------
@@ -237,6 +263,7 @@ class ModuleView:
     kind: str
     by: str
     top: int | None
+    left_out: LeftOut | None = None  # a live report: values held in another dtype
 
     def rows(self) -> list[dict[str, Any]]:
         """The table's rows, JSON-ready (what ``show --json`` prints)."""
@@ -250,6 +277,7 @@ class ModuleView:
         lost = (table["judged_overflow"] > 0) | (
             table["judged_underflow_fraction"] > MARKED_UNDERFLOW
         )
+        lost |= table["lost_fraction"] > MARKED_UNDERFLOW  # live --shadow: the device lost them
         return [bool(flag) for flag in lost]
 
     def to_dict(self) -> dict[str, Any]:
@@ -260,6 +288,7 @@ class ModuleView:
             "kind": self.kind,
             "by": self.by,
             "top": self.top,
+            "left_out": None if self.left_out is None else dataclasses.asdict(self.left_out),
             "rows": self.rows(),
         }
 
@@ -282,11 +311,14 @@ def module_view(
         log2_scale = recommended_log2(report, fmt)
         scale_source = "recommended"
     group = ("module",) if by == "module" else ("module", "node", "op")
-    scope = analysis.Scope(kinds=(kind,), include_loss=True)
+    # the values recommend and gate count: in a live report, those held in its dtype
+    scope = analysis.Scope(kinds=(kind,), include_loss=True, dtypes=analysis.live_dtypes(report))
     table = analysis.range_loss(report, fmt, log2_scale, scope=scope, by=group)
     if top is not None:
         table = table.sort_values("underflow_fraction", ascending=False, kind="stable").head(top)
-    return ModuleView(table, fmt, log2_scale, scale_source, kind, by, top)
+    outside = analysis.left_out(report, scope)
+    left = outside if outside.format_dtype is not None else None
+    return ModuleView(table, fmt, log2_scale, scale_source, kind, by, top, left)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS as RECOMMEND_HEADROOM_
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis, origins
-from fpaudit.rules.recommendation import UnscalableOp, recommend
+from fpaudit.rules.recommendation import LEAST_UNDERFLOW, UnscalableOp, recommend
 
 # declared once in fpaudit.defaults (4 steps, 1 bit of headroom, 0.001)
 DEFAULT_STEPS = defaults.FP16_PLAN_STEPS
@@ -179,6 +179,7 @@ class Fp16Plan:
     recommended_log2_scale: int | None = None
     recommended_headroom_bits: int = 0
     recommended_limiting_module: str | None = None
+    recommended_limited_by: str | None = None  # the rule's reason ("least underflow", ...)
     # values that over/underflow fp16 at every scale (no scale fixes them), by node and op
     unscalable_overflow: int = 0
     unscalable_underflow: int = 0
@@ -196,6 +197,11 @@ class Fp16Plan:
         if self.recommended_log2_scale == self.log2_scale:
             return None
         reasons = []
+        if self.recommended_limited_by == LEAST_UNDERFLOW:
+            reasons.append(
+                "recommend takes the smallest S that loses no more values than the largest its "
+                "headroom allows, this plan the largest that keeps the same modules in fp16"
+            )
         if self.recommended_headroom_bits != self.headroom_bits:
             reasons.append(
                 f"recommend keeps {self.recommended_headroom_bits} bits of headroom below "
@@ -335,6 +341,7 @@ def plan_from_report(
         recommended_log2_scale=recommended.log2_scale,
         recommended_headroom_bits=RECOMMEND_HEADROOM_BITS,
         recommended_limiting_module=recommended.limiting_module,
+        recommended_limited_by=recommended.limited_by,
         unscalable_overflow=recommended.unscalable_overflow,
         unscalable_underflow=recommended.unscalable_underflow,
         unscalable=recommended.unscalable,

@@ -122,7 +122,8 @@ def steps_table(
         after = value(step.slots.get("scale_after", -1)) if step.scaler is not None else scale
         found = value(step.slots.get("found_inf", -1))
         skipped = bool(found > 0) if not math.isnan(found) else False
-        loss = value(step.slots.get("loss", -1))
+        loss_slot = step.slots.get("loss", -1)
+        loss = value(loss_slot)
         norm = value(step.norm)
         grad_norm = norm / scale if step.norm_scaled else norm
         amax = value(step.slots.get("grad_amax", -1))
@@ -130,7 +131,7 @@ def steps_table(
             **STEP_DEFAULTS,
             "step": step.index,
             "loss": loss,
-            "loss_finite": math.isnan(loss) or math.isfinite(loss),
+            "loss_finite": loss_slot < 0 or math.isfinite(loss),  # no loss seen: none broke
             "loss_scale": scale,
             "scale_after": after,
             "skipped": skipped,

@@ -76,7 +76,8 @@ def test_diff_ranks_the_shrunk_block_first_with_the_fractions_of_a_hand_count(
     assert result.code == 0, result.stderr
     diff = json.loads(result.stdout)
     log2_scale = diff["log2_scale"]
-    assert diff["scale_source"] == "new's recommended"
+    assert diff["scale_source"] == "BASE's recommended"
+    assert log2_scale == diff["base"]["recommended_log2_scale"]
     rows = diff["modules"]
     assert {row["module"] for row in rows[:2]} == set(SHRUNK)
     base, new = hand_count(pair["base"], log2_scale), hand_count(pair["new"], log2_scale)

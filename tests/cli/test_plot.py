@@ -173,9 +173,11 @@ def test_the_histogram_shows_the_values_at_1_and_shifted_by_k() -> None:
 
 
 def test_the_recommended_scale_is_the_default() -> None:
-    report = _report()
+    # a ladder, one value a binade from 1 down to 2^-39: each binade of S up to the
+    # headroom's ceiling (1 * 2^11 <= 4094 < 2^12) saves one more value, so S = 2^11
+    report = report_from({"a": torch.tensor([2.0**-j for j in range(40)])})
     k = recommend(report, FP16).log2_scale
-    assert k is not None
+    assert k == 11
     fig = build_figure(report, FP16)
     assert f"S = 2^{k} (recommended)" in _stairs(fig.axes[0])
     assert "recommended with 4 bits of headroom" in fig.get_suptitle()

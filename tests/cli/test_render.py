@@ -101,8 +101,18 @@ def test_skip_lines_without_and_with_a_scaler() -> None:
     assert lines[1].startswith(
         "  The first 2 skip(s) were calibration: a fresh scaler starts at 2^16"
     )
-    assert lines[2].startswith("  After calibration: 1 of 8 skipped (12.5%); a dynamic scaler")
-    assert "every 2000 clean steps" in lines[2] and len(lines) == 3
+    # growing every 2000 clean steps, it never grew in 8: no sentence on growth by design
+    assert lines[2] == (
+        "  After calibration: 1 of 8 skipped (12.5%); the scaler did not grow in this run, so "
+        "each skip is an overflow."
+    )
+    assert len(lines) == 3
+    growing = ScalerInfo("torch.amp.GradScaler", 65536.0, 2.0, 0.5, growth_interval=4)
+    line = render_run.skip_lines(stats, growing)[2]
+    assert line.startswith("  After calibration: 1 of 8 skipped (12.5%); a dynamic scaler")
+    assert "every 4 clean steps" in line
+    static = ScalerInfo("torch.amp.GradScaler", 65536.0, 1.0, 0.5, growth_interval=4)
+    assert "dynamic" not in render_run.skip_lines(stats, static)[2]
 
 
 def test_scale_lines() -> None:

@@ -6,6 +6,7 @@ its numbers are derived there. Scalars are stored as float32 in event files.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,12 +57,45 @@ def test_export_writes_every_steps_metrics_and_histograms(
     histograms = read.Histograms("fpaudit/backward/probe")
     assert [h.step for h in histograms] == [0, 1, 2]
     first = histograms[0].histogram_value
-    # step 0: 2**-26, 2**-25, 2**-24 and 0.5: binades -26, -25, -24, -1, upper edges 2**(b+1)
-    assert list(first.bucket_limit) == [2.0**-25, 2.0**-24, 2.0**-23, 1.0]
-    assert list(first.bucket) == [1, 1, 1, 1] and first.num == 4
-    # step 2: 70000 (binade 16) and three 1.0s (binade 0)
-    assert list(histograms[2].histogram_value.bucket_limit) == [2.0, 2.0**17]
-    assert list(histograms[2].histogram_value.bucket) == [3, 1]
+    # step 0: 2**-26, 2**-25, 2**-24 and 0.5: binades -26, -25, -24, -1, upper edges 2**(b+1),
+    # and every binade between them (-23 .. -2) empty: 26 buckets
+    assert list(first.bucket_limit) == [2.0**e for e in range(-25, 1)]
+    assert list(first.bucket) == [1, 1, 1] + [0] * 22 + [1] and first.num == 4
+    # step 2: 70000 (binade 16) and three 1.0s (binade 0), 15 empty binades between
+    assert list(histograms[2].histogram_value.bucket_limit) == [2.0**e for e in range(1, 18)]
+    assert list(histograms[2].histogram_value.bucket) == [3] + [0] * 15 + [1]
+
+
+def test_tensorboards_own_reading_draws_each_count_inside_its_binade(
+    cli, report_dir: Path, tmp_path: Path
+) -> None:
+    """TensorBoard's ``data_compat`` turns each histogram into [left, right, count] buckets,
+    bucket i from limit i-1 to limit i: every count must be drawn over the binade its
+    values are in (the probe's values, by hand in tests/rules/test_metrics.py's STEPS)."""
+    from tensorboard import data_compat
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.util import tensor_util
+
+    from tests.rules.test_metrics import STEPS
+
+    assert cli("export", report_dir, "--tensorboard", tmp_path / "tb", "--top", 1).code == 0
+    drawn: dict[int, np.ndarray] = {}
+    for path in sorted((tmp_path / "tb").glob("events.out.tfevents.*")):
+        for record in RawEventFileLoader(str(path)).Load():
+            event = event_pb2.Event.FromString(record)  # as written: old-style histograms
+            for value in event.summary.value:
+                if value.HasField("histo") and value.tag == "fpaudit/backward/probe":
+                    migrated = data_compat.migrate_value(value)
+                    drawn[event.step] = tensor_util.make_ndarray(migrated.tensor)
+    assert sorted(drawn) == [0, 1, 2]
+    for step, buckets in drawn.items():
+        values = [abs(v) for v in STEPS[step] if v != 0]
+        for left, right, count in buckets:
+            assert right == 2 * left, (step, left, right)  # one binade, never across a gap
+            inside = sum(1 for v in values if left <= v < right)
+            assert count == inside, (step, left, right, count, values)
+        assert buckets[:, 2].sum() == len(values)
 
 
 def test_export_needs_a_directory_and_names_a_bad_one(
@@ -140,7 +174,10 @@ def test_scan_writes_each_captured_step_as_export_writes_the_report(cli, tmp_pat
     for tag, series in live["histograms"].items():
         module = tag.removeprefix("fpaudit/backward/")
         for step, limits, counts in series:
-            assert dict(zip(limits, counts, strict=True)) == report_bins(report, module, step)
+            drawn = {limit: n for limit, n in zip(limits, counts, strict=True) if n}
+            assert drawn == report_bins(report, module, step)
+            # the empty binades between the nonzero ones are kept: one bucket per binade
+            assert all(b == 2 * a for a, b in itertools.pairwise(limits))
 
 
 def test_the_live_writer_writes_each_step_before_the_next_begins(tmp_path: Path) -> None:

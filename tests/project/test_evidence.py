@@ -137,7 +137,9 @@ def test_a_loss_that_is_nan_at_every_step_fails_the_gate(tmp_path: Path) -> None
     gate_fails(
         tmp_path / "r",
         "measured nothing",
-        "the loss is inf or NaN in 3 step(s)",  # every one of the 3 steps
+        # every one of the 3 steps, the first named
+        "the loss or gradients are inf or NaN in 3 step(s) that no loss scaler skipped "
+        "(first: step 0)",
     )
     # --allow-nonfinite judges the inf/NaN, but there is still nothing measured.
     gate_fails(tmp_path / "r", "measured nothing", extra=("--allow-nonfinite",))

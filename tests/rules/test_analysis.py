@@ -141,14 +141,20 @@ def test_recommend_by_hand() -> None:
     values = torch.tensor([3.0, 2.0**-30, 2.0**-20, 0.0])
     report = report_from({"layer": values})
     rec = recommend(report, FORMATS["fp16"], headroom_bits=4)
-    assert rec.log2_scale == 10 and rec.scale == 1024.0  # see test_largest_log2_scale_by_hand
+    # The headroom's ceiling is 2**10 (see test_largest_log2_scale_by_hand). At 2**10:
+    # 2**-30 -> 2**-20 (subnormal, below 2**-14), 2**-20 -> 2**-10 (normal): none underflows,
+    # one is flushed. The smallest scale losing no more: 2**6 (2**-30 -> 2**-24, fp16's
+    # smallest subnormal; 2**-20 -> 2**-14, its smallest normal). At 2**5, 2**-30 -> 2**-25
+    # rounds to zero (a tie, to even).
+    assert rec.ceiling_log2_scale == 10 and rec.log2_scale == 6 and rec.scale == 64.0
     assert rec.limiting_module == "layer" and rec.limiting_op == "aten.mul.Tensor"
     assert rec.amax == 3.0
     # At S = 1: 2**-30 and 2**-20 underflow? 2**-30 <= 2**-25 yes; 2**-20 no -> 1 of 3 nonzero.
     assert rec.underflow_fraction_at_1 == pytest.approx(1 / 3)
-    # At S = 2**10: 2**-20 -> 2**-10 fine; 2**-30 -> 2**-20 > 2**-25 fine -> 0.
     assert rec.underflow_fraction == 0.0
-    assert rec.limited_by == "amax"
+    assert rec.limited_by == "least underflow"
+    for k, zeros in ((5, 1), (6, 0), (10, 0)):  # the cast oracle
+        assert int(((values[:3] * 2.0**k).half() == 0).sum()) == zeros
 
 
 def test_recommend_with_scales_below_one() -> None:
@@ -160,8 +166,10 @@ def test_recommend_with_scales_below_one() -> None:
 def test_recommend_ignores_values_that_do_not_scale() -> None:
     report = report_from({"grad": torch.tensor([2.0**-10]), "fixed": torch.tensor([300.0])},
                          fixed=frozenset({"fixed"}))  # fmt: skip
-    # Only 2**-10 limits: 2**-10 * 2**k <= 4094 -> k = 21 (2**11 = 2048 <= 4094, 2**12 > 4094).
-    assert recommend(report, FORMATS["fp16"], 4).log2_scale == 21
+    # Only 2**-10 limits: 2**-10 * 2**k <= 4094 -> ceiling k = 21 (2**11 = 2048 <= 4094,
+    # 2**12 > 4094). 2**-10 is an fp16 normal (>= 2**-14) at S = 1 already: S = 1.
+    rec = recommend(report, FORMATS["fp16"], 4)
+    assert rec.ceiling_log2_scale == 21 and rec.log2_scale == 0
 
 
 def test_all_zero_gradients_get_a_clear_answer() -> None:
@@ -178,7 +186,10 @@ def test_all_zero_gradients_get_a_clear_answer() -> None:
 
 def test_recommendation_is_monotone_in_headroom() -> None:
     report = report_from({"layer": torch.randn(1000) * 1e-3})
-    scales = [recommend(report, FORMATS["fp16"], h).log2_scale for h in range(0, 10)]
+    recs = [recommend(report, FORMATS["fp16"], h) for h in range(0, 10)]
+    scales = [rec.ceiling_log2_scale for rec in recs]
+    assert all(rec.log2_scale is not None and rec.log2_scale <= rec.ceiling_log2_scale  # type: ignore[operator]
+               for rec in recs)  # fmt: skip
     assert all(
         a - b == 1 for a, b in itertools.pairwise(scales)
     )  # one bit of headroom = one binade
@@ -190,14 +201,23 @@ def test_recommendation_reports_what_one_fewer_headroom_bit_recovers() -> None:
     # 1.5 * 2**-25 > 2**-25: kept. So one fewer headroom bit recovers 1 of 2 values.
     report = report_from({"layer": torch.tensor([1.0, 1.5 * 2.0**-37])})
     rec = recommend(report, FORMATS["fp16"], 4)
-    assert rec.log2_scale == 11
+    # 1.5 * 2**-37 underflows at every S up to the ceiling 2**11, 1.0 is normal at every one:
+    # S = 1 loses as little as 2**11, so S = 1 is recommended.
+    assert rec.ceiling_log2_scale == 11 and rec.log2_scale == 0
     assert rec.underflow_fraction == 0.5
     assert rec.underflow_recovered_by_one_fewer_headroom_bit == 0.5
 
 
 def test_recommendation_is_clamped_to_the_fp32_scale_range() -> None:
-    report = report_from({"layer": torch.tensor([2.0**-100])})
-    rec = recommend(report, FORMATS["bf16"], 4)  # would be 2**(127 + 100 - 4)
+    # bf16 normal at S = 1 (2**-100 >= 2**-126): S = 1 whatever the ceiling, 2**(127+100-4)
+    # clamped to 2**127
+    rec = recommend(report_from({"layer": torch.tensor([2.0**-100])}), FORMATS["bf16"], 4)
+    assert rec.log2_scale == 0 and rec.ceiling_log2_scale == 127
+    assert rec.limited_by == "least underflow"
+    # fp16, 2**-117 and 2**-141: the ceiling 2**(-117 + k) <= 4094 -> k = 128, clamped to 127;
+    # 2**-141 is an fp16 normal (2**-14) only at 2**127, subnormal at 2**126: S = 2**127.
+    both = report_from({"layer": torch.tensor([2.0**-117, 2.0**-141])})
+    rec = recommend(both, FORMATS["fp16"], 4)
     assert rec.log2_scale == 127 and rec.limited_by == "scale range"
 
 
@@ -215,9 +235,11 @@ def test_gate_by_hand() -> None:
         {"module": "a", "underflow_fraction": 0.5, "underflow": 1, "nonzero": 2, "overflow": 0,
          "unscalable_underflow": 0, "unscalable_overflow": 0, "lost": 0, "lost_fraction": 0.0}
     ]  # fmt: skip
-    # recommended scale: amax 2 -> 2 * 2**11 = 4096 > 4094 -> k = 10; 2**-30 * 2**10 = 2**-20: ok.
+    # recommended scale: amax 2 -> 2 * 2**11 = 4096 > 4094 -> ceiling k = 10, where 2**-30 ->
+    # 2**-20 is subnormal; the smallest S as good: 2**6 (2**-24, subnormal; at 2**5, 2**-25
+    # rounds to zero).
     recommended = gate(report, fp16, 0.0)
-    assert recommended.passed and recommended.log2_scale == 10
+    assert recommended.passed and recommended.log2_scale == 6
     # A scale that overflows fails whatever the underflow: 2 * 2**15 = 65536 >= 65520.
     overflowing = gate(report, fp16, 1.0, log2_scale=15)
     assert not overflowing.passed and overflowing.overflow == 1

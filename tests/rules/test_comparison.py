@@ -41,14 +41,27 @@ def test_rows_sort_by_the_rise_of_underflow_and_one_sided_rows_come_last() -> No
     ]  # fmt: skip
 
 
-def test_amax_moves_in_binades_and_the_scale_defaults_to_new_s_recommended_one() -> None:
-    base = report_from({"a": torch.full((8,), 3.0)})  # binade 1
-    new = report_from({"a": torch.full((8,), 3.0 * 2.0**-12)})  # binade 1 - 12 = -11
+def test_amax_moves_in_binades_and_the_scale_defaults_to_base_s_recommended_one() -> None:
+    # a ladder, one value a binade from 3 (binade 1) down to 3 * 2**-40: every binade of S
+    # up to the ceiling saves one more value, so each recommendation is its ceiling
+    ladder = torch.tensor([3.0 * 2.0**-j for j in range(41)])
+    base = report_from({"a": ladder})
+    new = report_from({"a": ladder * 2.0**-12})  # amax binade 1 - 12 = -11
     result = compare(base, new, "fp16")
     assert result.rows[0].amax_change_binades == -12
-    assert result.scale_source == "new's recommended"
-    assert result.log2_scale == result.new_recommended
+    # 3 * 2**10 = 3072 <= 4094 < 6144: BASE's 2**10; NEW's 2**22
+    assert (result.base_recommended, result.new_recommended) == (10, 22)
+    assert result.scale_source == "BASE's recommended" and result.log2_scale == 10
     assert result.recommended_change == 12  # NEW's values are 2**12 smaller: scale 2**12 larger
+    # at BASE's 2**10, NEW's 3 * 2**(-j - 12 + 10) underflows when <= 2**-25: j >= 25 (16 of 41)
+    # against BASE's j >= 37 (4 of 41)
+    assert result.overall.base_underflow == pytest.approx(4 / 41)
+    assert result.overall.new_underflow == pytest.approx(16 / 41)
+    for values, expected in ((ladder, 4), (ladder * 2.0**-12, 16)):  # the cast oracle
+        assert int(((values * 2.0**10).half() == 0).sum()) == expected
+    by_new = compare(base, new, "fp16", log2_scale="new")
+    assert by_new.scale_source == "NEW's recommended" and by_new.log2_scale == 22
+    assert by_new.overall.new_underflow == pytest.approx(4 / 41)  # the ladder moved with S
 
 
 def test_refusals_and_notes() -> None:

@@ -37,14 +37,17 @@ def audited(live: list[dict[str, float]] | None = None) -> Report:
     return audit.report
 
 
-# Recommended scale, headroom 4: the largest 2**k with amax * 2**k <= 65504 / 16 = 4094.
-# Step 0: amax 0.5 -> 0.5 * 2**12 = 2048 <= 4094 < 4096: k = 12, where 2**-26 * 2**12 =
-# 2**-14 is normal: 0 lost. Step 1: amax 0.25 -> k = 13, 2**-30 * 2**13 = 2**-17 is a
-# subnormal, not lost: 0. Step 2: amax 70000 -> 70000 * 2**-5 = 2187.5 <= 4094 < 4375 =
-# 70000 * 2**-4: k = -5, and 1.0 * 2**-5 is normal: 0.
+# Recommended scale, headroom 4: the ceiling is the largest 2**k with amax * 2**k <= 65504 /
+# 16 = 4094, the recommendation the smallest 2**k from min(0, ceiling) up that underflows
+# and flushes no more than the ceiling. Step 0: amax 0.5 -> 0.5 * 2**12 = 2048 <= 4094 <
+# 4096: ceiling 12, where 2**-26 * 2**12 = 2**-14 is normal, and at 2**11 subnormal: k = 12.
+# Step 1: amax 0.25 -> ceiling 13, where 2**-30 * 2**13 = 2**-17 is a subnormal; it stays
+# one down to 2**6 (2**-24) and rounds to zero at 2**5 (2**-25): k = 6, 0 lost. Step 2:
+# amax 70000 -> 70000 * 2**-5 = 2187.5 <= 4094 < 4375 = 70000 * 2**-4: k = -5, and 1.0 *
+# 2**-5 is normal: 0.
 EXPECTED = [
     (0.5, 0.0, 0.0, 12.0),
-    (0.25, 0.0, 0.0, 13.0),
+    (0.25, 0.0, 0.0, 6.0),
     (0.0, 0.0, 0.25, -5.0),
 ]
 
@@ -73,10 +76,11 @@ def test_the_library_gives_the_last_steps_metrics_as_it_goes() -> None:
 def test_a_steps_histogram_is_its_binades_in_unscaled_units() -> None:
     from fpaudit.rules.drift import window_report
 
-    # step 0: 2**-26, 2**-25, 2**-24 and 0.5, one each: binades -26, -25, -24, -1
+    # step 0: 2**-26, 2**-25, 2**-24 and 0.5, one each: binades -26, -25, -24, -1, and
+    # every binade between them (-23 .. -2) with a count of 0: 26 upper edges 2**-25 .. 2**0
     edges, counts = metrics.bin_series(window_report(audited(), 0, 0), "probe")
-    assert edges.tolist() == [2.0**-25, 2.0**-24, 2.0**-23, 1.0]
-    assert counts.tolist() == [1, 1, 1, 1]
+    assert edges.tolist() == [2.0**e for e in range(-25, 1)]
+    assert counts.tolist() == [1, 1, 1] + [0] * 22 + [1]
 
 
 def test_every_metric_name_is_declared_once() -> None:

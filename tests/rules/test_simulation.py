@@ -193,12 +193,15 @@ def drifting_report() -> Report:
 
 def test_drift_per_window_recommendations() -> None:
     result = drift(drifting_report(), FP16, 4, window_steps=10)
-    # limit 65504 / 2^4 = 4094: amax 1 gives 2^11 (2048 <= 4094 < 4096); amax 64 gives 2^5.
-    assert [w.log2_scale for w in result.windows] == [11, 5]
+    # limit 65504 / 2^4 = 4094: amax 1 gives the ceiling 2^11 (2048 <= 4094 < 4096), where
+    # 2^-20 -> 2^-9 is normal; the smallest S keeping it normal (>= 2^-14) is 2^6. amax 64
+    # gives the ceiling 2^5, where 2^-20 -> 2^-15 is subnormal, as at S = 1 (>= 2^-24): 2^0.
+    assert [w.log2_scale for w in result.windows] == [6, 0]
     assert [(w.first_step, w.last_step) for w in result.windows] == [(0, 9), (10, 19)]
-    assert result.binades == 6 and result.warn and result.run_log2_scale == 5
+    # the run's ceiling is 2^5, where every 2^-20 is subnormal, as at S = 1: 2^0
+    assert result.binades == 6 and result.warn and result.run_log2_scale == 0
     assert result.worst is not None and result.worst.first_step == 10
-    # 2^-20 at the run's 2^5 is 2^-15, an fp16 subnormal: kept. No underflow anywhere.
+    # 2^-20 at the run's 2^0 is an fp16 subnormal: kept. No underflow anywhere.
     assert result.windows[0].underflow_at_run_scale == 0.0
     quiet = drift(drifting_report(), FP16, 4, window_steps=10, threshold_binades=6)
     assert not quiet.warn
@@ -222,7 +225,13 @@ def test_each_window_is_what_recommend_says_of_that_window_alone() -> None:
         assert w.underflow_fraction == expected.underflow_fraction
         at_run = totals(alone, FP16, run_scale)
         assert w.underflow_at_run_scale == at_run.underflow / at_run.nonzero
-    assert len({w.log2_scale for w in result.windows}) == 4
+    # by hand (ceiling, then the smallest S that underflows and flushes no more): steps 0-2,
+    # amax 4: ceiling 2^9, where 2^-24 -> 2^-15 is subnormal and 2^-20, 2^-22 normal, as
+    # from 2^8 (2^-22 -> 2^-14): 2^8. Steps 3-5, amax 32: ceiling 2^6, 2^-26..2^-30 all
+    # subnormal there; below 2^6 2^-30 rounds to zero: 2^6. Steps 6-8 (amax 256, ceiling
+    # 2^3) and 9 (amax 512, ceiling 2^2): their tiny values underflow at every S up to the
+    # ceiling (2^-32 * 2^3 = 2^-29 <= 2^-25): 2^0.
+    assert [w.log2_scale for w in result.windows] == [8, 6, 0, 0]
 
 
 def test_the_scale_rule_on_one_number() -> None:
@@ -246,10 +255,11 @@ def test_window_report_keeps_only_its_steps() -> None:
 def test_recommend_worst_window_and_drift_warning(cli, tmp_path: Path) -> None:
     drifting_report().write(tmp_path / "r")
     text = cli("recommend", tmp_path / "r", "--drift-window", "10").stdout
-    assert "S = 2^5 = 32" in text and "span 6 binades" in text and "more than 2" in text
+    # see test_drift_per_window_recommendations: the run's S = 1, its windows' 2^6 and 2^0
+    assert "S = 2^0 = 1" in text and "span 6 binades" in text and "more than 2" in text
     worst = cli("recommend", tmp_path / "r", "--worst-window", "--drift-window", "10", "--json")
     data = json.loads(worst.stdout)
-    assert data["window"] == [10, 19] and data["log2_scale"] == 5
+    assert data["window"] == [10, 19] and data["log2_scale"] == 0
     assert data["drift"]["binades"] == 6
     assert "--drift-window must be at least 1" in one_error_line(
         cli("recommend", tmp_path / "r", "--drift-window", "0")

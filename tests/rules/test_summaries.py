@@ -49,32 +49,35 @@ def test_scan_summary_is_recommend_and_module_table_at_1_and_at_s() -> None:
     assert summary.captured == 3 and summary.forward_problems == 0
     assert summary.first_nonfinite == ()
     fp16, bf16 = summary.formats
-    # amax 1.0, headroom 4: the largest 2**k with 2**k <= 65504 / 2**4 = 4094 is 2**11
-    assert fp16.recommendation.log2_scale == 11
+    # amax 1.0, headroom 4: the largest 2**k with 2**k <= 65504 / 2**4 = 4094 is 2**11, where
+    # a's 2**-30 -> 2**-19 is subnormal; the smallest S as good is 2**6 (2**-24, subnormal;
+    # 2**-25 at 2**5 rounds to zero)
+    assert fp16.recommendation.log2_scale == 6
     assert fp16.recommendation == recommend(report, FP16, 4)
     assert bf16.recommendation == recommend(report, "bf16", 4)
     scope = analysis.default_scope(report, False)
     assert fp16.at_1.equals(analysis.module_table(report, FP16, 0, scope=scope))
-    assert fp16.at_scale.equals(analysis.module_table(report, FP16, 11, scope=scope))
+    assert fp16.at_scale.equals(analysis.module_table(report, FP16, 6, scope=scope))
     assert fp16.at_1.set_index("module")["underflow_fraction"].to_dict() == {"a": 0.375, "b": 0.0}
-    assert fp16.at_scale["underflow_fraction"].tolist() == [0.0, 0.0]  # 2**-30 * 2**11 = 2**-19
+    assert fp16.at_scale["underflow_fraction"].tolist() == [0.0, 0.0]  # 2**-30 * 2**6 = 2**-24
     assert fp16.drift == drift(report, FP16, 4)
     # three windows, one scale: neither drifted nor long enough to show
     assert len(fp16.drift.windows) == 3 and not fp16.show_drift
     as_json = json.loads(json.dumps(summary.to_dict()))
-    assert as_json["formats"][0]["recommendation"]["log2_scale"] == 11
+    assert as_json["formats"][0]["recommendation"]["log2_scale"] == 6
     assert as_json["formats"][0]["at_1"][0]["underflow_fraction"] == 0.375
 
 
 def test_the_worst_modules_are_the_most_underflowing_at_1_with_their_numbers_at_s() -> None:
-    # a: 3 of its 8 nonzero values underflow fp16 at S = 1 (2**-30 < 2**-25), none at
-    # S = 2**11; b: none at either; c: 2 of 2 at S = 1 (2**-40), and still at 2**11
+    # a: 3 of its 8 nonzero values underflow fp16 at S = 1 (2**-30 < 2**-25), none at the
+    # recommended 2**6 (2**-24; the ceiling is 2**11); b: none at either; c: 2 of 2 at S = 1
+    # (2**-40), and still at 2**11
     report = report_from(
         {"b": torch.tensor([2.0**-10] * 4), "a": torch.tensor([2.0**-30] * 3 + [1.0] * 5),
          "c": torch.tensor([2.0**-40] * 2)},
     )  # fmt: skip
     (fp16,) = scan_summary(report, [FP16], 4).formats
-    assert fp16.recommendation.log2_scale == 11
+    assert fp16.recommendation.log2_scale == 6
     worst = fp16.worst_modules(2)
     assert [(w.module, w.nonzero, w.underflow_fraction_at_1, w.underflow_fraction, w.amax)
             for w in worst] == [("c", 2, 1.0, 1.0, 2.0**-40), ("a", 8, 0.375, 0.0, 1.0)]  # fmt: skip
@@ -97,6 +100,7 @@ def test_run_summary_judges_nothing_without_records() -> None:
         "recommendation": None,
         "drift": None,
         "findings": [],
+        "nonfinite_steps": [],
     }
 
 
@@ -142,8 +146,10 @@ def test_recommendation_view_judges_the_worst_window_alone() -> None:
     assert whole.window is None and whole.recommendation == recommend(report, FP16, 4)
     worst = recommendation_view(report, FP16, 4, worst_window=True, window_steps=1)
     assert worst.window is not None and (worst.window.first_step, worst.window.last_step) == (0, 0)
-    # amax 2**10: the largest 2**k with 2**(k+10) <= 4094 is 2**1
-    assert worst.recommendation.log2_scale == 1
+    # amax 2**10: the largest 2**k with 2**(k+10) <= 4094 is 2**1, but 1.0 and 2**10 are fp16
+    # normals at S = 1 already: S = 1
+    assert worst.recommendation.ceiling_log2_scale == 1
+    assert worst.recommendation.log2_scale == 0
     assert worst.to_dict()["window"] == [0, 0]
     assert worst.to_dict()["drift"] == worst.drift.to_dict()
 

@@ -71,9 +71,10 @@ def test_the_split_agrees_with_casting_to_fp16(log2_scale: int) -> None:
 
 def test_recommend_lists_the_unscalable_values_apart_and_judges_the_rest() -> None:
     rec = recommend(split_report(), FP16, headroom_bits=4)
-    # only grad limits S: amax 1 -> 2**11 = 2048 <= 65504 / 16 = 4094 < 2**12
-    assert rec.log2_scale == 11 and rec.limiting_module == "grad"
-    # at 2**11 grad's 2**-30 becomes 2**-19 > 2**-25: nothing the scale answers for is lost
+    # only grad limits S: amax 1 -> ceiling 2**11 = 2048 <= 65504 / 16 = 4094 < 2**12; the
+    # smallest S as good: 2**6, where grad's 2**-30 becomes 2**-24 > 2**-25 (subnormal, as
+    # 2**-19 is at 2**11): nothing the scale answers for is lost
+    assert rec.ceiling_log2_scale == 11 and rec.log2_scale == 6 and rec.limiting_module == "grad"
     assert rec.underflow_fraction == 0.0
     # at S = 1 grad's 2**-30 <= 2**-25 underflows: 1 of 5 nonzero values
     assert rec.underflow_fraction_at_1 == pytest.approx(1 / 5)
@@ -86,7 +87,7 @@ def test_recommend_lists_the_unscalable_values_apart_and_judges_the_rest() -> No
 
 def test_the_gate_passes_at_the_recommended_scale_and_shows_what_it_set_apart() -> None:
     result = gate(split_report(), FP16, 0.0)
-    assert result.passed and result.log2_scale == 11 and result.scale_source == "recommended"
+    assert result.passed and result.log2_scale == 6 and result.scale_source == "recommended"
     # judged: underflow 0 of 5 nonzero, overflow 0; apart: 1 overflow, 1 underflow
     assert (result.underflow, result.overflow, result.nonzero) == (0, 0, 5)
     assert (result.unscalable_overflow, result.unscalable_underflow) == (1, 1)

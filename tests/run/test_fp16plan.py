@@ -55,11 +55,15 @@ def test_plan_keeps_out_exactly_the_failing_modules_at_the_largest_same_set_scal
     assert plan.overflow_rate_at_2s == 0.0 and plan.growth_interval == 2000
     assert plan.predicted_skip_rate == 1 / 2001
     # recommend (4 bits, every module): b's amax 2**-3 and a's 2**-10 -> 2**-3 * 2**14 =
-    # 2048 <= 4094 < 4096 -> 2**14; the plan's 2**17 differs and says why
-    assert plan.recommended_log2_scale == 14 and plan.recommended_headroom_bits == 4
-    # (b limits both; a, kept out, does not limit recommend: the headroom alone differs)
+    # 2048 <= 4094 < 4096: ceiling 2**14, where nothing is below fp16's smallest normal
+    # 2**-14; the smallest S so: 2**6 (2**-20 * 2**6 = 2**-14). The plan's 2**17 differs
+    # and says why
+    assert plan.recommended_log2_scale == 6 and plan.recommended_headroom_bits == 4
+    # (b limits both; a, kept out, does not limit recommend: the rule and the headroom differ)
     assert plan.scales_differ_because() == (
-        "recommend keeps 4 bits of headroom below 65504, this plan 1 (the verifying step checks it)"
+        "recommend takes the smallest S that loses no more values than the largest its headroom "
+        "allows, this plan the largest that keeps the same modules in fp16; recommend keeps 4 "
+        "bits of headroom below 65504, this plan 1 (the verifying step checks it)"
     )
     assert plan.ranges[0].forward_amax == 70000.0
 
