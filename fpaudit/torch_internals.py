@@ -84,6 +84,7 @@ import inspect
 import operator
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -321,11 +322,25 @@ def extension_build_directory(name: str) -> str:
     return str(_get_build_directory(name, verbose=False))
 
 
-def lightning_compiler_context(pl_module: Any) -> dict[str, Any] | None:
-    """Lightning's record of the ``torch.compile`` it unwrapped from ``pl_module`` (a dict
-    with ``compiler == "dynamo"``), or None."""
+@dataclass(frozen=True)
+class LightningCompiled:
+    """What Lightning kept of the ``torch.compile`` it unwrapped from a module: the
+    compile's Dynamo context (its options) and the module's eager methods."""
+
+    dynamo_context: Any
+    forward: Callable[..., Any]
+    training_step: Callable[..., Any]
+
+
+def lightning_compiled(pl_module: Any) -> LightningCompiled | None:
+    """Lightning's record of a ``torch.compile`` (Dynamo) it unwrapped from
+    ``pl_module``, or None (not compiled, another compiler, or no such record)."""
     context = getattr(pl_module, "_compiler_ctx", None)
-    return context if isinstance(context, dict) else None
+    if not isinstance(context, dict) or context.get("compiler") != "dynamo":
+        return None
+    return LightningCompiled(
+        context.get("dynamo_ctx"), context["original_forward"], context["original_training_step"]
+    )
 
 
 def lightning_should_accumulate(fit_loop: Any) -> bool | None:

@@ -357,7 +357,7 @@ def test_lightnings_private_names_resolve_on_the_installed_release() -> None:
             return self.layer(x)
 
     module = Tiny()
-    assert internals.lightning_compiler_context(module) is None  # not compiled
+    assert internals.lightning_compiled(module) is None  # not compiled
     trainer = pl.Trainer(
         accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,

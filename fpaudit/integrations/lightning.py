@@ -203,16 +203,13 @@ def _observed_in_place(pl_module: Any) -> compiled.InPlace | None:
     its ``forward`` and ``training_step`` compiled by the context it keeps
     (``_compiler_ctx``, with the eager originals). With Inductor they are compiled again
     from those originals through fpaudit's backend, for the run; None otherwise."""
-    context = _internals.lightning_compiler_context(pl_module)
-    if context is None or context.get("compiler") != "dynamo":
+    context = _internals.lightning_compiled(pl_module)
+    if context is None:
         return None
-    options = compiled.inductor_options(context.get("dynamo_ctx"))
+    options = compiled.inductor_options(context.dynamo_context)
     if options is None:  # another backend: audited as an eager module (hooks break its graph)
         return None
-    methods = {
-        "forward": context["original_forward"],
-        "training_step": context["original_training_step"],
-    }
+    methods = {"forward": context.forward, "training_step": context.training_step}
     in_place: compiled.InPlace = compiled.observe_in_place(pl_module, methods, options)
     return in_place
 
