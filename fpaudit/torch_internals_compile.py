@@ -41,7 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import re
+import textwrap
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,7 +164,8 @@ def _reading_stored(into: list[list[StoredBuffer]]) -> Iterator[None]:
 
 
 BufferPlan = Callable[[fx.GraphModule, list[StoredBuffer]], list[str]]
-Wrap = Callable[[Callable[[list[Any]], Any], int], Callable[[list[Any]], Any]]
+Observe = Callable[[str, Any], None]
+Wrap = Callable[[Callable[[list[Any]], Any], Callable[[list[Any]], Any]], Callable[[list[Any]], Any]]
 
 
 def inductor_backward(
@@ -168,13 +173,17 @@ def inductor_backward(
     example_inputs: Sequence[Any],
     kwargs: dict[str, Any],
     plan: BufferPlan,
+    observe: Observe,
     wrap: Wrap,
 ) -> Any:
-    """Compile backward graph ``gm`` with Inductor so that every value it stores is also
-    handed out: a first compile (of a copy) tells which FX nodes' values Inductor stores;
-    ``plan(post_grad_graph, stored)`` picks the node names to observe; the second compile
-    adds them to the graph's outputs, and ``wrap(callable, n)`` wraps the compiled
-    callable, whose first ``n`` outputs are the graph's own."""
+    """Compile backward graph ``gm`` with Inductor exactly as ``torch.compile`` does (the
+    same graph, so the same fusions, reductions and kernels), reading which buffers its
+    scheduler stores; ``plan(post_grad_graph, stored)`` picks the buffer names to observe.
+    A twin of the compiled wrapper function, run with the very kernels the compile made,
+    calls ``observe(name, buffer)`` at the last moment each of those buffers holds its
+    value (before it is freed, before its memory is reused, or before the function
+    returns). ``wrap(plain, observed)`` builds the callable that runs, where the compiled
+    graph kept ``plain``."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -184,32 +193,88 @@ def inductor_backward(
     def keep(graph: fx.Graph) -> None:
         post_grad.append(copy.deepcopy(graph.owning_module))  # type: ignore[arg-type]
 
+    # A custom post-grad pass that only copies the graph changes no decision of
+    # Inductor's; the FX graph cache stays off so that the scheduler runs (a cached
+    # graph would not say which buffers it stores).
     with (
         config.patch(fx_graph_cache=False, post_grad_custom_post_pass=keep),
         _reading_stored(stored),
     ):
-        compile_fx_inner(copy.deepcopy(gm), example_inputs, **kwargs)
-    observed = plan(post_grad[-1], stored[-1]) if stored and post_grad else []
-    original_outputs: list[int] = []
-
-    def add_outputs(graph: fx.Graph) -> None:
-        nodes = {n.name: n for n in graph.nodes}
-        output = next(n for n in graph.nodes if n.op == "output")
-        outputs = list(output.args[0])
-        original_outputs.append(len(outputs))
-        output.args = (outputs + [nodes[name] for name in observed if name in nodes],)
-
-    with config.patch(fx_graph_cache=False, post_grad_custom_post_pass=add_outputs):
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-    if original_outputs and observed:
-        callable_ = getattr(compiled, "current_callable", None)
-        if callable_ is None:  # the extra outputs must not reach AOTAutograd
-            raise RuntimeError(
-                f"fpaudit cannot observe this torch's compiled backward ({type(compiled).__name__}"
-                " has no current_callable)"
-            )
-        compiled.current_callable = wrap(callable_, original_outputs[-1])  # type: ignore[attr-defined]
+    names = plan(post_grad[-1], stored[-1]) if stored and post_grad else []
+    if not names:
+        return compiled
+    plain = getattr(compiled, "current_callable", None)
+    if plain is None:
+        raise RuntimeError(
+            f"fpaudit cannot observe this torch's compiled backward ({type(compiled).__name__}"
+            " has no current_callable)"
+        )
+    compiled.current_callable = wrap(plain, _observed_twin(plain, names, observe))  # type: ignore[attr-defined]
     return compiled
+
+
+_DEL = re.compile(r"(?:^|;)\s*del\s+(\w+(?:\s*,\s*\w+)*)")
+_REUSED = re.compile(r"^\s*\w+\s*=\s*(?:reinterpret_tensor\(\s*)?(\w+)\b.*#\s*reuse\s*$")
+_ASSIGNED = re.compile(r"^\s*(\w+(?:\s*,\s*\w+)*)\s*,?\s*=(?!=)")
+_RETURN = re.compile(r"^(\s*)return\b")
+
+
+def _instrument(source: str, names: Sequence[str], hook: str) -> tuple[str, list[str]]:
+    """``source`` (a compiled graph's straight-line wrapper function) with a call
+    ``hook('bufN', bufN)`` before each line where a watched buffer's value is lost: its
+    ``del``, the ``# reuse`` line that hands its memory to another buffer, and the
+    ``return`` (every watched buffer still alive). Also the names it watches."""
+    watched = set(names)
+    seen: list[str] = []  # assigned so far, in order
+    done: set[str] = set()
+    lines = []
+    for line in source.splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        lost: list[str] = []
+        returning = _RETURN.match(line)
+        if returning:
+            lost = [name for name in seen if name not in done]
+        else:
+            reused = _REUSED.match(line)
+            if reused:
+                lost.append(reused.group(1))
+            for group in _DEL.findall(line):
+                lost.extend(n.strip() for n in group.split(","))
+        for name in dict.fromkeys(lost):
+            if name in watched and name not in done and name in seen:
+                lines.append(f"{indent}{hook}({name!r}, {name})")
+                done.add(name)
+        lines.append(line)
+        assigned = _ASSIGNED.match(line)
+        if assigned:
+            for name in assigned.group(1).split(","):
+                if name.strip() in watched and name.strip() not in seen:
+                    seen.append(name.strip())
+    return "\n".join(lines) + "\n", sorted(done)
+
+
+def _observed_twin(
+    plain: Callable[[list[Any]], Any], names: Sequence[str], observe: Observe
+) -> Callable[[list[Any]], Any]:
+    """The compiled graph's wrapper function ``plain`` (Inductor's ``call``, a function or
+    a bound method of its ``Runner``), compiled again from its source with the observing
+    calls of :func:`_instrument`, in its own module's globals (its kernels)."""
+    function = getattr(plain, "__func__", plain)
+    if not isinstance(function, types.FunctionType):
+        raise RuntimeError(f"the compiled backward's callable is a {type(plain).__name__}")
+    hook = f"_fpaudit_observe_{id(observe):x}"
+    source, watched = _instrument(textwrap.dedent(inspect.getsource(function)), names, hook)
+    missing = sorted(set(names) - set(watched))
+    if missing:
+        raise RuntimeError(f"buffers {', '.join(missing)} are not named in its wrapper code")
+    namespace: dict[str, Any] = {}
+    code = compile(source, f"<fpaudit, observing {function.__code__.co_filename}>", "exec")
+    function.__globals__[hook] = observe  # a name of its own: the plain function ignores it
+    exec(code, function.__globals__, namespace)
+    twin = namespace[function.__name__]
+    bound = getattr(plain, "__self__", None)
+    return types.MethodType(twin, bound) if bound is not None else twin  # type: ignore[no-any-return]
 
 
 def compile_backend(
@@ -257,3 +322,18 @@ def cudagraphs_requested(kwargs: dict[str, Any]) -> bool:
     """Whether Inductor compiles this graph to run under CUDA graphs."""
     flag = kwargs.get("cudagraphs")
     return bool(getattr(flag, "value", flag))
+
+
+def is_missing_compiler(error: BaseException) -> bool:
+    """Whether Inductor failed because the machine has no working C++ compiler
+    (``torch._inductor.exc.InvalidCxxCompiler``, raised or wrapped in an error it caused)."""
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    seen: BaseException | None = error
+    for _ in range(16):  # a chain of causes, not a loop
+        if seen is None:
+            return False
+        if isinstance(seen, InvalidCxxCompiler) or "InvalidCxxCompiler" in str(seen)[:200]:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -198,7 +198,7 @@ def test_a_backward_graph_that_cannot_be_compiled_observed_runs_as_inductor_comp
     info = report.info.compiled
     assert info is not None and info.observed_backward_runs == 0
     assert info.not_covered == (
-        "a compiled backward graph could not be compiled with its stored values as outputs "
+        "a compiled backward graph's stored values could not be observed "
         "(RuntimeError: no such buffer kind): it runs as Inductor compiles it, unobserved",
     )
     for mine, theirs in zip(net.parameters(), plain_net.parameters(), strict=True):
