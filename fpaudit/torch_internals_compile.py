@@ -43,6 +43,7 @@ import contextlib
 import copy
 import inspect
 import re
+import sys
 import textwrap
 import threading
 import types
@@ -327,6 +328,8 @@ def cudagraphs_requested(kwargs: dict[str, Any]) -> bool:
 def is_missing_compiler(error: BaseException) -> bool:
     """Whether Inductor failed because the machine has no working C++ compiler
     (``torch._inductor.exc.InvalidCxxCompiler``, raised or wrapped in an error it caused)."""
+    if "torch._inductor.exc" not in sys.modules:
+        return False  # Inductor never ran in this process
     from torch._inductor.exc import InvalidCxxCompiler
 
     seen: BaseException | None = error

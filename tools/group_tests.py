@@ -78,6 +78,7 @@ ROOMS = {
     "test_blockstats.py": "kernels",
     "test_blockstats_sr.py": "kernels",
     "test_blockstats_torchao.py": "kernels",
+    "test_kernel_build.py": "kernels",  # kernels/build.py: the cache, its records, no compiler
     # rules/
     "test_analysis.py": "rules",
     "test_comparison.py": "rules",
