@@ -2,7 +2,9 @@
 
 ``fpaudit.capture.compiled`` observes what Inductor's compiled backward stores. It needs to
 know which buffers Inductor's scheduler really writes to memory (the rest stay in a
-fused kernel's registers) and to add those values to the backward graph's outputs.
+fused kernel's registers) and to read each of them while it holds its value, without
+changing the graph Inductor compiles (an added graph output changes its fusions and
+reductions, and so the gradients).
 Nothing here is public torch; ``tests/test_torch_seam.py`` allows private reads in
 this module and in ``torch_internals`` only, and checks that this docstring names
 each private name read below.
@@ -22,13 +24,21 @@ tests on 2.10.0 and 2.15.0.
   ``torch._inductor.ir.NoneLayout`` (an op that writes into another buffer, as a
   ``scatter_add`` fallback into the zeros MaxPool's backward starts from: it stores
   nothing of its own, and the buffer it mutates is read as any other).
-* ``torch._inductor.config``: ``post_grad_custom_post_pass`` (fpaudit's pass adds the
-  stored values to the backward graph's outputs), ``fx_graph_cache`` (off, so a cached
-  graph never skips the pass).
+* ``torch._inductor.config``: ``post_grad_custom_post_pass`` (fpaudit's pass copies the
+  post-grad graph, whose node metadata names modules; it changes nothing),
+  ``fx_graph_cache`` (off for the backward, so that the scheduler runs and says which
+  buffers it stores).
 * ``torch._functorch.config.enable_autograd_cache``: off while fpaudit compiles, so a
   cached forward/backward pair never skips fpaudit's backward compiler.
-* ``CompiledFxGraph.current_callable``: the compiled backward's boxed callable, which
-  fpaudit wraps to take its extra outputs off.
+* ``CompiledFxGraph.current_callable``: the compiled backward's boxed callable,
+  Inductor's generated wrapper ``call`` (a function, or a bound method of the generated
+  module's ``Runner``): a straight-line Python function whose lines free a buffer
+  (``del bufN``), hand its memory to another (``... bufN ...  # reuse``) or return.
+  fpaudit compiles a twin of it from its source (``inspect.getsource``) with a call
+  before each such line, in the generated module's globals (its kernels), and wraps
+  the two: the plain one runs while no audit is open.
+* ``torch._inductor.exc.InvalidCxxCompiler``: Inductor found no working C++ compiler
+  (the machine's fault, said as such).
 * ``OptimizedModule._orig_mod`` and ``OptimizedModule.dynamo_ctx.callback``'s
   ``_torchdynamo_orig_backend``: the eager module a ``torch.compile``d module wraps and
   the backend it was compiled with (``compiler_name`` and ``config`` of the
@@ -166,7 +176,8 @@ def _reading_stored(into: list[list[StoredBuffer]]) -> Iterator[None]:
 
 BufferPlan = Callable[[fx.GraphModule, list[StoredBuffer]], list[str]]
 Observe = Callable[[str, Any], None]
-Wrap = Callable[[Callable[[list[Any]], Any], Callable[[list[Any]], Any]], Callable[[list[Any]], Any]]
+Boxed = Callable[[list[Any]], Any]  # a compiled graph's callable: it takes its inputs as a list
+Wrap = Callable[[Boxed, Boxed], Boxed]
 
 
 def inductor_backward(
@@ -264,7 +275,7 @@ def _observed_twin(
     function = getattr(plain, "__func__", plain)
     if not isinstance(function, types.FunctionType):
         raise RuntimeError(f"the compiled backward's callable is a {type(plain).__name__}")
-    hook = f"_fpaudit_observe_{id(observe):x}"
+    hook = f"fpaudit_observe_{id(observe):x}"
     source, watched = _instrument(textwrap.dedent(inspect.getsource(function)), names, hook)
     missing = sorted(set(names) - set(watched))
     if missing:
@@ -275,7 +286,7 @@ def _observed_twin(
     exec(code, function.__globals__, namespace)
     twin = namespace[function.__name__]
     bound = getattr(plain, "__self__", None)
-    return types.MethodType(twin, bound) if bound is not None else twin  # type: ignore[no-any-return]
+    return types.MethodType(twin, bound) if bound is not None else twin
 
 
 def compile_backend(

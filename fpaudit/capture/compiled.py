@@ -8,8 +8,12 @@ to memory is also handed out of the compiled graph, and an open audit histograms
 in the dtype it was stored in, exactly as an eager value. In plain words:
 
 * Inductor's scheduler decides which values a kernel stores and which it keeps in
-  registers. fpaudit compiles each backward graph twice: once to learn which FX nodes'
-  values are stored, and once with those values added to the graph's outputs.
+  registers. fpaudit compiles each backward graph once, exactly as ``torch.compile``
+  does, and reads which buffers the scheduler stores and which FX node each holds; a
+  twin of the generated wrapper function runs the same kernels and hands each stored
+  buffer to the open audit at the last moment it holds its value (before it is freed,
+  before its memory is reused, or at return). The graph is not changed: an added graph
+  output would change Inductor's fusions and reductions, and the gradients.
   Values a fused kernel keeps in registers are never rounded to a stored dtype and are
   not counted; the ops they came from are the module's *fused away* ops in the report.
 * Each stored value belongs to the module whose forward it differentiates: the
@@ -17,10 +21,10 @@ in the dtype it was stored in, exactly as an eager value. In plain words:
   recomputed forward work) names it, as the model names it.
 * A stored value scales with the loss when it depends on a tangent (the gradient
   flowing in); a value computed from saved activations alone does not.
-* With no audit open the compiled backward runs as compiled; the extra outputs are
-  dropped. The kernels are the ones Inductor generates without fpaudit (the stored
-  buffers are stored either way), so parameters after N steps are bit-identical; the
-  tests check it, and that there is one graph, no graph break and no recompilation.
+* With no audit open the compiled backward runs as Inductor compiled it (the plain
+  wrapper); with one open, the twin runs the same kernels on the same buffers. Either
+  way the gradients are bit-identical to plain ``torch.compile``'s: the tests compare
+  them, and check that there is one graph, no graph break and no recompilation.
 
 Known limitations:
 
@@ -29,9 +33,11 @@ Known limitations:
   line (``compiled.not_covered``), and ``gate`` finds a compiled report that observed
   nothing to have measured nothing.
 * The compiled forward is not observed (``--forward`` covers eager forward only).
-* Stored buffers live until the compiled backward returns (they are its outputs):
-  peak memory of the backward grows by the values it stores.
-* Each backward graph is compiled twice: compile time roughly doubles for backward.
+* A backward graph is compiled with Inductor's FX graph cache off (the scheduler has
+  to run to say what it stores): a graph cached by a plain ``torch.compile`` run is
+  compiled once more under fpaudit.
+* A buffer is histogrammed while the backward runs, before it is freed: memory is
+  what the compiled backward uses, plus the histogram's own work.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def test_each_gradient_equals_plain_torch_compiles_bit_for_bit(name: str) -> Non
 def _train(compiler: Any, audited_steps: frozenset[int], steps: int = 3) -> list[dict[str, Any]]:
     """Each step's gradients of the encoder layer under ``compiler`` (SGD between steps),
     the steps in ``audited_steps`` under an open audit."""
-    net_class, batch = ZOO["encoder_layer"]
+    net_class = ZOO["encoder_layer"][0]
     torch.manual_seed(0)
     net = net_class()
     torch._dynamo.reset()
@@ -130,7 +130,9 @@ def _train(compiler: Any, audited_steps: frozenset[int], steps: int = 3) -> list
                 assert audit.report.info.compiled.observed_backward_runs == 1
             else:
                 model(x).square().mean().backward()
-            grads.append({n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None})
+            grads.append(
+                {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+            )
             optimizer.step()
     finally:
         torch._dynamo.reset()
