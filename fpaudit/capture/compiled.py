@@ -3,9 +3,9 @@
 A compiled backward runs fused kernels, not aten ops, so the capture's dispatch mode
 cannot see its values. :func:`compile` (and :func:`observed`, for a module already
 ``torch.compile``d with the default backend) compiles with Inductor through
-fpaudit's backend, which changes one thing: every buffer the backward graph writes
-to memory is also handed out of the compiled graph, and an open audit histograms it
-in the dtype it was stored in, exactly as an eager value. In plain words:
+fpaudit's backend, which changes nothing Inductor computes: while an audit is open,
+every buffer the backward graph writes to memory is handed to it, and it histograms
+the buffer in the dtype it was stored in, exactly as an eager value. In plain words:
 
 * Inductor's scheduler decides which values a kernel stores and which it keeps in
   registers. fpaudit compiles each backward graph once, exactly as ``torch.compile``
