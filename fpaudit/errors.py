@@ -132,6 +132,11 @@ class ModelFileError(FpauditError):
     """The model file is missing, broken, or does not follow the contract."""
 
 
+class MissingTool(FpauditError):
+    """The machine lacks a tool the run needs (a C++ compiler for ``torch.compile``):
+    the environment is at fault, not the model."""
+
+
 class ModelExit(ModelFileError):
     """Model code called ``sys.exit`` or ``os._exit``: an error, never a quiet success."""
 

@@ -2,7 +2,9 @@
 
 ``fpaudit.capture.compiled`` observes what Inductor's compiled backward stores. It needs to
 know which buffers Inductor's scheduler really writes to memory (the rest stay in a
-fused kernel's registers) and to add those values to the backward graph's outputs.
+fused kernel's registers) and to read each of them while it holds its value, without
+changing the graph Inductor compiles (an added graph output changes its fusions and
+reductions, and so the gradients).
 Nothing here is public torch; ``tests/test_torch_seam.py`` allows private reads in
 this module and in ``torch_internals`` only, and checks that this docstring names
 each private name read below.
@@ -22,13 +24,21 @@ tests on 2.10.0 and 2.15.0.
   ``torch._inductor.ir.NoneLayout`` (an op that writes into another buffer, as a
   ``scatter_add`` fallback into the zeros MaxPool's backward starts from: it stores
   nothing of its own, and the buffer it mutates is read as any other).
-* ``torch._inductor.config``: ``post_grad_custom_post_pass`` (fpaudit's pass adds the
-  stored values to the backward graph's outputs), ``fx_graph_cache`` (off, so a cached
-  graph never skips the pass).
+* ``torch._inductor.config``: ``post_grad_custom_post_pass`` (fpaudit's pass copies the
+  post-grad graph, whose node metadata names modules; it changes nothing),
+  ``fx_graph_cache`` (off for the backward, so that the scheduler runs and says which
+  buffers it stores).
 * ``torch._functorch.config.enable_autograd_cache``: off while fpaudit compiles, so a
   cached forward/backward pair never skips fpaudit's backward compiler.
-* ``CompiledFxGraph.current_callable``: the compiled backward's boxed callable, which
-  fpaudit wraps to take its extra outputs off.
+* ``CompiledFxGraph.current_callable``: the compiled backward's boxed callable,
+  Inductor's generated wrapper ``call`` (a function, or a bound method of the generated
+  module's ``Runner``): a straight-line Python function whose lines free a buffer
+  (``del bufN``), hand its memory to another (``... bufN ...  # reuse``) or return.
+  fpaudit compiles a twin of it from its source (``inspect.getsource``) with a call
+  before each such line, in the generated module's globals (its kernels), and wraps
+  the two: the plain one runs while no audit is open.
+* ``torch._inductor.exc.InvalidCxxCompiler``: Inductor found no working C++ compiler
+  (the machine's fault, said as such).
 * ``OptimizedModule._orig_mod`` and ``OptimizedModule.dynamo_ctx.callback``'s
   ``_torchdynamo_orig_backend``: the eager module a ``torch.compile``d module wraps and
   the backend it was compiled with (``compiler_name`` and ``config`` of the
@@ -45,7 +55,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import re
+import sys
+import textwrap
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -164,7 +179,9 @@ def _reading_stored(into: list[list[StoredBuffer]]) -> Iterator[None]:
 
 
 BufferPlan = Callable[[fx.GraphModule, list[StoredBuffer]], list[str]]
-Wrap = Callable[[Callable[[list[Any]], Any], int], Callable[[list[Any]], Any]]
+Observe = Callable[[str, Any], None]
+Boxed = Callable[[list[Any]], Any]  # a compiled graph's callable: it takes its inputs as a list
+Wrap = Callable[[Boxed, Boxed], Boxed]
 
 
 def inductor_backward(
@@ -172,13 +189,17 @@ def inductor_backward(
     example_inputs: Sequence[Any],
     kwargs: dict[str, Any],
     plan: BufferPlan,
+    observe: Observe,
     wrap: Wrap,
 ) -> Any:
-    """Compile backward graph ``gm`` with Inductor so that every value it stores is also
-    handed out: a first compile (of a copy) tells which FX nodes' values Inductor stores;
-    ``plan(post_grad_graph, stored)`` picks the node names to observe; the second compile
-    adds them to the graph's outputs, and ``wrap(callable, n)`` wraps the compiled
-    callable, whose first ``n`` outputs are the graph's own."""
+    """Compile backward graph ``gm`` with Inductor exactly as ``torch.compile`` does (the
+    same graph, so the same fusions, reductions and kernels), reading which buffers its
+    scheduler stores; ``plan(post_grad_graph, stored)`` picks the buffer names to observe.
+    A twin of the compiled wrapper function, run with the very kernels the compile made,
+    calls ``observe(name, buffer)`` at the last moment each of those buffers holds its
+    value (before it is freed, before its memory is reused, or before the function
+    returns). ``wrap(plain, observed)`` builds the callable that runs, where the compiled
+    graph kept ``plain``."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -188,32 +209,88 @@ def inductor_backward(
     def keep(graph: fx.Graph) -> None:
         post_grad.append(copy.deepcopy(graph.owning_module))  # type: ignore[arg-type]
 
+    # A custom post-grad pass that only copies the graph changes no decision of
+    # Inductor's; the FX graph cache stays off so that the scheduler runs (a cached
+    # graph would not say which buffers it stores).
     with (
         config.patch(fx_graph_cache=False, post_grad_custom_post_pass=keep),
         _reading_stored(stored),
     ):
-        compile_fx_inner(copy.deepcopy(gm), example_inputs, **kwargs)
-    observed = plan(post_grad[-1], stored[-1]) if stored and post_grad else []
-    original_outputs: list[int] = []
-
-    def add_outputs(graph: fx.Graph) -> None:
-        nodes = {n.name: n for n in graph.nodes}
-        output = next(n for n in graph.nodes if n.op == "output")
-        outputs = list(output.args[0])
-        original_outputs.append(len(outputs))
-        output.args = (outputs + [nodes[name] for name in observed if name in nodes],)
-
-    with config.patch(fx_graph_cache=False, post_grad_custom_post_pass=add_outputs):
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-    if original_outputs and observed:
-        callable_ = getattr(compiled, "current_callable", None)
-        if callable_ is None:  # the extra outputs must not reach AOTAutograd
-            raise RuntimeError(
-                f"fpaudit cannot observe this torch's compiled backward ({type(compiled).__name__}"
-                " has no current_callable)"
-            )
-        compiled.current_callable = wrap(callable_, original_outputs[-1])  # type: ignore[attr-defined]
+    names = plan(post_grad[-1], stored[-1]) if stored and post_grad else []
+    if not names:
+        return compiled
+    plain = getattr(compiled, "current_callable", None)
+    if plain is None:
+        raise RuntimeError(
+            f"fpaudit cannot observe this torch's compiled backward ({type(compiled).__name__}"
+            " has no current_callable)"
+        )
+    compiled.current_callable = wrap(plain, _observed_twin(plain, names, observe))  # type: ignore[attr-defined]
     return compiled
+
+
+_DEL = re.compile(r"(?:^|;)\s*del\s+(\w+(?:\s*,\s*\w+)*)")
+_REUSED = re.compile(r"^\s*\w+\s*=\s*(?:reinterpret_tensor\(\s*)?(\w+)\b.*#\s*reuse\s*$")
+_ASSIGNED = re.compile(r"^\s*(\w+(?:\s*,\s*\w+)*)\s*,?\s*=(?!=)")
+_RETURN = re.compile(r"^(\s*)return\b")
+
+
+def _instrument(source: str, names: Sequence[str], hook: str) -> tuple[str, list[str]]:
+    """``source`` (a compiled graph's straight-line wrapper function) with a call
+    ``hook('bufN', bufN)`` before each line where a watched buffer's value is lost: its
+    ``del``, the ``# reuse`` line that hands its memory to another buffer, and the
+    ``return`` (every watched buffer still alive). Also the names it watches."""
+    watched = set(names)
+    seen: list[str] = []  # assigned so far, in order
+    done: set[str] = set()
+    lines = []
+    for line in source.splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        lost: list[str] = []
+        returning = _RETURN.match(line)
+        if returning:
+            lost = [name for name in seen if name not in done]
+        else:
+            reused = _REUSED.match(line)
+            if reused:
+                lost.append(reused.group(1))
+            for group in _DEL.findall(line):
+                lost.extend(n.strip() for n in group.split(","))
+        for name in dict.fromkeys(lost):
+            if name in watched and name not in done and name in seen:
+                lines.append(f"{indent}{hook}({name!r}, {name})")
+                done.add(name)
+        lines.append(line)
+        assigned = _ASSIGNED.match(line)
+        if assigned:
+            for name in assigned.group(1).split(","):
+                if name.strip() in watched and name.strip() not in seen:
+                    seen.append(name.strip())
+    return "\n".join(lines) + "\n", sorted(done)
+
+
+def _observed_twin(
+    plain: Callable[[list[Any]], Any], names: Sequence[str], observe: Observe
+) -> Callable[[list[Any]], Any]:
+    """The compiled graph's wrapper function ``plain`` (Inductor's ``call``, a function or
+    a bound method of its ``Runner``), compiled again from its source with the observing
+    calls of :func:`_instrument`, in its own module's globals (its kernels)."""
+    function = getattr(plain, "__func__", plain)
+    if not isinstance(function, types.FunctionType):
+        raise RuntimeError(f"the compiled backward's callable is a {type(plain).__name__}")
+    hook = f"fpaudit_observe_{id(observe):x}"
+    source, watched = _instrument(textwrap.dedent(inspect.getsource(function)), names, hook)
+    missing = sorted(set(names) - set(watched))
+    if missing:
+        raise RuntimeError(f"buffers {', '.join(missing)} are not named in its wrapper code")
+    namespace: dict[str, Any] = {}
+    code = compile(source, f"<fpaudit, observing {function.__code__.co_filename}>", "exec")
+    function.__globals__[hook] = observe  # a name of its own: the plain function ignores it
+    exec(code, function.__globals__, namespace)
+    twin = namespace[function.__name__]
+    bound = getattr(plain, "__self__", None)
+    return types.MethodType(twin, bound) if bound is not None else twin
 
 
 def compile_backend(
@@ -278,3 +355,20 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return str(cache_dir())
+
+
+def is_missing_compiler(error: BaseException) -> bool:
+    """Whether Inductor failed because the machine has no working C++ compiler
+    (``torch._inductor.exc.InvalidCxxCompiler``, raised or wrapped in an error it caused)."""
+    if "torch._inductor.exc" not in sys.modules:
+        return False  # Inductor never ran in this process
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    seen: BaseException | None = error
+    for _ in range(16):  # a chain of causes, not a loop
+        if seen is None:
+            return False
+        if isinstance(seen, InvalidCxxCompiler) or "InvalidCxxCompiler" in str(seen)[:200]:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -3,13 +3,17 @@
 A compiled backward runs fused kernels, not aten ops, so the capture's dispatch mode
 cannot see its values. :func:`compile` (and :func:`observed`, for a module already
 ``torch.compile``d with the default backend) compiles with Inductor through
-fpaudit's backend, which changes one thing: every buffer the backward graph writes
-to memory is also handed out of the compiled graph, and an open audit histograms it
-in the dtype it was stored in, exactly as an eager value. In plain words:
+fpaudit's backend, which changes nothing Inductor computes: while an audit is open,
+every buffer the backward graph writes to memory is handed to it, and it histograms
+the buffer in the dtype it was stored in, exactly as an eager value. In plain words:
 
 * Inductor's scheduler decides which values a kernel stores and which it keeps in
-  registers. fpaudit compiles each backward graph twice: once to learn which FX nodes'
-  values are stored, and once with those values added to the graph's outputs.
+  registers. fpaudit compiles each backward graph once, exactly as ``torch.compile``
+  does, and reads which buffers the scheduler stores and which FX node each holds; a
+  twin of the generated wrapper function runs the same kernels and hands each stored
+  buffer to the open audit at the last moment it holds its value (before it is freed,
+  before its memory is reused, or at return). The graph is not changed: an added graph
+  output would change Inductor's fusions and reductions, and the gradients.
   Values a fused kernel keeps in registers are never rounded to a stored dtype and are
   not counted; the ops they came from are the module's *fused away* ops in the report.
 * Each stored value belongs to the module whose forward it differentiates: the
@@ -17,10 +21,10 @@ in the dtype it was stored in, exactly as an eager value. In plain words:
   recomputed forward work) names it, as the model names it.
 * A stored value scales with the loss when it depends on a tangent (the gradient
   flowing in); a value computed from saved activations alone does not.
-* With no audit open the compiled backward runs as compiled; the extra outputs are
-  dropped. The kernels are the ones Inductor generates without fpaudit (the stored
-  buffers are stored either way), so parameters after N steps are bit-identical; the
-  tests check it, and that there is one graph, no graph break and no recompilation.
+* With no audit open the compiled backward runs as Inductor compiled it (the plain
+  wrapper); with one open, the twin runs the same kernels on the same buffers. Either
+  way the gradients are bit-identical to plain ``torch.compile``'s: the tests compare
+  them, and check that there is one graph, no graph break and no recompilation.
 
 Known limitations:
 
@@ -29,9 +33,11 @@ Known limitations:
   line (``compiled.not_covered``), and ``gate`` finds a compiled report that observed
   nothing to have measured nothing.
 * The compiled forward is not observed (``--forward`` covers eager forward only).
-* Stored buffers live until the compiled backward returns (they are its outputs):
-  peak memory of the backward grows by the values it stores.
-* Each backward graph is compiled twice: compile time roughly doubles for backward.
+* A backward graph is compiled with Inductor's FX graph cache off (the scheduler has
+  to run to say what it stores): a graph cached by a plain ``torch.compile`` run is
+  compiled once more under fpaudit.
+* A buffer is histogrammed while the backward runs, before it is freed: memory is
+  what the compiled backward uses, plus the histogram's own work.
 """
 
 from __future__ import annotations
@@ -109,12 +115,13 @@ class CompiledGraph:
     """What fpaudit observes of one compiled backward graph."""
 
     root: weakref.ref[nn.Module] | None  # the module torch.compile was given
-    sites: tuple[CompiledSite, ...]
+    sites: dict[str, CompiledSite]  # Inductor's buffer name -> what its value is
     fused_away: dict[str, tuple[str, ...]]  # module -> ops kept in registers
 
 
 class Receiver(Protocol):
-    def record_compiled(self, graph: CompiledGraph, values: Sequence[Any]) -> None: ...
+    def record_compiled(self, graph: CompiledGraph, site: CompiledSite, value: Any) -> None: ...
+    def compiled_run(self, graph: CompiledGraph) -> None: ...
     def note_not_covered(self, line: str) -> None: ...
 
 
@@ -219,26 +226,26 @@ def _scaled(graph: fx.Graph) -> set[str]:
 def plan_graph(
     gm: fx.GraphModule, stored: list[_compile_internals.StoredBuffer]
 ) -> tuple[list[str], list[CompiledSite], dict[str, tuple[str, ...]]]:
-    """The nodes to observe (the stored values), their sites, and per module the ops
-    whose values stayed in registers."""
+    """The buffers to observe (the stored values, by Inductor's buffer names), their
+    sites, and per module the ops whose values stayed in registers."""
     nodes = {n.name: n for n in gm.graph.nodes}
     modules = _modules(gm.graph)
     scaled = _scaled(gm.graph)
     names: list[str] = []
     sites: list[CompiledSite] = []
-    in_memory: set[str] = set()
+    in_memory: set[str] = set()  # the FX nodes whose values are observed
     computed: set[str] = set()
     for buffer in stored:
         computed.update(buffer.origins)
         node = nodes.get(buffer.node) if buffer.node is not None else None
-        if node is None or node.op != "call_function" or buffer.node in names:
+        if node is None or node.op != "call_function" or buffer.node in in_memory:
             continue
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or value.dtype != buffer.dtype:
             continue
         if not value.is_floating_point():
             continue
-        names.append(node.name)
+        names.append(buffer.name)
         in_memory.add(node.name)
         sites.append(
             CompiledSite(modules.get(node.name, ""), str(node.target), node.name in scaled)
@@ -253,21 +260,41 @@ def plan_graph(
 
 
 def _observer(graph_holder: list[CompiledGraph]) -> _compile_internals.Wrap:
-    def wrap(call: Callable[[list[Any]], Any], outputs: int) -> Callable[[list[Any]], Any]:
+    """Runs the compiled backward: as Inductor compiled it (``plain``) while no audit is
+    open; its observed twin (the same kernels, each stored buffer handed to the open
+    audits before it is freed or reused) while one is."""
+
+    def wrap(
+        plain: Callable[[list[Any]], Any], observed: Callable[[list[Any]], Any]
+    ) -> Callable[[list[Any]], Any]:
         def run(args: list[Any]) -> Any:
+            if not (_receivers and graph_holder):
+                return plain(args)
             with _observing():
-                result = call(args)
-            values = result[outputs:]
-            kept = type(result)(result[:outputs]) if isinstance(result, tuple) else result[:outputs]
-            if _receivers and graph_holder:
-                for receiver in list(_receivers):
-                    receiver.record_compiled(graph_holder[-1], values)
-            return kept
+                result = observed(args)
+            for receiver in list(_receivers):
+                receiver.compiled_run(graph_holder[-1])
+            return result
 
         run._boxed_call = True  # type: ignore[attr-defined]  # AOTAutograd's list convention
         return run
 
     return wrap
+
+
+def _observe(graph_holder: list[CompiledGraph]) -> _compile_internals.Observe:
+    """Hands one stored buffer of the observed twin to every open audit."""
+
+    def observe(name: str, value: Any) -> None:
+        if not graph_holder or not isinstance(value, torch.Tensor):
+            return
+        graph = graph_holder[-1]
+        site = graph.sites.get(name)
+        if site is not None:
+            for receiver in list(_receivers):
+                receiver.record_compiled(graph, site, value)
+
+    return observe
 
 
 def compiled_backend(
@@ -289,7 +316,7 @@ def compiled_backend(
 
         def plan(post_grad: fx.GraphModule, stored: list[Any]) -> list[str]:
             names, sites, fused = plan_graph(post_grad, stored)
-            holder.append(CompiledGraph(reference, tuple(sites), fused))
+            holder.append(CompiledGraph(reference, dict(zip(names, sites, strict=True)), fused))
             for buffer in stored:
                 if buffer.unreadable is not None:
                     _not_covered_line(
@@ -302,14 +329,16 @@ def compiled_backend(
         with _observing():  # compiling (lazily, inside backward) is not the model's work
             try:
                 return _compile_internals.inductor_backward(
-                    gm, example_inputs, kwargs, plan, _observer(holder)
+                    gm, example_inputs, kwargs, plan, _observe(holder), _observer(holder)
                 )
             except Exception as error:
+                if _compile_internals.is_missing_compiler(error):
+                    raise  # the machine's fault, said as such (not a graph fpaudit skipped)
                 first = (str(error).splitlines() or [""])[0][:160]
                 _not_covered_line(
-                    "a compiled backward graph could not be compiled with its stored values "
-                    f"as outputs ({type(error).__name__}: {first}): it runs as Inductor "
-                    "compiles it, unobserved"
+                    "a compiled backward graph's stored values could not be observed "
+                    f"({type(error).__name__}: {first}): it runs as Inductor compiles it, "
+                    "unobserved"
                 )
                 return _compile_internals.plain_backward(spare, example_inputs, kwargs)
 

@@ -5,7 +5,7 @@ observe of a compiled model (a line each), for the report's ``compiled`` metadat
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -52,30 +52,42 @@ class CompiledReceiver:
             if backend == compiled.BACKEND_NAME
         )
 
-    def record_compiled(self, graph: compiled.CompiledGraph, values: Sequence[Any]) -> None:
-        """Record the values a compiled backward stored (``fpaudit.capture.compiled``), under the
-        model's module names; a graph compiled from another model is not this audit's."""
-        prefix = ""
-        if graph.root is not None:
-            root = graph.root()
-            name = self._clock.names.get(id(root)) if root is not None else None
-            if name is None:
-                return
-            prefix = name
-        known = self._clock.known_names
+    def _naming(self, graph: compiled.CompiledGraph) -> tuple[str, frozenset[str]] | None:
+        """The model's name of the module ``torch.compile`` was given for ``graph``, and
+        the model's module names; None for a graph compiled from another model."""
+        if graph.root is None:
+            return "", self._clock.known_names
+        root = graph.root()
+        name = self._clock.names.get(id(root)) if root is not None else None
+        return None if name is None else (name, self._clock.known_names)
 
-        def named(module_path: str) -> str:  # the graph's module path, as the model names it
-            return _known_module(".".join(p for p in (prefix, model_name(module_path)) if p), known)
+    @staticmethod
+    def _named(prefix: str, known: frozenset[str], module_path: str) -> str:
+        """The graph's module path, as the model names it."""
+        return _known_module(".".join(p for p in (prefix, model_name(module_path)) if p), known)
 
+    def record_compiled(
+        self, graph: compiled.CompiledGraph, site: compiled.CompiledSite, value: Any
+    ) -> None:
+        """Record one value a compiled backward stored (``fpaudit.capture.compiled``), under
+        the model's module name; a graph compiled from another model is not this audit's."""
+        naming = self._naming(graph)
+        if naming is None or not isinstance(value, torch.Tensor):
+            return
+        module = self._named(*naming, site.module)
+        self._recorder.record(KIND_BACKWARD, module, compiled.COMPILED_NODE, site.op, 0,
+                              site.scales_with_loss, value)  # fmt: skip
+
+    def compiled_run(self, graph: compiled.CompiledGraph) -> None:
+        """Count one observed run of a compiled backward of this model, and note the ops
+        its fused kernels kept in registers."""
+        naming = self._naming(graph)
+        if naming is None:
+            return
         with self._lock:
             self._runs += 1
-        for site, value in zip(graph.sites, values, strict=False):
-            if not isinstance(value, torch.Tensor):
-                continue
-            self._recorder.record(KIND_BACKWARD, named(site.module), compiled.COMPILED_NODE,
-                                  site.op, 0, site.scales_with_loss, value)  # fmt: skip
         for module_path, ops in graph.fused_away.items():
-            self._fused_away.setdefault(named(module_path), set()).update(ops)
+            self._fused_away.setdefault(self._named(*naming, module_path), set()).update(ops)
 
     def note_not_covered(self, line: str) -> None:
         """Note what this audit cannot observe (a compiled backward without the observer)."""

@@ -189,7 +189,7 @@ def _load_cpu_kernel() -> None:
     """Build or load the CPU kernel now (saying so if it compiles), not mid-step."""
     from fpaudit.kernels import build as kernels
 
-    built = kernels.cpu_kernel(on_build=render.kernel_build_notice)
+    built = kernels.cpu_kernel(on_build=lambda: render.kernel_build_notice(kernels.build_reason()))
     if built is None and kernels.failure():
         render.stderr().print(
             f"note: not using the CPU histogram kernel: {kernels.failure()}; "

@@ -666,11 +666,9 @@ def report_notes(report: Report, *, incomplete: bool = True) -> None:
         )
 
 
-def kernel_build_notice() -> None:
-    stderr().print(
-        "building fpaudit's CPU histogram kernel: once per machine and torch version, "
-        "about a minute (FPAUDIT_KERNEL=torch skips it)"
-    )
+def kernel_build_notice(line: str) -> None:
+    """The one line said before the CPU kernel builds (``line``: the library's reason)."""
+    stderr().print(f"{line} (FPAUDIT_KERNEL=torch skips it)")
 
 
 def scan_summary(

@@ -5,7 +5,17 @@ version, then cached) and Triton for GPUs.
 the pure-torch path on 2 cores). It is compiled with
 ``torch.utils.cpp_extension`` the first time it is needed (about a minute,
 needs a C++ compiler) and cached in torch's extension directory
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), under a name keyed
+by everything that changes the build (the source and its path, torch, Python and its
+prefix, the include paths, the compiler and the flags): each environment builds once,
+and two environments sharing a checkout never rebuild each other's kernel.
+
+A build records the library's size and SHA-256 beside it; a library that does not
+match its record (cut short by a full disk or a partial cache restore: loading it
+would die of SIGBUS) is never loaded: it is removed and rebuilt, said in one line. A
+library that matches is imported directly, without torch's build step (no compiler
+needed). With no C++ compiler, a kernel that is not built yet is not attempted: one
+line says so and the pure-torch path runs.
 
 The same module computes block-scaled statistics (``block_stats``, every scale rule;
 see :mod:`fpaudit.kernels.blockstats`, whose pure-torch paths are the
@@ -29,8 +39,13 @@ import contextlib
 import fcntl
 import hashlib
 import importlib
+import importlib.util
+import json
 import os
+import shlex
+import shutil
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -60,21 +75,161 @@ def mode() -> str:
     return value
 
 
+CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+BUILD_NOTE = "building fpaudit's CPU kernel, about a minute, once per environment"
+"""The one line said before a build starts (``FPAUDIT_KERNEL=torch`` skips the kernel)."""
+RECORD_SUFFIX = ".fpaudit-record"  # beside the library: its size and SHA-256 at build time
+
+
+def compiler_command() -> str:
+    """The C++ compiler torch's build runs: ``CXX``, else ``c++``."""
+    return os.environ.get("CXX", "").strip() or "c++"
+
+
+def compiler_path() -> str | None:
+    """The compiler's resolved executable, or None when there is none on ``PATH``."""
+    words = shlex.split(compiler_command()) or ["c++"]
+    found = shutil.which(words[0])
+    return os.path.realpath(found) if found is not None else None
+
+
+def _compiler_key() -> bytes:
+    """The compiler as a build depends on it: its command, resolved file, size and time
+    (an upgraded compiler is another file or another time)."""
+    path = compiler_path()
+    if path is None:
+        return compiler_command().encode()
+    with contextlib.suppress(OSError):
+        stat = os.stat(path)
+        return f"{compiler_command()}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    return path.encode()
+
+
+def _key_parts() -> list[bytes]:
+    """Everything that changes the build. Two installs (two venvs, two checkouts) that
+    shared a name rebuilt the kernel each time the other had loaded it, since the build
+    records its source's path, include paths and compiler."""
+    from torch.utils.cpp_extension import include_paths
+
+    return [
+        SOURCE.read_bytes(),
+        str(SOURCE).encode(),
+        torch.__version__.encode(),
+        sys.version.encode(),  # the interpreter keys the ABI
+        sys.prefix.encode(),
+        sys.base_prefix.encode(),
+        "\0".join([*include_paths(), sysconfig.get_paths()["include"]]).encode(),
+        _compiler_key(),
+        "\0".join([*CFLAGS, "|", *LDFLAGS]).encode(),
+    ]
+
+
 def _name() -> str:
-    # One build per source, torch and install: two installs (two venvs, two checkouts)
-    # that shared a name rebuilt the kernel each time the other had loaded it, since the
-    # build records its source's path; the interpreter's version keys the ABI.
-    key = [SOURCE.read_bytes(), torch.__version__.encode(), str(SOURCE).encode()]
-    key.append(sys.version.encode())
-    digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:12]
+    """The kernel's build name: one per environment (:func:`_key_parts`)."""
+    digest = hashlib.sha256(b"\1".join(_key_parts())).hexdigest()[:12]
     return f"fpaudit_histogram_{digest}"
 
 
 def is_built() -> bool:
-    """True when the kernel is loaded or its cached build exists (no compile needed)."""
+    """True when the kernel is loaded or its cached build exists and matches its record
+    (no compile needed)."""
     if _module is not None:
         return True
-    return any(_build_directory().glob(f"{_name()}*.so"))
+    return any(_mismatch(library) is None for library in _libraries())
+
+
+def _libraries() -> list[Path]:
+    return sorted(_build_directory().glob(f"{_name()}*.so"))
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    """A file's size and SHA-256."""
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            sha.update(block)
+            size += len(block)
+    return size, sha.hexdigest()
+
+
+def _record_path(library: Path) -> Path:
+    return library.with_name(library.name + RECORD_SUFFIX)
+
+
+def _write_record(library: Path) -> None:
+    """Record a library just built (its size and SHA-256), atomically: a record is whole
+    or absent."""
+    size, sha = _digest(library)
+    record = _record_path(library)
+    staged = record.with_name(f".{record.name}.{os.getpid()}")
+    with open(staged, "w") as file:
+        json.dump({"size": size, "sha256": sha}, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(staged, record)
+
+
+def _mismatch(library: Path) -> str | None:
+    """Why ``library`` does not match its build record, or None when it does."""
+    try:
+        recorded = json.loads(_record_path(library).read_text())
+        size, sha = int(recorded["size"]), str(recorded["sha256"])
+    except FileNotFoundError:
+        return "it has no build record"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its build record is unreadable"
+    try:
+        found_size, found_sha = _digest(library)
+    except OSError as error:
+        return f"it cannot be read: {error.strerror}"
+    if found_size != size:
+        return f"{found_size} bytes, built {size}"
+    if found_sha != sha:
+        return "its SHA-256 differs from the build's"
+    return None
+
+
+def _verified() -> tuple[Path | None, str | None]:
+    """The cached library that matches its build record, if any; and, when one did not
+    match, what became of it. A library that does not match is removed (the caller
+    rebuilds it); one that cannot be removed blocks the kernel (its line then starts
+    with "cannot")."""
+    said = None
+    for library in _libraries():
+        why = _mismatch(library)
+        if why is None:
+            return library, said
+        try:
+            library.unlink()
+            _record_path(library).unlink(missing_ok=True)
+        except OSError as error:
+            return None, (
+                f"cannot use the cached kernel {library}: it does not match its build "
+                f"({why}) and cannot be removed ({error.strerror})"
+            )
+        said = f"the cached CPU kernel {library} does not match its build ({why}); rebuilding it"
+    return None, said
+
+
+def _import(library: Path) -> ModuleType:
+    """Import a verified library as the module it was built as (its file name's stem):
+    what torch's ``load`` does once its build step has nothing to do."""
+    spec = importlib.util.spec_from_file_location(library.name.split(".")[0], library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_build_reason = BUILD_NOTE
+
+
+def build_reason() -> str:
+    """The line to say before the build that :func:`cpu_kernel` is about to start."""
+    return _build_reason
 
 
 def _build_directory() -> Path:
@@ -184,7 +339,9 @@ def failure() -> str | None:
 def cpu_kernel(on_build: Callable[[], None] | None = None) -> ModuleType | None:
     """The compiled kernel, or None when the pure-torch path is to be used.
 
-    ``on_build`` is called before a compile starts (so a CLI can say why it waits).
+    ``on_build`` is called before a compile starts (so a CLI can say why it waits:
+    :func:`build_reason`); a library already built that matches its record is imported
+    without a compile.
     """
     global _module, _failure
     chosen = mode()
@@ -199,23 +356,49 @@ def cpu_kernel(on_build: Callable[[], None] | None = None) -> ModuleType | None:
                     if blocked is not None:
                         _failure = blocked
                     else:
-                        if on_build is not None and not is_built():
-                            on_build()
-                        from torch.utils.cpp_extension import load
-
-                        _module = load(
-                            name=_name(),
-                            sources=[str(SOURCE)],
-                            extra_cflags=["-O3", "-fopenmp"],
-                            extra_ldflags=["-fopenmp"],
-                            verbose=False,
-                        )
-            except Exception as error:  # no compiler, no headers, ...
+                        _module, _failure = _load_or_build(on_build)
+            except Exception as error:  # no headers, a failed compile, ...
                 lines = str(error).strip().splitlines()
                 _failure = lines[-1] if lines else type(error).__name__
     if _module is None and chosen == "cpp":
         raise UsageError(f"{ENV}=cpp but the CPU histogram kernel could not be built: {_failure}")
     return _module
+
+
+def _load_or_build(on_build: Callable[[], None] | None) -> tuple[ModuleType | None, str | None]:
+    """Under the build guard: the verified library imported, else a build (said first
+    through ``on_build``), recorded once it loaded; or None and why not."""
+    global _build_reason
+    library, said = _verified()
+    if said is not None and said.startswith("cannot"):
+        return None, said
+    if library is not None:
+        return _import(library), None
+    if compiler_path() is None:
+        return None, f"no C++ compiler found ({_no_compiler()})"
+    _build_reason = f"{said}, about a minute" if said is not None else BUILD_NOTE
+    if on_build is not None:
+        on_build()
+    from torch.utils.cpp_extension import load
+
+    module = load(
+        name=_name(),
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        verbose=False,
+    )
+    built = getattr(module, "__file__", None)
+    if built is not None:
+        _write_record(Path(built))
+    return module, None
+
+
+def _no_compiler() -> str:
+    """Which compiler was looked for, in words."""
+    if os.environ.get("CXX", "").strip():
+        return f"CXX={compiler_command()} is not an executable on PATH"
+    return "c++ is not on PATH and CXX is not set"
 
 
 class _TritonKernel:

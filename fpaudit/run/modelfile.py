@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from fpaudit._process import Owner
-from fpaudit.errors import FpauditError, ModelExit, ModelFileError
+from fpaudit.errors import FpauditError, MissingTool, ModelExit, ModelFileError
+from fpaudit.torch_internals_compile import is_missing_compiler
 
 CONTRACT = {
     "model": "model = MyModel()  (an nn.Module, or a zero-argument callable returning one)",
@@ -101,6 +102,11 @@ def user_code(path: Path, what: str) -> Iterator[None]:
             "not end the process"
         ) from None
     except Exception as error:
+        if is_missing_compiler(error):  # the machine's fault, not the model's
+            raise MissingTool(
+                "no C++ compiler found: torch.compile (Inductor) needs one to compile the "
+                f"model ({describe(error)[:200]}); install one or point CXX at it"
+            ) from None
         raise ModelFileError(f"{where(error, path)}: {what} raised {describe(error)}") from error
 
 

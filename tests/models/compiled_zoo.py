@@ -1,7 +1,8 @@
 """The compiled zoo: small nets whose backward runs one family of ops each (pooling, a
 ResNet-shaped block, upsampling and norms, sparse and index ops, dropout and in-place
-activations, an LSTM, a wrapped ``forward``, a model with ops of its own), compiled
-with fpaudit and compared with plain eager twins (tests/capture/test_compiled_zoo.py).
+activations, an LSTM, a wrapped ``forward``, a model with ops of its own, a pre-norm
+transformer encoder layer), compiled with fpaudit and compared with plain eager twins
+and with plain ``torch.compile`` (tests/capture/test_compiled_zoo.py).
 
 Index ops take their indices from constants built in ``forward`` (``arange``), so the
 compiled graph holds them; each op sits in a module of its own so the report names it.
@@ -205,6 +206,22 @@ class OwnOps(nn.Module):
         return self.head((h * h.sum(-1, keepdim=True)).mean(1))
 
 
+class EncoderLayer(nn.Module):
+    """A pre-norm ``nn.TransformerEncoderLayer`` without dropout and a Linear head: adding
+    the stored buffers to its backward graph's outputs once changed how Inductor summed
+    ``in_proj_bias``'s gradient (one ulp off plain ``torch.compile``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(
+            16, 2, dim_feedforward=32, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x))
+
+
 def images(size: int) -> torch.Tensor:
     return torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(1))
 
@@ -217,6 +234,10 @@ def features() -> torch.Tensor:
     return torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
 
 
+def sequences(seed: int = 1) -> torch.Tensor:
+    return torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(seed))
+
+
 # name -> (the net's class, its batch)
 ZOO: dict[str, tuple[type[nn.Module], Callable[[], torch.Tensor]]] = {
     "pools": (Pools, lambda: images(16)),
@@ -227,6 +248,7 @@ ZOO: dict[str, tuple[type[nn.Module], Callable[[], torch.Tensor]]] = {
     "lstm_tagger": (Tagger, lambda: token_ids(40)),
     "wrapped_forward": (WrappedForward, features),
     "own_ops": (OwnOps, lambda: token_ids(20)),
+    "encoder_layer": (EncoderLayer, sequences),
 }
 
 

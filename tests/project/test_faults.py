@@ -785,3 +785,32 @@ def test_two_installs_of_the_same_kernel_source_build_apart(tmp_path: Path) -> N
         assert build._name() != here and build._name().startswith("fpaudit_histogram_")
     finally:
         build.SOURCE = original
+
+
+# -- no C++ compiler: the machine named, not the model ---------------------------------
+def test_no_compiler_is_one_line_for_the_kernel_and_one_error_for_compile(tmp_path: Path) -> None:
+    """Before: "building ... about a minute", torch's ``!! WARNING !!`` banner and
+    ``ninja: build stopped`` for the kernel, then ``loss(model, batch) raised
+    InductorError`` for ``--compile``: the model blamed for the machine. Now the kernel
+    is not attempted (one note: the pure-torch path) and ``--compile`` stops with one
+    line naming the compiler, exit 2. Scratch caches: nothing built or cached helps."""
+    missing = tmp_path / "no-such-c++"
+    env = {"CXX": str(missing), "FPAUDIT_KERNEL": "auto",
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # fmt: skip
+    code, _, err = _fpaudit(["scan", SAMPLES / "quadratic.py", "--compile", "--steps", 1,
+                             "--out", tmp_path / "r", "--device", "cpu"], **env)  # fmt: skip
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [
+        f"note: not using the CPU histogram kernel: no C++ compiler found (CXX={missing} is "
+        "not an executable on PATH); using the pure-torch path: identical results, slower",
+        lines[1],
+    ], err
+    assert lines[1].startswith(
+        "fpaudit: error: no C++ compiler found: torch.compile (Inductor) needs one to "
+        "compile the model ("
+    ), err
+    assert "InvalidCxxCompiler" in lines[1] and "raised" not in lines[1], err
+    assert lines[1].endswith("; install one or point CXX at it"), err
+    assert not (tmp_path / "r").exists()
