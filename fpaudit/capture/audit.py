@@ -158,6 +158,7 @@ class Audit:
         shadow: bool = False,
         origins: bool = False,
         recipes: Sequence[Recipe | str] = (),
+        module_hooks: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
@@ -167,6 +168,9 @@ class Audit:
                 "audit the eager module (the one passed to torch.jit.script)"
             )
         self.model = model
+        # False: no hook on the model's modules; the owner's global module hooks call
+        # module_entered / module_exited (fpaudit run: the script's objects stay its own)
+        self.module_hooks = module_hooks
         self.loss_scale = loss_scale
         self.shadow = shadow
         # scan --origins: per op call, did it make inf/NaN (fpaudit.capture.origin_probe)
@@ -215,7 +219,10 @@ class Audit:
             raise RuntimeError("this audit is already open; close() it before opening it again")
         stack = ExitStack()
         try:
-            self._clock.install(self.model, stack)
+            if self.module_hooks:
+                self._clock.install(self.model, stack)
+            else:
+                self._clock.observe(self.model)
             mode = BackwardMode(self, self._clock, self._provenance, self._recorder)
             self._mode = mode
             stack.enter_context(optimizer_steps_counted(mode))
@@ -291,6 +298,14 @@ class Audit:
         hooks were installed too late for this call.
         """
         self._clock.enter(self._clock.names.get(id(module), ""))
+
+    def module_entered(self, module: nn.Module) -> None:
+        """``module`` starts forward (``module_hooks=False``: the owner's global hook)."""
+        self._clock.module_entered(module)
+
+    def module_exited(self, module: nn.Module) -> None:
+        """``module`` finished forward (``module_hooks=False``: the owner's global hook)."""
+        self._clock.module_exited(module)
 
     def step(
         self,

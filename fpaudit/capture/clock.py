@@ -120,6 +120,7 @@ class ModuleClock:
         self._index_of: dict[str, int] = {LOSS_MODULE: 0}
         self._new_name = threading.Lock()
         self._cache: dict[int, str] = {}
+        self._observed: dict[int, int] = {}  # module id -> index in _modules (observe)
 
     def current_module(self) -> str:
         """The innermost module running forward on this thread, or the loss pseudo-module."""
@@ -153,9 +154,11 @@ class ModuleClock:
                     index = self._index_of[name] = len(self._modules) - 1
         return index
 
-    def install(self, model: nn.Module, stack: ExitStack) -> None:
+    def _stamped(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        """The modules whose forward the clock notes, with their names as reported."""
         compiled = compiled_modules(model)
         wrappers = {id(m) for m in compiled_wrappers(model)}
+        found = []
         for name, module in model.named_modules():
             if self._qualified.get(id(module)) != name:
                 continue  # a shared module keeps its first name
@@ -165,7 +168,32 @@ class ModuleClock:
                 # The wrapper's own hooks run outside Dynamo: what Dynamo leaves to eager
                 # (a graph break, an LSTM) is the compiled module's, not the loss's.
                 continue
-            enter, exit_ = self._hooks(self.names[id(module)])
+            found.append((module, self.names[id(module)]))
+        return found
+
+    def observe(self, model: nn.Module) -> None:
+        """Note forward through :meth:`module_entered` / :meth:`module_exited`, called by
+        the owner's global module hooks (``fpaudit run``): nothing is put on the model's
+        modules, so ``torch.save(model)``, ``copy.deepcopy`` and ``pickle`` never meet a
+        hook of fpaudit's. Forward traced by Dynamo is not noted (its graph attributes
+        its backward), so an ``aot_eager`` module's backward is its wrapper's."""
+        self._observed = {id(module): self._index(name) for module, name in self._stamped(model)}
+
+    def module_entered(self, module: nn.Module) -> None:
+        """``module`` starts forward (a global forward pre-hook; see :meth:`observe`)."""
+        own = self._observed.get(id(module))
+        if own is not None:
+            self.forward_frames.frames.append(self._modules[own])
+            self._spans.append(sequence_now() << _SHIFT | own)
+
+    def module_exited(self, module: nn.Module) -> None:
+        """``module`` finished forward (a global forward hook; see :meth:`observe`)."""
+        if id(module) in self._observed:
+            self.exit()
+
+    def install(self, model: nn.Module, stack: ExitStack) -> None:
+        for module, name in self._stamped(model):
+            enter, exit_ = self._hooks(name)
             stack.enter_context(module.register_forward_pre_hook(_untraced(enter)))
             stack.enter_context(module.register_forward_hook(_untraced(exit_), always_call=True))
 

@@ -16,9 +16,11 @@ import runpy
 import subprocess
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,13 +36,16 @@ def mark(script: Path, label: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if line.endswith(f"# mark: {label}"))
 
 
-def _plain(script: Path, weights: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+def _plain(
+    script: Path, weights: Path, capsys: pytest.CaptureFixture[str], saves: Path
+) -> tuple[int, str, str]:
     """Run ``script`` as ``python script`` would, in this process: exit status, stdout,
     stderr (with what Python prints for ``sys.exit("text")``)."""
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(script)]
     sys.path.insert(0, str(script.parent))
     os.environ["FPAUDIT_TRANSPARENCY_OUT"] = str(weights)
+    os.environ["FPAUDIT_TRANSPARENCY_SAVES"] = str(saves)
     capsys.readouterr()
     code, told, shown = 0, "", list[str]()
     try:
@@ -51,7 +56,7 @@ def _plain(script: Path, weights: Path, capsys: pytest.CaptureFixture[str]) -> t
         told = "" if done.code is None or isinstance(done.code, int) else f"{done.code}\n"
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-        del os.environ["FPAUDIT_TRANSPARENCY_OUT"]
+        del os.environ["FPAUDIT_TRANSPARENCY_OUT"], os.environ["FPAUDIT_TRANSPARENCY_SAVES"]
     captured = capsys.readouterr()
     return code, captured.out, "".join(shown) + captured.err + told
 
@@ -99,6 +104,49 @@ plain_stderr: dict[str, str] = {}  # each zoo script's stderr in its last plain 
 # how each zoo script ends under plain python (the rest end with status 0)
 EXITS = {"exit_status.py": 3, "exit_message.py": 1}
 
+# fpaudit run's options per zoo script (default: none): the scripts that save their
+# model, copy it or evaluate between steps run with every step captured, so that a
+# capture is open (or armed) whenever they do
+OPTIONS = {
+    name: ("--capture-every", "1")
+    for name in ("word_language_model.py", "checkpoint_resume.py", "lbfgs.py", "nanogpt_like.py")
+}
+
+
+def saved_files(folder: Path) -> dict[str, Any]:
+    """Every file a zoo script saved (FPAUDIT_TRANSPARENCY_SAVES), by name, as what
+    ``torch.load`` gives, made comparable (:func:`comparable`). Both runs of a test share
+    this process, where torch.save's bytes differ between two saves of the same object
+    (a per-process serialization id, pickle's memo of strings an earlier run made), so
+    the bytes are compared in real processes
+    (``test_a_real_fpaudit_run_process_leaves_stderr_and_status_alone``)."""
+    import torch
+
+    if not folder.exists():
+        return {}
+    return {
+        p.name: comparable(torch.load(p, weights_only=False)) for p in sorted(folder.glob("*"))
+    }
+
+
+def comparable(value: Any) -> Any:
+    """``value`` as plain data: a tensor as its dtype, shape and bytes; a module as its
+    class, its attributes (hooks and all) and its children and tensors, recursively."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().contiguous().reshape(-1).view(torch.uint8)
+        return ("tensor", str(value.dtype), tuple(value.shape), flat.numpy().tobytes())
+    if isinstance(value, torch.nn.Module):
+        return ("module", type(value).__qualname__, comparable(vars(value)))
+    if isinstance(value, dict):
+        return {key: comparable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [comparable(item) for item in value]
+    if isinstance(value, weakref.ref):  # (an RNN's _flat_weight_refs): equal by identity
+        return ("weakref", value() is None)
+    return value
+
 
 @pytest.fixture
 def twice(cli, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -109,14 +157,17 @@ def twice(cli, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     ) -> tuple[tuple[int, str, bytes], tuple[int, str, str, bytes], Path]:
         script = ZOO / name
         plain_weights, watched_weights = tmp_path / "plain.bin", tmp_path / "watched.bin"
-        plain_code, plain_out, plain_err = _plain(script, plain_weights, capsys)
+        plain_saves = tmp_path / "plain-saves"
+        plain_code, plain_out, plain_err = _plain(script, plain_weights, capsys, plain_saves)
         plain_stderr[name] = plain_err
         monkeypatch.setenv("FPAUDIT_TRANSPARENCY_OUT", str(watched_weights))
+        monkeypatch.setenv("FPAUDIT_TRANSPARENCY_SAVES", str(tmp_path / "watched-saves"))
         out = tmp_path / "report"
         shown: list[str] = []
         with _warnings_to(shown):
             result = cli("run", *options, "--out", out, "--", script)
         monkeypatch.delenv("FPAUDIT_TRANSPARENCY_OUT")
+        monkeypatch.delenv("FPAUDIT_TRANSPARENCY_SAVES")
         err = "".join(shown) + result.stderr
         return (
             (plain_code, plain_out, plain_weights.read_bytes()),
@@ -128,8 +179,14 @@ def twice(cli, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_a_script_runs_the_same_with_and_without_fpaudit(twice, name: str) -> None:
-    (plain_code, plain_out, plain_weights), (code, out, err, weights), report = twice(name)
+def test_a_script_runs_the_same_with_and_without_fpaudit(
+    twice, name: str, tmp_path: Path
+) -> None:
+    (plain_code, plain_out, plain_weights), (code, out, err, weights), report = twice(
+        name, *OPTIONS.get(name, ())
+    )
+    # every file the script saved (torch.save of the whole module included), bit for bit
+    assert saved_files(tmp_path / "watched-saves") == saved_files(tmp_path / "plain-saves")
     assert plain_code == EXITS.get(name, 0)
     assert code == plain_code, err  # sys.exit(n), sys.exit("text"): the script's own status
     assert "Traceback" not in err and "error" not in err, err
