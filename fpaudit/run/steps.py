@@ -91,6 +91,9 @@ class Step:
     norm: int = -1
     norm_scaled: bool = False  # the norm was of scaled gradients
     max_norm: float = math.nan
+    clip_value: float = math.nan  # clip_grad_value_'s (the last call's)
+    clamped: torch.Tensor | None = None  # gradient elements it clamped (a device count)
+    clip_elements: int = 0  # the elements it saw (known on the host)
     captured: bool = False
     seconds: float = 0.0
     slots: dict[str, int] = field(default_factory=dict)
@@ -128,6 +131,8 @@ def steps_table(
         norm = value(step.norm)
         grad_norm = norm / scale if step.norm_scaled else norm
         amax = value(step.slots.get("grad_amax", -1))
+        clamped = value(step.slots.get("clamped", -1))
+        fraction = clamped / step.clip_elements if step.clip_elements else math.nan
         row = {
             **STEP_DEFAULTS,
             "step": step.index,
@@ -139,7 +144,9 @@ def steps_table(
             "optimizer_step": step.stepped and not skipped,
             "grad_norm": grad_norm,
             "clip_max_norm": step.max_norm,
-            "clipped": bool(norm > step.max_norm),
+            "clipped": bool(norm > step.max_norm) or fraction > 0,
+            "clip_value": step.clip_value,
+            "clipped_fraction": fraction,
             "grad_amax": amax / scale if math.isfinite(amax) else amax,
             "backward_calls": step.backward_calls,
             "captured": step.captured,
@@ -209,7 +216,7 @@ class RunState:
         """The step in progress is done: its tensors become slots; the next one starts."""
         step = self.step
         step.seconds = time.perf_counter() - step.started
-        for name in ("loss", "found_inf", "grad_amax"):
+        for name in ("loss", "found_inf", "grad_amax", "clamped"):
             value = getattr(step, name)
             if value is not None:
                 step.slots[name] = self.log.add(value)
@@ -359,6 +366,22 @@ class RunState:
         step.norm = self.log.add(norm)
         step.norm_scaled = scaled
         step.max_norm = float(limit)
+
+    def clipped_by_value(self, grads: list[torch.Tensor], clip_value: Any) -> None:
+        """``clip_grad_value_(..., clip_value)`` is about to clamp ``grads``: count on the
+        device the elements it will change, ``|g| > clip_value`` (no sync)."""
+        if isinstance(clip_value, bool) or not isinstance(clip_value, int | float):
+            return  # not a number: clip_grad_value_ itself will say so
+        step = self.step
+        step.clip_value = float(clip_value)
+        for grad in grads:
+            if grad.layout != torch.strided or not grad.is_floating_point():
+                continue
+            over = (grad.abs() > step.clip_value).sum()
+            step.clamped = (
+                over if step.clamped is None else step.clamped + over.to(step.clamped.device)
+            )
+            step.clip_elements += grad.numel()
 
     def clipped_grads(self, parameters: Any) -> list[torch.Tensor]:
         """The gradients a clip call will change, read without consuming ``parameters``:

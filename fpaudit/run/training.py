@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
-import runpy
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -318,10 +319,7 @@ class TrainingMonitor:
         )
 
     def _end_manual_step(self) -> None:
-        """The script updated the weights itself (no optimizer): the step ends here,
-        before its gradients are zeroed; their largest magnitude is taken now."""
-        with self._own_calls():
-            self.state.note_amax_of(self.state.root_grads())
+        """The script updated the weights itself (no optimizer): the step ends here."""
         self.state.step.stepped = True  # the script's own update
         self._end_step()
 
@@ -443,6 +441,12 @@ class TrainingMonitor:
         finally:
             self._in_backward -= 1
         self.state.backward_done()
+        if not self.state.optimizer_stepped and not self._in_backward:
+            # no optimizer (yet): the gradients as the last backward left them, taken now
+            # (a loop may set them to None before the step is known to have ended)
+            with self._own_calls():
+                self.state.step.grad_amax = None
+                self.state.note_amax_of(self.state.root_grads())
 
     @contextmanager
     def on_clip(self, call: Call) -> Iterator[None]:
@@ -452,10 +456,14 @@ class TrainingMonitor:
         site = call_site()
         state = self.state
         scaled = state.scaled_pending
-        if scaled:
-            # Measure before clipping shrinks them: unscale_ will only see the result.
+        by_value = name == "clip_grad_value_"
+        if scaled or by_value:
             with self._own_calls():
-                state.note_amax_of(state.clipped_grads(parameters))
+                grads = state.clipped_grads(parameters)
+                if scaled:  # measure before clipping shrinks them: unscale_ sees the result
+                    state.note_amax_of(grads)
+                if by_value:  # the elements it will clamp, counted on the device
+                    state.clipped_by_value(grads, limit)
         state.log_call("clip", site, f"{name}(..., {_number(limit)})")
         with self._own_calls():
             yield
@@ -599,8 +607,7 @@ def _run_as_main(monitor: TrainingMonitor, path: Path, args: Sequence[str]) -> _
     try:
         # os._exit(n) from the script ends it like sys.exit(n); a forked child's is real.
         with monitor.installed(), modelfile.exits_caught():
-            # __file__ absolute, as `python script.py` gives it (Python 3.9+)
-            runpy.run_path(_main_file(path), run_name="__main__")
+            _exec_as_main(_main_file(path))
     except StopRun:
         return _Ending("max-steps")
     except patches.MonitorFailure as broken:
@@ -632,6 +639,25 @@ def _run_as_main(monitor: TrainingMonitor, path: Path, args: Sequence[str]) -> _
         sys.argv = saved_argv
         sys.path[:] = saved_path
     return _Ending()
+
+
+def _exec_as_main(file: str) -> None:
+    """Run ``file`` as ``python file`` runs a script: in a fresh ``__main__`` module (put
+    back after), whose ``__file__`` (and code) is ``file``; ``sys.argv`` stays the
+    caller's. (``runpy.run_path`` would set ``sys.argv[0]`` to ``file`` too, where
+    Python keeps the path as typed.)"""
+    with io.open_code(file) as handle:
+        source = handle.read()
+    code = compile(source, file, "exec", dont_inherit=True)  # not fpaudit's __future__
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=file, __cached__=None)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
 def _main_file(path: Path) -> str:

@@ -111,9 +111,7 @@ def saved_files(folder: Path) -> dict[str, Any]:
 
     if not folder.exists():
         return {}
-    return {
-        p.name: comparable(torch.load(p, weights_only=False)) for p in sorted(folder.glob("*"))
-    }
+    return {p.name: comparable(torch.load(p, weights_only=False)) for p in sorted(folder.glob("*"))}
 
 
 def comparable(value: Any) -> Any:
@@ -166,9 +164,7 @@ def twice(cli, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_a_script_runs_the_same_with_and_without_fpaudit(
-    twice, name: str, tmp_path: Path
-) -> None:
+def test_a_script_runs_the_same_with_and_without_fpaudit(twice, name: str, tmp_path: Path) -> None:
     (plain_code, plain_out, plain_weights), (code, out, err, weights), report = twice(
         name, *OPTIONS.get(name, ())
     )
