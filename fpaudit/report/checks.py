@@ -35,7 +35,6 @@ from fpaudit.report.schema import (
     RECORDS_SCHEMA,
     SCHEMA_VERSION,
     STEPS_SCHEMA,
-    V1_STEPS,
     frame,
     histogram_layout,
 )

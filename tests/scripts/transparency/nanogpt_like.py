@@ -17,7 +17,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(block, width)
         self.ln = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
         self.lm_head = nn.Linear(width, vocab, bias=False)
 
     def forward(self, idx, targets=None):
@@ -25,7 +27,11 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         x = x + self.mlp(self.ln(x))
         logits = self.lm_head(x)
-        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss = (
+            None
+            if targets is None
+            else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        )
         return logits, loss
 
 
@@ -62,9 +68,13 @@ X, Y = get_batch()
 for iter_num in range(6):
     if iter_num % 3 == 0:
         print(f"eval {iter_num} val loss {estimate_loss():.4f}")
-        checkpoint = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": iter_num}
+        checkpoint = {
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "iter_num": iter_num,
+        }
         torch.save(checkpoint, os.path.join(folder, "ckpt.pt"))
-    for micro_step in range(accumulation):
+    for _micro_step in range(accumulation):
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / accumulation
