@@ -274,9 +274,8 @@ class TrainingMonitor:
             try:
                 yield self
                 self._end_manual_step_at_exit()
-            except SystemExit as done:
-                if done.code is None or done.code == 0:
-                    self._end_manual_step_at_exit()
+            except SystemExit:  # the script's own end, whatever its status
+                self._end_manual_step_at_exit()
                 raise
             finally:
                 self.capture.discard()
