@@ -168,9 +168,7 @@ class Audit:
                 "audit the eager module (the one passed to torch.jit.script)"
             )
         self.model = model
-        # False: no hook on the model's modules; the owner's global module hooks call
-        # module_entered / module_exited (fpaudit run: the script's objects stay its own)
-        self.module_hooks = module_hooks
+        self.module_hooks = module_hooks  # False: the owner's global hooks feed the clock
         self.loss_scale = loss_scale
         self.shadow = shadow
         # scan --origins: per op call, did it make inf/NaN (fpaudit.capture.origin_probe)
@@ -219,10 +217,7 @@ class Audit:
             raise RuntimeError("this audit is already open; close() it before opening it again")
         stack = ExitStack()
         try:
-            if self.module_hooks:
-                self._clock.install(self.model, stack)
-            else:
-                self._clock.observe(self.model)
+            self._clock.install(self.model, stack, on_modules=self.module_hooks)
             mode = BackwardMode(self, self._clock, self._provenance, self._recorder)
             self._mode = mode
             stack.enter_context(optimizer_steps_counted(mode))
@@ -299,13 +294,10 @@ class Audit:
         """
         self._clock.enter(self._clock.names.get(id(module), ""))
 
-    def module_entered(self, module: nn.Module) -> None:
-        """``module`` starts forward (``module_hooks=False``: the owner's global hook)."""
-        self._clock.module_entered(module)
-
-    def module_exited(self, module: nn.Module) -> None:
-        """``module`` finished forward (``module_hooks=False``: the owner's global hook)."""
-        self._clock.module_exited(module)
+    @property
+    def clock(self) -> ModuleClock:
+        """The module clock (``module_hooks=False``: the owner's hooks call its ``module_*``)."""
+        return self._clock
 
     def step(
         self,

@@ -229,7 +229,12 @@ class ModuleClock:
         if id(module) in self._observed:
             self.exit()
 
-    def install(self, model: nn.Module, stack: ExitStack) -> None:
+    def install(self, model: nn.Module, stack: ExitStack, on_modules: bool = True) -> None:
+        """Hooks on ``model``'s modules until ``stack`` closes; ``on_modules=False``: none,
+        the owner's global hooks tell the clock instead (:meth:`observe`)."""
+        if not on_modules:
+            self.observe(model)
+            return
         for module, name in self._stamped(model):
             enter, exit_ = self._hooks(name)
             stack.enter_context(module.register_forward_pre_hook(_untraced(enter)))

@@ -211,11 +211,11 @@ class BackwardCapture:
     def entered(self, module: nn.Module) -> None:
         """``module`` starts forward: the open capture's module clock notes it."""
         if self.open and self.audit is not None:
-            self.audit.module_entered(module)
+            self.audit.clock.module_entered(module)
 
     def exited(self, module: nn.Module) -> None:
         if self.open and self.audit is not None:
-            self.audit.module_exited(module)
+            self.audit.clock.module_exited(module)
 
     def close(self, step: Step) -> None:
         """Gradients are complete (unscale_ or an optimizer step is next): close ``step``."""
