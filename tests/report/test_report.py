@@ -269,9 +269,7 @@ def test_a_version_1_report_reads_with_the_new_step_columns_at_their_defaults(
     pd.testing.assert_frame_equal(back.records, report.records)
 
 
-def test_a_version_4_report_reads_without_clipping_by_value(
-    tmp_path: Path, report: Report
-) -> None:
+def test_a_version_4_report_reads_without_clipping_by_value(tmp_path: Path, report: Report) -> None:
     """Schema 2 to 4 steps tables lack clip_value and clipped_fraction (version 5)."""
     import hashlib
 
