@@ -88,6 +88,7 @@ class Step:
     loss_from_scale: bool = False
     loss_from_closure: bool = False  # the loss of an optimizer step's first closure (LBFGS)
     grad_amax: torch.Tensor | None = None  # largest |grad| before unscale_ (scaled)
+    backward_amax: torch.Tensor | None = None  # after the last backward (no optimizer yet)
     norm: int = -1
     norm_scaled: bool = False  # the norm was of scaled gradients
     max_norm: float = math.nan

@@ -319,7 +319,9 @@ class TrainingMonitor:
 
     def _end_manual_step(self) -> None:
         """The script updated the weights itself (no optimizer): the step ends here."""
-        self.state.step.stepped = True  # the script's own update
+        step = self.state.step
+        step.stepped = True  # the script's own update
+        step.grad_amax = step.backward_amax
         self._end_step()
 
     def _end_manual_step_at_exit(self) -> None:
@@ -442,10 +444,10 @@ class TrainingMonitor:
         self.state.backward_done()
         if not self.state.optimizer_stepped and not self._in_backward:
             # no optimizer (yet): the gradients as the last backward left them, taken now
-            # (a loop may set them to None before the step is known to have ended)
+            # (a loop may set them to None before the step is known to have ended); the
+            # step's if it ends as the script's own update
             with self._own_calls():
-                self.state.step.grad_amax = None
-                self.state.note_amax_of(self.state.root_grads())
+                self.state.step.backward_amax = patches.amax(self.state.root_grads())
 
     @contextmanager
     def on_clip(self, call: Call) -> Iterator[None]:

@@ -439,19 +439,22 @@ def test_clipping_by_value_is_recorded_per_step(tmp_path: Path, cli) -> None:
         "    grads = [p.grad for p in model.parameters()]\n"
         "    # the oracle: elements above the clip value, counted by the script itself\n"
         "    over = sum(int((g.abs() > 0.05).sum()) for g in grads)\n"
-        "    oracle.append(over / sum(g.numel() for g in grads))\n"
+        "    fraction = over / sum(g.numel() for g in grads)\n"
         "    torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.05)\n"
+        "    oracle.append([fraction, max(g.abs().max() for g in grads).item()])\n"
         "    optimizer.step()\n"
         "json.dump(oracle, open(sys.argv[1], 'w'))\n"
     )
     out = tmp_path / "report"
     result = cli("run", "--out", out, "--", script, oracle_file)
     assert result.code == 0, result.stderr
-    oracle = json.loads(oracle_file.read_text())
+    oracle, amax = zip(*json.loads(oracle_file.read_text()), strict=True)
     steps = Report.read(out).steps
     assert min(oracle) > 0 and max(oracle) < 1  # some elements clamped, not all
+    # the largest gradient as the optimizer saw it: clipped, on the first step too
+    assert list(steps["grad_amax"]) == list(amax) == [float(torch.tensor(0.05))] * 3  # fp32
     assert list(steps["clip_value"]) == [0.05] * 3
-    assert list(steps["clipped_fraction"]) == oracle  # exact: the same count / elements
+    assert list(steps["clipped_fraction"]) == list(oracle)  # exact: the same count / elements
     assert list(steps["clipped"]) == [True] * 3
     assert steps["grad_norm"].isna().all()  # no clipping by norm
     shown = cli("show", out, "--steps")
