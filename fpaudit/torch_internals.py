@@ -52,6 +52,13 @@ going missing in a future release, and say what is lost then.
 * ``LRScheduler._step_count``: 0 during the scheduler's constructor, whose own
   ``step()`` is not the script's.
 * ``torch._foreach_norm``: the largest ``|grad|`` of many tensors in one kernel.
+* ``torch.nn.modules.module._has_any_global_hook`` and the global hook dicts it reads
+  (``_global_forward_pre_hooks``, ``_global_forward_hooks``,
+  ``_global_forward_hooks_always_called``, ``_global_forward_hooks_with_kwargs``,
+  ``_global_backward_pre_hooks``, ``_global_backward_hooks``): ``OptimizedModule.__call__``
+  (its one caller) warns on the script's stderr when any global module hook exists;
+  while ``fpaudit run`` watches, it counts the script's own hooks only
+  (:func:`own_global_hooks_hidden`). Missing: the warning shows, as torch words it.
 
 **Lightning's private names** (``integrations.lightning``; checked on Lightning 2.6.6,
 the release the tests install, and read with ``getattr`` so that a release without them
@@ -280,6 +287,40 @@ def dynamo_loaded() -> bool:
 
 
 # -- torch state read by ``fpaudit run`` ---------------------------------------------
+_GLOBAL_HOOK_DICTS = (
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+)
+
+
+def own_global_hooks_hidden(own: frozenset[int]) -> Callable[[], None] | None:
+    """Make ``_has_any_global_hook`` (which ``torch.compile``'s ``OptimizedModule``
+    reads to warn that global module hooks fire once more for it) see only global
+    module hooks whose handle ids are not in ``own``: the script's warning, not
+    fpaudit's. Returns the call that puts it back; None where torch lacks the names."""
+    from torch.nn.modules import module as modules
+
+    original = getattr(modules, "_has_any_global_hook", None)
+    dicts = [getattr(modules, name, None) for name in _GLOBAL_HOOK_DICTS]
+    if original is None or any(not isinstance(d, dict) for d in dicts):
+        return None
+
+    @functools.wraps(original)
+    def has_any_global_hook() -> bool:
+        return any(key not in own for hooks in dicts for key in hooks)  # type: ignore[union-attr]
+
+    modules._has_any_global_hook = has_any_global_hook
+
+    def restore() -> None:
+        modules._has_any_global_hook = original
+
+    return restore
+
+
 def grad_descriptor() -> Any:
     """The C getset descriptor behind ``Tensor.grad``."""
     return vars(torch._C.TensorBase)["grad"]

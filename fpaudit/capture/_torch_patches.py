@@ -35,7 +35,10 @@ catch as its own (a ``BaseException``) and ``run_script`` reports as fpaudit's.
 
 **Global hooks** (public APIs, removed with the stack): optimizer step pre/post
 hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``) and module
-forward pre/post hooks (``torch.nn.modules.module.register_module_forward_*``).
+forward pre/post hooks (``torch.nn.modules.module.register_module_forward_*``),
+which ``torch.compile``'s compiled modules are told to overlook when they warn of
+global hooks (``torch_internals.own_global_hooks_hidden``). Nothing is put on a
+module of the script's: the capture's module clock is fed by these hooks too.
 
 **Private names read**: none here. The scale in force, the configured initial
 scale, a step's inf checks, a scheduler's step count, the ``Tensor.grad``
@@ -230,9 +233,14 @@ def install(stack: ExitStack, watcher: Watcher, *, grad_reads: bool = True) -> N
     stack.enter_context(register_optimizer_step_pre_hook(guarded("optimizer step hook", pre)))
     stack.enter_context(register_optimizer_step_post_hook(guarded("optimizer step hook", post)))
     forward_pre = guarded("module forward hook", watcher.forward_pre_hook)
-    stack.enter_context(register_module_forward_pre_hook(forward_pre))
+    pre_handle = stack.enter_context(register_module_forward_pre_hook(forward_pre))
     forward = guarded("module forward hook", watcher.forward_hook)
-    stack.enter_context(register_module_forward_hook(forward, always_call=True))
+    handle = stack.enter_context(register_module_forward_hook(forward, always_call=True))
+    # torch.compile warns of global module hooks at each compiled module's call: of the
+    # script's own, not of these two (the script's stderr stays its own)
+    restore = _internals.own_global_hooks_hidden(frozenset({pre_handle.id, handle.id}))
+    if restore is not None:
+        stack.callback(restore)
     if grad_reads:
         stack.enter_context(_watch_grad_reads(watcher))
 

@@ -163,6 +163,7 @@ class Audit:
         shadow: bool = False,
         origins: bool = False,
         recipes: Sequence[Recipe | str] = (),
+        module_hooks: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
@@ -172,6 +173,7 @@ class Audit:
                 "audit the eager module (the one passed to torch.jit.script)"
             )
         self.model = model
+        self.module_hooks = module_hooks  # False: the owner's global hooks feed the clock
         self.loss_scale = loss_scale
         # scan --origins: per op call, did it make inf/NaN (fpaudit.capture.origin_probe)
         self.origins: OriginTracker | None = OriginTracker() if origins else None
@@ -225,7 +227,7 @@ class Audit:
             raise RuntimeError("this audit is already open; close() it before opening it again")
         stack = ExitStack()
         try:
-            self._clock.install(self.model, stack)
+            self._clock.install(self.model, stack, on_modules=self.module_hooks)
             stack.enter_context(registrations_watched())
             mode = BackwardMode(
                 self._context, self.model, self._clock, self._provenance, self._recorder
@@ -304,6 +306,11 @@ class Audit:
         hooks were installed too late for this call.
         """
         self._clock.enter(self._clock.names.get(id(module), ""))
+
+    @property
+    def clock(self) -> ModuleClock:
+        """The module clock (``module_hooks=False``: the owner's hooks call its ``module_*``)."""
+        return self._clock
 
     def step(
         self,

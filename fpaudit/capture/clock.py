@@ -30,20 +30,55 @@ sequence_of = _internals.node_sequence_number
 _SHIFT = 32
 _INDEX = (1 << _SHIFT) - 1
 
-# Modules that wrappers insert between a model's modules: FSDP1's
-# FullyShardedDataParallel and activation checkpointing's CheckpointWrapper hold the
-# wrapped module under these names. Reports name modules as the model itself does.
-# torch.compile's OptimizedModule holds the eager module as ``_orig_mod``.
-_WRAPPER_NAMES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+# Modules that wrappers insert between a model's modules hold the wrapped module under
+# these names: FSDP1's FullyShardedDataParallel, activation checkpointing's
+# CheckpointWrapper, torch.compile's OptimizedModule (``_orig_mod``) and Lightning
+# Fabric's _FabricModule (``_forward_module``; ``_original_module`` is the same module
+# again, or the one under a DDP or FSDP wrapper). Reports name modules as the model
+# itself does.
+_WRAPPER_NAMES = frozenset(
+    {
+        "_fsdp_wrapped_module",
+        "_checkpoint_wrapped_module",
+        "_orig_mod",
+        "_forward_module",
+        "_original_module",
+    }
+)
+# Wrappers whose attribute is a public word a model may use itself: that name is a
+# wrapper's only under an instance of the class (DistributedDataParallel, DataParallel).
+_WRAPPED_BY_CLASS = {"DistributedDataParallel": "module", "DataParallel": "module"}
 
 
-def model_name(qualified: str) -> str:
+def wrapped_paths(model: nn.Module) -> frozenset[str]:
+    """The qualified names (as in ``named_modules()``) of the modules that a wrapper of
+    ``_WRAPPED_BY_CLASS`` holds in ``model``: ``module`` for ``DDP(model)``."""
+    found = set()
+    for name, module in model.named_modules():
+        attribute = _WRAPPED_BY_CLASS.get(type(module).__name__)
+        if attribute is not None and attribute in dict(module.named_children()):
+            found.add(f"{name}.{attribute}" if name else attribute)
+    return frozenset(found)
+
+
+def model_name(qualified: str, wrapped: frozenset[str] = frozenset()) -> str:
     """``qualified`` (as in ``named_modules()``) without wrapper segments:
-    ``_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.attn`` is ``blocks.0.attn``.
+    ``_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.attn`` is ``blocks.0.attn``,
+    and with ``wrapped`` (:func:`wrapped_paths`) ``module.fc`` of ``DDP(model)`` is ``fc``.
     A wrapper and the module it wraps share the name."""
-    if "_wrapped_module" not in qualified and "_orig_mod" not in qualified:
+    if (
+        not wrapped
+        and not any(part in qualified for part in ("_wrapped_module", "_orig"))
+        and ("_forward_module" not in qualified)
+    ):
         return qualified
-    return ".".join(part for part in qualified.split(".") if part not in _WRAPPER_NAMES)
+    parts = qualified.split(".")
+    kept = [
+        part
+        for i, part in enumerate(parts)
+        if part not in _WRAPPER_NAMES and not (wrapped and ".".join(parts[: i + 1]) in wrapped)
+    ]
+    return ".".join(kept)
 
 
 def _untraced(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -100,17 +135,20 @@ class ModuleClock:
         self.names: dict[int, str] = {}  # as reported (model_name)
         self._qualified: dict[int, str] = {}  # as in named_modules()
         self.param_owner: dict[int, tuple[str, str]] = {}
+        self.wrapped = wrapped_paths(model)
         for name, module in model.named_modules():
             self._qualified.setdefault(id(module), name)
-            self.names.setdefault(id(module), model_name(name))
+            self.names.setdefault(id(module), model_name(name, self.wrapped))
             for param_name, param in module.named_parameters(recurse=False):
-                self.param_owner.setdefault(id(param), (model_name(name), param_name))
+                self.param_owner.setdefault(id(param), (model_name(name, self.wrapped), param_name))
             if type(module).__name__ == "FullyShardedDataParallel":
                 # FSDP1 with use_orig_params registers the original parameters only; its
                 # flat parameter (whose gradient FSDP divides and reduces) is the unit's.
                 flat = _internals.fsdp_flat_param(module)
                 if flat is not None:
-                    self.param_owner.setdefault(id(flat), (model_name(name), "_flat_param"))
+                    self.param_owner.setdefault(
+                        id(flat), (model_name(name, self.wrapped), "_flat_param")
+                    )
         self.known_names = frozenset(self.names.values())
         self.forward_frames = _Frames()  # read by the dispatch mode for every backward op
         # the innermost module at each module's entry and exit, in order: one int each
@@ -120,6 +158,7 @@ class ModuleClock:
         self._index_of: dict[str, int] = {LOSS_MODULE: 0}
         self._new_name = threading.Lock()
         self._cache: dict[int, str] = {}
+        self._observed: dict[int, int] = {}  # module id -> index in _modules (observe)
 
     def current_module(self) -> str:
         """The innermost module running forward on this thread, or the loss pseudo-module."""
@@ -153,9 +192,11 @@ class ModuleClock:
                     index = self._index_of[name] = len(self._modules) - 1
         return index
 
-    def install(self, model: nn.Module, stack: ExitStack) -> None:
+    def _stamped(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        """The modules whose forward the clock notes, with their names as reported."""
         compiled = compiled_modules(model)
         wrappers = {id(m) for m in compiled_wrappers(model)}
+        found = []
         for name, module in model.named_modules():
             if self._qualified.get(id(module)) != name:
                 continue  # a shared module keeps its first name
@@ -165,7 +206,37 @@ class ModuleClock:
                 # The wrapper's own hooks run outside Dynamo: what Dynamo leaves to eager
                 # (a graph break, an LSTM) is the compiled module's, not the loss's.
                 continue
-            enter, exit_ = self._hooks(self.names[id(module)])
+            found.append((module, self.names[id(module)]))
+        return found
+
+    def observe(self, model: nn.Module) -> None:
+        """Note forward through :meth:`module_entered` / :meth:`module_exited`, called by
+        the owner's global module hooks (``fpaudit run``): nothing is put on the model's
+        modules, so ``torch.save(model)``, ``copy.deepcopy`` and ``pickle`` never meet a
+        hook of fpaudit's. Forward traced by Dynamo is not noted (its graph attributes
+        its backward), so an ``aot_eager`` module's backward is its wrapper's."""
+        self._observed = {id(module): self._index(name) for module, name in self._stamped(model)}
+
+    def module_entered(self, module: nn.Module) -> None:
+        """``module`` starts forward (a global forward pre-hook; see :meth:`observe`)."""
+        own = self._observed.get(id(module))
+        if own is not None:
+            self.forward_frames.frames.append(self._modules[own])
+            self._spans.append(sequence_now() << _SHIFT | own)
+
+    def module_exited(self, module: nn.Module) -> None:
+        """``module`` finished forward (a global forward hook; see :meth:`observe`)."""
+        if id(module) in self._observed:
+            self.exit()
+
+    def install(self, model: nn.Module, stack: ExitStack, on_modules: bool = True) -> None:
+        """Hooks on ``model``'s modules until ``stack`` closes; ``on_modules=False``: none,
+        the owner's global hooks tell the clock instead (:meth:`observe`)."""
+        if not on_modules:
+            self.observe(model)
+            return
+        for module, name in self._stamped(model):
+            enter, exit_ = self._hooks(name)
             stack.enter_context(module.register_forward_pre_hook(_untraced(enter)))
             stack.enter_context(module.register_forward_hook(_untraced(exit_), always_call=True))
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from fpaudit import torch_internals as _internals
 from fpaudit.capture import compiled
-from fpaudit.capture.clock import ModuleClock, model_name
+from fpaudit.capture.clock import ModuleClock, model_name, wrapped_paths
 from fpaudit.capture.oprules import (
     ACCUMULATE_GRAD,
     DATA_MOVEMENT,
@@ -50,10 +50,11 @@ def weight_modules(model: nn.Module) -> frozenset[str]:
     dimensions themselves: where a backward matrix multiply is a Linear's (``nn.Linear``,
     Hugging Face's ``Conv1D``), not attention's or a loss's."""
     names = set()
+    wrapped = wrapped_paths(model)
     for name, module in model.named_modules():
         for param in module.parameters(recurse=False):
             if param.is_floating_point() and param.dim() >= 2:
-                names.add(model_name(name))
+                names.add(model_name(name, wrapped))
                 break
     return frozenset(names)
 

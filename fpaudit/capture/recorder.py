@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from fpaudit import torch_internals as _internals
-from fpaudit.capture.clock import model_name
+from fpaudit.capture.clock import model_name, wrapped_paths
 from fpaudit.capture.selection import Selection
 from fpaudit.kernels import histogram
 from fpaudit.kernels.blockstats import BlockRecorder
@@ -147,6 +147,7 @@ class _ParameterWalk:
         if cached is not None and cached[0] is model and cached[1] == version:
             return cached[2]
         entries: list[_Parameter] = []
+        wrapped = wrapped_paths(model)
         for name, param in model.named_parameters():
             prefix, _, leaf = name.rpartition(".")
             try:
@@ -155,6 +156,8 @@ class _ParameterWalk:
                 owner = None
             if owner is not None and getattr(owner, leaf, None) is not param:
                 owner = None
+            if wrapped:  # DDP's "module.": named as the model names it (model_name)
+                name = ".".join(p for p in (model_name(prefix, wrapped), leaf) if p)
             entries.append((owner, leaf, name, param))
         keep = all(entry[0] is not None for entry in entries)
         self._cached = (model, version, entries) if keep else None

@@ -466,7 +466,8 @@ def _run_summary(report: Report, fmt: Format, options: RunArgs) -> None:
         report, fmt, options.headroom_bits,
         window_steps=options.drift_window, threshold_binades=options.drift_binades,
     )  # fmt: skip
-    render.report_notes(report, incomplete=False)  # the summary says if it was interrupted
+    # the summary says if it was interrupted; a compiled backward's notes: one line
+    render.report_notes(report, incomplete=False, one_compiled_line=True)
     render_run.run_summary(
         str(options.out), report, list(summary.findings), summary.recommendation, summary.drift,
         summary.nonfinite_steps,

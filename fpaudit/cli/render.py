@@ -632,9 +632,13 @@ def interrupted(path: str, signal_name: str, done: int, steps: int | None) -> No
     )
 
 
-def report_notes(report: Report, *, incomplete: bool = True) -> None:
+def report_notes(
+    report: Report, *, incomplete: bool = True, one_compiled_line: bool = False
+) -> None:
     """What a reader of ``report`` should know before its numbers, on stderr
-    (``incomplete``: also whether the run was interrupted)."""
+    (``incomplete``: also whether the run was interrupted; ``one_compiled_line``: what a
+    compiled backward left uncounted in one line, ``fpaudit run``'s one line on the
+    script's stderr)."""
     reason = report.incompleteness() if incomplete else None
     if reason is not None:
         sys.stderr.write(f"fpaudit: note: this report is incomplete: {reason}\n")
@@ -647,15 +651,16 @@ def report_notes(report: Report, *, incomplete: bool = True) -> None:
         )
     compiled = report.info.compiled
     if compiled is not None:
-        for line in compiled.not_covered:
-            sys.stderr.write(f"fpaudit: note: not covered: {line}\n")
+        notes = [f"not covered: {line}" for line in compiled.not_covered]
         fused = compiled.fused_away
         if compiled.observed_backward_runs and fused:
-            sys.stderr.write(
-                f"fpaudit: note: compiled backward: {count(len(fused))} module(s) kept some "
+            notes.append(
+                f"compiled backward: {count(len(fused))} module(s) kept some "
                 "values in a fused kernel's registers (never stored, not counted); "
-                "the report's meta.json lists the ops (compiled.fused_away)\n"
+                "the report's meta.json lists the ops (compiled.fused_away)"
             )
+        for note in ["; ".join(notes)] if one_compiled_line and notes else notes:
+            sys.stderr.write(f"fpaudit: note: {note}\n")
     inexact = report.inexact_scales()
     if inexact:
         shown = ", ".join(f"{s:g}" for s in inexact[:3]) + (", ..." if len(inexact) > 3 else "")

@@ -70,7 +70,7 @@ def skip_lines(stats: SkipStatistics, scaler: ScalerInfo | None) -> list[str]:
     """Skipped steps, with calibration told apart (expected on a fresh dynamic scaler)."""
     total, skipped = stats.steps, stats.skipped
     if not scaler:
-        return [f"{total} optimizer step(s); no enabled GradScaler, so no step was skipped."]
+        return [f"{total} step(s); no enabled GradScaler, so no step was skipped."]
     lines = [f"Skipped {skipped} of {total} step(s) ({percent(skipped / total if total else 0)})."]
     calibration = stats.calibration_steps
     if calibration:
@@ -165,15 +165,21 @@ def run_summary(
     info = report.info
     steps = report.steps
     captured = int(steps["captured"].sum()) if len(steps) else 0
+    # a loop without torch.optim: each step ends at the script's own update
+    kind = (
+        "optimizer step(s)"
+        if report.meta.get("optimizers")
+        else "step(s) (no torch.optim optimizer: the script's own updates)"
+    )
     console.print(
-        f"Ran {info.script}: {info.steps_run} optimizer step(s), {captured} captured; "
-        f"report written to {path}"
+        f"Ran {info.script}: {info.steps_run} {kind}, {captured} captured; report written to {path}"
     )
     assert info.training is not None  # fpaudit run records it
     for line in skip_lines(info.training, info.scaler):
         console.print(line)
-    for line in scale_lines(steps):
-        console.print(line)
+    if info.scaler is not None:  # without a scaler the scale is 1 throughout: nothing to draw
+        for line in scale_lines(steps):
+            console.print(line)
     for line in nonfinite_lines(nonfinite_steps):
         console.print(Text(line, style="red"))
     findings(items, console)

@@ -14,7 +14,7 @@ from rich.text import Text
 from fpaudit.cli.render import stdout
 from fpaudit.cli.render_run import findings, scale_lines, skip_lines
 from fpaudit.numerics.formats import Format
-from fpaudit.text import module_label, power, scale_text
+from fpaudit.text import module_label, percent, power, scale_text
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -34,20 +34,31 @@ def steps_view(report: Any, limit: int, items: Sequence[Finding]) -> None:
     else:
         skipped = int(steps["skipped"].sum())
         console.print(f"{len(steps)} step(s), {skipped} skipped.")
-    for line in scale_lines(steps):
-        console.print(line)
+    if info.training is None or info.scaler is not None:  # a run without a scaler: all 1
+        for line in scale_lines(steps):
+            console.print(line)
+    # clipping by value (clip_grad_value_): its value and the gradient elements clamped
+    by_value = bool(steps["clip_value"].notna().any())
     grid = Table(title="steps", title_justify="left")
-    for name in ("step", "loss", "scale", "after", "skipped", "grad norm", "grad amax",
-                 "backward", "captured", "seconds"):  # fmt: skip
+    names = ["step", "loss", "scale", "after", "skipped", "grad norm", "grad amax",
+             "backward", "captured", "seconds"]  # fmt: skip
+    if by_value:
+        names.insert(6, "clip value: clamped")
+    for name in names:
         grid.add_column(name, justify="left" if name == "skipped" else "right", no_wrap=True)
     shown = steps if len(steps) <= limit else pd_concat_ends(steps, limit)
     for row in shown.itertuples():
         if row.step < 0:
-            grid.add_row("…", *[""] * 9)
+            grid.add_row("…", *[""] * (len(names) - 1))
             continue
         norm = "" if math.isnan(row.grad_norm) else f"{row.grad_norm:.3g}"
-        if row.clipped:
+        if norm and row.grad_norm > row.clip_max_norm:
             norm += " (clipped)"
+        clamped = [] if not by_value else [
+            "" if math.isnan(row.clip_value)
+            else f"{row.clip_value:.3g}: {percent(row.clipped_fraction)}"
+            if not math.isnan(row.clipped_fraction) else f"{row.clip_value:.3g}"
+        ]  # fmt: skip
         grid.add_row(
             str(row.step),
             f"{row.loss:.4g}",
@@ -55,6 +66,7 @@ def steps_view(report: Any, limit: int, items: Sequence[Finding]) -> None:
             power(row.scale_after),
             Text("skipped", style="red") if row.skipped else "",
             norm,
+            *clamped,
             "" if math.isnan(row.grad_amax) else f"{row.grad_amax:.3g}",
             str(row.backward_calls),
             "yes" if row.captured else "",

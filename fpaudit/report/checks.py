@@ -35,7 +35,6 @@ from fpaudit.report.schema import (
     RECORDS_SCHEMA,
     SCHEMA_VERSION,
     STEPS_SCHEMA,
-    V1_STEPS,
     frame,
     histogram_layout,
 )
@@ -228,8 +227,13 @@ def upgrade_v1(name: str, table: pd.DataFrame) -> pd.DataFrame:
     """A version 1 table with the columns version 2 added, at their defaults."""
     if name == "records":
         return frame({**table, "rank": np.zeros(len(table), np.int16)}, RECORDS_SCHEMA)
-    steps = table
-    columns: dict[str, Any] = {name: steps[name] for name in V1_STEPS.names}
+    return upgrade_steps(table)
+
+
+def upgrade_steps(steps: pd.DataFrame) -> pd.DataFrame:
+    """An older version's steps table with the columns later versions added, at their
+    defaults (``STEP_DEFAULTS``)."""
+    columns: dict[str, Any] = {name: steps[name] for name in steps.columns}
     for name, default in STEP_DEFAULTS.items():
         if name not in columns:
             columns[name] = steps["loss_scale"] if default is None else [default] * len(steps)

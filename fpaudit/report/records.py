@@ -64,7 +64,9 @@ STEP_COLUMNS = {
     "optimizer_step": "bool",  # an optimizer step was taken
     "grad_norm": "float64",  # clip_grad_norm_'s total norm, unscaled (NaN: not clipped by norm)
     "clip_max_norm": "float64",  # its max_norm (NaN: none)
-    "clipped": "bool",  # clip_grad_norm_ scaled the gradients down
+    "clipped": "bool",  # clip_grad_norm_ scaled the gradients down, clip_grad_value_ clamped
+    "clip_value": "float64",  # clip_grad_value_'s clip_value (NaN: no clipping by value)
+    "clipped_fraction": "float64",  # the fraction of gradient elements it clamped (NaN: none)
     "grad_amax": "float64",  # largest |parameter gradient|, unscaled (inf/NaN: overflowed;
     # NaN also: not measured)
     "backward_calls": "int32",
@@ -82,6 +84,8 @@ STEP_DEFAULTS: dict[str, Any] = {
     "grad_norm": math.nan,
     "clip_max_norm": math.nan,
     "clipped": False,
+    "clip_value": math.nan,
+    "clipped_fraction": math.nan,
     "grad_amax": math.nan,
     "backward_calls": 1,
     "captured": True,

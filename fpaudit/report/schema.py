@@ -20,10 +20,10 @@ from fpaudit.report.records import (
     STEP_DEFAULTS,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 META_FILE = "meta.json"
@@ -124,3 +124,5 @@ V1_STEPS = pa.schema(
     ]
 )
 V1_TABLES = {"records": V1_RECORDS, "steps": V1_STEPS}
+# Versions 2 to 4 wrote no clipping by value (clip_value, clipped_fraction: version 5).
+V4_STEPS = pa.schema([f for f in STEPS_SCHEMA if f.name not in ("clip_value", "clipped_fraction")])

@@ -1,8 +1,9 @@
 """The report: a directory of Parquet tables plus ``meta.json``, written only here
 (other outputs, JUnit files and images, go through ``fpaudit.report.outputs.write_atomically``).
 
-Schema version 4 (documented in docs/report-format.md; version 1 reports,
-whose steps table lacks the training-loop columns, version 2 reports, which
+Schema version 5 (documented in docs/report-format.md; version 1 reports,
+whose steps table lacks the training-loop columns, versions 2 to 4, whose steps
+table lacks clipping by value, version 2 reports, which
 have no block statistics, and version 3 reports, whose block counts are int64,
 are read too):
 
@@ -57,7 +58,14 @@ import pyarrow.parquet as pq
 from fpaudit import _signals
 from fpaudit.errors import ReportError
 from fpaudit.numerics import layout
-from fpaudit.report.checks import check_blocks, check_consistency, read_meta, read_table, upgrade_v1
+from fpaudit.report.checks import (
+    check_blocks,
+    check_consistency,
+    read_meta,
+    read_table,
+    upgrade_steps,
+    upgrade_v1,
+)
 from fpaudit.report.files import (
     Pin,
     check_target,
@@ -83,6 +91,7 @@ from fpaudit.report.schema import (
     STEPS_SCHEMA,
     TABLES,
     V1_TABLES,
+    V4_STEPS,
     blocks_schema,
     frame,
     histogram_layout,
@@ -376,6 +385,8 @@ class Report:
                 if meta["schema_version"] == 1 and name in V1_TABLES:
                     old = read_table(root, name, V1_TABLES[name], meta, prefix)
                     tables[name] = upgrade_v1(name, old)
+                elif meta["schema_version"] < 5 and name == "steps":
+                    tables[name] = upgrade_steps(read_table(root, name, V4_STEPS, meta, prefix))
                 else:
                     tables[name] = read_table(root, name, schema, meta, prefix)
             part = cls(meta, tables["records"], tables["bins"], tables["steps"], path=root)

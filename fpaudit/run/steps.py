@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,10 +86,15 @@ class Step:
     found_inf: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     loss_from_scale: bool = False
+    loss_from_closure: bool = False  # the loss of an optimizer step's first closure (LBFGS)
     grad_amax: torch.Tensor | None = None  # largest |grad| before unscale_ (scaled)
+    backward_amax: torch.Tensor | None = None  # after the last backward (no optimizer yet)
     norm: int = -1
     norm_scaled: bool = False  # the norm was of scaled gradients
     max_norm: float = math.nan
+    clip_value: float = math.nan  # clip_grad_value_'s (the last call's)
+    clamped: torch.Tensor | None = None  # gradient elements it clamped (a device count)
+    clip_elements: int = 0  # the elements it saw (known on the host)
     captured: bool = False
     seconds: float = 0.0
     slots: dict[str, int] = field(default_factory=dict)
@@ -127,6 +133,8 @@ def steps_table(
         norm = value(step.norm)
         grad_norm = norm / scale if step.norm_scaled else norm
         amax = value(step.slots.get("grad_amax", -1))
+        clamped = value(step.slots.get("clamped", -1))
+        fraction = clamped / step.clip_elements if step.clip_elements else math.nan
         row = {
             **STEP_DEFAULTS,
             "step": step.index,
@@ -138,7 +146,9 @@ def steps_table(
             "optimizer_step": step.stepped and not skipped,
             "grad_norm": grad_norm,
             "clip_max_norm": step.max_norm,
-            "clipped": bool(norm > step.max_norm),
+            "clipped": bool(norm > step.max_norm) or fraction > 0,
+            "clip_value": step.clip_value,
+            "clipped_fraction": fraction,
             "grad_amax": amax / scale if math.isfinite(amax) else amax,
             "backward_calls": step.backward_calls,
             "captured": step.captured,
@@ -168,7 +178,10 @@ class RunState:
         self.optimizers: list[str] = []  # class names, in the order they first stepped
         self.scaler_settings: ScalerInfo | None = None
         self.done = False  # max_steps reached: the next step's first call stops the script
-        self.primary: torch.optim.Optimizer | None = None  # the first optimizer that steps
+        # the first optimizer that steps, held weakly: a script that builds its optimizer
+        # anew (resuming from a checkpoint) drops it, and the next one to step takes over
+        self._primary: weakref.ref[torch.optim.Optimizer] | None = None
+        self.optimizer_stepped = False  # some optimizer stepped: not a loop without torch.optim
         self.probes: dict[int, torch.Tensor] = {}  # optimizer id -> a parameter to watch
         self.last_attempt: dict[int, int] = {}  # optimizer id -> step index
         self.updates = 0  # scaler.update() calls: the scale's version
@@ -205,7 +218,7 @@ class RunState:
         """The step in progress is done: its tensors become slots; the next one starts."""
         step = self.step
         step.seconds = time.perf_counter() - step.started
-        for name in ("loss", "found_inf", "grad_amax"):
+        for name in ("loss", "found_inf", "grad_amax", "clamped"):
             value = getattr(step, name)
             if value is not None:
                 step.slots[name] = self.log.add(value)
@@ -218,8 +231,9 @@ class RunState:
 
     def attempt(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer`` is about to step (by itself or through ``scaler.step``)."""
+        self.optimizer_stepped = True
         if self.primary is None:
-            self.primary = optimizer
+            self._primary = weakref.ref(optimizer)
         self.last_attempt[id(optimizer)] = self.step.index
         if optimizer is self.primary:
             self.step.attempted = True
@@ -231,14 +245,45 @@ class RunState:
                         self.probes[id(optimizer)] = param
                         return
 
+    @property
+    def primary(self) -> torch.optim.Optimizer | None:
+        """The optimizer whose step ends a step (None before one steps, or once the script
+        dropped it)."""
+        return self._primary() if self._primary is not None else None
+
     def ends_on_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s step ends the step (no scaler.update() to wait for)."""
         return optimizer is self.primary and not self.step.scaler_stepped
 
-    def note_grad_amax(self, optimizer: torch.optim.Optimizer) -> None:
-        """The largest gradient magnitude, as the optimizer sees the gradients (no sync)."""
+    def note_grad_amax(self, optimizer: torch.optim.Optimizer, replace: bool = False) -> None:
+        """The largest gradient magnitude, as the optimizer sees the gradients (no sync);
+        ``replace``: instead of what was noted before (gradients a closure recomputed)."""
+        if replace:
+            self.step.grad_amax = None
         grads = [patches.raw_grad(p) for group in optimizer.param_groups for p in group["params"]]
         self.note_amax_of([g for g in grads if g is not None])
+
+    def root_grads(self) -> list[torch.Tensor]:
+        """The gradients of the parameters of the top-level modules called (a loop
+        without an optimizer: what its own update reads)."""
+        seen: set[int] = set()
+        grads = []
+        for root in self.roots:
+            for param in root.parameters():
+                grad = patches.raw_grad(param)
+                if grad is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    grads.append(grad)
+        return grads
+
+    def grads_dropped_by_hand(self) -> bool:
+        """The first trainable parameter of the models called has no gradient now, after a
+        backward gave it one: the script set the gradients to None (no sync)."""
+        for root in self.roots:
+            for param in root.parameters():
+                if param.requires_grad:
+                    return patches.raw_grad(param) is None
+        return False
 
     def note_amax_of(self, grads: list[torch.Tensor]) -> None:
         amax = patches.amax(grads)
@@ -302,12 +347,17 @@ class RunState:
         self.updates += 1
         return self.step.attempted
 
-    def backward_starts(self, tensors: Any) -> None:
+    def backward_starts(self, tensors: Any, in_step: bool = False) -> None:
+        """A backward pass starts; ``in_step``: inside an optimizer step (a closure, as
+        LBFGS evaluates several times a step: the step's loss is the first one's)."""
         step = self.step
         step.backward_calls += 1
-        if not step.loss_from_scale and isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+        if step.loss_from_scale or step.loss_from_closure:
+            return
+        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
             loss = tensors.detach().reshape(()).float()
-            step.loss = loss if step.loss is None else step.loss + loss
+            step.loss = loss if step.loss is None or in_step else step.loss + loss
+            step.loss_from_closure = in_step
 
     def backward_done(self) -> None:
         if self.scaled_since_unscale:
@@ -318,6 +368,22 @@ class RunState:
         step.norm = self.log.add(norm)
         step.norm_scaled = scaled
         step.max_norm = float(limit)
+
+    def clipped_by_value(self, grads: list[torch.Tensor], clip_value: Any) -> None:
+        """``clip_grad_value_(..., clip_value)`` is about to clamp ``grads``: count on the
+        device the elements it will change, ``|g| > clip_value`` (no sync)."""
+        if isinstance(clip_value, bool) or not isinstance(clip_value, int | float):
+            return  # not a number: clip_grad_value_ itself will say so
+        step = self.step
+        step.clip_value = float(clip_value)
+        for grad in grads:
+            if grad.layout != torch.strided or not grad.is_floating_point():
+                continue
+            over = (grad.abs() > step.clip_value).sum()
+            step.clamped = (
+                over if step.clamped is None else step.clamped + over.to(step.clamped.device)
+            )
+            step.clip_elements += grad.numel()
 
     def clipped_grads(self, parameters: Any) -> list[torch.Tensor]:
         """The gradients a clip call will change, read without consuming ``parameters``:

@@ -14,7 +14,18 @@ The script runs in this process as ``python SCRIPT.py ARGS`` would run it
 
 A *step* is one optimizer step of the first optimizer that steps; when an
 enabled ``GradScaler`` takes part, the step ends at ``scaler.update()``, which
-comes after every optimizer of the iteration.
+comes after every optimizer of the iteration. A loop without ``torch.optim``
+(manual SGD, ``p.data.add_(p.grad, alpha=-lr)``) makes its own updates: while no
+optimizer has stepped, a step ends at the next ``zero_grad`` after a backward, else
+at the next forward after a backward once the gradients were set to None, and at the
+script's end when backward ran since. Backward passes inside an optimizer step
+(LBFGS's closure) belong to that step; its loss is the first closure's (what
+``LBFGS.step`` returns), not their sum.
+
+Nothing of fpaudit's is put on the script's objects: module calls are seen through
+torch's global module hooks, which also feed the capture's module clock (no hook on
+any module, so ``torch.save(model)``, ``copy.deepcopy`` and ``pickle`` meet nothing of
+fpaudit's); the script runs with ``__file__`` absolute, as Python gives it.
 
 Nothing here reads a device value while the script runs: the scale in force,
 the inf checks, norms and losses stay 0-dim device tensors (``ScalarLog``)
@@ -34,9 +45,11 @@ the call, the first frame outside torch and fpaudit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import io
 import os
-import runpy
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -187,13 +200,22 @@ class BackwardCapture:
                 selection=self.options.selection,
                 window=self.options.window,
                 recipes=self.options.recipes,
+                module_hooks=False,  # the monitor's global hooks tell it of module calls
             )
             self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
         elif module is not self.audited_model:
             return  # another model: only the first is audited
         self.audit.open()
-        self.audit.entered_by(module)
         self.open = True
+
+    def entered(self, module: nn.Module) -> None:
+        """``module`` starts forward: the open capture's module clock notes it."""
+        if self.open and self.audit is not None:
+            self.audit.clock.module_entered(module)
+
+    def exited(self, module: nn.Module) -> None:
+        if self.open and self.audit is not None:
+            self.audit.clock.module_exited(module)
 
     def close(self, step: Step) -> None:
         """Gradients are complete (unscale_ or an optimizer step is next): close ``step``."""
@@ -240,6 +262,7 @@ class TrainingMonitor:
         self._in_scaler_step = 0
         self._internal = 0  # inside a call whose own .grad reads are not the script's
         self._in_backward = 0
+        self._backward_calls_before_step = 0  # at the optimizer step's start (LBFGS)
 
     # -- installation --------------------------------------------------------
     @contextmanager
@@ -250,6 +273,10 @@ class TrainingMonitor:
             stack.enter_context(compiled.compiles_observed())
             try:
                 yield self
+                self._end_manual_step_at_exit()
+            except SystemExit:  # the script's own end, whatever its status
+                self._end_manual_step_at_exit()
+                raise
             finally:
                 self.capture.discard()
 
@@ -278,16 +305,48 @@ class TrainingMonitor:
         self._close_capture()
         self.state.attempt(optimizer)
 
+    # -- loops without torch.optim: the script's own update ends a step ----------
+    def _manual_step_due(self) -> bool:
+        """No optimizer has stepped, and backward ran in the step in progress."""
+        state = self.state
+        return (
+            not state.optimizer_stepped
+            and state.step.backward_calls > 0
+            and not self._in_backward
+            and not self._optimizer_depth
+            and not state.done
+        )
+
+    def _end_manual_step(self) -> None:
+        """The script updated the weights itself (no optimizer): the step ends here."""
+        step = self.state.step
+        step.stepped = True  # the script's own update
+        step.grad_amax = step.backward_amax
+        self._end_step()
+
+    def _end_manual_step_at_exit(self) -> None:
+        if self._manual_step_due():
+            self._end_manual_step()
+
     # -- hooks -----------------------------------------------------------------
     def forward_pre_hook(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # Dynamo traces the call: not a call of this process (and no graph break)
         if self._depth == 0:
             self._maybe_stop()
+            if self._manual_step_due() and self.state.grads_dropped_by_hand():
+                self._end_manual_step()  # a loop without zero_grad that sets grads to None
+                self._maybe_stop()
             self.state.note_root(module)
-            if self.state.step.capture and not self._in_backward:
+            if self.state.step.capture and not self._in_backward and torch.is_grad_enabled():
                 self.capture.start(module)
+        self.capture.entered(module)
         self._depth += 1
 
     def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self.capture.exited(module)
         self._depth = max(self._depth - 1, 0)
 
     def optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -295,6 +354,7 @@ class TrainingMonitor:
         if self._optimizer_depth > 1:
             return
         self.state.step.stepped = True
+        self._backward_calls_before_step = self.state.step.backward_calls
         if self._in_scaler_step:
             return
         self._maybe_stop()
@@ -308,6 +368,10 @@ class TrainingMonitor:
         if self._optimizer_depth or self._in_scaler_step:
             return
         if self.state.ends_on_optimizer(optimizer):
+            if self.state.step.backward_calls > self._backward_calls_before_step:
+                # a closure (LBFGS) computed the gradients inside the step: theirs
+                with self._own_calls():
+                    self.state.note_grad_amax(optimizer, replace=True)
             self._end_step()
 
     # -- handlers of the patched calls (see _torch_patches) --------------------------
@@ -371,13 +435,19 @@ class TrainingMonitor:
     @contextmanager
     def on_backward(self, call: Call) -> Iterator[None]:
         self._maybe_stop()
-        self.state.backward_starts(call.arguments["tensors"])
+        self.state.backward_starts(call.arguments["tensors"], in_step=self._optimizer_depth > 0)
         self._in_backward += 1
         try:
             yield
         finally:
             self._in_backward -= 1
         self.state.backward_done()
+        if not self.state.optimizer_stepped and not self._in_backward:
+            # no optimizer (yet): the gradients as the last backward left them, taken now
+            # (a loop may set them to None before the step is known to have ended); the
+            # step's if it ends as the script's own update
+            with self._own_calls():
+                self.state.step.backward_amax = patches.amax(self.state.root_grads())
 
     @contextmanager
     def on_clip(self, call: Call) -> Iterator[None]:
@@ -387,10 +457,14 @@ class TrainingMonitor:
         site = call_site()
         state = self.state
         scaled = state.scaled_pending
-        if scaled:
-            # Measure before clipping shrinks them: unscale_ will only see the result.
+        by_value = name == "clip_grad_value_"
+        if scaled or by_value:
             with self._own_calls():
-                state.note_amax_of(state.clipped_grads(parameters))
+                grads = state.clipped_grads(parameters)
+                if scaled:  # measure before clipping shrinks them: unscale_ sees the result
+                    state.note_amax_of(grads)
+                if by_value:  # the elements it will clamp, counted on the device
+                    state.clipped_by_value(grads, limit)
         state.log_call("clip", site, f"{name}(..., {_number(limit)})")
         with self._own_calls():
             yield
@@ -401,6 +475,8 @@ class TrainingMonitor:
 
     @contextmanager
     def on_zero_grad(self, call: Call) -> Iterator[None]:
+        if self._manual_step_due():
+            self._end_manual_step()  # before the gradients it read are zeroed
         self.state.zeroed(call.arguments["self"])
         with self._own_calls():
             yield
@@ -497,7 +573,10 @@ def run_script(
     monitor = TrainingMonitor(options, on_captured)
     ending = _run_as_main(monitor, path, args)
     table, values = monitor.steps_table()
-    findings = monitor.judge(table, values)
+    findings = [
+        dataclasses.replace(found, file=_as_given(found.file, path))
+        for found in monitor.judge(table, values)
+    ]
     report = _report_of(monitor, table)
     _record(report, monitor, path, args, ending.stopped_by, findings, table, meta)
     interrupted = ending.interrupted
@@ -529,7 +608,7 @@ def _run_as_main(monitor: TrainingMonitor, path: Path, args: Sequence[str]) -> _
     try:
         # os._exit(n) from the script ends it like sys.exit(n); a forked child's is real.
         with monitor.installed(), modelfile.exits_caught():
-            runpy.run_path(str(path), run_name="__main__")
+            _exec_as_main(_main_file(path))
     except StopRun:
         return _Ending("max-steps")
     except patches.MonitorFailure as broken:
@@ -554,14 +633,47 @@ def _run_as_main(monitor: TrainingMonitor, path: Path, args: Sequence[str]) -> _
         interrupted = error if isinstance(error, Interrupted) else Interrupted()
         return _Ending(interrupted.signal_name, interrupted=interrupted)
     except Exception as error:
-        failure = ModelFileError(
-            f"{modelfile.where(error, path)}: the script raised {modelfile.describe(error)}"
-        )
+        site = _as_given(modelfile.where(error, path), path)
+        failure = ModelFileError(f"{site}: the script raised {modelfile.describe(error)}")
         return _Ending("script error", failure, exit_status=1)
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
     return _Ending()
+
+
+def _exec_as_main(file: str) -> None:
+    """Run ``file`` as ``python file`` runs a script: in a fresh ``__main__`` module (put
+    back after), whose ``__file__`` (and code) is ``file``; ``sys.argv`` stays the
+    caller's. (``runpy.run_path`` would set ``sys.argv[0]`` to ``file`` too, where
+    Python keeps the path as typed.)"""
+    with io.open_code(file) as handle:
+        source = handle.read()
+    code = compile(source, file, "exec", dont_inherit=True)  # not fpaudit's __future__
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=file, __cached__=None)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
+def _main_file(path: Path) -> str:
+    """The script's ``__file__`` as ``python`` sets it: joined to the working directory,
+    not resolved (``python ./a/../t.py`` gives ``/cwd/./a/../t.py``)."""
+    return str(path) if path.is_absolute() else os.path.join(os.getcwd(), str(path))
+
+
+def _as_given(site: str, path: Path) -> str:
+    """``site`` (``file`` or ``file:line``) with the script's absolute ``__file__`` as the
+    user named the script: messages and findings say ``train.py:12``, as typed."""
+    absolute = _main_file(path)
+    if site == absolute or site.startswith(absolute + ":"):
+        return str(path) + site[len(absolute) :]
+    return site
 
 
 def _report_of(monitor: TrainingMonitor, table: dict[str, list[Any]]) -> Report:

@@ -185,6 +185,42 @@ def test_wrapper_modules_are_reported_under_the_models_own_names() -> None:
     assert "aten.addmm.default" not in set(records["op"])
 
 
+def test_ddp_and_fabric_wrappers_are_named_as_the_model_names_itself() -> None:
+    # DataParallel (DDP's naming: "module.") and Lightning Fabric's "_forward_module."
+    # are wrappers; a model's own child called "module" is its own name
+    from fpaudit.capture.clock import model_name, wrapped_paths
+
+    assert model_name("_forward_module.decoder.0") == "decoder.0"
+    assert model_name("module.fc") == "module.fc"  # a user's child named "module"
+    assert model_name("module.fc", frozenset({"module"})) == "fc"
+
+    class Own(nn.Module):  # a model whose own child is called "module"
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(4, 3)
+            self.head = nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.module(x)))
+
+    x = torch.randn(5, 4)
+    torch.manual_seed(0)
+    bare = Own()
+    torch.manual_seed(0)
+    wrapped = nn.DataParallel(Own())  # on the CPU, it calls its module
+    assert wrapped_paths(wrapped) == {"module"} and wrapped_paths(bare) == frozenset()
+    reports = []
+    for model in (bare, wrapped):
+        with fpaudit.audit(model) as audit:
+            model(x).sum().backward()
+            audit.step()
+        reports.append(audit.report)
+    assert reports[0].meta["modules"] == reports[1].meta["modules"]
+    assert reports[0].meta["modules"][1:] == ["", "module", "head"]
+    columns = ["kind", "module", "node", "op", "elements", "zeros", "amax"]
+    assert reports[0].records[columns].equals(reports[1].records[columns])
+
+
 def test_frozen_layer_with_grad_requiring_successor() -> None:
     model = zoo.Frozen()
     records = _audit(model, lambda: model(torch.randn(2, 4)).sum())

@@ -93,7 +93,7 @@ def test_skip_lines_without_and_with_a_scaler() -> None:
     stats = SkipStatistics(steps=10, skipped=3, calibration_steps=2, steps_after_calibration=8,
                            skipped_after_calibration=1, skip_rate_after_calibration=1 / 8)  # fmt: skip
     assert render_run.skip_lines(stats, None) == [
-        "10 optimizer step(s); no enabled GradScaler, so no step was skipped."
+        "10 step(s); no enabled GradScaler, so no step was skipped."
     ]
     scaler = ScalerInfo("torch.amp.GradScaler", 65536.0, 2.0, 0.5, growth_interval=2000)
     lines = render_run.skip_lines(stats, scaler)

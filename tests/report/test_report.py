@@ -269,6 +269,24 @@ def test_a_version_1_report_reads_with_the_new_step_columns_at_their_defaults(
     pd.testing.assert_frame_equal(back.records, report.records)
 
 
+def test_a_version_4_report_reads_without_clipping_by_value(tmp_path: Path, report: Report) -> None:
+    """Schema 2 to 4 steps tables lack clip_value and clipped_fraction (version 5)."""
+    import hashlib
+
+    root = _written(tmp_path, report)
+    steps_file = root / "steps.parquet"
+    older = [n for n in STEPS_SCHEMA.names if n not in ("clip_value", "clipped_fraction")]
+    pq.write_table(pq.read_table(steps_file, columns=older), steps_file)
+    meta = json.loads((root / "meta.json").read_text())
+    meta["schema_version"] = 4
+    meta["files"]["steps.parquet"]["sha256"] = hashlib.sha256(steps_file.read_bytes()).hexdigest()
+    (root / "meta.json").write_text(json.dumps(meta))
+    back = Report.read(root)
+    assert list(back.steps.columns) == STEPS_SCHEMA.names
+    assert back.steps["clip_value"].isna().all() and back.steps["clipped_fraction"].isna().all()
+    pd.testing.assert_frame_equal(back.steps[older], report.steps[older])
+
+
 @pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("records", [1, 7, 50])
 def test_bins_are_summed_per_record_exactly_in_or_out_of_order(records: int, ordered: bool) -> None:

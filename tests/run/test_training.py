@@ -336,3 +336,148 @@ def test_a_scale_that_is_not_a_power_of_two_is_kept_and_read_with_a_note(
     shown = cli("show", out, "--json")
     assert shown.code == 0 and note in shown.stderr
     assert json.loads(shown.stdout)  # the numbers still come, after the note
+
+
+# -- loops as people write them: no torch.optim, LBFGS, clipping by value, __file__ ----
+_MANUAL_SGD = """
+import json, sys
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+oracle = []
+for step in range(4):
+    if {zero_grad}:
+        model.zero_grad()
+    loss = model(torch.randn(6, 4)).pow(2).mean()
+    loss.backward()
+    # the oracle: what the script itself sees (no fpaudit code), before its own update
+    amax = max(p.grad.abs().max() for p in model.parameters())
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    oracle.append({{"loss": loss.item(), "amax": amax.item(), "hooks": hooks}})
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-0.1)
+        if not {zero_grad}:
+            p.grad = None  # by hand, as some loops drop their gradients
+json.dump(oracle, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.parametrize("zero_grad", [True, False])
+def test_a_loop_without_torch_optim_gets_one_step_per_update(
+    tmp_path: Path, zero_grad: bool
+) -> None:
+    # p.data.add_(p.grad, alpha=-lr) after backward, no optimizer (word_language_model's
+    # default update): a step ends at the next zero_grad, or at the next forward once the
+    # gradients were set to None, and the last one when the script ends
+    script, oracle_file = tmp_path / "train.py", tmp_path / "oracle.json"
+    script.write_text(_MANUAL_SGD.format(zero_grad=zero_grad))
+    outcome = run_script(script, [str(oracle_file)], RunOptions(capture_every=2))
+    assert outcome.failure is None and outcome.exit_status == 0
+    oracle = json.loads(oracle_file.read_text())
+    steps = outcome.report.steps
+    assert list(steps["step"]) == [0, 1, 2, 3]
+    assert outcome.report.meta["optimizers"] == []
+    # each step's loss and largest |grad| are the script's own, exactly (float32 values)
+    assert list(steps["loss"]) == [o["loss"] for o in oracle]
+    assert list(steps["grad_amax"]) == [o["amax"] for o in oracle]
+    assert list(steps["captured"]) == [True, False, True, False]  # every 2nd step
+    assert list(steps["optimizer_step"]) == [True] * 4  # the script's own update
+    # no hook of fpaudit's on the model, even inside a captured step
+    assert [o["hooks"] for o in oracle] == [0, 0, 0, 0]
+
+
+def test_an_lbfgs_step_is_its_closures_and_its_loss_is_the_first(tmp_path: Path) -> None:
+    script, oracle_file = tmp_path / "train.py", tmp_path / "oracle.json"
+    script.write_text(
+        "import json, sys\n"
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(5, 1)\n"
+        "x, y = torch.randn(16, 5), torch.randn(16, 1)\n"
+        "optimizer = torch.optim.LBFGS(model.parameters(), max_iter=4)\n"
+        "closures, oracle = [], []\n"
+        "def closure():\n"
+        "    optimizer.zero_grad()\n"
+        "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
+        "    loss.backward()\n"
+        "    closures.append(loss.item())\n"
+        "    return loss\n"
+        "for step in range(3):\n"
+        "    closures.clear()\n"
+        "    loss = optimizer.step(closure)\n"
+        "    amax = max(p.grad.abs().max() for p in model.parameters())\n"
+        "    oracle.append({'loss': loss.item(), 'closures': list(closures),\n"
+        "                   'amax': amax.item()})\n"
+        "json.dump(oracle, open(sys.argv[1], 'w'))\n"
+    )
+    outcome = run_script(script, [str(oracle_file)], RunOptions(capture_every=1))
+    oracle = json.loads(oracle_file.read_text())
+    steps = outcome.report.steps
+    assert len(steps) == 3 and all(steps["captured"])
+    assert all(len(o["closures"]) > 1 for o in oracle)  # several closures per step
+    # LBFGS.step returns its first closure's loss: the step's loss, not their sum
+    assert list(steps["loss"]) == [o["closures"][0] for o in oracle] == [o["loss"] for o in oracle]
+    assert list(steps["backward_calls"]) == [len(o["closures"]) for o in oracle]
+    # the gradients of the last closure, as the script reads them after the step
+    assert list(steps["grad_amax"]) == [o["amax"] for o in oracle]
+
+
+def test_clipping_by_value_is_recorded_per_step(tmp_path: Path, cli) -> None:
+    script, oracle_file = tmp_path / "train.py", tmp_path / "oracle.json"
+    script.write_text(
+        "import json, sys\n"
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "oracle = []\n"
+        "for step in range(3):\n"
+        "    optimizer.zero_grad()\n"
+        "    model(torch.randn(5, 4) * (step + 1)).pow(2).mean().backward()\n"
+        "    grads = [p.grad for p in model.parameters()]\n"
+        "    # the oracle: elements above the clip value, counted by the script itself\n"
+        "    over = sum(int((g.abs() > 0.05).sum()) for g in grads)\n"
+        "    fraction = over / sum(g.numel() for g in grads)\n"
+        "    torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.05)\n"
+        "    oracle.append([fraction, max(g.abs().max() for g in grads).item()])\n"
+        "    optimizer.step()\n"
+        "json.dump(oracle, open(sys.argv[1], 'w'))\n"
+    )
+    out = tmp_path / "report"
+    result = cli("run", "--out", out, "--", script, oracle_file)
+    assert result.code == 0, result.stderr
+    oracle, amax = zip(*json.loads(oracle_file.read_text()), strict=True)
+    steps = Report.read(out).steps
+    assert min(oracle) > 0 and max(oracle) < 1  # some elements clamped, not all
+    # the largest gradient as the optimizer saw it: clipped, on the first step too
+    assert list(steps["grad_amax"]) == list(amax) == [float(torch.tensor(0.05))] * 3  # fp32
+    assert list(steps["clip_value"]) == [0.05] * 3
+    assert list(steps["clipped_fraction"]) == list(oracle)  # exact: the same count / elements
+    assert list(steps["clipped"]) == [True] * 3
+    assert steps["grad_norm"].isna().all()  # no clipping by norm
+    shown = cli("show", out, "--steps")
+    assert "clip value: clamped" in shown.stdout
+    assert f"0.05: {100 * oracle[0]:.3g}%" in shown.stdout
+
+
+def test_the_script_sees_what_python_gives_it(
+    tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # __file__ absolute as Python 3.9+ sets it for `python train.py`; argv[0] as typed;
+    # no __spec__; the working directory unchanged
+    (tmp_path / "train.py").write_text(
+        "import json, os, sys, torch\n"
+        "model = torch.nn.Linear(2, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model(torch.ones(1, 2)).sum().backward(); opt.step()\n"
+        "json.dump([__file__, sys.argv[0], repr(__spec__), os.getcwd(), sys.path[0]],\n"
+        "          open('seen.json', 'w'))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    result = cli("run", "--out", "r", "--", "train.py")
+    assert result.code == 0, result.stderr
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == [str(tmp_path / "train.py"), "train.py", "None", str(tmp_path),
+                    str(tmp_path.resolve())]  # fmt: skip

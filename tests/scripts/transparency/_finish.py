@@ -19,3 +19,13 @@ def finish(**modules: torch.nn.Module) -> None:
     if path:
         with open(path, "wb") as file:
             file.write(blob)
+
+
+def saves() -> str:
+    """Where a script saves its checkpoints: FPAUDIT_TRANSPARENCY_SAVES (compared file
+    by file with and without fpaudit), else a fresh temporary folder."""
+    import tempfile
+
+    folder = os.environ.get("FPAUDIT_TRANSPARENCY_SAVES") or tempfile.mkdtemp()
+    os.makedirs(folder, exist_ok=True)
+    return folder
