@@ -199,11 +199,6 @@ class Audit:
         self._compiled = CompiledReceiver(model, self._clock, self._recorder)
 
     @property
-    def shadow(self) -> bool:
-        """Low-precision backward outputs are also re-run in fp32 (``--shadow``)."""
-        return self._context.shadow
-
-    @property
     def selection(self) -> Selection:
         """Which records to capture (see :class:`Selection`)."""
         return self._recorder.selection
@@ -421,12 +416,7 @@ class Audit:
 
         report = Report.from_builder(self._builder, run_metadata(self.model), steps)
         report.update_info(out_of_range=self._recorder.out_of_range())
-        records = report.records
-        eager = records[
-            (records["kind"] == KIND_BACKWARD) & (records["node"] != compiled.COMPILED_NODE)
-        ]
-        self._compiled.note_eager_inside(eager["module"].unique())
-        compiled_info = self._compiled.info()
+        compiled_info = self._compiled.info_for(report.records)
         if compiled_info is not None:
             report.update_info(compiled=compiled_info)
         if self.origins is not None:

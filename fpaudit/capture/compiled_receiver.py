@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from fpaudit.capture.clock import ModuleClock, compiled_wrappers, model_name
 from fpaudit.capture.recorder import Recorder
 from fpaudit.report.records import KIND_BACKWARD
 from fpaudit.report.runinfo import CompiledInfo
+
+if TYPE_CHECKING:  # pandas: only once a report is built
+    import pandas as pd
 
 
 def _known_module(name: str, known: frozenset[str]) -> str:
@@ -110,6 +113,16 @@ class CompiledReceiver:
             )
             if line not in self._not_covered:  # (captured, not hidden)
                 self._not_covered.append(line)
+
+    def info_for(self, records: pd.DataFrame) -> CompiledInfo | None:
+        """:meth:`info` of a report whose records table is ``records``, after noting the
+        compiled modules of which a step ran backward ops eagerly
+        (:meth:`note_eager_inside`)."""
+        eager = records[
+            (records["kind"] == KIND_BACKWARD) & (records["node"] != compiled.COMPILED_NODE)
+        ]
+        self.note_eager_inside(eager["module"].unique())
+        return self.info()
 
     def info(self) -> CompiledInfo | None:
         """The report's ``compiled`` metadata; None when nothing of the model is compiled."""

@@ -173,12 +173,13 @@ def test_audit_takes_exactly_audits_parameters_which_help_shows() -> None:
     assert list(own.parameters.values()) == list(inspect.signature(Audit).parameters.values())
     assert list(own.parameters) == [
         "model", "loss_scale", "selection", "window", "shadow", "origins", "recipes",
+        "module_hooks",
     ]  # fmt: skip
     assert own.return_annotation == "Audit"
     shown = pydoc.render_doc(fpaudit.audit, renderer=pydoc.plaintext)
     assert "audit(model: 'nn.Module', *, loss_scale: 'float' = 1.0," in shown
     assert "Audit the backward pass of ``model``" in shown
     made = fpaudit.audit(_model(), window=2, shadow=True)
-    assert isinstance(made, Audit) and made.shadow and made._builder.window == 2
+    assert isinstance(made, Audit) and made._context.shadow and made._builder.window == 2
     with pytest.raises(TypeError, match="nope"):
         fpaudit.audit(_model(), nope=1)  # type: ignore[call-arg]
