@@ -73,6 +73,7 @@ ROOMS = {
     # kernels/
     "test_histogram.py": "kernels",
     "test_histogram_many.py": "kernels",
+    "test_histogram_narrow.py": "kernels",
     "test_triton_kernel.py": "kernels",
     "test_triton_bound.py": "kernels",
     "test_blockstats.py": "kernels",
