@@ -1,4 +1,6 @@
-// fpaudit's CPU histogram kernel: one pass over fp32 values, exact bins, finite amax.
+// fpaudit's CPU histogram kernel: exact bins and finite amax of fp32, fp16, bf16 and fp8
+// values read in their own dtype (see add_dense: small tensors in one block, large fp32
+// ones by raw bin, large narrow ones by bit pattern, each folded into bins once per call).
 //
 // The bin layout is the one of fpaudit/histogram.py (zero, 277 binades x 8
 // mantissa classes, inf, NaN); the class bounds come from Python so there is a
@@ -10,18 +12,29 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <mutex>
 #include <vector>
 
 #if __has_include(<sys/mman.h>)  // POSIX: the tables' 2 MB pages (histogram_table)
 #include <sys/mman.h>
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+// AVX-512 where the machine has it: 16 lanes (measured 1.8x faster than AVX2 on this
+// first pass); chosen at load time, so a cached build runs on any x86-64.
+#define FPAUDIT_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define FPAUDIT_CLONES __attribute__((target_clones("avx2", "default")))
 #endif
 
 namespace {
@@ -56,7 +69,7 @@ struct BlockSummary {
   uint32_t high;
 };
 
-__attribute__((target_clones("avx2", "default")))
+FPAUDIT_CLONES
 BlockSummary block_bins(const uint32_t* __restrict data, uint32_t* __restrict bins, int count,
                         const Bounds& bounds) {
   const uint32_t b1 = bounds.b1, b2 = bounds.b2, b3 = bounds.b3, b4 = bounds.b4;
@@ -177,76 +190,394 @@ void add_small(const uint32_t* data, int count, int64_t* total, const Bounds& bo
   scatter_small(bins, count, block, total, span);
 }
 
-// Adds the n fp32 values at data to the row that starts at total (see histogram_add).
-void add_values(const uint32_t* data, int64_t n, int64_t* total, const Bounds& bounds,
-                int64_t* span = nullptr) {
-  int64_t* amax_out = total + kBins;
-  std::mutex merge;
-  if (n == 0) return;
-  if (n <= kSmall) {
-    add_small(data, int(n), total, bounds, span);
-    return;
-  }
-  const int64_t grain = std::max<int64_t>(int64_t(1) << 16, (n + at::get_num_threads() - 1) / at::get_num_threads());
+// ---- Large tensors: raw bins, folded once per call ----
+//
+// Measured (docs/performance.md, issue 55): the first pass, not the scatter, was most of
+// a large fp32 tensor's time; the zero and NaN selects and four reductions cost as much
+// as the class. A large tensor's values are now counted by their raw bin, the exponent
+// field times 8 plus the class (0..2047, a function of the bits alone), and the raw bins
+// are turned into the layout's bins once per call: raw bin r of a normal number is bin
+// r + kRawToBin; raw bin 0 holds the zeros, 1..7 the subnormals (counted again exactly,
+// only when there are any), 2040 inf and 2041..2047 NaN.
+constexpr uint32_t kRawBins = 256 * kClasses;
+constexpr uint32_t kRawToBin = kFirstFinite + 22 * kClasses;  // 177
+constexpr uint32_t kRawInf = 255 * kClasses;
+constexpr uint32_t kInfPattern = 0x7F800000u;
 
+struct RawSummary {
+  int32_t largest;   // the largest |x| bits (inf and NaN included)
+  int32_t smallest;  // the smallest |x| bits (zero included)
+};
+
+// The raw bin of every |x| (branch-free; class bounds are < 2**23, so signed compares
+// serve, which AVX2 has and unsigned ones it has not).
+FPAUDIT_CLONES
+RawSummary block_raw(const uint32_t* __restrict data, uint32_t* __restrict raw, int count,
+                     const Bounds& bounds) {
+  const int32_t b1 = int32_t(bounds.b1), b2 = int32_t(bounds.b2), b3 = int32_t(bounds.b3);
+  const int32_t b4 = int32_t(bounds.b4), b5 = int32_t(bounds.b5), b6 = int32_t(bounds.b6);
+  const int32_t b7 = int32_t(bounds.b7);
+  int32_t largest = 0, smallest = 0x7FFFFFFF;
+  for (int j = 0; j < count; ++j) {
+    const int32_t bits = int32_t(data[j] & 0x7FFFFFFFu);
+    const int32_t fraction = bits & 0x7FFFFF;
+    const int32_t cls = int32_t(fraction >= b1) + int32_t(fraction >= b2) +
+                        int32_t(fraction >= b3) + int32_t(fraction >= b4) +
+                        int32_t(fraction >= b5) + int32_t(fraction >= b6) +
+                        int32_t(fraction >= b7);
+    raw[j] = uint32_t(((bits >> 20) & ~7) + cls);
+    largest = std::max(largest, bits);
+    smallest = std::min(smallest, bits);
+  }
+  return RawSummary{largest, smallest};
+}
+
+// The exact bin of one |x| bit pattern (the rare values, and the narrow dtypes' tables).
+uint32_t exact_bin(uint32_t bits, const Bounds& b) {
+  bits &= 0x7FFFFFFFu;
+  if (bits == 0) return kZero;
+  if (bits >= kInfPattern) return bits == kInfPattern ? kInf : kNan;
+  if (bits < (1u << 23)) return subnormal_bin(bits, b);
+  const uint32_t f = bits & 0x7FFFFFu;
+  const uint32_t cls = (f >= b.b1) + (f >= b.b2) + (f >= b.b3) + (f >= b.b4) + (f >= b.b5) +
+                       (f >= b.b6) + (f >= b.b7);
+  return kFirstFinite + ((bits >> 23) + 22) * kClasses + cls;
+}
+
+// A source of fp32 bit patterns, a block at a time: fp32 data is read in place, narrower
+// dtypes are widened (exactly) into the caller's buffer.
+struct Fp32Source {
+  const uint32_t* data;
+  const uint32_t* block(int64_t start, int /*count*/, uint32_t* /*buffer*/) const { return data + start; }
+};
+
+template <class T, float (*Widen)(T)>
+struct WideningSource {
+  const T* data;
+  const uint32_t* block(int64_t start, int count, uint32_t* buffer) const {
+    for (int j = 0; j < count; ++j) {
+      const float value = Widen(data[start + j]);
+      std::memcpy(buffer + j, &value, sizeof value);
+    }
+    return buffer;
+  }
+};
+
+// Adds the n values of `source` to the row at total; each thread counts its span into
+// private raw counters (kCopies interleaved copies), folded into the row once.
+template <class Source>
+void add_large(const Source& source, int64_t n, int64_t* total, const Bounds& bounds,
+               int64_t* span) {
+  std::mutex merge;
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(int64_t(1) << 16, (n + threads - 1) / threads);
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    // Counter copies live per thread across calls; only the range of bins a call
-    // touched is merged and cleared, so small tensors cost little. uint32 counters
-    // are flushed into int64 ones long before they could overflow.
-    thread_local std::vector<uint32_t> local(size_t(kCopies) * kBins, 0u);
-    thread_local std::vector<int64_t> wide(kBins, 0);
-    std::array<uint32_t, kBlock> bins;  // written before read
-    uint32_t largest = 0, low = kBins, high = 0;
+    // Kept per thread across calls; only the range a call touched is folded and cleared.
+    // uint32 counters are folded into int64 ones long before they could overflow.
+    thread_local std::vector<uint32_t> local(size_t(kCopies) * kRawBins, 0u);
+    thread_local std::vector<int64_t> wide(kRawBins, 0);
+    alignas(64) std::array<uint32_t, kBlock> buffer;  // written before read
+    alignas(64) std::array<uint32_t, kBlock> raw;
+    int32_t largest = 0, smallest = 0x7FFFFFFF;
     int64_t since_flush = 0;
-    auto flush = [&]() {
+    auto fold = [&]() {
+      const uint32_t low = (uint32_t(smallest) >> 23) * kClasses;
+      const uint32_t high = (uint32_t(largest) >> 23) * kClasses + kClasses - 1;
       for (int c = 0; c < kCopies; ++c) {
-        uint32_t* counters = local.data() + size_t(c) * kBins;
-        wide[kZero] += counters[kZero];
-        counters[kZero] = 0;
-        for (uint32_t b = low; b <= high; ++b) {
-          wide[b] += counters[b];
-          counters[b] = 0;
+        uint32_t* counters = local.data() + size_t(c) * kRawBins;
+        for (uint32_t r = low; r <= high; ++r) {
+          wide[r] += counters[r];
+          counters[r] = 0;
         }
       }
     };
     for (int64_t start = begin; start < end; start += kBlock) {
       const int count = int(std::min<int64_t>(kBlock, end - start));
-      BlockSummary block = block_bins(data + start, bins.data(), count, bounds);
+      const RawSummary block = block_raw(source.block(start, count, buffer.data()), raw.data(), count, bounds);
       largest = std::max(largest, block.largest);
-      if (__builtin_expect(block.subnormals != 0, 0)) {  // rare: normalise them in place
-        for (int j = 0; j < count; ++j) {
-          if (bins[size_t(j)] - kRawSubnormalFirst < kClasses - 1) {
-            bins[size_t(j)] = subnormal_bin(data[start + j], bounds);
-            block.low = std::min(block.low, bins[size_t(j)]);
-            block.high = std::max(block.high, bins[size_t(j)]);
-          }
-        }
-      }
-      low = std::min(low, block.low);
-      high = std::max(high, block.high);
-      // Pass 2: scatter into the counter copies.
+      smallest = std::min(smallest, block.smallest);
       int j = 0;
       for (; j + kCopies <= count; j += kCopies) {
-        for (int c = 0; c < kCopies; ++c) ++local[size_t(c) * kBins + bins[size_t(j + c)]];
+        for (int c = 0; c < kCopies; ++c) ++local[size_t(c) * kRawBins + raw[size_t(j + c)]];
       }
-      for (; j < count; ++j) ++local[bins[size_t(j)]];
+      for (; j < count; ++j) ++local[raw[size_t(j)]];
       since_flush += count;
       if (since_flush >= (int64_t(1) << 30)) {
-        flush();
+        fold();
         since_flush = 0;
       }
     }
-    flush();
-    std::lock_guard<std::mutex> guard(merge);
-    total[kZero] += wide[kZero];
-    wide[kZero] = 0;
-    for (uint32_t b = low; b <= high; ++b) {
-      total[b] += wide[b];
-      wide[b] = 0;
+    fold();
+    const uint32_t low = (uint32_t(smallest) >> 23) * kClasses;
+    const uint32_t high = (uint32_t(largest) >> 23) * kClasses + kClasses - 1;
+    // Subnormals (raw bins 1..7) are counted again, each in its exact bin (rare).
+    std::array<int64_t, kRawToBin + kClasses> subnormal{};
+    bool subnormals = false;
+    for (uint32_t r = 1; r < kClasses; ++r) subnormals |= wide[r] != 0;
+    if (subnormals) {
+      for (int64_t start = begin; start < end; start += kBlock) {
+        const int count = int(std::min<int64_t>(kBlock, end - start));
+        const uint32_t* bits = source.block(start, count, buffer.data());
+        for (int j = 0; j < count; ++j) {
+          const uint32_t u = bits[j] & 0x7FFFFFFFu;
+          if (u != 0 && u < (1u << 23)) ++subnormal[exact_bin(u, bounds)];
+        }
+      }
     }
-    *amax_out = std::max<int64_t>(*amax_out, int64_t(largest));
-    if (low <= high) widen(span, low, high);
+    // The finite amax: the largest bits, unless those are inf or NaN (then read again).
+    int32_t finite_largest = largest;
+    if (largest >= int32_t(kInfPattern)) {
+      finite_largest = 0;
+      for (int64_t start = begin; start < end; start += kBlock) {
+        const int count = int(std::min<int64_t>(kBlock, end - start));
+        const uint32_t* bits = source.block(start, count, buffer.data());
+        for (int j = 0; j < count; ++j) {
+          const int32_t u = int32_t(bits[j] & 0x7FFFFFFFu);
+          finite_largest = std::max(finite_largest, u < int32_t(kInfPattern) ? u : 0);
+        }
+      }
+    }
+    uint32_t first = kBins, last = 0;  // the span: bins other than zero's with a count
+    std::lock_guard<std::mutex> guard(merge);
+    total[kZero] += wide[0];
+    wide[0] = 0;
+    for (uint32_t r = 1; r < kClasses; ++r) wide[r] = 0;
+    if (subnormals) {
+      for (uint32_t b = kFirstFinite; b < subnormal.size(); ++b) {
+        if (subnormal[b] == 0) continue;
+        total[b] += subnormal[b];
+        first = std::min(first, b);
+        last = std::max(last, b);
+      }
+    }
+    for (uint32_t r = std::max(low, uint32_t(kClasses)); r <= std::min(high, kRawInf - 1); ++r) {
+      if (wide[r] == 0) continue;
+      total[r + kRawToBin] += wide[r];
+      wide[r] = 0;
+      first = std::min(first, r + kRawToBin);
+      last = std::max(last, r + kRawToBin);
+    }
+    if (high >= kRawInf) {
+      for (uint32_t r = kRawInf; r < kRawBins; ++r) {
+        if (wide[r] == 0) continue;
+        const uint32_t b = r == kRawInf ? kInf : kNan;
+        total[b] += wide[r];
+        wide[r] = 0;
+        first = std::min(first, b);
+        last = std::max(last, b);
+      }
+    }
+    total[kBins] = std::max<int64_t>(total[kBins], int64_t(finite_largest));
+    if (first <= last) widen(span, first, last);
   });
+}
+
+// Adds the n fp32 values at data to the row that starts at total (see histogram_add).
+void add_values(const uint32_t* data, int64_t n, int64_t* total, const Bounds& bounds,
+                int64_t* span = nullptr) {
+  if (n == 0) return;
+  if (n <= kSmall) {
+    add_small(data, int(n), total, bounds, span);
+    return;
+  }
+  add_large(Fp32Source{data}, n, total, bounds, span);
+}
+
+// ---- Narrow dtypes (fp16, bf16, fp8): counted by bit pattern ----
+//
+// A 16-bit value has 2**15 magnitudes (the sign bit aside), an fp8 one 2**7: a large
+// tensor is counted by |pattern| into private per-thread counters (O(1) per value, no
+// float work, two interleaved copies), then each pattern's count goes to its bin once
+// per call, through a table (per dtype) of each pattern's bin and fp32 bits made from
+// torch's own widening. Smaller tensors are widened a block at a time into the fp32
+// path (no copy of the whole tensor, as before).
+
+float widen_half(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
+float widen_bfloat16(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+float widen_e4m3fn(uint8_t v) { return c10::detail::fp8e4m3fn_to_fp32_value(v); }
+float widen_e5m2(uint8_t v) { return c10::detail::fp8e5m2_to_fp32_value(v); }
+
+struct PatternTable {
+  Bounds bounds;
+  std::vector<uint16_t> bin;   // per |pattern|
+  std::vector<uint32_t> bits;  // per |pattern|: its fp32 |x| bits
+};
+
+bool same_bounds(const Bounds& a, const Bounds& b) {
+  return a.b1 == b.b1 && a.b2 == b.b2 && a.b3 == b.b3 && a.b4 == b.b4 && a.b5 == b.b5 &&
+         a.b6 == b.b6 && a.b7 == b.b7;
+}
+
+// The table of `dtype`'s patterns (made once per dtype and class bounds, then read by
+// every thread without a lock: tables are never freed or changed once made).
+const PatternTable& pattern_table(at::ScalarType dtype, const Bounds& bounds) {
+  static std::mutex made;
+  static std::deque<std::pair<at::ScalarType, PatternTable>> tables;
+  std::lock_guard<std::mutex> guard(made);
+  for (const auto& [kind, table] : tables) {
+    if (kind == dtype && same_bounds(table.bounds, bounds)) return table;
+  }
+  const int64_t patterns = int64_t(1) << (8 * c10::elementSize(dtype) - 1);
+  const auto storage = c10::elementSize(dtype) == 2 ? torch::kInt16 : torch::kUInt8;
+  at::NoGradGuard no_grad;
+  const torch::Tensor wide =
+      torch::arange(patterns, torch::kInt32).to(storage).view(dtype).to(torch::kFloat32).contiguous();
+  PatternTable table{bounds, std::vector<uint16_t>(size_t(patterns)), std::vector<uint32_t>(size_t(patterns))};
+  const auto* values = reinterpret_cast<const uint32_t*>(wide.data_ptr<float>());
+  for (int64_t p = 0; p < patterns; ++p) {
+    table.bits[size_t(p)] = values[p] & 0x7FFFFFFFu;
+    table.bin[size_t(p)] = uint16_t(exact_bin(values[p], bounds));
+  }
+  tables.emplace_back(dtype, std::move(table));
+  return tables.back().second;
+}
+
+// The smallest and largest |pattern| of a block (vectorised), which bound the fold.
+template <class T>
+FPAUDIT_CLONES void pattern_range(const T* __restrict data, int count, int32_t* low, int32_t* high) {
+  constexpr T kMask = T(~T(0)) >> 1;
+  T lo = kMask, hi = 0;
+  for (int j = 0; j < count; ++j) {
+    const T p = T(data[j] & kMask);
+    lo = std::min(lo, p);
+    hi = std::max(hi, p);
+  }
+  *low = std::min(*low, int32_t(lo));
+  *high = std::max(*high, int32_t(hi));
+}
+
+template <class T>
+void add_patterns(const T* data, int64_t n, const PatternTable& table, int64_t* total, int64_t* span) {
+  constexpr int kPatterns = 1 << (8 * sizeof(T) - 1);
+  constexpr T kMask = T(kPatterns - 1);
+  constexpr int kPatternCopies = 2;
+  constexpr int kPatternBlock = 4096;
+  std::mutex merge;
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(int64_t(1) << 16, (n + threads - 1) / threads);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint32_t> local(size_t(kPatternCopies) * (1 << 15), 0u);
+    thread_local std::vector<int64_t> bins(kBins, 0);
+    uint32_t* counts = local.data();
+    constexpr size_t kStride = size_t(1) << 15;
+    uint32_t first = kBins, last = 0;  // bins touched (zero's included)
+    int32_t amax = -1;                 // the largest finite |pattern| counted
+    for (int64_t chunk = begin; chunk < end; chunk += int64_t(1) << 30) {  // uint32 counters
+      const int64_t chunk_end = std::min<int64_t>(end, chunk + (int64_t(1) << 30));
+      int32_t low = kPatterns, high = -1;
+      for (int64_t start = chunk; start < chunk_end; start += kPatternBlock) {
+        const int count = int(std::min<int64_t>(kPatternBlock, chunk_end - start));
+        const T* block = data + start;
+        pattern_range(block, count, &low, &high);
+        int j = 0;
+        for (; j + kPatternCopies <= count; j += kPatternCopies) {
+          for (int c = 0; c < kPatternCopies; ++c) ++counts[size_t(c) * kStride + (block[j + c] & kMask)];
+        }
+        for (; j < count; ++j) ++counts[block[j] & kMask];
+      }
+      for (int32_t p = low; p <= high; ++p) {
+        uint64_t count = 0;
+        for (int c = 0; c < kPatternCopies; ++c) {
+          count += counts[size_t(c) * kStride + size_t(p)];
+          counts[size_t(c) * kStride + size_t(p)] = 0;
+        }
+        if (count == 0) continue;
+        const uint32_t b = table.bin[size_t(p)];
+        bins[b] += int64_t(count);
+        first = std::min(first, b);
+        last = std::max(last, b);
+        if (table.bits[size_t(p)] < kInfPattern) amax = std::max(amax, p);
+      }
+    }
+    std::lock_guard<std::mutex> guard(merge);
+    uint32_t span_first = kBins, span_last = 0;
+    for (uint32_t b = first; b <= last && first <= last; ++b) {
+      if (bins[b] == 0) continue;
+      total[b] += bins[b];
+      bins[b] = 0;
+      if (b != kZero) {
+        span_first = std::min(span_first, b);
+        span_last = std::max(span_last, b);
+      }
+    }
+    if (amax >= 0) total[kBins] = std::max<int64_t>(total[kBins], int64_t(table.bits[size_t(amax)]));
+    if (span_first <= span_last) widen(span, span_first, span_last);
+  });
+}
+
+// A tensor below this many values is widened a block at a time instead: the fold of its
+// patterns would cost more than it saves (measured: benchmarks/kernel_speed.py).
+template <class T>
+constexpr int64_t kPatternMin = int64_t(1) << (8 * sizeof(T) - 1);
+
+template <class T, float (*Widen)(T)>
+void add_narrow(const T* data, int64_t n, at::ScalarType dtype, int64_t* total,
+                const Bounds& bounds, int64_t* span) {
+  if (n == 0) return;
+  const WideningSource<T, Widen> source{data};
+  if (n <= kSmall) {
+    alignas(64) uint32_t widened[kSmall];
+    add_small(source.block(0, int(n), widened), int(n), total, bounds, span);
+  } else if (n >= kPatternMin<T>) {
+    add_patterns(data, n, pattern_table(dtype, bounds), total, span);
+  } else {
+    add_large(source, n, total, bounds, span);
+  }
+}
+
+// The fp32 bits of a tensor of at most kSmall values (add_dense's kinds): its own data,
+// or its values widened into `buffer`.
+const uint32_t* small_fp32(const torch::Tensor& values, uint32_t* buffer) {
+  const void* data = values.const_data_ptr();
+  const int count = int(values.numel());
+  switch (values.scalar_type()) {
+    case torch::kFloat16:
+      return WideningSource<uint16_t, widen_half>{static_cast<const uint16_t*>(data)}.block(0, count, buffer);
+    case torch::kBFloat16:
+      return WideningSource<uint16_t, widen_bfloat16>{static_cast<const uint16_t*>(data)}.block(0, count, buffer);
+    case torch::kFloat8_e4m3fn:
+      return WideningSource<uint8_t, widen_e4m3fn>{static_cast<const uint8_t*>(data)}.block(0, count, buffer);
+    case torch::kFloat8_e5m2:
+      return WideningSource<uint8_t, widen_e5m2>{static_cast<const uint8_t*>(data)}.block(0, count, buffer);
+    default:
+      return static_cast<const uint32_t*>(data);
+  }
+}
+
+// The dtypes binned without widening the tensor first (each sign-foldable: its top bit
+// is the sign); any other is widened to fp32 by torch.
+bool native_dtype(at::ScalarType dtype) {
+  return dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kBFloat16 ||
+         dtype == torch::kFloat8_e4m3fn || dtype == torch::kFloat8_e5m2;
+}
+
+// Adds the values of `values` (a native dtype, non-overlapping and dense: read as the
+// block of memory it fills) to the row at total.
+void add_dense(const torch::Tensor& values, int64_t* total, const Bounds& bounds, int64_t* span) {
+  const int64_t n = values.numel();
+  const void* data = values.const_data_ptr();
+  switch (values.scalar_type()) {
+    case torch::kFloat16:
+      add_narrow<uint16_t, widen_half>(static_cast<const uint16_t*>(data), n, torch::kFloat16, total, bounds, span);
+      return;
+    case torch::kBFloat16:
+      add_narrow<uint16_t, widen_bfloat16>(static_cast<const uint16_t*>(data), n, torch::kBFloat16, total, bounds, span);
+      return;
+    case torch::kFloat8_e4m3fn:
+      add_narrow<uint8_t, widen_e4m3fn>(static_cast<const uint8_t*>(data), n, torch::kFloat8_e4m3fn, total, bounds, span);
+      return;
+    case torch::kFloat8_e5m2:
+      add_narrow<uint8_t, widen_e5m2>(static_cast<const uint8_t*>(data), n, torch::kFloat8_e5m2, total, bounds, span);
+      return;
+    default:
+      TORCH_CHECK(values.scalar_type() == torch::kFloat32, "add_dense: unexpected dtype");
+      add_values(static_cast<const uint32_t*>(data), n, total, bounds, span);
+  }
 }
 
 // The span of `row` in `spans` (int64 [table rows, 2], see widen), or nullptr if none.
@@ -281,10 +612,11 @@ namespace {
 Bounds stored_bounds{};
 bool bounds_stored = false;
 
-// x as fp32 values to bin in place: widened (exact for fp16, bf16, fp8) and, unless its
-// elements fill a block of memory once in some order of its dimensions, copied.
+// x as values to bin in place (add_dense): in its own dtype where that is native, else
+// widened to fp32 (exact for the other fp8 dtypes) and, unless its elements fill a block
+// of memory once in some order of its dimensions, copied.
 torch::Tensor as_binnable(torch::Tensor x) {
-  if (x.scalar_type() != torch::kFloat32) x = x.to(torch::kFloat32);
+  if (!native_dtype(x.scalar_type())) x = x.to(torch::kFloat32);
   if (!x.is_non_overlapping_and_dense()) x = x.contiguous();
   return x;
 }
@@ -312,10 +644,8 @@ void histogram_add_tensor(const torch::Tensor& x, torch::Tensor& table, int64_t 
   if (x.numel() == 0) return;  // as HistogramTable.add: nothing to bin, whatever its dtype
   check_binnable(x);
   at::NoGradGuard no_grad;
-  const torch::Tensor values = as_binnable(x);
-  add_values(reinterpret_cast<const uint32_t*>(values.data_ptr<float>()), values.numel(),
-             table.data_ptr<int64_t>() + row * table.size(1), stored_bounds,
-             span_of(spans, table, row));
+  add_dense(as_binnable(x), table.data_ptr<int64_t>() + row * table.size(1), stored_bounds,
+            span_of(spans, table, row));
 }
 
 // histogram_add for many tensors in one call (closing a step: every parameter gradient):
@@ -338,10 +668,8 @@ void histogram_add_many(const std::vector<torch::Tensor>& xs, torch::Tensor& tab
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < xs.size(); ++i) {
     if (xs[i].numel() == 0) continue;
-    const torch::Tensor x = as_binnable(xs[i]);
-    add_values(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), x.numel(),
-               table.data_ptr<int64_t>() + rows[i] * table.size(1), bounds,
-               span_of(spans, table, rows[i]));
+    add_dense(as_binnable(xs[i]), table.data_ptr<int64_t>() + rows[i] * table.size(1), bounds,
+              span_of(spans, table, rows[i]));
   }
 }
 
@@ -397,6 +725,7 @@ std::vector<std::vector<int64_t>> histogram_add_planned(
   // scatters, which find them near. One at a time, each scatter waited on its row.
   constexpr int kGroup = 8;
   thread_local std::vector<uint32_t> scratch(size_t(kGroup) * kSmall);
+  thread_local std::vector<uint32_t> widened(kSmall);  // a narrow gradient's fp32 bits
   struct Pending {
     const uint32_t* data;
     int count;
@@ -443,13 +772,13 @@ std::vector<std::vector<int64_t>> histogram_add_planned(
     added.push_back(rows[i]);
     if (x.numel() == 0) continue;
     const torch::Tensor values = as_binnable(x);  // binned below, before it goes
-    const auto* data = reinterpret_cast<const uint32_t*>(values.data_ptr<float>());
     int64_t* total = base + rows[i] * width;
     int64_t* span = span_of(spans, table, rows[i]);
     if (values.numel() > kSmall) {
-      add_values(data, values.numel(), total, stored_bounds, span);
+      add_dense(values, total, stored_bounds, span);
       continue;
     }
+    const uint32_t* data = small_fp32(values, widened.data());
     prefetch_row_ends(total, span);
     Pending& p = group[size_t(grouped)];
     p = Pending{data, int(values.numel()), total, span, BlockSummary{}};

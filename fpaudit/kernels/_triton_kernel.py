@@ -7,18 +7,21 @@ values and random bit patterns by running this kernel in Triton's interpreter
 (``TRITON_INTERPRET=1``) on the CPU, and ``benchmarks/gpu_check.py`` checks it on
 a GPU against the torch path.
 
-Each program reads one block of values in their own dtype (fp16 widens to fp32 in
-registers, exactly; bf16's bits are shifted into fp32's, so no conversion can flush its
-subnormals) and:
+The one-tensor kernel launches at most ``PROGRAMS_PER_SM`` programs per multiprocessor;
+each reads blocks of ``BLOCK`` values (pid, pid + programs, ...) in their own dtype (fp16
+widens to fp32 in registers, exactly; bf16's bits are shifted into fp32's, so no
+conversion can flush its subnormals), counts them privately and adds its counts to the
+row once (issue 55: per-program private counts, one flush per program):
 
-* counts zeros, infs and NaNs with three reductions;
-* histograms the finite nonzero values into a window of ``WINDOW - 1`` bins that
-  starts at the block's smallest bin (``tl.histogram``; the cost of that grows with
-  the number of bins, which is why the window is not all 2219 bins), then adds the
-  window to the table with one atomic per nonzero bin;
-* adds any value beyond the window (a block spanning more than 63 binades) with
-  an atomic of its own;
-* raises the row's amax with one ``atomic_max`` of the block's largest finite bits.
+* zeros, infs and NaNs by reductions, the amax by a running maximum;
+* the finite nonzero values histogrammed into a window of ``WINDOW - 1`` bins
+  (``tl.histogram``, whose cost grows with the number of bins, which is why the window
+  is not all 2219 bins) fixed by the program's first block (8 binades below its smallest
+  value), accumulated over its blocks, and flushed with one atomic per nonzero bin;
+* any value outside the window with an atomic of its own.
+
+The multi-tensor kernel (a step close) reads one block per program, its window starting
+at the block's smallest bin, with the same per-value code (``_bins``).
 
 No host sync: the launch reads only shapes.
 
@@ -54,15 +57,20 @@ _INF_BIN = tl.constexpr(layout.INF_BIN)
 _NAN_BIN = tl.constexpr(layout.NAN_BIN)
 _AMAX_COLUMN = tl.constexpr(layout.AMAX_COLUMN)
 _WINDOW = tl.constexpr(WINDOW)
+# The one-tensor kernel's window starts this many bins (8 binades) below its first
+# block's smallest value, or, where that block holds no finite nonzero value, at binade
+# -48 (the window then reaches 2**16): a choice of speed only, any base counts exactly.
+_MARGIN = tl.constexpr(8 * layout.N_CLASSES)
+_DEFAULT_BASE = tl.constexpr(layout.finite_bin(-48, 0))
 # Dtypes loaded as they are; any other is converted to fp32 by torch first.
 NATIVE = (torch.float32, torch.float16, torch.bfloat16)
 _BF16 = torch.bfloat16
 
 
 @triton.jit
-def _add_block(values, inside, row_ptr, BLOCK: tl.constexpr, BF16: tl.constexpr):
-    """Add one block of values (``inside``: which lanes hold one) to a row of the table:
-    the body both kernels share."""
+def _bins(values, inside, BF16: tl.constexpr):
+    """Each value's |x| bits and bin, and which lanes hold a zero, inf, NaN or finite
+    nonzero value: what both kernels compute per value."""
     if BF16:  # bf16 is the top half of fp32: widen the bits, not the value
         bits = (values.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16
     else:  # fp32 as it is; fp16 widens exactly (subnormals included)
@@ -92,26 +100,49 @@ def _add_block(values, inside, row_ptr, BLOCK: tl.constexpr, BF16: tl.constexpr)
         + (fraction >= _B7).to(tl.int32)
     )
     index = _FIRST_FINITE_BIN + offset * 8 + cls
+    return bits, index, finite, zero, inf, nan
 
-    base = tl.min(tl.where(finite, index, _NAN_BIN), axis=0)
+
+@triton.jit
+def _window(index, finite, base, row_ptr, BLOCK: tl.constexpr):
+    """The histogram of the finite values in the window of ``WINDOW - 1`` bins from
+    ``base`` (int32 counts, the caller's to add); those outside it are added to the row
+    here, one atomic each."""
     local = index - base
-    windowed = finite & (local < _WINDOW - 1)
+    windowed = finite & (local >= 0) & (local < _WINDOW - 1)
     counts = tl.histogram(tl.where(windowed, local, _WINDOW - 1), _WINDOW)
+    beyond = finite & ~windowed
+    tl.atomic_add(row_ptr + index, tl.full([BLOCK], 1, tl.int64), mask=beyond)
+    return counts
+
+
+@triton.jit
+def _flush(counts, base, n_zero, n_inf, n_nan, largest, row_ptr):
+    """Add a window's counts, the zeros, infs and NaNs and raise the amax: one atomic
+    per nonzero bin."""
     bins = tl.arange(0, _WINDOW)
     tl.atomic_add(
         row_ptr + base + bins, counts.to(tl.int64), mask=(bins < _WINDOW - 1) & (counts > 0)
     )
-    beyond = finite & (local >= _WINDOW - 1)
-    tl.atomic_add(row_ptr + index, tl.full([BLOCK], 1, tl.int64), mask=beyond)
-
-    n_zero = tl.sum(zero.to(tl.int64), axis=0)
-    n_inf = tl.sum(inf.to(tl.int64), axis=0)
-    n_nan = tl.sum(nan.to(tl.int64), axis=0)
     tl.atomic_add(row_ptr + _ZERO_BIN, n_zero, mask=n_zero > 0)
     tl.atomic_add(row_ptr + _INF_BIN, n_inf, mask=n_inf > 0)
     tl.atomic_add(row_ptr + _NAN_BIN, n_nan, mask=n_nan > 0)
-    largest = tl.max(tl.where(finite, bits, 0), axis=0).to(tl.int64)
+    largest = largest.to(tl.int64)
     tl.atomic_max(row_ptr + _AMAX_COLUMN, largest, mask=largest > 0)
+
+
+@triton.jit
+def _add_block(values, inside, row_ptr, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """Add one block of values (``inside``: which lanes hold one) to a row of the table,
+    its window starting at the block's smallest bin (the multi-tensor kernel's body)."""
+    bits, index, finite, zero, inf, nan = _bins(values, inside, BF16)
+    base = tl.min(tl.where(finite, index, _NAN_BIN), axis=0)
+    counts = _window(index, finite, base, row_ptr, BLOCK)
+    n_zero = tl.sum(zero.to(tl.int64), axis=0)
+    n_inf = tl.sum(inf.to(tl.int64), axis=0)
+    n_nan = tl.sum(nan.to(tl.int64), axis=0)
+    largest = tl.max(tl.where(finite, bits, 0), axis=0)
+    _flush(counts, base, n_zero, n_inf, n_nan, largest, row_ptr)
 
 
 @triton.jit
@@ -122,11 +153,39 @@ def _histogram_kernel(
     BLOCK: tl.constexpr,
     BF16: tl.constexpr,
 ):
+    """Each program reads blocks pid, pid + programs, ... of ``BLOCK`` values and counts
+    them privately (a window of bins, the zeros, infs and NaNs, the amax), then adds
+    them to the row once: one flush per program, not per block. The window starts
+    ``_MARGIN`` bins below its first block's smallest bin (or at ``_DEFAULT_BASE`` where
+    that block has no finite nonzero value); values outside it have atomics of their own."""
     pid = tl.program_id(0)
-    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    programs = tl.num_programs(0)
+    blocks = tl.cdiv(n, BLOCK)
+    lanes = tl.arange(0, BLOCK)
+    offsets = pid.to(tl.int64) * BLOCK + lanes
     inside = offsets < n
     values = tl.load(x_ptr + offsets, mask=inside, other=0.0)
-    _add_block(values, inside, row_ptr, BLOCK, BF16)
+    bits, index, finite, zero, inf, nan = _bins(values, inside, BF16)
+    smallest = tl.min(tl.where(finite, index, _NAN_BIN), axis=0)
+    base = tl.where(
+        smallest < _NAN_BIN, tl.maximum(smallest - _MARGIN, _FIRST_FINITE_BIN), _DEFAULT_BASE
+    )
+    counts = _window(index, finite, base, row_ptr, BLOCK).to(tl.int64)  # a program may
+    n_zero = tl.sum(zero.to(tl.int64), axis=0)  # count more than 2**31 values
+    n_inf = tl.sum(inf.to(tl.int64), axis=0)
+    n_nan = tl.sum(nan.to(tl.int64), axis=0)
+    largest = tl.max(tl.where(finite, bits, 0), axis=0)
+    for i in range(1, tl.cdiv(blocks - pid, programs)):  # this program's next blocks
+        offsets = (pid + i * programs).to(tl.int64) * BLOCK + lanes
+        inside = offsets < n
+        values = tl.load(x_ptr + offsets, mask=inside, other=0.0)
+        bits, index, finite, zero, inf, nan = _bins(values, inside, BF16)
+        counts += _window(index, finite, base, row_ptr, BLOCK).to(tl.int64)
+        n_zero += tl.sum(zero.to(tl.int64), axis=0)
+        n_inf += tl.sum(inf.to(tl.int64), axis=0)
+        n_nan += tl.sum(nan.to(tl.int64), axis=0)
+        largest = tl.maximum(largest, tl.max(tl.where(finite, bits, 0), axis=0))
+    _flush(counts, base, n_zero, n_inf, n_nan, largest, row_ptr)
 
 
 @triton.jit
@@ -232,7 +291,26 @@ def add_flat(x: torch.Tensor, table: torch.Tensor, row: int) -> None:
     row_ptr = table[row]
     key = one_key(x, row_ptr, n)
     # -(-n // BLOCK), not triton.cdiv: a ConstexprFunction, about 1.7 µs a call from Python
-    ONE.launch(key, (-(-n // BLOCK), 1, 1), x, row_ptr, n, BLOCK, x.dtype is _BF16)
+    programs = min(-(-n // BLOCK), _programs(x))
+    ONE.launch(key, (programs, 1, 1), x, row_ptr, n, BLOCK, x.dtype is _BF16)
+
+
+_resident: dict[int, int] = {}
+PROGRAMS_PER_SM = 4  # programs of the one-tensor kernel per multiprocessor, at most
+INTERPRETED_PROGRAMS = 4  # off CUDA (Triton's interpreter): few, so that each loops
+
+
+def _programs(x: torch.Tensor) -> int:
+    """How many programs the one-tensor kernel launches at most on ``x``'s device: enough
+    to fill a GPU, few enough that each counts many blocks before its one flush."""
+    if x.device.type != "cuda":
+        return INTERPRETED_PROGRAMS
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    programs = _resident.get(index)
+    if programs is None:
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        programs = _resident[index] = PROGRAMS_PER_SM * sms
+    return programs
 
 
 def one_key(x: torch.Tensor, row_ptr: torch.Tensor, n: int) -> Hashable | None:

@@ -121,6 +121,35 @@ def test_a_block_without_finite_nonzero_values(interpreted: ModuleType) -> None:
 
 @in_the_interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16_bit_pattern_through_programs_that_loop(
+    interpreted: ModuleType, dtype: torch.dtype
+) -> None:
+    # 65,536 values: 16 blocks over INTERPRETED_PROGRAMS (4) programs, each counting 4
+    # blocks privately from a window fixed by its first block (both signs of every
+    # magnitude: most values lie beyond any window of 63 binades).
+    x = torch.arange(-(1 << 15), 1 << 15).to(torch.int16).view(dtype)
+    assert -(-x.numel() // interpreted.BLOCK) > interpreted.INTERPRETED_PROGRAMS
+    _same(x, interpreted)
+    _same(x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(1))], interpreted)
+
+
+@in_the_interpreter
+def test_a_program_whose_first_block_fixes_a_window_later_blocks_leave(
+    interpreted: ModuleType,
+) -> None:
+    block, programs = interpreted.BLOCK, interpreted.INTERPRETED_PROGRAMS
+    x = torch.zeros(3 * programs * block + 5)
+    x[:block] = 1.0  # program 0's first block: one bin (and its window, 8 binades below)
+    x[programs * block :] = torch.randn(x.numel() - programs * block) * 2.0**-60  # below it
+    x[2 * programs * block + 9] = 2.0**120  # far above it
+    x[-1] = -(2.0**-149)
+    # program 1's first block holds only zeros: its window starts at the default base
+    _same(x, interpreted)
+    _same(x.to(torch.bfloat16), interpreted)
+
+
+@in_the_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_is_read_in_its_own_dtype_and_widened_exactly(
     interpreted: ModuleType, dtype: torch.dtype
 ) -> None:
