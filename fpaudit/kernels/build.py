@@ -1,8 +1,9 @@
-"""The compiled histogram kernels: C++ for the CPU (built once per machine and torch
-version, then cached) and Triton for GPUs.
+"""The compiled histogram kernels: C++ for the CPU (built once per environment, then
+cached) and Triton for GPUs.
 
-``_histogram_kernel.cpp`` bins fp32 values in one pass (about 20x faster than
-the pure-torch path on 2 cores). It is compiled with
+``_histogram_kernel.cpp`` bins fp32, fp16, bf16 and fp8 values in their own dtype
+(16-bit and 8-bit values by their bit pattern, fp32 by raw bins folded once per call;
+``docs/performance.md`` has its cost against one read). It is compiled with
 ``torch.utils.cpp_extension`` the first time it is needed (about a minute,
 needs a C++ compiler) and cached in torch's extension directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), under a name keyed

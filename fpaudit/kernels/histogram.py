@@ -544,11 +544,8 @@ def _cpu_kernel() -> ModuleType | None:
 
 
 def _warn_build() -> None:
-    warnings.warn(
-        "fpaudit: building the CPU histogram kernel (once per machine and torch version, "
-        "about a minute; FPAUDIT_KERNEL=torch skips it)",
-        stacklevel=2,
-    )
+    # the library's own use (no CLI to print a note): the same words the CLI prints
+    warnings.warn(f"fpaudit: {kernels.build_reason()}", stacklevel=2)
 
 
 @dataclass(frozen=True)
