@@ -364,12 +364,8 @@ def _run_steps(
     steps_run = 0
     try:
         for step, batch in enumerate(batches):
-            progress = _step(setup, step, batch, first)
+            _told_step(setup, step, batch, first, listeners)
             steps_run = step + 1
-            if listeners.on_captured is not None and progress.summary is not None:
-                listeners.on_captured(setup.audit)
-            if listeners.on_step is not None:
-                listeners.on_step(progress)
     except KeyboardInterrupt as error:  # SIGINT, or SIGTERM as the CLI raises it
         return _Ran(steps_run, error if isinstance(error, Interrupted) else Interrupted(), None)
     except ModelExit as error:  # sys.exit/os._exit in model code: keep what was done
@@ -377,6 +373,17 @@ def _run_steps(
             raise
         return _Ran(steps_run, None, error)
     return _Ran(steps_run, None, None)
+
+
+def _told_step(
+    setup: _Setup, step: int, batch: Any, first: list[Any] | None, listeners: _Listeners
+) -> None:
+    """One step, then its listeners told (a captured step's audit, the progress)."""
+    progress = _step(setup, step, batch, first)
+    if listeners.on_captured is not None and progress.summary is not None:
+        listeners.on_captured(setup.audit)
+    if listeners.on_step is not None:
+        listeners.on_step(progress)
 
 
 _NO_BATCH = object()
@@ -403,12 +410,8 @@ def _run_agreed_steps(
                         return _Ran(steps_run, Interrupted(stop.signal_name, stop.exit_code), None)
                     shorter = stop.ended if len(stop.ended) < setup.world else ()
                     return _Ran(steps_run, None, None, ended_on=shorter)
-                progress = _step(setup, step, batch, first)
+                _told_step(setup, step, batch, first, listeners)
                 steps_run = step + 1
-                if listeners.on_captured is not None and progress.summary is not None:
-                    listeners.on_captured(setup.audit)
-                if listeners.on_step is not None:
-                    listeners.on_step(progress)
         except Exception as error:  # ModelExit included: the others cannot go on alone
             failed = peers.failure(error)
             if steps_run == 0:
