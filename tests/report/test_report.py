@@ -116,6 +116,19 @@ def _written(tmp_path: Path, report: Report) -> Path:
     return report.write(tmp_path / "r")
 
 
+def _as_older_steps(root: Path, columns: list[str], version: int) -> None:
+    """Make the report at ``root`` one of schema ``version``, whose steps table has only
+    ``columns``: the table rewritten, its checksum and the version in meta.json updated."""
+    import hashlib
+
+    steps_file = root / "steps.parquet"
+    pq.write_table(pq.read_table(steps_file, columns=columns), steps_file)
+    meta = json.loads((root / "meta.json").read_text())
+    meta["schema_version"] = version
+    meta["files"]["steps.parquet"]["sha256"] = hashlib.sha256(steps_file.read_bytes()).hexdigest()
+    (root / "meta.json").write_text(json.dumps(meta))
+
+
 def test_missing_report(tmp_path: Path) -> None:
     with pytest.raises(ReportError, match="does not exist"):
         Report.read(tmp_path / "nope")
@@ -250,17 +263,10 @@ def test_a_version_1_report_reads_with_the_new_step_columns_at_their_defaults(
     tmp_path: Path, report: Report
 ) -> None:
     """Reports written by fpaudit 0.1.0 (schema 1) lack the training-loop step columns."""
-    import hashlib
-
     root = _written(tmp_path, report)
     v1_columns = ["step", "loss", "loss_finite", "loss_scale", "records", "nonfinite_grads",
                   "optimizer_step", "first_nonfinite", "seconds"]  # fmt: skip
-    steps_file = root / "steps.parquet"
-    pq.write_table(pq.read_table(steps_file, columns=v1_columns), steps_file)
-    meta = json.loads((root / "meta.json").read_text())
-    meta["schema_version"] = 1
-    meta["files"]["steps.parquet"]["sha256"] = hashlib.sha256(steps_file.read_bytes()).hexdigest()
-    (root / "meta.json").write_text(json.dumps(meta))
+    _as_older_steps(root, v1_columns, 1)
     back = Report.read(root)
     assert list(back.steps.columns) == STEPS_SCHEMA.names
     assert list(back.steps["scale_after"]) == list(back.steps["loss_scale"])
@@ -271,16 +277,9 @@ def test_a_version_1_report_reads_with_the_new_step_columns_at_their_defaults(
 
 def test_a_version_4_report_reads_without_clipping_by_value(tmp_path: Path, report: Report) -> None:
     """Schema 2 to 4 steps tables lack clip_value and clipped_fraction (version 5)."""
-    import hashlib
-
     root = _written(tmp_path, report)
-    steps_file = root / "steps.parquet"
     older = [n for n in STEPS_SCHEMA.names if n not in ("clip_value", "clipped_fraction")]
-    pq.write_table(pq.read_table(steps_file, columns=older), steps_file)
-    meta = json.loads((root / "meta.json").read_text())
-    meta["schema_version"] = 4
-    meta["files"]["steps.parquet"]["sha256"] = hashlib.sha256(steps_file.read_bytes()).hexdigest()
-    (root / "meta.json").write_text(json.dumps(meta))
+    _as_older_steps(root, older, 4)
     back = Report.read(root)
     assert list(back.steps.columns) == STEPS_SCHEMA.names
     assert back.steps["clip_value"].isna().all() and back.steps["clipped_fraction"].isna().all()
