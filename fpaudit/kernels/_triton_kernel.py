@@ -20,8 +20,9 @@ row once (issue 55: per-program private counts, one flush per program):
   value), accumulated over its blocks, and flushed with one atomic per nonzero bin;
 * any value outside the window with an atomic of its own.
 
-The multi-tensor kernel (a step close) reads one block per program, its window starting
-at the block's smallest bin, with the same per-value code (``_bins``).
+The multi-tensor kernel (a step close) gives each program a segment of one tensor (up to
+``SEGMENT_BLOCKS`` blocks, in order) and counts it with the same code (``_count``): one
+flush per program there too, where each block flushed its own atomics before.
 
 No host sync: the launch reads only shapes.
 
@@ -47,6 +48,8 @@ from triton.compiler import CompiledKernel
 from fpaudit.numerics import layout
 
 BLOCK = 4096
+SEGMENT_BLOCKS = 16  # blocks of one tensor a program of the multi-tensor kernel counts
+SEGMENT = SEGMENT_BLOCKS * BLOCK  # values a program of the multi-tensor kernel counts, at most
 WINDOW = 512  # bins histogrammed per block; bin WINDOW - 1 takes what is not counted there
 _B = layout.CLASS_LOWER_BOUNDS
 # The layout as the kernels' compile-time constants (globals a kernel may read).
@@ -132,37 +135,15 @@ def _flush(counts, base, n_zero, n_inf, n_nan, largest, row_ptr):
 
 
 @triton.jit
-def _add_block(values, inside, row_ptr, BLOCK: tl.constexpr, BF16: tl.constexpr):
-    """Add one block of values (``inside``: which lanes hold one) to a row of the table,
-    its window starting at the block's smallest bin (the multi-tensor kernel's body)."""
-    bits, index, finite, zero, inf, nan = _bins(values, inside, BF16)
-    base = tl.min(tl.where(finite, index, _NAN_BIN), axis=0)
-    counts = _window(index, finite, base, row_ptr, BLOCK)
-    n_zero = tl.sum(zero.to(tl.int64), axis=0)
-    n_inf = tl.sum(inf.to(tl.int64), axis=0)
-    n_nan = tl.sum(nan.to(tl.int64), axis=0)
-    largest = tl.max(tl.where(finite, bits, 0), axis=0)
-    _flush(counts, base, n_zero, n_inf, n_nan, largest, row_ptr)
-
-
-@triton.jit
-def _histogram_kernel(
-    x_ptr,
-    row_ptr,  # int64 row of the table: counts, then the amax bits column
-    n,
-    BLOCK: tl.constexpr,
-    BF16: tl.constexpr,
-):
-    """Each program reads blocks pid, pid + programs, ... of ``BLOCK`` values and counts
-    them privately (a window of bins, the zeros, infs and NaNs, the amax), then adds
-    them to the row once: one flush per program, not per block. The window starts
-    ``_MARGIN`` bins below its first block's smallest bin (or at ``_DEFAULT_BASE`` where
-    that block has no finite nonzero value); values outside it have atomics of their own."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    blocks = tl.cdiv(n, BLOCK)
+def _count(x_ptr, row_ptr, n, start, stride, blocks, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """Count ``blocks`` (at least one) blocks of ``BLOCK`` values, at offsets ``start``,
+    ``start + stride``, ... of the ``n`` values at ``x_ptr``, privately (a window of bins,
+    the zeros, infs and NaNs, the amax), then add them to the row once: one flush per
+    program, not per block. The window starts ``_MARGIN`` bins below the first block's
+    smallest bin (or at ``_DEFAULT_BASE`` where that block has no finite nonzero value);
+    values outside it have atomics of their own."""
     lanes = tl.arange(0, BLOCK)
-    offsets = pid.to(tl.int64) * BLOCK + lanes
+    offsets = start + lanes
     inside = offsets < n
     values = tl.load(x_ptr + offsets, mask=inside, other=0.0)
     bits, index, finite, zero, inf, nan = _bins(values, inside, BF16)
@@ -175,8 +156,8 @@ def _histogram_kernel(
     n_inf = tl.sum(inf.to(tl.int64), axis=0)
     n_nan = tl.sum(nan.to(tl.int64), axis=0)
     largest = tl.max(tl.where(finite, bits, 0), axis=0)
-    for i in range(1, tl.cdiv(blocks - pid, programs)):  # this program's next blocks
-        offsets = (pid + i * programs).to(tl.int64) * BLOCK + lanes
+    for i in range(1, blocks):  # this program's next blocks
+        offsets = start + i * stride + lanes
         inside = offsets < n
         values = tl.load(x_ptr + offsets, mask=inside, other=0.0)
         bits, index, finite, zero, inf, nan = _bins(values, inside, BF16)
@@ -189,13 +170,32 @@ def _histogram_kernel(
 
 
 @triton.jit
+def _histogram_kernel(
+    x_ptr,
+    row_ptr,  # int64 row of the table: counts, then the amax bits column
+    n,
+    BLOCK: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """Each program counts blocks pid, pid + programs, ... of ``BLOCK`` values (``_count``)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    start = pid.to(tl.int64) * BLOCK
+    stride = programs.to(tl.int64) * BLOCK
+    blocks = tl.cdiv(tl.cdiv(n, BLOCK) - pid, programs)
+    _count(x_ptr, row_ptr, n, start, stride, blocks, BLOCK, BF16)
+
+
+@triton.jit
 def _histogram_many_kernel(
-    blocks_ptr,  # int64 (programs, 3): a block's address, its values (1..BLOCK), its row's
-    table_ptr,  # offset in the table (int64, contiguous)
+    segments_ptr,  # int64 (programs, 3): a segment's address, its values (1..SEGMENT),
+    table_ptr,  # its row's offset in the table (int64, contiguous)
     BLOCK: tl.constexpr,
     DTYPE: tl.constexpr,  # 0: fp32, 1: fp16, 2: bf16 (the index in NATIVE)
 ):
-    entry = blocks_ptr + tl.program_id(0).to(tl.int64) * 3
+    """Each program counts one segment (up to ``SEGMENT_BLOCKS`` blocks of one tensor, in
+    order) with ``_count``: one flush per program."""
+    entry = segments_ptr + tl.program_id(0).to(tl.int64) * 3
     address = tl.load(entry)
     n = tl.load(entry + 1)
     row_ptr = table_ptr + tl.load(entry + 2)
@@ -205,10 +205,8 @@ def _histogram_many_kernel(
         x_ptr = address.to(tl.pointer_type(tl.bfloat16))
     else:
         x_ptr = address.to(tl.pointer_type(tl.float32))
-    offsets = tl.arange(0, BLOCK)
-    inside = offsets < n
-    values = tl.load(x_ptr + offsets, mask=inside, other=0.0)
-    _add_block(values, inside, row_ptr, BLOCK, DTYPE == 2)
+    start = n * 0  # an int64 zero: the segment's first block
+    _count(x_ptr, row_ptr, n, start, BLOCK, tl.cdiv(n, BLOCK), BLOCK, DTYPE == 2)
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -322,8 +320,8 @@ def one_key(x: torch.Tensor, row_ptr: torch.Tensor, n: int) -> Hashable | None:
     return x.dtype, aligned, n_class, x.get_device()
 
 
-# Programs (blocks) per launch of the multi-tensor kernel: a batch of more blocks
-# (2**28 values and up) is split into launches of at most this many.
+# Programs (segments) per launch of the multi-tensor kernel: a batch of more segments
+# (2**32 values and up) is split into launches of at most this many.
 MAX_PROGRAMS = 1 << 16
 
 
@@ -331,11 +329,12 @@ def histogram_add_many(
     tensors: Sequence[torch.Tensor], table: torch.Tensor, rows: Sequence[int]
 ) -> int:
     """``histogram_add(tensors[i], table, rows[i])`` for every i, in one launch (or one
-    per ``MAX_PROGRAMS`` blocks): the tensors (contiguous, 1-D, of one dtype in
-    ``NATIVE``, on ``table``'s device) are read through a table of blocks (per program,
-    its values' address, how many, its row's offset in ``table``) made on the host from
-    their addresses and sizes, copied to the device without a sync (from pinned memory).
-    Returns the launches made (0 when every tensor is empty)."""
+    per ``MAX_PROGRAMS`` segments): the tensors (contiguous, 1-D, of one dtype in
+    ``NATIVE``, on ``table``'s device) are read through a table of segments (per program,
+    the address of up to ``SEGMENT`` values of one tensor, how many, its row's offset in
+    ``table``) made on the host from their addresses and sizes, copied to the device
+    without a sync (from pinned memory). Returns the launches made (0 when every tensor
+    is empty)."""
     if len(tensors) != len(rows):
         raise ValueError(f"histogram_add_many: {len(tensors)} tensors but {len(rows)} rows")
     if not (table.is_contiguous() and table.dtype == torch.int64 and table.dim() == 2):
@@ -354,40 +353,40 @@ def histogram_add_many(
             )
     if min(rows) < 0 or max(rows) >= table.shape[0]:
         raise ValueError(f"histogram_add_many: a row out of range of the table's {table.shape[0]}")
-    blocks = _blocks(tensors, rows, table.stride(0))
-    if blocks is None:
+    segments = _segments(tensors, rows, table.stride(0))
+    if segments is None:
         return 0
     if table.device.type != "cpu":  # pinned, so that the copy does not wait on the host
-        blocks = blocks.pin_memory().to(table.device, non_blocking=True)
+        segments = segments.pin_memory().to(table.device, non_blocking=True)
     kind = NATIVE.index(dtype)
     launches = 0
-    for start in range(0, blocks.shape[0], MAX_PROGRAMS):
-        chunk = blocks[start : start + MAX_PROGRAMS]
-        # the block table and the table: int64 pointers, aligned (allocated by torch)
+    for start in range(0, segments.shape[0], MAX_PROGRAMS):
+        chunk = segments[start : start + MAX_PROGRAMS]
+        # the segment table and the table: int64 pointers, aligned (allocated by torch)
         key = (kind, chunk.data_ptr() & 15 == 0, table.data_ptr() & 15 == 0, table.get_device())
         MANY.launch(key, (chunk.shape[0], 1, 1), chunk, table, BLOCK, kind)
         launches += 1
     return launches
 
 
-def _blocks(
+def _segments(
     tensors: Sequence[torch.Tensor], rows: Sequence[int], row_stride: int
 ) -> torch.Tensor | None:
-    """The multi-tensor kernel's table of blocks (int64 (blocks, 3), on the CPU) for these
-    tensors: each one's blocks of ``BLOCK`` values (its last one partial), in order; None
-    when they hold no value."""
+    """The multi-tensor kernel's table of segments (int64 (segments, 3), on the CPU) for
+    these tensors: each one's runs of ``SEGMENT`` values (its last one partial), in order;
+    None when they hold no value."""
     sizes = np.fromiter((x.numel() for x in tensors), np.int64, len(tensors))
     addresses = np.fromiter((x.data_ptr() for x in tensors), np.int64, len(tensors))
     offsets = np.asarray(rows, dtype=np.int64) * row_stride
-    per_tensor = -(-sizes // BLOCK)
+    per_tensor = -(-sizes // SEGMENT)
     total = int(per_tensor.sum())
     if total == 0:
         return None
     owner = np.repeat(np.arange(len(tensors)), per_tensor)
-    first = np.cumsum(per_tensor) - per_tensor  # each tensor's first block
-    start = (np.arange(total, dtype=np.int64) - first[owner]) * BLOCK  # each block's first value
-    blocks = np.empty((total, 3), dtype=np.int64)
-    blocks[:, 0] = addresses[owner] + start * tensors[0].element_size()
-    blocks[:, 1] = np.minimum(sizes[owner] - start, BLOCK)
-    blocks[:, 2] = offsets[owner]
-    return torch.from_numpy(blocks)
+    first = np.cumsum(per_tensor) - per_tensor  # each tensor's first segment
+    start = (np.arange(total, dtype=np.int64) - first[owner]) * SEGMENT  # its first value
+    segments = np.empty((total, 3), dtype=np.int64)
+    segments[:, 0] = addresses[owner] + start * tensors[0].element_size()
+    segments[:, 1] = np.minimum(sizes[owner] - start, SEGMENT)
+    segments[:, 2] = offsets[owner]
+    return torch.from_numpy(segments)

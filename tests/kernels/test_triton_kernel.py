@@ -235,15 +235,40 @@ def test_many_tensors_in_one_launch_equal_one_launch_each_and_the_reference(
 
 
 @in_the_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_tensors_whose_programs_loop_past_their_first_blocks_window(
+    interpreted: ModuleType, dtype: torch.dtype
+) -> None:
+    # A tensor of two segments (each one program: up to SEGMENT_BLOCKS blocks, one flush),
+    # the second partial; values far above and below the window its first block fixes,
+    # NaN and -0.0 at the seam of the two segments, edge values in the second.
+    block, segment = interpreted.BLOCK, interpreted.SEGMENT
+    generator = torch.Generator().manual_seed(9)
+    edges = edge_values()
+    long = torch.randn(segment + 2 * block + 3, generator=generator) * 1e-3
+    long[block + 1] = 2.0**100
+    long[3 * block] = -(2.0**-120)
+    long[segment - 1] = float("nan")
+    long[segment] = -0.0
+    long[segment + 5 : segment + 5 + edges.numel()] = edges
+    short = torch.randn(3 * block + 1, generator=generator) * 2.0**-60  # one looping segment
+    tensors = [long.to(dtype), edges.to(dtype), short.to(dtype)]
+    rows = [0, 1, 0]
+    table = torch.zeros((3, H.WIDTH), dtype=torch.int64)
+    assert interpreted.histogram_add_many(tensors, table, rows) == 1
+    assert np.array_equal(table.numpy(), _reference_rows(3, rows, tensors))
+
+
+@in_the_interpreter
 def test_a_batch_beyond_the_bound_is_split_into_bounded_launches(
     interpreted: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tensors = [H.dense_flat(x) for x in _batch(torch.float32)]  # 1 + 0 + 1 + 1 + 1 + 3 + ...
-    blocks = sum(-(-x.numel() // interpreted.BLOCK) for x in tensors)
+    tensors = [H.dense_flat(x) for x in _batch(torch.float32)]  # 1 + 0 + 1 + 1 + 1 + 1 + ...
+    segments = sum(-(-x.numel() // interpreted.SEGMENT) for x in tensors)
     monkeypatch.setattr(interpreted, "MAX_PROGRAMS", 3)
     rows = list(range(len(tensors)))
     table = torch.zeros((len(tensors), H.WIDTH), dtype=torch.int64)
-    assert interpreted.histogram_add_many(tensors, table, rows) == -(-blocks // 3)
+    assert interpreted.histogram_add_many(tensors, table, rows) == -(-segments // 3)
     assert np.array_equal(table.numpy(), _reference_rows(len(tensors), rows, tensors))
 
 
@@ -354,7 +379,7 @@ def test_the_gpu_compiler_takes_both_histogram_kernels(
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silences 3.9's notice; no fma here
     target = GPUTarget("cuda", arch, 32)
-    many = {"blocks_ptr": "*i64", "table_ptr": "*i64", "BLOCK": "constexpr", "DTYPE": "constexpr"}
+    many = {"segments_ptr": "*i64", "table_ptr": "*i64", "BLOCK": "constexpr", "DTYPE": "constexpr"}
     one = {"row_ptr": "*i64", "n": "i32", "BLOCK": "constexpr", "BF16": "constexpr"}
     sources = [
         ASTSource(K._histogram_many_kernel, many, {"BLOCK": K.BLOCK, "DTYPE": kind})
