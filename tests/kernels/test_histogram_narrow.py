@@ -1,9 +1,12 @@
 """The CPU kernel's paths per dtype and size (issue 55): fp16/bf16/fp8 counted by bit
-pattern or widened a block at a time, large fp32 tensors by raw bin folded once, small
-ones directly. Each is compared, exactly, with an oracle that shares no fpaudit code
+pattern or widened a block at a time, large fp32 tensors by their top 16 bits (the values
+those cannot bin by raw bin), mid-sized ones by raw bin folded once, small ones directly. Each is compared, exactly, with an oracle that shares no fpaudit code
 (numpy's frexp of the values cast to float64 by torch) and with the pure-torch path."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -17,11 +20,23 @@ from ..oracle import edge_values
 
 SMALL = 2048  # the kernel's one-block path: at most this many values
 PATTERN_MIN_16 = 1 << 15  # a 16-bit tensor of this many values and more: pattern counts
+FP32_PATTERN_MIN = 1 << 15  # an fp32 tensor of this many values and more: top-16-bit counts
 
 
 @pytest.fixture(autouse=True)
 def _kernel() -> None:
     compiled_cpu_kernel()  # fails where the kernel is required, skips elsewhere
+
+
+@contextmanager
+def first_pass(vectorised: bool) -> Iterator[None]:
+    """Large fp32 tensors' first pass with AVX-512 (where the CPU has it) or portable."""
+    kernel = compiled_cpu_kernel()
+    before = kernel.set_vector_split(vectorised)
+    try:
+        yield
+    finally:
+        kernel.set_vector_split(before)
 
 
 def oracle(x: torch.Tensor) -> tuple[np.ndarray, float]:
@@ -117,12 +132,47 @@ def test_strided_and_permuted_views(dtype: torch.dtype) -> None:
     assert_exact(x[1:, 1:])
 
 
-def test_large_fp32_edge_values_subnormals_signed_zeros_inf_nan() -> None:
+def fp32_from_bits(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.astype(np.uint32).view(np.int32)).view(torch.float32)
+
+
+@pytest.mark.parametrize("vectorised", [True, False], ids=["avx512", "portable"])
+def test_large_fp32_every_top_half_with_low_halves_at_the_class_bounds(vectorised: bool) -> None:
+    # Every fp32 top 16 bits (sign, exponent, 7 fraction bits: 65,536, zeros, subnormals,
+    # inf and NaN among them) with low 16 bits on both sides of each class bound that
+    # falls inside a 7-bit prefix (0x1, 0x81, 0x680001, 0x7F8000, 0x7FF000, 0x7FFFFF) and
+    # at the ends: 655,360 values, the patterns counted once with each other's neighbours.
+    top = np.arange(1 << 16, dtype=np.uint64) << 16
+    low = np.array([0, 1, 0x80, 0x81, 0x7FFF, 0x8000, 0xEFFF, 0xF000, 0xFFFE, 0xFFFF], np.uint64)
+    x = fp32_from_bits((top[:, None] | low[None, :]).reshape(-1))
+    with first_pass(vectorised):
+        assert_exact(x)
+        assert_exact(x[3:-5])  # unaligned, a partial block of 16 at the end
+        assert_exact(x.reshape(10, -1).t().contiguous()[:, 4])  # low 0x8000 alone
+
+
+@pytest.mark.parametrize("vectorised", [True, False], ids=["avx512", "portable"])
+@pytest.mark.parametrize("size", [FP32_PATTERN_MIN - 1, FP32_PATTERN_MIN, FP32_PATTERN_MIN + 15])
+def test_fp32_at_the_top_half_path_threshold(size: int, vectorised: bool) -> None:
+    generator = torch.Generator().manual_seed(size)
+    x = torch.randint(-(2**31), 2**31 - 1, (size,), generator=generator, dtype=torch.int64)
+    with first_pass(vectorised):
+        assert_exact(x.to(torch.int32).view(torch.float32))  # every kind of value
+        assert_exact(torch.randn(size, generator=generator) * 1e-3)
+
+
+@pytest.mark.parametrize("vectorised", [True, False], ids=["avx512", "portable"])
+def test_large_fp32_edge_values_subnormals_signed_zeros_inf_nan(vectorised: bool) -> None:
+    with first_pass(vectorised):
+        large_fp32_edge_values()
+
+
+def large_fp32_edge_values() -> None:
     edges = edge_values()
     generator = torch.Generator().manual_seed(3)
     subnormals = torch.randint(1, 1 << 23, (5000,), generator=generator, dtype=torch.int32)
     mixed = torch.cat([edges, subnormals.view(torch.float32), -subnormals.view(torch.float32)])
-    assert_exact(mixed.repeat(200))  # about 1.1 M values: raw bins, subnormals counted again
+    assert_exact(mixed.repeat(200))  # about 1.1 M values: subnormals counted again
     normal = torch.randn(200_000, generator=generator)
     assert_exact(normal)  # no subnormal, no inf or NaN: no second read
     with_inf = normal.clone()
@@ -132,6 +182,8 @@ def test_large_fp32_edge_values_subnormals_signed_zeros_inf_nan() -> None:
     assert_exact(torch.zeros(100_000))
     assert_exact(torch.full((100_000,), float("nan")))
     assert_exact(torch.full((100_000,), -(2.0**-149)))
+    assert_exact(torch.full((100_000,), 1.0))  # every value of an ambiguous prefix (0x00)
+    assert_exact(torch.full((100_000,), -float("inf")))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
