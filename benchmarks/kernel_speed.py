@@ -8,20 +8,26 @@ For each dtype, size, thread count (1 and every core torch uses), and layout
 times ``HistogramTable.add`` (the call the audit makes per recorded tensor: the compiled
 kernel where it is built) and ``x.sum()`` (one pass over the same values in their own
 dtype; fp8 has no CPU sum, so its read is ``x.view(torch.uint8).sum()``, the same bytes
-read once as integers), alternating the two (the first of each pair alternates too), and
-prints medians in ns per value with the ratio, and the best (smallest) of each beside
-them: on a shared machine the best is the time with the fewest interruptions. ``close``
-rows time a step close's ``HistogramTable.add_many`` over many tensors (a model's
-gradients: sizes from 64 to 64 K values, that many values in all) against a sum of each.
-``--recipe`` adds the block-statistics kernel (``blockstats.block_stats_add``,
-mxfp8-e4m3) on fp32.
+read once as integers). Each repetition times both at every thread count, one after the
+other (the order alternating from one repetition to the next), so that the rows of one
+tensor and the ratios between them are measured side by side. It prints medians in ns
+per value with the ratio, and the best (smallest) of each beside them: on a shared
+machine the best is the time with the fewest interruptions. One-thread rows also give
+the calling thread's CPU time per value (``time.thread_time``: the kernel and the sum
+run on the calling thread there), which time spent waiting for a core does not inflate,
+and the share of the wall time the thread ran (under 90%: the machine was busy). After
+the table, the speedup of every core over one: the median over repetitions of each
+repetition's own ratio. ``close`` rows time a step close's ``HistogramTable.add_many``
+over many tensors (a model's gradients: sizes from 64 to 64 K values, that many values
+in all) against a sum of each. ``--recipe`` adds the block-statistics kernel
+(``blockstats.block_stats_add``, mxfp8-e4m3) on fp32.
 
 The values are ``randn * 1e-3`` (fp8: ``randn``, which its range holds), seeded: the
 printed rows and their order are the same on every run; only the times differ. The
 machine's load (``os.getloadavg()`` and the runnable processes other than this one) is
 printed before and after, since a shared machine's timings say little without it.
-``--quick`` (sizes 4K, 1M and 8M, 15 pairs) takes about a minute on 2 cores; the default
-sizes are 4K, 64K, 1M, 8M and 64M values, 31 pairs.
+``--quick`` (sizes 4K, 1M and 8M, 15 repetitions) takes about a minute on 2 cores; the default
+sizes are 4K, 64K, 1M, 8M and 64M values, 31 repetitions.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -99,34 +107,60 @@ def read_once(x: torch.Tensor) -> Callable[[], object]:
     return x.sum
 
 
-def timed(call: Callable[[], object], loops: int) -> float:
-    start = time.perf_counter()
+def timed(call: Callable[[], object], loops: int) -> tuple[float, float]:
+    """Seconds per call: wall time and the calling thread's CPU time."""
+    cpu, start = time.thread_time(), time.perf_counter()
     for _ in range(loops):
         call()
-    return (time.perf_counter() - start) / loops
+    return (time.perf_counter() - start) / loops, (time.thread_time() - cpu) / loops
 
 
-def pair(
-    histogram: Callable[[], object], read: Callable[[], object], values: int, reps: int
-) -> tuple[float, float, float, float]:
-    """Medians and minima (ns per value) of ``histogram`` and ``read``, timed in
-    alternation: (histogram median, read median, histogram best, read best)."""
+@dataclass
+class Timing:
+    """ns per value at one thread count: medians, minima, and (one thread) CPU time."""
+
+    histogram: list[float] = field(default_factory=list)
+    read: list[float] = field(default_factory=list)
+    histogram_cpu: list[float] = field(default_factory=list)
+    read_cpu: list[float] = field(default_factory=list)
+
+    def summary(self) -> tuple[float, float, float, float]:
+        return (
+            statistics.median(self.histogram),
+            statistics.median(self.read),
+            min(self.histogram),
+            min(self.read),
+        )
+
+
+def measure(
+    histogram: Callable[[], object],
+    read: Callable[[], object],
+    values: int,
+    reps: int,
+    thread_counts: list[int],
+) -> dict[int, Timing]:
+    """``histogram`` and ``read`` at each thread count, every repetition timing all of
+    them one after the other (the order alternating), in ns per value."""
+    torch.set_num_threads(thread_counts[0])
     histogram()
     read()
-    once = max(timed(histogram, 1), timed(read, 1), 1e-7)
+    once = max(timed(histogram, 1)[0], timed(read, 1)[0], 1e-7)
     loops = max(1, min(1000, int(TARGET_SECONDS / once)))
-    times: dict[str, list[float]] = {"histogram": [], "read": []}
-    for rep in range(reps):
-        order = [("histogram", histogram), ("read", read)]
-        for name, call in order if rep % 2 == 0 else order[::-1]:
-            times[name].append(timed(call, loops))
+    timings = {threads: Timing() for threads in thread_counts}
     scale = 1e9 / values
-    return (
-        statistics.median(times["histogram"]) * scale,
-        statistics.median(times["read"]) * scale,
-        min(times["histogram"]) * scale,
-        min(times["read"]) * scale,
-    )
+    for rep in range(reps):
+        order = thread_counts if rep % 2 == 0 else thread_counts[::-1]
+        for threads in order:
+            torch.set_num_threads(threads)
+            timing = timings[threads]
+            calls = [(timing.histogram, timing.histogram_cpu, histogram)]
+            calls.append((timing.read, timing.read_cpu, read))
+            for wall_times, cpu_times, call in calls if rep % 2 == 0 else calls[::-1]:
+                wall, cpu = timed(call, loops)
+                wall_times.append(wall * scale)
+                cpu_times.append(cpu * scale)
+    return timings
 
 
 def close_tensors(total: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -144,10 +178,10 @@ def close_tensors(total: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="sizes 4K, 1M and 8M, 15 pairs")
+    parser.add_argument("--quick", action="store_true", help="sizes 4K, 1M and 8M, 15 repetitions")
     parser.add_argument("--sizes", help="comma-separated sizes, e.g. 4K,1M,64M")
     parser.add_argument("--dtypes", help=f"comma-separated, of {', '.join(DTYPES)}")
-    parser.add_argument("--reps", type=int, help="timed pairs per row (default 31; quick 15)")
+    parser.add_argument("--reps", type=int, help="repetitions (default 31; quick 15)")
     parser.add_argument("--recipe", action="store_true", help="also the block-statistics kernel")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
@@ -174,15 +208,17 @@ def main() -> None:
     print(f"# before: {machine_load()}")
     print(
         "| dtype | layout | values | threads | histogram ns/value | read ns/value | ratio "
-        "| best: histogram | read | ratio |"
+        "| best: histogram | read | ratio | 1 thread, CPU time: histogram | read | ratio "
+        "| ran |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows: list[dict[str, object]] = []
+    speedups: list[str] = []
 
-    def emit(dtype: str, layout: str, n: int, threads: int, times: tuple[float, ...]) -> None:
-        hist, read, best_hist, best_read = times
-        rows.append(
-            {
+    def emit(dtype: str, layout: str, n: int, timings: dict[int, Timing]) -> None:
+        for threads, timing in timings.items():
+            hist, read, best_hist, best_read = timing.summary()
+            record: dict[str, object] = {
                 "dtype": dtype,
                 "layout": layout,
                 "values": n,
@@ -192,41 +228,52 @@ def main() -> None:
                 "best_histogram_ns": best_hist,
                 "best_read_ns": best_read,
             }
-        )
-        print(
-            f"| {dtype} | {layout} | {size_name(n)} | {threads} | {hist:.3f} | {read:.3f} "
-            f"| {hist / read:.1f}x | {best_hist:.3f} | {best_read:.3f} "
-            f"| {best_hist / best_read:.1f}x |",
-            flush=True,
-        )
+            cpu = "| - | - | - | - |"
+            if threads == 1:
+                hist_cpu = statistics.median(timing.histogram_cpu)
+                read_cpu = statistics.median(timing.read_cpu)
+                ran = sum(timing.histogram_cpu) / sum(timing.histogram)
+                record |= {"histogram_cpu_ns": hist_cpu, "read_cpu_ns": read_cpu, "ran": ran}
+                cpu = (
+                    f"| {hist_cpu:.3f} | {read_cpu:.3f} | {hist_cpu / read_cpu:.1f}x | {ran:.0%} |"
+                )
+            rows.append(record)
+            print(
+                f"| {dtype} | {layout} | {size_name(n)} | {threads} | {hist:.3f} | {read:.3f} "
+                f"| {hist / read:.1f}x | {best_hist:.3f} | {best_read:.3f} "
+                f"| {best_hist / best_read:.1f}x {cpu}",
+                flush=True,
+            )
+        if len(timings) > 1:
+            one, many = timings[1], timings[cores]
+            paired = [a / b for a, b in zip(one.histogram, many.histogram, strict=True)]
+            best = min(one.histogram) / min(many.histogram)
+            speedups.append(
+                f"#   {dtype} {layout} {size_name(n)}: {statistics.median(paired):.2f}x; "
+                f"{best:.2f}x"
+            )
 
     for name in names:
         dtype = DTYPES[name]
         for n in sizes:
             for layout in ("contiguous", "strided"):
                 x = values(n, dtype, layout == "strided")
-                for threads in thread_counts:
-                    torch.set_num_threads(threads)
-                    timing = pair(lambda x=x: table.add(row, x), read_once(x), n, reps)
-                    emit(name, layout, n, threads, timing)
+                timings = measure(partial(table.add, row, x), read_once(x), n, reps, thread_counts)
+                emit(name, layout, n, timings)
                 del x
         for n in sizes if dtype not in FP8 else []:
             tensors = close_tensors(n, dtype)
             rows_of = [table.new_row() for _ in tensors]
-            for threads in thread_counts:
-                torch.set_num_threads(threads)
 
-                def close(
-                    tensors: list[torch.Tensor] = tensors, rows_of: list[int] = rows_of
-                ) -> None:
-                    table.add_many(rows_of, tensors)
+            def close(tensors: list[torch.Tensor] = tensors, rows_of: list[int] = rows_of) -> None:
+                table.add_many(rows_of, tensors)
 
-                def read_each(tensors: list[torch.Tensor] = tensors) -> None:
-                    for t in tensors:
-                        t.sum()
+            def read_each(tensors: list[torch.Tensor] = tensors) -> None:
+                for t in tensors:
+                    t.sum()
 
-                timing = pair(close, read_each, n, reps)
-                emit(name, f"close ({len(tensors)} tensors)", n, threads, timing)
+            timings = measure(close, read_each, n, reps, thread_counts)
+            emit(name, f"close ({len(tensors)} tensors)", n, timings)
             table.reset()
     if args.recipe:
         from fpaudit.kernels import blockstats
@@ -236,21 +283,17 @@ def main() -> None:
         total = torch.from_numpy(blockstats.empty())
         for n in sizes:
             x = values(n, torch.float32, False)
-            for threads in thread_counts:
-                torch.set_num_threads(threads)
-                timing = pair(
-                    lambda x=x: blockstats.block_stats_add(x, recipe, total), x.sum, n, reps
-                )
-                emit("fp32", "blocks (mxfp8-e4m3)", n, threads, timing)
+            add = partial(blockstats.block_stats_add, x, recipe, total)
+            timings = measure(add, x.sum, n, reps, thread_counts)
+            emit("fp32", "blocks (mxfp8-e4m3)", n, timings)
     torch.set_num_threads(cores)
     print(f"# after: {machine_load()}")
-    if len(thread_counts) > 1:
-        print(f"# the histogram on {cores} threads over 1, faster by (medians; best):")
-        for one, many in zip(rows[::2], rows[1::2], strict=True):
-            median = float(one["histogram_ns"]) / float(many["histogram_ns"])  # type: ignore[arg-type]
-            best = float(one["best_histogram_ns"]) / float(many["best_histogram_ns"])  # type: ignore[arg-type]
-            where = f"{one['dtype']} {one['layout']} {size_name(int(one['values']))}"  # type: ignore[call-overload]
-            print(f"#   {where}: {median:.2f}x; {best:.2f}x")
+    if speedups:
+        print(
+            f"# the histogram on {cores} threads over 1, faster by (median of each "
+            "repetition's ratio; best over best):"
+        )
+        print("\n".join(speedups))
     if args.json:
         args.json.write_text(json.dumps({"threads": cores, "reps": reps, "rows": rows}, indent=1))
 

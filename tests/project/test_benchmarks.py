@@ -55,6 +55,29 @@ def test_benchmark_runs_quick(tmp_path: Path) -> None:
     assert "step overhead" in result.stdout
 
 
+def test_kernel_speed_times_every_thread_count_side_by_side(tmp_path: Path) -> None:
+    """benchmarks/kernel_speed.py (one tiny size, two repetitions): a row per layout and
+    thread count, the one-thread rows with their CPU time, and the speedup over one
+    thread for each tensor."""
+    out = tmp_path / "kernel.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "kernel_speed.py"), "--dtypes"]
+    command += ["bf16", "--sizes", "4K", "--reps", "2", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    threads = sorted({1, data["threads"]})
+    # a close of 4 K values: tensors of 64, 256, 1,024 and the 2,752 left
+    layouts = ["contiguous", "strided", "close (4 tensors)"]
+    assert [(r["layout"], r["threads"]) for r in data["rows"]] == [
+        (layout, t) for layout in layouts for t in threads
+    ]
+    for row in data["rows"]:
+        assert row["histogram_ns"] > 0 and row["read_ns"] > 0
+        assert ("histogram_cpu_ns" in row) == (row["threads"] == 1)
+    if len(threads) > 1:
+        assert all(f"bf16 {layout} 4K: " in result.stdout for layout in layouts)
+
+
 def test_host_overhead_measures_each_variant_and_the_first_step() -> None:
     """benchmarks/host_overhead.py runs (the small models, one round): every variant is
     timed, the audited ones after their warm-up steps, and the first step apart."""
