@@ -509,6 +509,7 @@ void add_patterns(const T* data, int64_t n, const PatternTable& table, int64_t* 
   constexpr T kMask = T(kPatterns - 1);
   constexpr int kPatternCopies = 2;
   constexpr int kPatternBlock = 4096;
+  constexpr int kLine = 64 / int(sizeof(T));  // values per cache line (a multiple of the copies)
   std::mutex merge;
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(int64_t(1) << 16, (n + threads - 1) / threads);
@@ -528,8 +529,11 @@ void add_patterns(const T* data, int64_t n, const PatternTable& table, int64_t* 
         const T* block = data + start;
         pattern_range(block, count, &low, &high);
         int j = 0;
-        for (; j + kPatternCopies <= count; j += kPatternCopies) {
-          for (int c = 0; c < kPatternCopies; ++c) ++counts[size_t(c) * kStride + (block[j + c] & kMask)];
+        for (; j + kLine <= count; j += kLine) {  // a cache line of values at a time,
+          __builtin_prefetch(block + j + kPatternBlock);  // the next block's fetched
+          for (int k = j; k < j + kLine; k += kPatternCopies) {
+            for (int c = 0; c < kPatternCopies; ++c) ++counts[size_t(c) * kStride + (block[k + c] & kMask)];
+          }
         }
         for (; j < count; ++j) ++counts[block[j] & kMask];
       }
