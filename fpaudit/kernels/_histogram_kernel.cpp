@@ -1,6 +1,7 @@
 // fpaudit's CPU histogram kernel: exact bins and finite amax of fp32, fp16, bf16 and fp8
 // values read in their own dtype (see add_dense: small tensors in one block, large fp32
-// ones by raw bin, large narrow ones by bit pattern, each folded into bins once per call).
+// ones by their top 16 bits (the values those cannot bin, and mid-sized tensors, by raw
+// bin), large narrow ones by bit pattern, each folded into bins once per call).
 //
 // The bin layout is the one of fpaudit/histogram.py (zero, 277 binades x 8
 // mantissa classes, inf, NaN); the class bounds come from Python so there is a

@@ -2,7 +2,8 @@
 cached) and Triton for GPUs.
 
 ``_histogram_kernel.cpp`` bins fp32, fp16, bf16 and fp8 values in their own dtype
-(16-bit and 8-bit values by their bit pattern, fp32 by raw bins folded once per call;
+(16-bit and 8-bit values by their bit pattern, fp32 by its top 16 bits or raw bins,
+folded once per call;
 ``docs/performance.md`` has its cost against one read). It is compiled with
 ``torch.utils.cpp_extension`` the first time it is needed (about a minute,
 needs a C++ compiler) and cached in torch's extension directory
