@@ -284,7 +284,6 @@ ZOO: dict[str, tuple[type[nn.Module], Callable[[], torch.Tensor]]] = {
     "wrapped_forward": (WrappedForward, features),
     "own_ops": (OwnOps, lambda: token_ids(20)),
     "encoder_layer": (EncoderLayer, sequences),
-    "mixture": (Mixture, tokens),
 }
 
 
