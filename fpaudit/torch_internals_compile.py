@@ -49,6 +49,12 @@ tests on 2.10.0 and 2.15.0.
   given besides the backend, kept when fpaudit compiles the module again.
 * ``torch._inductor.runtime.cache_dir_utils.cache_dir``: the folder Inductor caches
   compiled code in (importing ``torch._inductor`` creates it).
+* Dynamo's graph inputs: each placeholder's ``meta["grapharg"].source.name`` (a property,
+  or a method on older releases), the expression Dynamo reads the input from in the
+  frame it compiled (``L['self']._modules['up']._parameters['weight']``), in the order
+  the compiled frame's callable is called with them. A frame Dynamo compiles once runs
+  for every instance of its module whose guards pass (each expert of a mixture), so the
+  module a run belongs to is read from the parameters it is called with.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ __all__ = [
     "compiled_module_parts",
     "context_backend",
     "eager_module",
+    "graph_input_sources",
     "inductor_backward",
 ]
 
@@ -293,26 +300,59 @@ def _observed_twin(
     return types.MethodType(twin, bound) if bound is not None else twin
 
 
+def graph_input_sources(gm: fx.GraphModule) -> list[str | None]:
+    """Where Dynamo reads each input of graph ``gm`` from in the frame it compiled
+    (``L['self']._modules['up']._parameters['weight']``, ``L['x']``), in the order the
+    compiled frame is called with them; None where a graph input says nothing."""
+    sources: list[str | None] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        if callable(name):  # a method on older releases
+            name = name()
+        sources.append(name if isinstance(name, str) else None)
+    return sources
+
+
+BackwardCompiler = Callable[[fx.GraphModule, Sequence[Any], dict[str, Any]], Any]
+FrameRun = Callable[..., Any]  # a compiled frame's callable, called with the frame's inputs
+
+
 def compile_backend(
-    backward: Callable[[fx.GraphModule, Sequence[Any], dict[str, Any]], Any],
+    frame: Callable[[fx.GraphModule], tuple[BackwardCompiler, Callable[[FrameRun], FrameRun]]],
     options: dict[str, Any],
     name: str,
 ) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
-    """A ``torch.compile`` backend: Inductor (with ``options``, as its mode set them),
-    whose backward graphs ``backward(gm, example_inputs, kwargs)`` compiles."""
+    """A ``torch.compile`` backend: Inductor (with ``options``, as its mode set them).
+    For each graph Dynamo compiles, ``frame(gm)`` gives the compiler of its backward
+    graphs, ``backward(gm, example_inputs, kwargs)``, and a wrapper of the compiled
+    frame's callable (which Dynamo calls with the frame's inputs, then, as every
+    backend's result, runs untraced)."""
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        if kwargs.get("is_backward"):
-            return backward(gm, example_inputs, kwargs)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
-
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        backward, wrap = frame(gm)
+
+        def inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+            if kwargs.get("is_backward"):
+                return backward(gm, example_inputs, kwargs)
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
         with functorch_config.patch(enable_autograd_cache=False):
-            return compile_fx(
+            compiled = compile_fx(
                 gm, example_inputs, inner_compile=inner, config_patches=options or None
             )
+        if not callable(compiled):  # (an ahead-of-time compile's files)
+            return compiled
+        run = wrap(compiled)
+        if run is not compiled:  # what AOTAutograd hangs on its callable (serialize, ...)
+            for key, value in getattr(compiled, "__dict__", {}).items():
+                if not key.startswith("_torchdynamo") and key != "__wrapped__":
+                    setattr(run, key, value)
+        return run
 
     backend.__name__ = backend.__qualname__ = name
     return backend

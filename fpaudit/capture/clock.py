@@ -159,6 +159,7 @@ class ModuleClock:
         self._new_name = threading.Lock()
         self._cache: dict[int, str] = {}
         self._observed: dict[int, int] = {}  # module id -> index in _modules (observe)
+        self._compiled_runs: dict[int, str] = {}  # sequence number -> module (note_compiled_run)
 
     def current_module(self) -> str:
         """The innermost module running forward on this thread, or the loss pseudo-module."""
@@ -283,7 +284,29 @@ class ModuleClock:
         self._cache[sequence] = name
         return name
 
+    def compiled_run_starts(self, name: str) -> Callable[[], None]:
+        """A compiled frame of module ``name`` starts forward: no hook runs inside a
+        compiled module, so the frame's run says which module it is. The returned
+        function, called when the run ends, notes the autograd nodes it made (the
+        compiled backward's own) as ``name``'s (:meth:`compiled_run_now`)."""
+        first = sequence_now()
+
+        def ends() -> None:
+            for sequence in range(first, sequence_now()):
+                self._compiled_runs[sequence] = name
+
+        return ends
+
+    def compiled_run_now(self) -> str | None:
+        """The module whose compiled frame made the autograd node running backward on
+        this thread (:meth:`compiled_run_starts`), or None."""
+        if not self._compiled_runs:
+            return None
+        node = _internals.current_autograd_node()
+        return self._compiled_runs.get(sequence_of(node)) if node is not None else None
+
     def forget(self) -> None:
         """Drop what forward remembered (called when a step closes)."""
         self._spans.clear()
         self._cache.clear()
+        self._compiled_runs.clear()

@@ -18,7 +18,11 @@ the buffer in the dtype it was stored in, exactly as an eager value. In plain wo
   not counted; the ops they came from are the module's *fused away* ops in the report.
 * Each stored value belongs to the module whose forward it differentiates: the
   backward graph's node metadata (``fwd_nn_module_stack``, or ``nn_module_stack`` for
-  recomputed forward work) names it, as the model names it.
+  recomputed forward work) names it, as the model names it. A path below the compiled
+  frame's own module (``L['self']``) is below the instance that ran the frame: a frame
+  compiled once runs for every instance of its class that passes its guards (each
+  expert of a mixture whose routing breaks the graph), so each run says which one it is
+  by the parameters Dynamo calls it with.
 * A stored value scales with the loss when it depends on a tangent (the gradient
   flowing in); a value computed from saved activations alone does not.
 * With no audit open the compiled backward runs as Inductor compiled it (the plain
@@ -101,13 +105,37 @@ _VIEWS = frozenset(
 
 
 @dataclass(frozen=True)
-class CompiledSite:
-    """One stored value of a compiled backward: its module (relative to the compiled
-    module), the op that made it, and whether it scales with the loss."""
+class GraphModulePath:
+    """A module as a compiled graph names it: ``path`` below the module whose frame
+    Dynamo compiled (``L['self']``: whichever instance ran the graph, ``frame`` true),
+    or below the module ``torch.compile`` was given (``frame`` false)."""
 
-    module: str
+    path: str
+    frame: bool
+
+
+_OWN = GraphModulePath("", True)  # the traced frame's module itself
+
+
+@dataclass(frozen=True)
+class CompiledSite:
+    """One stored value of a compiled backward: its module, the op that made it, and
+    whether it scales with the loss."""
+
+    module: GraphModulePath
     op: str
     scales_with_loss: bool
+
+
+@dataclass(frozen=True)
+class FrameParameter:
+    """A parameter of the module whose frame Dynamo compiled, among the compiled frame's
+    inputs: its position, the path of the module that holds it (below the frame's
+    module) and its name. Each run's own parameter there says which instance ran."""
+
+    position: int
+    module: str
+    name: str
 
 
 @dataclass(frozen=True)
@@ -116,13 +144,16 @@ class CompiledGraph:
 
     root: weakref.ref[nn.Module] | None  # the module torch.compile was given
     sites: dict[str, CompiledSite]  # Inductor's buffer name -> what its value is
-    fused_away: dict[str, tuple[str, ...]]  # module -> ops kept in registers
+    fused_away: dict[GraphModulePath, tuple[str, ...]]  # module -> ops kept in registers
 
 
 class Receiver(Protocol):
     def record_compiled(self, graph: CompiledGraph, site: CompiledSite, value: Any) -> None: ...
     def compiled_run(self, graph: CompiledGraph) -> None: ...
     def note_not_covered(self, line: str) -> None: ...
+    def frame_starts(
+        self, parameters: Sequence[tuple[FrameParameter, Any]]
+    ) -> Callable[[], None] | None: ...
 
 
 _receivers: list[Receiver] = []
@@ -167,6 +198,13 @@ def _observing() -> Iterator[None]:
 # (``L['self']``, ``L['args'][0]`` for a ``wrapped(*args, **kwargs)`` forward,
 # ``L['kwargs']['model']``, ``G['net']``)
 _ROOT = re.compile(r"^(?:L|G)\[['\"][^'\"]*['\"]\](?:\[[^\]]*\])*")
+_SELF = re.compile(r"^L\[['\"]self['\"]\]$")  # the frame's own module (a method's self)
+# A parameter of the frame's module, as Dynamo reads it (``L['self']._modules['up']
+# ._parameters['weight']``)
+_SELF_PARAMETER = re.compile(
+    r"^(?P<module>L\[['\"]self['\"]\].*?)\._parameters\[['\"](?P<name>[^'\"]+)['\"]\]$"
+)
+_FRAME_PARAMETERS = 4  # tried in turn at each run (a tied parameter names another module)
 _MODULES = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
 _INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
@@ -181,10 +219,21 @@ def module_path(path: str) -> str:
     return path.strip(".")
 
 
-def _module_of(node: fx.Node) -> str | None:
+def frame_parameters(sources: Sequence[str | None]) -> tuple[FrameParameter, ...]:
+    """The first few parameters of the frame's own module (``L['self']``) among a compiled
+    frame's inputs (``sources``: where Dynamo reads each input from)."""
+    found = []
+    for position, source in enumerate(sources):
+        matched = _SELF_PARAMETER.match(source or "")
+        if matched is not None:
+            found.append(FrameParameter(position, module_path(matched["module"]), matched["name"]))
+    return tuple(found[:_FRAME_PARAMETERS])
+
+
+def _module_of(node: fx.Node) -> GraphModulePath | None:
     """The module whose forward made ``node``: the innermost of its module stack; the
-    traced module itself (``""``) for an op of its own forward (a stack recorded empty);
-    None for a node with no stack at all (a gradient sum AOTAutograd added)."""
+    traced frame's module itself (``""``) for an op of its own forward (a stack recorded
+    empty); None for a node with no stack at all (a gradient sum AOTAutograd added)."""
     recorded = False
     for key in ("fwd_nn_module_stack", "nn_module_stack"):
         if key not in node.meta:
@@ -193,15 +242,17 @@ def _module_of(node: fx.Node) -> str | None:
         stack = node.meta[key]
         if stack:
             last = list(stack.values())[-1]
-            path = last[0] if isinstance(last, tuple) else str(last)
-            return module_path(str(path))
-    return "" if recorded else None
+            path = str(last[0] if isinstance(last, tuple) else last)
+            root = _ROOT.match(path)
+            frame = root is not None and _SELF.match(root.group(0)) is not None
+            return GraphModulePath(module_path(path), frame)
+    return _OWN if recorded else None
 
 
-def _modules(graph: fx.Graph) -> dict[str, str]:
+def _modules(graph: fx.Graph) -> dict[str, GraphModulePath]:
     """Each node's module; a node without metadata (a gradient sum AOTAutograd added)
     takes the module of its first input that has one."""
-    found: dict[str, str] = {}
+    found: dict[str, GraphModulePath] = {}
     for node in graph.nodes:
         module = _module_of(node)
         if module is None:
@@ -225,7 +276,7 @@ def _scaled(graph: fx.Graph) -> set[str]:
 
 def plan_graph(
     gm: fx.GraphModule, stored: list[_compile_internals.StoredBuffer]
-) -> tuple[list[str], list[CompiledSite], dict[str, tuple[str, ...]]]:
+) -> tuple[list[str], list[CompiledSite], dict[GraphModulePath, tuple[str, ...]]]:
     """The buffers to observe (the stored values, by Inductor's buffer names), their
     sites, and per module the ops whose values stayed in registers."""
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -248,14 +299,14 @@ def plan_graph(
         names.append(buffer.name)
         in_memory.add(node.name)
         sites.append(
-            CompiledSite(modules.get(node.name, ""), str(node.target), node.name in scaled)
+            CompiledSite(modules.get(node.name, _OWN), str(node.target), node.name in scaled)
         )
-    fused: dict[str, set[str]] = {}
+    fused: dict[GraphModulePath, set[str]] = {}
     for name in computed - in_memory:
         node = nodes.get(name)
         if node is None or node.op != "call_function" or str(node.target) in _VIEWS:
             continue
-        fused.setdefault(modules.get(name, ""), set()).add(str(node.target))
+        fused.setdefault(modules.get(name, _OWN), set()).add(str(node.target))
     return names, sites, {m: tuple(sorted(ops)) for m, ops in fused.items()}
 
 
@@ -305,6 +356,12 @@ def compiled_backend(
     module ``torch.compile`` is given (its modules' names start there)."""
     reference = weakref.ref(root) if root is not None else None
 
+    def frame(
+        dynamo_graph: fx.GraphModule,
+    ) -> tuple[_compile_internals.BackwardCompiler, Callable[[Callable[..., Any]], Any]]:
+        parameters = frame_parameters(_compile_internals.graph_input_sources(dynamo_graph))
+        return backward, functools.partial(_frame_runs, parameters)
+
     def backward(gm: fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         if _compile_internals.cudagraphs_requested(kwargs):
             _not_covered_line(
@@ -342,7 +399,33 @@ def compiled_backend(
                 )
                 return _compile_internals.plain_backward(spare, example_inputs, kwargs)
 
-    return _compile_internals.compile_backend(backward, dict(options or {}), BACKEND_NAME)
+    return _compile_internals.compile_backend(frame, dict(options or {}), BACKEND_NAME)
+
+
+def _frame_runs(
+    parameters: tuple[FrameParameter, ...], run: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``run`` (a compiled frame's callable) telling each open audit, around every call,
+    which parameters of the frame's module it was called with: a frame Dynamo compiled
+    once runs for every instance of its module that passes its guards (each expert of a
+    mixture), and its backward belongs to the instance that ran it."""
+    if not parameters:
+        return run
+
+    def frame_run(*args: Any) -> Any:
+        if not _receivers:
+            return run(*args)
+        inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args  # (boxed)
+        given = [(p, inputs[p.position]) for p in parameters if p.position < len(inputs)]
+        ends = [receiver.frame_starts(given) for receiver in list(_receivers)]
+        try:
+            return run(*args)
+        finally:
+            for end in ends:
+                if end is not None:
+                    end()
+
+    return frame_run
 
 
 def not_covered_modules(model: nn.Module) -> list[str]:

@@ -5,7 +5,7 @@ observe of a compiled model (a line each), for the report's ``compiled`` metadat
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,10 +64,38 @@ class CompiledReceiver:
         name = self._clock.names.get(id(root)) if root is not None else None
         return None if name is None else (name, self._clock.known_names)
 
-    @staticmethod
-    def _named(prefix: str, known: frozenset[str], module_path: str) -> str:
-        """The graph's module path, as the model names it."""
-        return _known_module(".".join(p for p in (prefix, model_name(module_path)) if p), known)
+    def _named(
+        self,
+        naming: tuple[str, frozenset[str]],
+        frame: str | None,
+        module: compiled.GraphModulePath,
+    ) -> str:
+        """The graph's module path, as the model names it: below the module whose compiled
+        frame ran this backward (``frame``, when its run said so) or below the module
+        ``torch.compile`` was given."""
+        prefix, known = naming
+        if module.frame and frame is not None:
+            prefix = frame
+        return _known_module(".".join(p for p in (prefix, model_name(module.path)) if p), known)
+
+    def frame_starts(
+        self, parameters: Sequence[tuple[compiled.FrameParameter, Any]]
+    ) -> Callable[[], None] | None:
+        """A compiled frame starts forward with these parameters of its module: the first
+        that is the model's names the module (``experts.2``, whose ``up.weight`` it is),
+        and the clock notes the run's backward as that module's. None when no parameter
+        is the model's (a frame of another model)."""
+        owners = self._clock.param_owner
+        for parameter, tensor in parameters:
+            owner = owners.get(id(tensor))
+            if owner is None or owner[1] != parameter.name:
+                continue
+            held_by, below = owner[0], model_name(parameter.module)
+            if below and not (held_by == below or held_by.endswith("." + below)):
+                continue  # a tied parameter, first named by another module
+            name = held_by[: len(held_by) - len(below)].rstrip(".") if below else held_by
+            return self._clock.compiled_run_starts(name)
+        return None
 
     def record_compiled(
         self, graph: compiled.CompiledGraph, site: compiled.CompiledSite, value: Any
@@ -77,7 +105,7 @@ class CompiledReceiver:
         naming = self._naming(graph)
         if naming is None or not isinstance(value, torch.Tensor):
             return
-        module = self._named(*naming, site.module)
+        module = self._named(naming, self._clock.compiled_run_now(), site.module)
         self._recorder.record(KIND_BACKWARD, module, compiled.COMPILED_NODE, site.op, 0,
                               site.scales_with_loss, value)  # fmt: skip
 
@@ -89,8 +117,9 @@ class CompiledReceiver:
             return
         with self._lock:
             self._runs += 1
-        for module_path, ops in graph.fused_away.items():
-            self._fused_away.setdefault(self._named(*naming, module_path), set()).update(ops)
+        frame = self._clock.compiled_run_now()
+        for module, ops in graph.fused_away.items():
+            self._fused_away.setdefault(self._named(naming, frame, module), set()).update(ops)
 
     def note_not_covered(self, line: str) -> None:
         """Note what this audit cannot observe (a compiled backward without the observer)."""

@@ -9,6 +9,7 @@ once (a module-scoped cache); the nets are tiny.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import subprocess
@@ -29,7 +30,7 @@ from fpaudit.report.records import KIND_BACKWARD, KIND_GRAD, LOSS_MODULE
 from fpaudit.report.store import Report
 from fpaudit.rules import gating
 from tests.conftest import MODELS, ROOT
-from tests.models.compiled_zoo import ZOO, sequences
+from tests.models.compiled_zoo import ZOO, Mixture, sequences, tokens
 
 LSTM_LINE = (
     "Dynamo ran part of the model eagerly (a graph break, or a module it does not trace, "
@@ -243,6 +244,22 @@ def test_module_paths_from_any_frame_shape(dynamo: str, named: str) -> None:
     assert compiled.module_path(dynamo) == named
 
 
+def test_a_compiled_frame_is_named_by_the_parameters_of_its_own_module() -> None:
+    # where Dynamo reads each input of an Expert.forward frame: its own module's
+    # parameters say, at each run, which expert runs it; a global's or an input do not
+    sources = [
+        "L['x']",
+        "L['self']._modules['up']._parameters['weight']",
+        "L['self']._parameters['scale']",
+        "G['net']._modules['fc']._parameters['weight']",
+        None,
+    ]
+    assert compiled.frame_parameters(sources) == (
+        compiled.FrameParameter(position=1, module="up", name="weight"),
+        compiled.FrameParameter(position=2, module="", name="scale"),
+    )
+
+
 # -- what cannot be observed is skipped and said, never a crash --------------------------
 def test_a_backward_graph_that_cannot_be_compiled_observed_runs_as_inductor_compiles_it(
     monkeypatch: pytest.MonkeyPatch,
@@ -378,3 +395,69 @@ def test_a_compiled_hf_llama_names_its_modules_as_the_eager_one() -> None:
     stored = _backward_modules(report, compiled.COMPILED_NODE)
     assert "model.layers.0.self_attn.q_proj" in stored and "model.embed_tokens" in stored
     assert _backward_modules(eager) <= stored | set(info.fused_away)
+
+
+# -- a graph break that compiles each expert of a mixture as a frame of its own ----------
+def _elements(report: Report, node: str | None = None) -> dict[str, int]:
+    """Backward values per module (the loss's left out), of one node's records or all."""
+    records = report.records
+    rows = records[(records["kind"] == KIND_BACKWARD) & (records["module"] != LOSS_MODULE)]
+    if node is not None:
+        rows = rows[rows["node"] == node]
+    return {str(m): int(n) for m, n in rows.groupby("module")["elements"].sum().items()}
+
+
+def test_a_mixture_files_each_compiled_experts_values_under_that_expert() -> None:
+    """Issue 50: the mixture's routing breaks Dynamo's graph, so each Expert.forward is a
+    compiled frame of its own, and experts 2 and 3 run the graph compiled for expert 1.
+    Every value those frames store is the expert's that ran it, as in the eager twin;
+    none is the model's (``(root)``). (Not in ZOO: a net run before the decoder's plain
+    compile there moves its ConvTranspose weight gradient by an ulp, audit or not.)"""
+    torch.manual_seed(0)
+    eager = _step(Mixture(), tokens())
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = Mixture()
+    plain = copy.deepcopy(net)
+    try:
+        report = _step(compiled.compile(net), tokens())
+        torch._dynamo.reset()
+        torch.compile(plain)(tokens()).square().mean().backward()
+    finally:
+        torch._dynamo.reset()
+    # the audit changes nothing the compiled experts compute
+    plain_parameters = dict(plain.named_parameters())
+    for qualified, parameter in net.named_parameters():
+        theirs_grad = plain_parameters[qualified].grad
+        assert parameter.grad is not None and theirs_grad is not None, qualified
+        assert torch.equal(parameter.grad, theirs_grad), qualified
+    eager_counts, stored = _elements(eager), _elements(report, compiled.COMPILED_NODE)
+    experts = {f"experts.{e}{part}" for e in range(4) for part in ("", ".up", ".down")}
+    assert {m for m in eager_counts if m.startswith("experts")} == experts
+    # 4, 2, 7 and 3 tokens: GELU's backward in expert e holds tokens * 16 values, 64, 32,
+    # 112 and 48, all different, so an expert's values filed under another show.
+    gelu = {m: n for m, n in eager_counts.items() if m.count(".") == 1}
+    assert sorted(gelu.values()) == [32, 48, 64, 112]
+    # Compiled, each expert stores what its eager twin computes op by op: the mm and the
+    # bias sum of up and down, GELU's backward as one fused product (eager's
+    # gelu_backward): per module, as many values as eager, under the same name.
+    assert stored == {m: eager_counts[m] for m in experts}
+    records = report.records
+    mine = records[records["node"] == compiled.COMPILED_NODE]
+    theirs = eager.records[eager.records["module"].isin(experts)]
+    for op in ("aten.mm.default", "aten.sum.dim_IntList"):
+        count = {
+            str(m): int(n)
+            for m, n in mine[mine["op"] == op].groupby("module")["elements"].sum().items()
+        }
+        assert count == {
+            str(m): int(n)
+            for m, n in theirs[theirs["op"] == op].groupby("module")["elements"].sum().items()
+        }, op
+    # The model's forward runs eagerly inside the compiled model, where no hook runs: its
+    # own ops and the router's and out's are the model's (the line below says so).
+    assert _elements(report)[""] == eager_counts[""] + eager_counts["router"] + eager_counts["out"]
+    info = report.info.compiled
+    assert info is not None and info.observed_backward_runs == 4
+    assert LSTM_LINE in info.not_covered
+    assert set(info.fused_away) <= experts

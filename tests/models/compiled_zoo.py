@@ -1,7 +1,7 @@
 """The compiled zoo: small nets whose backward runs one family of ops each (pooling, a
 ResNet-shaped block, upsampling and norms, sparse and index ops, dropout and in-place
 activations, an LSTM, a wrapped ``forward``, a model with ops of its own, a pre-norm
-transformer encoder layer), compiled with fpaudit and compared with plain eager twins
+transformer encoder layer, a mixture of experts), compiled with fpaudit and compared with plain eager twins
 and with plain ``torch.compile`` (tests/capture/test_compiled_zoo.py).
 
 Index ops take their indices from constants built in ``forward`` (``arange``), so the
@@ -222,6 +222,37 @@ class EncoderLayer(nn.Module):
         return self.head(self.layer(x))
 
 
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Mixture(nn.Module):
+    """A top-2 mixture of 4 experts: ``torch.where(idx == e)`` has a data-dependent shape,
+    so Dynamo runs this ``forward`` eagerly and compiles ``Expert.forward`` as a frame
+    of its own, once for expert 0's row count and once with a dynamic row count, which
+    the later experts run (the graph compiled for expert 1 runs for experts 2 and 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(Expert() for _ in range(4))
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        mixed = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            mixed = mixed.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return self.out(mixed)
+
+
 def images(size: int) -> torch.Tensor:
     return torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(1))
 
@@ -232,6 +263,10 @@ def token_ids(vocab: int) -> torch.Tensor:
 
 def features() -> torch.Tensor:
     return torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+
+def tokens() -> torch.Tensor:  # 8 tokens: the mixture's experts get 4, 2, 7 and 3 of them
+    return torch.randn(8, 8, generator=torch.Generator().manual_seed(5))
 
 
 def sequences(seed: int = 1) -> torch.Tensor:

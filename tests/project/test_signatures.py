@@ -38,7 +38,6 @@ PASS_THROUGH = {
     "fpaudit.torch_internals_compile.compiled_module_parts->",
     "fpaudit.torch_internals_compile.context_backend->",
     "fpaudit.torch_internals_compile.inductor_backward(kwargs)",
-    "fpaudit.torch_internals_compile.compile_backend(backward)",
     "fpaudit.torch_internals_compile.compile_backend(options)",
     "fpaudit.torch_internals_compile.plain_backward(kwargs)",
     "fpaudit.torch_internals_compile.mode_options->",
