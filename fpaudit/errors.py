@@ -177,3 +177,64 @@ class MonitorFailure(BaseException):
         super().__init__(f"{where}: {type(error).__name__}: {error}")
         self.where = where
         self.error = error
+
+
+# -- how a command ends when it neither succeeds nor fails on bad input -------------
+# Raised by the library (fpaudit.run.jobs) once what was done is safe on disk; the CLI
+# maps each to its exit status and its words in one place (fpaudit.cli.commands).
+
+
+class Ended(Exception):
+    """A command ends on purpose with ``exit_code``: not a success, not bad input."""
+
+    def __init__(self, exit_code: int) -> None:
+        super().__init__(exit_code)
+        self.exit_code = exit_code
+
+
+class ForkedChildEnded(Ended):
+    """A child that model code forked (``os.fork``, a DataLoader worker) came back into
+    the scan or run and finished: it ends quietly with ``exit_code`` (the parent writes
+    and speaks for the audit)."""
+
+
+class StoppedRun(Ended):
+    """SIGINT or SIGTERM stopped a scan or run after ``done`` completed steps (of
+    ``planned``, where known). ``kept`` is None when those steps were written to ``out``,
+    marked incomplete; else why the report at ``out`` was kept instead. ``while_writing``:
+    a second signal came while those steps were written (the write finished first)."""
+
+    def __init__(self, stopped: Interrupted, done: int, planned: int | None, out: str,
+                 kept: Wording | None = None, *,
+                 while_writing: StoppedWhileWriting | None = None) -> None:  # fmt: skip
+        super().__init__(stopped.exit_code)
+        self.signal_name = stopped.signal_name
+        self.done = done
+        self.planned = planned
+        self.out = out
+        self.kept = kept
+        self.while_writing = while_writing
+
+
+class StoppedWhileWriting(Ended):
+    """SIGINT or SIGTERM arrived while a report was written: the write finished first,
+    whole, at ``path``; then the command stops."""
+
+    def __init__(self, stopped: Interrupted, path: object) -> None:
+        super().__init__(stopped.exit_code)
+        self.signal_name = stopped.signal_name
+        self.path = path
+
+
+class ScriptExited(Ended):
+    """``fpaudit run``'s script ended with its own ``sys.exit``: the command ends as
+    ``python script`` would, with its status and ``message`` (``sys.exit("text")``'s
+    text, which Python prints). Before it, ``error`` (why nothing was audited) or
+    ``note`` (why an existing report was kept)."""
+
+    def __init__(self, exit_code: int, message: str | None, *, error: Wording | None = None,
+                 note: Wording | None = None) -> None:  # fmt: skip
+        super().__init__(exit_code)
+        self.message = message
+        self.error = error
+        self.note = note

@@ -41,7 +41,7 @@ going missing in a future release, and say what is lost then.
 * ``"torch._dynamo" in sys.modules``: whether Dynamo is loaded (its import costs
   ~150 MB, so fpaudit never imports it itself).
 
-**``fpaudit run``'s reads of torch state** (``_torch_patches``, ``steps``):
+**``fpaudit run``'s reads of torch state** (``torch_patches``, ``steps``):
 
 * ``torch._C.TensorBase.__dict__["grad"]``: the C getset descriptor behind
   ``Tensor.grad``; the patched property and fpaudit's own reads go through it.

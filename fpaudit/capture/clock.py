@@ -243,7 +243,7 @@ class ModuleClock:
 
     def _hooks(self, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
         """A module's forward pre-hook and hook: ``enter(name)`` and ``exit()`` inlined,
-        their errors fpaudit's (``_torch_patches.guarded``'s rule, without its extra
+        their errors fpaudit's (``torch_patches.guarded``'s rule, without its extra
         frames)."""
         local, append, index_of = self.forward_frames, self._spans.append, self._index_of
         own = self._index(name)

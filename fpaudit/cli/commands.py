@@ -44,9 +44,11 @@ from fpaudit.cli import (
 )
 from fpaudit.cli.common import (
     EXIT_ERROR,
+    EXIT_GATE_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_TERMINATED,
+    Judged,
     state,
     with_options,
 )
@@ -66,7 +68,7 @@ from fpaudit.cli.options import (
     SimulateArgs,
     VerifyArgs,
 )
-from fpaudit.errors import FpauditError, Interrupted, MonitorFailure
+from fpaudit.errors import Ended, FpauditError, Interrupted, MonitorFailure
 
 app = typer.Typer(
     name="fpaudit",
@@ -106,7 +108,7 @@ class Command:
     options class, only ``--json`` (``args`` None, ``name`` given)."""
 
     args: type[CommandOptions] | None
-    function: Callable[..., None]
+    function: Callable[..., object]
     renderer: ModuleType
     name: str = ""  # args.COMMAND where it has args
     passes_arguments: bool = False  # run: what follows the script is the script's own
@@ -132,7 +134,7 @@ class Command:
         return {"context_settings": {"allow_extra_args": True, "ignore_unknown_options": True}}
 
     @property
-    def callback(self) -> Callable[..., None]:
+    def callback(self) -> Callable[..., object]:
         """The function as typer calls it: with its flags, where it has options."""
         if self.args is None:
             return self.function
@@ -157,7 +159,7 @@ DECLARED: tuple[Command, ...] = (
     Command(Fp16PlanArgs, commands_run.fp16_plan_command, render_fp16plan),
 )
 # name, function as typer calls it, typer's settings: what the app registers
-COMMANDS: tuple[tuple[str, Callable[..., None], dict[str, Any]], ...] = tuple(
+COMMANDS: tuple[tuple[str, Callable[..., object], dict[str, Any]], ...] = tuple(
     (command.command, command.callback, command.settings) for command in DECLARED
 )
 
@@ -278,6 +280,9 @@ def run(argv: list[str] | None = None) -> int:
         return done.exit_code
     except _Stopped as stopped:
         return _interrupted(stopped.cause)
+    except Ended as ended:  # stopped, the script's own exit, a forked child: its words
+        render.ending(ended)
+        return ended.exit_code
     except FpauditError as error:
         if state.debug:
             traceback.print_exc()
@@ -299,6 +304,8 @@ def run(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except (Exception, MonitorFailure) as error:  # fpaudit's own code failed: a bug
         return _internal_error(error)
+    if isinstance(result, Judged):  # a verdict: passed or failed
+        return EXIT_OK if result.passed else EXIT_GATE_FAILED
     return result if isinstance(result, int) else EXIT_OK
 
 

@@ -3,8 +3,9 @@
 (``formats``, ``recipes``).
 
 Each reads the report, calls one library function for its view (most in
-:mod:`fpaudit.rules.summary`) and renders it: a table, or with ``--json`` its
-``to_dict()``.
+:mod:`fpaudit.rules.summary`) and hands it to the formatter ``--json`` picks
+(:mod:`fpaudit.cli.formatters`: a table, or its JSON shape); a verdict (``gate``) is
+returned, and :mod:`fpaudit.cli.commands` turns it into the exit status.
 """
 
 from __future__ import annotations
@@ -16,18 +17,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from fpaudit.cli import config, render, render_blocks, render_run, render_show, render_simulate
+from fpaudit.cli import config, formatters, render
 from fpaudit.cli import options as specs
 from fpaudit.cli.common import (
-    EXIT_GATE_FAILED,
-    EXIT_OK,
     JsonOption,
+    Judged,
     ReportArgument,
     from_report,
     named_scale,
     outside_report,
     scale,
-    verdict,
 )
 from fpaudit.cli.options import (
     DiffArgs,
@@ -64,9 +63,7 @@ def formats_command(json_output: JsonOption = None) -> None:
 
     Example: fpaudit formats --json
     """
-    render.formats(FORMATS.values(), bool(json_output))
-    if not json_output:  # `fpaudit recipes --json` lists them as JSON
-        render_blocks.recipes(RECIPES.values(), False)
+    formatters.FORMATS.chosen(json_output).write(FORMATS.values())
 
 
 def recipes_command(json_output: JsonOption = None) -> None:
@@ -74,7 +71,7 @@ def recipes_command(json_output: JsonOption = None) -> None:
 
     Example: fpaudit recipes --json
     """
-    render_blocks.recipes(RECIPES.values(), bool(json_output))
+    formatters.RECIPES.chosen(json_output).write(RECIPES.values())
 
 
 def _show_origins(report_path: Path, options: ShowArgs) -> None:
@@ -88,12 +85,7 @@ def _show_origins(report_path: Path, options: ShowArgs) -> None:
     if report.origins is None:
         raise UsageError(f"{report_path} has no origins: scan it with --origins")
     view = origins_view(report, reading_format(report, options.format), log2_scale)
-    if options.json:
-        render.print_json(view.to_dict())
-    else:
-        render_show.origins_view(
-            view.live, view.predicted, view.format, view.log2_scale, top=options.top or 10
-        )
+    formatters.ORIGINS.chosen(options.json, top=options.top or 10).write(view)
 
 
 def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
@@ -110,11 +102,8 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
     if options.steps:
         report = Report.read(report_path)
         render.report_notes(report)
-        steps = steps_view(report)
-        if options.json:
-            render.print_json(steps.to_dict())
-        else:
-            render_show.steps_view(report, options.limit, list(steps.findings))
+        shown = formatters.STEPS.chosen(options.json, report=report, limit=options.limit)
+        shown.write(steps_view(report))
         return
     if options.recipe is not None:
         _show_blocks(report_path, options, options.recipe)
@@ -126,13 +115,7 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
         report, reading_format(report, options.format), log2_scale,
         kind=options.kind, by=options.by, top=options.top,
     )  # fmt: skip
-    if options.json:
-        render.print_json(view.rows())
-    else:
-        render.show(view)
-        from fpaudit.capture import autocast
-
-        render.autocast_prediction(autocast.summary(report))
+    formatters.MODULES.chosen(options.json, report=report).write(view)
 
 
 def _show_blocks(report_path: Path, options: ShowArgs, recipe_name: str) -> None:
@@ -149,10 +132,8 @@ def _show_blocks(report_path: Path, options: ShowArgs, recipe_name: str) -> None
     if options.top is not None:
         table = table.sort_values("flush_fraction", ascending=False, kind="stable")
         table = table.head(options.top)
-    if options.json:
-        render.print_json(render_blocks.block_rows(table))
-    else:
-        render_blocks.block_table(table, recipe.name, options.by, kind=options.kind)
+    layout = {"recipe": recipe.name, "by": options.by, "kind": options.kind}
+    formatters.BLOCKS.chosen(options.json, **layout).write(table)
 
 
 def recommend_command(report_path: ReportArgument, options: RecommendArgs) -> None:
@@ -172,20 +153,9 @@ def recommend_command(report_path: ReportArgument, options: RecommendArgs) -> No
         worst_window=options.worst_window, window_steps=options.drift_window,
         threshold_binades=options.drift_binades,
     )  # fmt: skip
-    worst = view.window
-    if options.worst_window and worst is None:
+    if options.worst_window and view.window is None:
         raise UsageError(f"--worst-window: {report_path} has no window with nonzero values")
-    if options.json:
-        render.print_json(view.to_dict())
-        return
-    if worst is not None:
-        render.stdout().print(
-            f"Worst window: steps {worst.first_step}-{worst.last_step} "
-            f"({worst.captured_steps} captured step(s)); the recommendation below is its own."
-        )
-    render.recommendation(view.recommendation)
-    for line in render_run.drift_lines(view.drift):
-        render.stdout().print(line)
+    formatters.RECOMMENDATION.chosen(options.json).write(view)
 
 
 def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None:
@@ -226,10 +196,7 @@ def simulate_command(report_path: ReportArgument, options: SimulateArgs) -> None
         report, fmt, options.policy, overrides, values[scalers.STATIC_SCALE],
         headroom_bits=headroom,
     )  # fmt: skip
-    if options.json:
-        render.print_json(result.to_dict())
-    else:
-        render_simulate.simulation(result)
+    formatters.SIMULATION.chosen(options.json).write(result)
 
 
 _FP8_SETTINGS = ("amax_history_len", "margin", "amax_compute_algo", "sweep", "max_overflow_steps")
@@ -261,19 +228,13 @@ def _simulate_delayed(report_path: Path, options: SimulateArgs) -> None:
             report, options.policy, amax_compute_algo=algo,
             max_overflow_steps=options.max_overflow_steps, fmt=fmt,
         )  # fmt: skip
-        if options.json:
-            render.print_json(swept.to_dict())
-        else:
-            render_simulate.fp8_sweep(swept)
+        formatters.FP8_SWEEP.chosen(options.json).write(swept)
         return
     if "max_overflow_steps" in options.given:
         raise UsageError("--max-overflow-steps is the gate of --sweep; add --sweep")
     settings = delayed.Settings(options.policy, options.amax_history_len, options.margin, algo)
     result = delayed.replay(report, settings, fmt)
-    if options.json:
-        render.print_json(result.to_dict())
-    else:
-        render_simulate.fp8_replay(result)
+    formatters.FP8_REPLAY.chosen(options.json).write(result)
 
 
 def plot_command(
@@ -335,7 +296,7 @@ def _plot_comparison(base: Path, new: Path, output: Path, options: PlotArgs) -> 
     render.stdout().print(f"Wrote {written}")
 
 
-def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
+def gate_command(report_path: ReportArgument, options: GateArgs) -> Judged:
     """CI gate: exit 1 when underflow exceeds a fraction (or anything overflows) at a scale,
     or when the report measured nothing, holds inf/NaN, no completed step, or a run's error.
 
@@ -346,7 +307,7 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
     from fpaudit.rules.summary import reading_format
 
     if options.recipe is not None or options.max_flush is not None:
-        _gate_blocks(report_path, options)
+        return _gate_blocks(report_path, options)
     limit = options.max_underflow
     if limit is None and options.baseline is None and options.max_increase is None:
         raise UsageError(
@@ -370,23 +331,15 @@ def gate_command(report_path: ReportArgument, options: GateArgs) -> None:
         allow_nonfinite=options.allow_nonfinite, fail_unscalable=options.fail_unscalable,
         allow_errors=options.allow_errors, baseline=baseline, max_increase=options.max_increase,
     )  # fmt: skip
-    if options.junit is not None:
-        from fpaudit.cli import ci
-
-        modules = ci.gate_modules(report, result, include_loss=include)
-        text = ci.junit_xml(result, modules, report_path=str(report_path))
-        ci.write_junit(text, Path(options.junit))
-    if options.json:
-        render.print_json(result.to_dict(flags=True))  # reasons name the flags
-    else:
-        render.gate(result)
+    shown = [formatters.GATE.chosen(options.json)]
+    if options.junit is not None:  # written first: the file is there when the verdict is read
+        shown.insert(0, formatters.JUnit(Path(options.junit), report, str(report_path), include))
     if os.environ.get("GITHUB_ACTIONS") == "true":
-        from fpaudit.cli import ci
-
         stream = sys.stderr if options.json else sys.stdout  # keep --json parseable
-        for line in ci.github_annotations(result, report_path=str(report_path)):
-            stream.write(line + "\n")
-    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+        shown.append(formatters.GitHubAnnotations(str(report_path), stream))
+    for formatter in shown:
+        formatter.write(result)
+    return result
 
 
 def _baseline(path: str | None, report_path: Path) -> Report | None:
@@ -404,7 +357,7 @@ def _baseline(path: str | None, report_path: Path) -> Report | None:
         raise ReportError(f"--baseline: {error.as_flag()}") from None
 
 
-def _gate_blocks(report_path: Path, options: GateArgs) -> None:
+def _gate_blocks(report_path: Path, options: GateArgs) -> Judged:
     """gate --recipe R --max-flush F: judge block statistics (per module), exit 0 or 1."""
     from fpaudit.report.store import Report
     from fpaudit.rules.blockplan import block_gate
@@ -419,7 +372,8 @@ def _gate_blocks(report_path: Path, options: GateArgs) -> None:
     report = Report.read(report_path)
     render.report_notes(report)
     result = block_gate(report, options.recipe, options.max_flush, options.max_saturate)
-    verdict(result, options.json, render_blocks.block_gate)
+    formatters.BLOCK_GATE.chosen(options.json).write(result)
+    return result
 
 
 def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
@@ -441,8 +395,8 @@ def plan_command(report_path: ReportArgument, options: PlanArgs) -> None:
     if not wanted:
         raise UsageError(f"{report_path} has no block statistics; scan or run with --recipe R")
     result = plan(report, list(wanted), options.max_flush, options.max_saturate)
-    output = "json" if options.json else "names" if options.names else "table"
-    render_blocks.plan(result, output)
+    shown = formatters.PLAN_NAMES if options.names and not options.json else None
+    (shown or formatters.PLAN.chosen(options.json)).write(result)
 
 
 def diff_command(base: BaseArgument, new: NewArgument, options: DiffArgs) -> None:
@@ -467,10 +421,7 @@ def diff_command(base: BaseArgument, new: NewArgument, options: DiffArgs) -> Non
         base_report, new_report, options.format, log2_scale=log2_scale, by=options.by,
         sort=options.sort, headroom_bits=options.headroom_bits, include_loss=options.include_loss,
     )  # fmt: skip
-    if options.json:
-        render.print_json(result.to_dict())
-    else:
-        render.comparison(result)
+    formatters.COMPARISON.chosen(options.json).write(result)
 
 
 def _diff_blocks(base: Report, new: Report, options: DiffArgs) -> None:
@@ -484,10 +435,7 @@ def _diff_blocks(base: Report, new: Report, options: DiffArgs) -> None:
                 f"{flag} does not apply to --recipe (per module, at each block's scale)"
             )
     result = compare_blocks(base, new, str(options.recipe))
-    if options.json:
-        render.print_json(result.to_dict())
-    else:
-        render_blocks.block_comparison(result)
+    formatters.BLOCK_COMPARISON.chosen(options.json).write(result)
 
 
 def export_command(report_path: ReportArgument, options: ExportArgs) -> None:

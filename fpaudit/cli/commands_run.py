@@ -1,8 +1,10 @@
 """The commands that run the user's code: ``scan``, ``run``, ``verify`` and ``fp16-plan``.
 
-Each maps its options to the library's (:func:`library_options`), runs, writes the
-report (a stopped or failed run keeps its completed steps), and prints what the
-library's summary (:mod:`fpaudit.rules.summary`) says.
+Each maps its options to the library's (:func:`library_options`), makes one library
+call (``scan`` and ``run``: :mod:`fpaudit.run.jobs`, which writes the report: locks,
+partial and distributed writes, forked children), and prints what the library's
+summary (:mod:`fpaudit.rules.summary`) says. How a command ends otherwise is the
+library's typed exception, which :mod:`fpaudit.cli.commands` maps to an exit status.
 """
 
 from __future__ import annotations
@@ -10,29 +12,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import shlex
-import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from fpaudit.cli import config, render, render_blocks, render_fp16plan, render_run
+from fpaudit.cli import config, formatters, render, render_blocks, render_run
 from fpaudit.cli import options as specs
-from fpaudit.cli.common import (
-    EXIT_ERROR,
-    EXIT_OK,
-    ModelFileArgument,
-    no_progress,
-    state,
-    verdict,
-)
+from fpaudit.cli.common import Judged, ModelFileArgument, no_progress, state
 from fpaudit.cli.options import Fp16PlanArgs, RunArgs, ScanArgs, VerifyArgs
-from fpaudit.errors import Interrupted, ModelFileError, UsageError
+from fpaudit.errors import UsageError
 from fpaudit.numerics.formats import Format, get_format
-from fpaudit.report.outputs import loop_words, symlink_loop
 from fpaudit.report.records import KIND_BACKWARD
 from fpaudit.report.runinfo import RunMeta
 
@@ -41,8 +34,7 @@ if TYPE_CHECKING:
 
     from fpaudit.integrations.tensorboard import LiveWriter
     from fpaudit.report.store import Report
-    from fpaudit.run.scan import ScanFailed
-    from fpaudit.run.training import RunOutcome
+    from fpaudit.run.jobs import ReportTarget
 
 # The analysis and report modules are imported inside the commands: pandas and
 # pyarrow are not needed while `scan` trains, and torch not to read a report.
@@ -71,118 +63,24 @@ def library_options(cls: type[L], args: ScanArgs | RunArgs, **parsed: Any) -> L:
     return cls(**{**same, **captured, **parsed})
 
 
-# bytes a report adds below --out: its staging sibling's longer name (fpaudit.report.outputs)
-# and the longest file inside it (rank prefixes, origins.parquet, a lock)
-_INSIDE_REPORT = 96
+def _target(options: ScanArgs | RunArgs) -> ReportTarget:
+    """--out checked before any work (an absolute path: model code may chdir)."""
+    from fpaudit.run.jobs import report_target
 
-
-def _path_max() -> int:
-    """The longest path the system opens (PATH_MAX, 4096 on Linux)."""
-    try:
-        return int(os.pathconf("/", "PC_PATH_MAX"))
-    except (OSError, ValueError, AttributeError):
-        return 4096
-
-
-def _new_report_path(options: ScanArgs | RunArgs) -> Path:
-    """--out as an absolute path (model code may chdir), checked before any work: a name
-    for a new directory in an existing directory, and no report there unless --force."""
-    given = str(options.out)
-    if not given.strip() or Path(given).name in ("", ".", ".."):
-        raise UsageError(
-            f"--out {given!r} names no new directory; give the report a name, for example "
-            "--out fpaudit-report"
-        )
-    out_path = Path(os.path.abspath(given))
-    loop = symlink_loop(out_path)
-    if loop is not None:
-        raise UsageError(f"--out {given}: {loop_words(loop)}")
-    length = len(os.fsencode(out_path))
-    if length + _INSIDE_REPORT > _path_max():
-        raise UsageError(
-            f"--out: the path {given[:40]}... is {length} bytes long; with the report's files "
-            f"inside it, this system allows {_path_max() - _INSIDE_REPORT}"
-        )
-    for parent in out_path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                # the wording of fpaudit.report.outputs.make_parent: one rule for output folders
-                raise UsageError(
-                    f"--out: cannot create folder {out_path.parent}: a file is in the way "
-                    f"({parent})"
-                )
-            try:
-                longest = os.pathconf(parent, "PC_NAME_MAX")
-            except (OSError, ValueError):
-                longest = 255
-            for part in out_path.relative_to(parent).parts:
-                if len(os.fsencode(part)) > longest:
-                    raise UsageError(
-                        f"--out: the name {part[:40]}... is {len(os.fsencode(part))} bytes "
-                        f"long; this filesystem allows {longest}"
-                    )
-            break
-    if out_path.exists() and not options.force:
-        raise UsageError(f"{given} already exists; pass --force to overwrite it")
-    return out_path
-
-
-def _forked() -> bool:
-    """True in a child that model code forked (os.fork, a DataLoader worker that came
-    back here): it never writes the report, never unlocks, never prints a summary."""
-    return not state.owner.here()
-
-
-def _write_partial(
-    report: Report, out_path: Path, options: ScanArgs | RunArgs, *, stopping: bool = False
-) -> str | None:
-    """Write a report of an interrupted or failed run, unless it would replace a report
-    that completed more steps (--replace-partial allows it). None when written, else
-    why the existing report was kept."""
-    from fpaudit.report.files import steps_in
-    from fpaudit.run import distributed
-
-    done = report.info.steps_run or 0
-    existing = steps_in(out_path) if out_path.exists() else None
-    if existing is not None and done < existing and not options.replace_partial:
-        return (
-            f"kept the existing report {options.out} ({existing} completed step(s)): this "
-            f"run completed {done}; pass --replace-partial to replace it anyway"
-        )
-    try:
-        _write(lambda: distributed.write_report(report, out_path, force=options.force), report)
-    except typer.Exit:
-        if not stopping:  # a Ctrl-C during the write of a stopped run: already stopping
-            raise
-    return None
-
-
-def _write(write: Any, report: Report) -> None:
-    """Run ``write``; a Ctrl-C or SIGTERM during it waits for the end (the write defers
-    them) and is then raised with the report safely written: say so before stopping."""
-    try:
-        write()
-    except KeyboardInterrupt as error:
-        if report.path is None:
-            raise
-        stopped = error if isinstance(error, Interrupted) else Interrupted()
-        render.error_line(
-            f"interrupted by {stopped.signal_name} while writing the report; it was written "
-            f"whole to {report.path}"
-        )
-        raise typer.Exit(stopped.exit_code) from None
+    return report_target(options.out, force=options.force, replace_partial=options.replace_partial)
 
 
 def _dashboard(
     directory: str | None, fmt: str | None, *, skips_at_end: bool = False
-) -> LiveWriter | None:
-    """--tensorboard DIR: the live writer (a missing package or an unwritable DIR is one
-    line, before the run); a write that fails later is a warning and the run goes on."""
+) -> Callable[[], LiveWriter] | None:
+    """--tensorboard DIR: what makes the live writer (a missing package or an unwritable
+    DIR is one line, before the run); a write that fails later is a warning and the run
+    goes on."""
     if directory is None:
         return None
     from fpaudit.integrations.tensorboard import LiveWriter
 
-    return LiveWriter(directory, fmt, skips_at_end=skips_at_end, warn=render.warning_line)
+    return lambda: LiveWriter(directory, fmt, skips_at_end=skips_at_end, warn=render.warning_line)
 
 
 def _load_cpu_kernel() -> None:
@@ -212,118 +110,29 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
 
     Example: fpaudit scan sample_configs/transformer.py --steps 8 --format fp16 --out report
     """
-    from fpaudit.run import distributed
+    from fpaudit.run.jobs import scan_to_report
     from fpaudit.run.scan import ScanOptions, resolve_device
 
     formats = [get_format(name) for name in dict.fromkeys(options.format)]
     loss_scale = math.ldexp(1.0, config.parse_scale(options.loss_scale, "loss_scale"))
     scan_options = library_options(ScanOptions, options, loss_scale=loss_scale)
-    out_path = _new_report_path(options)
+    target = _target(options)
     if resolve_device(scan_options.device).type == "cpu":
         _load_cpu_kernel()
     meta = _meta(
         options, formats=tuple(f.name for f in formats), headroom_bits=options.headroom_bits,
         include_loss=options.include_loss,
     )  # fmt: skip
-    # Under torchrun every rank runs this command; rank 0 locks, shows progress and sums up.
-    lead = distributed.leads()
     # --tensorboard: rank 0 writes its own steps' metrics as they close
-    live = _dashboard(options.tensorboard, formats[0].name) if lead else None
-    try:
-        report = _scan_and_write(model_file, scan_options, options, out_path, meta, live)
-    finally:
-        if live is not None and not _forked():  # a child model code forked never writes
-            live.close()
-    if distributed.active():
-        distributed.shutdown()  # every rank wrote its part: meet at a barrier, then leave
-        if not lead:
-            return
-        from fpaudit.report.store import Report
-
-        report = Report.read(out_path)  # every rank's part, merged
-        ended = report.meta.get("batches_ended_on")
-        if ended:  # a one-shot generator shorter on some ranks: all stopped together
-            sys.stderr.write(
-                f"fpaudit: note: the batches of rank {', '.join(map(str, ended))} ended after "
-                f"{report.info.steps_run} step(s); every rank stopped there\n"
-            )
-    _scan_summary(report, formats, options)
-
-
-def _scan_and_write(
-    model_file: Path,
-    scan_options: Any,
-    options: ScanArgs,
-    out_path: Path,
-    meta: RunMeta,
-    live: LiveWriter | None,
-) -> Report:
-    """Scan and write the report (the lead rank locks and shows progress; ``live``: the
-    dashboard each captured step goes to); a stopped scan keeps its completed steps and
-    exits, a scan whose model code exited keeps them and fails."""
-    from fpaudit.report.files import output_lock
-    from fpaudit.run import distributed
-    from fpaudit.run.scan import ScanExited, ScanFailed, ScanInterrupted, scan
-
-    lead = distributed.leads()
-    lock = output_lock(out_path) if lead else contextlib.nullcontext()
-    on_captured = live.write_step if live is not None else None
-    shown = str(options.out)
-    with lock:
-        try:
-            progress = render.step_progress(scan_options.steps) if lead else no_progress()
-            with progress as advance:
-                report = scan(
-                    model_file, scan_options, on_step=advance, on_captured=on_captured, meta=meta
-                )
-        except ScanInterrupted as stopped:  # keep the completed steps
-            if _forked():
-                raise typer.Exit(stopped.exit_code) from None
-            kept = _write_partial(stopped.report, out_path, options, stopping=True)
-            done = stopped.report.info.steps_run or 0
-            if kept is None:
-                render.interrupted(shown, stopped.signal_name, done, scan_options.steps)
-            else:
-                render.error_line(f"interrupted by {stopped.signal_name} after {done} of "
-                                  f"{scan_options.steps} step(s); {kept}")  # fmt: skip
-            raise typer.Exit(stopped.exit_code) from None
-        except ScanFailed as failed:  # torchrun: a rank failed; each keeps its steps apart
-            if _forked():
-                raise typer.Exit(EXIT_ERROR) from None
-            _write_alone(failed, out_path, options)
-        except ScanExited as exited:  # model code called sys.exit/os._exit
-            if _forked():
-                raise typer.Exit(EXIT_ERROR) from None
-            kept = _write_partial(exited.report, out_path, options)
-            done = exited.report.info.steps_run or 0
-            raise ModelFileError(
-                f"{exited}; "
-                + (kept or f"the {done} completed step(s) are in {shown}, marked incomplete")
-            ) from None
-        if _forked():
-            raise typer.Exit(EXIT_OK)
-        _write(lambda: distributed.write_report(report, out_path, force=options.force), report)
-    return report
-
-
-def _write_alone(failed: ScanFailed, out_path: Path, options: ScanArgs) -> NoReturn:
-    """Under torchrun, after a rank failed: write this rank's completed steps alone to
-    ``OUT.rankN`` (the ranks cannot meet to write one report: the failed one is gone)
-    and fail with the failing rank's words. SIGINT and SIGTERM (torchrun stops every
-    rank once one exits) no longer interrupt: this rank is ending, within seconds."""
-    for number in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(ValueError):  # not the main thread: nothing to hold
-            signal.signal(number, signal.SIG_IGN)
-    report, done = failed.report, failed.report.info.steps_run or 0
-    own = out_path.with_name(f"{out_path.name}.rank{int(os.environ.get('RANK', '0'))}")
-    shown = f"{options.out}.rank{int(os.environ.get('RANK', '0'))}"
-    try:
-        report.write(own, force=options.force)
-        kept = f"this rank's {done} completed step(s) are in {shown}, marked incomplete"
-    except Exception as problem:  # the failure is the news; the write a note in its line
-        kept = f"this rank's {done} completed step(s) could not be written to {shown} ({problem})"
-    error = failed.error
-    raise type(error)(*error.wording.parts, f"; {kept}")
+    done = scan_to_report(
+        model_file, scan_options, target, meta=meta, progress=render.step_progress,
+        dashboard=_dashboard(options.tensorboard, formats[0].name),
+    )  # fmt: skip
+    if done is None:  # under torchrun, a rank other than 0: rank 0 sums up
+        return
+    if done.batches_ended_on:  # a one-shot generator shorter on some ranks: all stopped together
+        render.batches_ended(done.batches_ended_on, done.report.info.steps_run)
+    _scan_summary(done.report, formats, options)
 
 
 def _scan_summary(report: Report, formats: list[Format], options: ScanArgs) -> None:
@@ -378,84 +187,27 @@ def run_command(ctx: typer.Context, script: ScriptArgument, options: RunArgs) ->
 
     Example: fpaudit run --max-steps 200 --out run-report -- train.py --lr 3e-4
     """
-    from fpaudit.report.files import output_lock
-    from fpaudit.rules.summary import run_format
-    from fpaudit.run.training import RunOptions, run_script
+    from fpaudit.run.jobs import run_to_report
+    from fpaudit.run.training import RunOptions
 
     fmt = get_format(options.format) if options.format is not None else None
     run_options = library_options(RunOptions, options)
-    out_path = _new_report_path(options)
+    target = _target(options)
     import torch
 
     if run_options.capture_every and not torch.cuda.is_available():
         _load_cpu_kernel()
     meta = _meta(options, headroom_bits=options.headroom_bits)
     # --tensorboard: skips are read when the run ends (one transfer), written then
-    live = _dashboard(options.tensorboard, fmt.name if fmt else None, skips_at_end=True)
-    with output_lock(out_path):
-        on_captured = live.write_step if live is not None else None
-        try:
-            outcome = run_script(
-                script, list(ctx.args), run_options, meta=meta, on_captured=on_captured
-            )
-        except BaseException:
-            if live is not None and not _forked():
-                live.close()  # what was written stays readable
-            raise
-        if live is not None and not _forked():
-            live.close(outcome.report)
-        if _forked():  # the script's os.fork() child ended its script: exit as it would
-            raise typer.Exit(outcome.exit_status)
-        report = outcome.report
-        fmt = fmt or run_format(report)
-        report.update_info(formats=(fmt.name,))
-        if not report.info.steps_run and outcome.interrupted is None:
-            _nothing_run(script, outcome)
-        kept = None
-        if outcome.interrupted is not None or outcome.failure is not None or outcome.exited:
-            kept = _write_partial(
-                report, out_path, options, stopping=outcome.interrupted is not None
-            )
-        else:
-            _write(lambda: report.write(out_path, force=options.force), report)
-    if kept is not None:
-        _kept_instead(report, outcome, kept)
-    _run_summary(report, fmt, options)
-    if outcome.interrupted is not None:
-        render.interrupted(str(options.out), outcome.interrupted.signal_name,
-                           report.info.steps_run or 0, options.max_steps)  # fmt: skip
-        raise typer.Exit(outcome.interrupted.exit_code)
-    if outcome.failure is not None:
-        raise outcome.failure
-    if outcome.exited:
-        _exit_as_the_script(outcome)
-
-
-def _nothing_run(script: Path, outcome: RunOutcome) -> NoReturn:
-    """End a run that made no optimizer step: its error, the script's own status, or
-    "nothing to audit"."""
-    if outcome.failure is not None:
-        raise outcome.failure  # nothing done, nothing to keep
-    if outcome.exited:  # nothing to audit, and the script's own status
-        render.error_line(f"{script} exited before an optimizer step: nothing to audit")
-        _exit_as_the_script(outcome)
-    raise ModelFileError(
-        f"{script} finished without an optimizer step: nothing to audit (fpaudit run "
-        "watches torch.optim optimizers and torch.amp.GradScaler)"
+    dashboard = _dashboard(options.tensorboard, fmt.name if fmt else None, skips_at_end=True)
+    done = run_to_report(
+        script, list(ctx.args), run_options, target, fmt=fmt, meta=meta, dashboard=dashboard
     )
-
-
-def _kept_instead(report: Report, outcome: RunOutcome, kept: str) -> NoReturn:
-    """End a stopped or failed run whose report was not written over a fuller one."""
-    if outcome.interrupted is not None:
-        render.error_line(f"interrupted by {outcome.interrupted.signal_name} after "
-                          f"{report.info.steps_run} step(s); {kept}")  # fmt: skip
-        raise typer.Exit(outcome.interrupted.exit_code)
-    if outcome.exited:
-        sys.stderr.write(f"fpaudit: note: {kept}\n")
-        _exit_as_the_script(outcome)
-    assert outcome.failure is not None
-    raise ModelFileError(f"{outcome.failure}; {kept}")
+    if done.while_writing is not None:
+        render.ending(done.while_writing)
+    _run_summary(done.report, done.format, options)
+    if done.ending is not None:
+        raise done.ending
 
 
 def _run_summary(report: Report, fmt: Format, options: RunArgs) -> None:
@@ -475,16 +227,7 @@ def _run_summary(report: Report, fmt: Format, options: RunArgs) -> None:
     _block_summaries(report, specs.default_int("scan", "top"))
 
 
-def _exit_as_the_script(outcome: RunOutcome) -> NoReturn:
-    """End ``fpaudit run`` as ``python script`` ended: the script's ``sys.exit(n)`` status,
-    and for ``sys.exit("text")`` the text on stderr and status 1, as Python does."""
-    if outcome.exit_message is not None:
-        sys.stderr.write(f"{outcome.exit_message}\n")
-        sys.stderr.flush()
-    raise typer.Exit(outcome.exit_status)
-
-
-def verify_command(model_file: ModelFileArgument, options: VerifyArgs) -> None:
+def verify_command(model_file: ModelFileArgument, options: VerifyArgs) -> Judged:
     """One fp32 step against one mixed-precision step: which parameters stop learning.
 
     Example: fpaudit verify sample_configs/mlp.py --scale 2^16 --amp fp16 --clip-norm 1.0
@@ -507,10 +250,11 @@ def verify_command(model_file: ModelFileArgument, options: VerifyArgs) -> None:
             device=options.device,
             seed=options.seed,
         )
-    verdict(result, options.json, render.verification)
+    formatters.VERIFICATION.chosen(options.json).write(result)
+    return result
 
 
-def fp16_plan_command(model_file: ModelFileArgument, options: Fp16PlanArgs) -> None:
+def fp16_plan_command(model_file: ModelFileArgument, options: Fp16PlanArgs) -> Judged:
     """The smallest set of modules to keep out of fp16, a loss scale, verified by running it.
 
     Example: fpaudit fp16-plan model.py --headroom-bits 1 --max-underflow 0.001
@@ -525,4 +269,5 @@ def fp16_plan_command(model_file: ModelFileArgument, options: Fp16PlanArgs) -> N
         device=options.device,
         seed=options.seed,
     )
-    verdict(plan, options.json, render_fp16plan.fp16_plan)
+    formatters.FP16_PLAN.chosen(options.json).write(plan)
+    return plan

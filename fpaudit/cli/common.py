@@ -12,12 +12,12 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import typer
 
 from fpaudit._process import Owner
-from fpaudit.cli import config, render
+from fpaudit.cli import config
 from fpaudit.cli import options as specs
 from fpaudit.cli.options import CONFIG_FIELD, CommandOptions
 from fpaudit.errors import UsageError
@@ -97,14 +97,14 @@ def _flag(command: str, option: specs.Spec | None) -> Any:
 
 def with_options(
     args: type[_Args],
-) -> Callable[[Callable[..., None]], Callable[..., None]]:
+) -> Callable[[Callable[..., object]], Callable[..., object]]:
     """Give a command its flags from ``args``'s fields and hand it one ``args``: the
     command declares its arguments and an ``options`` parameter; typer sees the
     arguments followed by one option per field (``inspect.signature`` reads
     ``__signature__``, so the help lists them in field order). Building ``args`` checks
     each value against its declared bounds."""
 
-    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+    def decorate(command: Callable[..., object]) -> Callable[..., object]:
         own = [
             parameter
             for parameter in inspect.signature(command, eval_str=True).parameters.values()
@@ -123,11 +123,11 @@ def with_options(
         ]
 
         @functools.wraps(command)
-        def parsed(*positional: Any, **given: Any) -> None:
+        def parsed(*positional: Any, **given: Any) -> object:
             flags = {name: given.pop(name) for name in names}
             file = flags.get(CONFIG_FIELD)
             configured = config.options_for(args.COMMAND, file) if file is not None else {}
-            command(*positional, **given, options=args.build(configured, flags))
+            return command(*positional, **given, options=args.build(configured, flags))
 
         parameters = [*own, *flags]
         parsed.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # read by inspect.signature (typer); typeshed's functions lack it
@@ -158,13 +158,13 @@ def named_scale(text: str | None, names: tuple[str, ...]) -> int | str | None:
     return name if name in names else config.parse_scale(text, "scale")
 
 
-def verdict(result: Any, as_json: bool, show: Callable[[Any], None]) -> NoReturn:
-    """Print a pass/fail result (JSON or through ``show``) and exit 0 (passed) or 1."""
-    if as_json:
-        render.print_json(result.to_dict())
-    else:
-        show(result)
-    raise typer.Exit(EXIT_OK if result.passed else EXIT_GATE_FAILED)
+@runtime_checkable
+class Judged(Protocol):
+    """A verdict a command returns (the gate's, verify's, fp16-plan's):
+    :func:`fpaudit.cli.commands.run` exits 0 when it passed, 1 when it failed."""
+
+    @property
+    def passed(self) -> bool: ...
 
 
 def outside_report(path: Path, report_path: Path, flag: str) -> None:

@@ -16,8 +16,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from fpaudit.errors import Ended, ScriptExited, StoppedRun, StoppedWhileWriting
 from fpaudit.numerics.formats import Format, as_format
-from fpaudit.rules.recommendation import LEAST_UNDERFLOW
+from fpaudit.rules.recommendation import LEAST_UNDERFLOW, LimitedBy
 from fpaudit.rules.summary import json_rows, worst_modules
 from fpaudit.text import count, module_in_prose, module_label, percent, power, scale_text
 
@@ -118,12 +119,9 @@ def magnitude(value: float) -> str:
 
 
 # -- formats ---------------------------------------------------------------
-def formats(formats: Iterable[Format], as_json: bool) -> None:
-    formats = list(formats)
+def formats(formats: Iterable[Format]) -> None:
+    """The formats' thresholds, one row each."""
     rows = [f.limits for f in formats]
-    if as_json:
-        print_json([row.to_dict() for row in rows])
-        return
     table = Table(
         title="Where a value rounds to zero, goes subnormal, overflows", title_justify="left"
     )
@@ -274,7 +272,7 @@ def _scale_lines(rec: Recommendation) -> list[str]:
         f"Recommended static loss scale for {rec.format}: S = {scale_text(rec.log2_scale)} "
         f"(headroom {rec.headroom_bits} bits)" + (": no loss scale needed." if no_scale else ".")
     ]
-    if rec.limited_by == "scale range":
+    if rec.limited_by == LimitedBy.SCALE_RANGE:
         lines.append("  Limited by the range a loss scale can take (fp32 normal numbers).")
     elif rec.limited_by == LEAST_UNDERFLOW:
         lines.append(
@@ -629,6 +627,41 @@ def interrupted(path: str, signal_name: str, done: int, steps: int | None) -> No
     sys.stderr.write(
         f"fpaudit: interrupted by {signal_name} after {done}{of} step(s); the completed "
         f"steps are in {path}, marked incomplete\n"
+    )
+
+
+def ending(ended: Ended) -> None:
+    """The words of a command that ends neither in success nor on bad input (a forked
+    child ends quietly; ``fpaudit.errors.Ended``), on stderr."""
+    if isinstance(ended, StoppedWhileWriting):
+        error_line(
+            f"interrupted by {ended.signal_name} while writing the report; it was written "
+            f"whole to {ended.path}"
+        )
+    elif isinstance(ended, StoppedRun):
+        if ended.while_writing is not None:
+            ending(ended.while_writing)
+        if ended.kept is None:
+            interrupted(ended.out, ended.signal_name, ended.done, ended.planned)
+        else:
+            of = f" of {ended.planned}" if ended.planned else ""
+            error_line(f"interrupted by {ended.signal_name} after {ended.done}{of} step(s); "
+                       f"{ended.kept.as_flag()}")  # fmt: skip
+    elif isinstance(ended, ScriptExited):
+        if ended.error is not None:
+            error_line(ended.error.as_flag())
+        if ended.note is not None:
+            sys.stderr.write(f"fpaudit: note: {ended.note.as_flag()}\n")
+        if ended.message is not None:  # as Python prints sys.exit("text")
+            sys.stderr.write(f"{ended.message}\n")
+            sys.stderr.flush()
+
+
+def batches_ended(ranks: Iterable[int], steps_run: int | None) -> None:
+    """Under torchrun: the batches of some ranks ended first, and every rank stopped there."""
+    sys.stderr.write(
+        f"fpaudit: note: the batches of rank {', '.join(map(str, ranks))} ended after "
+        f"{steps_run} step(s); every rank stopped there\n"
     )
 
 

@@ -15,7 +15,6 @@ from fpaudit.cli.render import (
     fraction_text,
     json_records,
     only_in,
-    print_json,
     stdout,
     table_power,
 )
@@ -30,12 +29,10 @@ if TYPE_CHECKING:
 
 
 # -- block-scaled recipes (--recipe) -----------------------------------------
-def recipes(items: Iterable[Recipe], as_json: bool) -> None:
+def recipes(items: Iterable[Recipe]) -> None:
+    """The recipes, cheapest first, one row each."""
     items = list(items)
     rows = [r.summary for r in items]
-    if as_json:
-        print_json([row.to_dict() for row in rows])
-        return
     table = Table(
         title="Block-scaled recipes (--recipe), cheapest first; element thresholds after "
         "the block scale",
@@ -158,14 +155,14 @@ def block_gate(result: BlockGateResult) -> None:
         )
 
 
-def plan(result: RecipePlan, output: str) -> None:
-    if output == "json":
-        print_json(result.to_dict())
-        return
-    if output == "names":
-        for name in result.keep:
-            sys.stdout.write(f"{module_label(name)}\n")
-        return
+def plan_names(result: RecipePlan) -> None:
+    """``plan --names``: the modules to keep in bf16, one a line."""
+    for name in result.keep:
+        sys.stdout.write(f"{module_label(name)}\n")
+
+
+def plan(result: RecipePlan) -> None:
+    """The cheapest passing recipe per GEMM module, and what stays in bf16."""
     console = stdout()
     if not result.modules:
         console.print(

@@ -269,7 +269,7 @@ class AuditSession:
 def scale_tensor(scaler: Any) -> torch.Tensor | None:
     """The scale an enabled ``torch.amp.GradScaler`` is in force with (a 0-dim tensor,
     no host sync), or None for no scaler, a disabled one or one not yet used."""
-    from fpaudit.capture._torch_patches import scaler_enabled, scaler_scale  # GradScaler's reader
+    from fpaudit.capture.torch_patches import scaler_enabled, scaler_scale  # GradScaler's reader
 
     return scaler_scale(scaler) if scaler_enabled(scaler) else None
 

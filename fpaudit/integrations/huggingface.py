@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from fpaudit.capture import compiled
-from fpaudit.capture._torch_patches import Call, Patches, step_targets
+from fpaudit.capture.torch_patches import Call, Patches, step_targets
 from fpaudit.integrations import SessionCallback, scale_tensor, unscaled
 
 try:
@@ -235,7 +235,7 @@ class FpauditTrainerCallback(SessionCallback, TrainerCallback):
             self._close_or_drop(ok=True)
 
     def _install(self) -> None:
-        """Wrap (``_torch_patches.Patches``: the originals' signatures, arguments passed on
+        """Wrap (``torch_patches.Patches``: the originals' signatures, arguments passed on
         untouched) the calls that change the gradients before ``on_pre_optimizer_step``."""
         for owner, name, handler in self.patch_targets():
             self._patches.wrap(owner, name, handler)

@@ -22,7 +22,14 @@ from typing import BinaryIO
 
 from fpaudit.errors import Named, UsageError
 
-__all__ = ["STAGING_SUFFIX", "hidden_sibling", "make_parent", "staging_prefix", "write_atomically"]
+__all__ = [
+    "STAGING_SUFFIX",
+    "check_creatable",
+    "hidden_sibling",
+    "make_parent",
+    "staging_prefix",
+    "write_atomically",
+]
 
 STAGING_SUFFIX = ".tmp"
 
@@ -57,14 +64,61 @@ def make_parent(path: Path, option: str) -> Path:
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:  # a file where a folder should be
-        raise UsageError(
-            Named(option), f": cannot create folder {parent}: a file is in the way"
-        ) from None
+        raise _in_the_way(option, parent) from None
     except OSError as error:
         raise UsageError(
             Named(option), f": cannot create folder {parent} ({error.strerror or error})"
         ) from None
     return parent
+
+
+def _in_the_way(option: str, folder: Path, blocker: Path | None = None) -> UsageError:
+    """The one wording of a file where an output's folder should be."""
+    which = f" ({blocker})" if blocker is not None else ""
+    return UsageError(
+        Named(option), f": cannot create folder {folder}: a file is in the way{which}"
+    )
+
+
+def _path_max() -> int:
+    """The longest path the system opens (PATH_MAX, 4096 on Linux)."""
+    try:
+        return int(os.pathconf("/", "PC_PATH_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 4096
+
+
+def check_creatable(path: Path, option: str, *, given: str, inside: int = 0) -> None:
+    """Check, creating nothing, that the absolute ``path`` (``given`` as the user spelled
+    it) can be made by :func:`make_parent` and a write: no symlink loop, a path within
+    the system's limit with ``inside`` bytes to spare (the files a report puts in it),
+    no file where a folder should be, every new name within its filesystem's limit.
+    Each problem is one :class:`~fpaudit.errors.UsageError` naming ``option``."""
+    loop = symlink_loop(path)
+    if loop is not None:
+        raise UsageError(Named(option), f" {given}: {loop_words(loop)}")
+    length = len(os.fsencode(path))
+    if length + inside > _path_max():
+        raise UsageError(
+            Named(option), f": the path {given[:40]}... is {length} bytes long; with the "
+            f"report's files inside it, this system allows {_path_max() - inside}"
+        )  # fmt: skip
+    for parent in path.parents:
+        if not parent.exists():
+            continue
+        if not parent.is_dir():
+            raise _in_the_way(option, path.parent, parent)
+        try:
+            longest = os.pathconf(parent, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            longest = 255
+        for part in path.relative_to(parent).parts:
+            if len(os.fsencode(part)) > longest:
+                raise UsageError(
+                    Named(option), f": the name {part[:40]}... is {len(os.fsencode(part))} "
+                    f"bytes long; this filesystem allows {longest}"
+                )  # fmt: skip
+        return
 
 
 def hidden_sibling(target: Path, suffix: str) -> Path:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 from fpaudit.numerics.formats import Format, as_format
@@ -54,7 +55,7 @@ def log2_scale_for(
     fmt: Format,
     headroom_bits: int,
     losses: Callable[[int], tuple[int, int]] | None = None,
-) -> tuple[int | None, str]:
+) -> tuple[int | None, LimitedBy]:
     """The rule: the recommended ``k`` for the largest unscaled value ``amax`` and the
     values lost at each ``2**k`` (``losses(k)``: the judged underflow and flushed counts;
     None: the ceiling alone), and what set it: "amax" (the headroom's ceiling), "scale
@@ -62,11 +63,12 @@ def log2_scale_for(
     than the ceiling), or "no nonzero values" with ``k`` None. ``recommend`` applies it to
     a report, ``drift`` to each window, the dashboards to each step."""
     if not amax > 0:
-        return None, "no nonzero values"
+        return None, LimitedBy.NO_NONZERO_VALUES
     ceiling = largest_log2_scale(amax, math.ldexp(fmt.max_finite, -headroom_bits))
-    limited_by = "amax"
+    limited_by = LimitedBy.AMAX
     if not LOG2_SCALE_MIN <= ceiling <= LOG2_SCALE_MAX:
-        ceiling, limited_by = min(max(ceiling, LOG2_SCALE_MIN), LOG2_SCALE_MAX), "scale range"
+        ceiling = min(max(ceiling, LOG2_SCALE_MIN), LOG2_SCALE_MAX)
+        limited_by = LimitedBy.SCALE_RANGE
     if losses is None:
         return ceiling, limited_by
     least_underflow, least_flushed = losses(ceiling)
@@ -82,7 +84,17 @@ def log2_scale_for(
     return (hi, limited_by) if hi == ceiling else (hi, LEAST_UNDERFLOW)
 
 
-LEAST_UNDERFLOW = "least underflow"  # limited_by when a scale below the ceiling loses as little
+class LimitedBy(StrEnum):
+    """What set a recommended scale (:func:`log2_scale_for`); JSON and the terminal
+    carry these strings."""
+
+    AMAX = "amax"  # the headroom's ceiling over the largest unscaled value
+    SCALE_RANGE = "scale range"  # the ceiling lay outside fp32's scales: clamped
+    LEAST_UNDERFLOW = "least underflow"  # a scale below the ceiling loses as little
+    NO_NONZERO_VALUES = "no nonzero values"  # nothing to scale: no recommendation
+
+
+LEAST_UNDERFLOW = LimitedBy.LEAST_UNDERFLOW  # the name its readers import
 
 
 @dataclass(frozen=True)
@@ -124,7 +136,7 @@ class Recommendation:
     amax: float
     limiting_module: str | None
     limiting_op: str | None
-    limited_by: str  # "amax", "scale range", "least underflow" or "no nonzero values"
+    limited_by: LimitedBy
     underflow_fraction: float  # at the recommended scale
     underflow_fraction_at_1: float
     underflow_recovered_by_one_fewer_headroom_bit: float
@@ -157,7 +169,7 @@ class ScaleChoice:
     such value is nonzero. ``ceiling`` is that largest scale the headroom allows."""
 
     log2_scale: int | None
-    limited_by: str
+    limited_by: LimitedBy
     amax: float = 0.0
     limiting_module: str | None = None
     limiting_op: str | None = None
@@ -185,7 +197,7 @@ def choose_scale(
     records = records[records["scales_with_loss"]]
     unscaled = records["amax"] / records["loss_scale"]
     if records.empty or not (unscaled > 0).any():
-        return ScaleChoice(None, "no nonzero values")
+        return ScaleChoice(None, LimitedBy.NO_NONZERO_VALUES)
     limiter = records.loc[unscaled.idxmax()]
     amax = float(unscaled.max())
     counter = loss_counter(analysis.condense(report, scope), fmt)
@@ -232,7 +244,7 @@ def recommend(
             amax=0.0,
             limiting_module=None,
             limiting_op=None,
-            limited_by="no nonzero values",
+            limited_by=LimitedBy.NO_NONZERO_VALUES,
             underflow_fraction=overall_at_1.judged_underflow_fraction,
             underflow_fraction_at_1=overall_at_1.judged_underflow_fraction,
             underflow_recovered_by_one_fewer_headroom_bit=0.0,
@@ -245,7 +257,7 @@ def recommend(
     k, limited_by, amax = choice.log2_scale, choice.limited_by, choice.amax
     overall = analysis.totals(report, fmt, k, scope=scope)
     ceiling = choice.ceiling if choice.ceiling is not None else k
-    one_fewer = min(ceiling + 1, LOG2_SCALE_MAX) if limited_by != "scale range" else ceiling
+    one_fewer = min(ceiling + 1, LOG2_SCALE_MAX) if limited_by != LimitedBy.SCALE_RANGE else ceiling
     overall_one_fewer = analysis.totals(report, fmt, one_fewer, scope=scope)
     return Recommendation(
         format=fmt.name,

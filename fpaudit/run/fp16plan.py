@@ -69,7 +69,7 @@ from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS as RECOMMEND_HEADROOM_
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE
 from fpaudit.report.store import Report
 from fpaudit.rules import analysis, origins
-from fpaudit.rules.recommendation import LEAST_UNDERFLOW, UnscalableOp, recommend
+from fpaudit.rules.recommendation import LEAST_UNDERFLOW, LimitedBy, UnscalableOp, recommend
 
 # declared once in fpaudit.defaults (4 steps, 1 bit of headroom, 0.001)
 DEFAULT_STEPS = defaults.FP16_PLAN_STEPS
@@ -179,7 +179,7 @@ class Fp16Plan:
     recommended_log2_scale: int | None = None
     recommended_headroom_bits: int = 0
     recommended_limiting_module: str | None = None
-    recommended_limited_by: str | None = None  # the rule's reason ("least underflow", ...)
+    recommended_limited_by: LimitedBy | None = None  # the rule's reason
     # values that over/underflow fp16 at every scale (no scale fixes them), by node and op
     unscalable_overflow: int = 0
     unscalable_underflow: int = 0

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fpaudit.capture import _torch_patches as patches
+from fpaudit.capture import torch_patches as patches
 from fpaudit.report.records import STEP_COLUMNS, STEP_DEFAULTS
 from fpaudit.report.runinfo import ScalerInfo
 from fpaudit.rules.findings import CallLog, SchedulerCall, Site, SpanScale

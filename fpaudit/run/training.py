@@ -65,10 +65,10 @@ from torch import nn
 import fpaudit
 from fpaudit import defaults
 from fpaudit.bounds import AT_LEAST_1
-from fpaudit.capture import _torch_patches as patches
 from fpaudit.capture import compiled
-from fpaudit.capture._torch_patches import Call
+from fpaudit.capture import torch_patches as patches
 from fpaudit.capture.audit import Audit, Selection
+from fpaudit.capture.torch_patches import Call
 from fpaudit.errors import FpauditError, Interrupted, ModelFileError, OptionError
 from fpaudit.numerics.recipes import get_recipe
 from fpaudit.report.records import LOSS_MODULE, ReportBuilder
@@ -374,7 +374,7 @@ class TrainingMonitor:
                     self.state.note_grad_amax(optimizer, replace=True)
             self._end_step()
 
-    # -- handlers of the patched calls (see _torch_patches) --------------------------
+    # -- handlers of the patched calls (see torch_patches) --------------------------
     @contextmanager
     def on_scale(self, call: Call) -> Iterator[None]:
         scaler, outputs = call.arguments["self"], call.arguments["outputs"]

@@ -1,6 +1,6 @@
 """Every function or method `fpaudit run` patches behaves as the original does.
 
-For each patched callable (``_torch_patches.targets()``), the same calls are made
+For each patched callable (``torch_patches.targets()``), the same calls are made
 positionally, by keyword and mixed, once on a fresh world without fpaudit and once
 on an identical fresh world with the training monitor installed; the results and
 the side effects (parameters, gradients, scaler and scheduler state) must be
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
-from fpaudit.capture import _torch_patches as patches
+from fpaudit.capture import torch_patches as patches
 from fpaudit.run.training import RunOptions, TrainingMonitor
 
 GradScaler = torch.amp.GradScaler

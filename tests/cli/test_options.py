@@ -12,7 +12,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from fpaudit.cli import options
+from fpaudit.cli import formatters, options
 from fpaudit.cli.commands import app
 from fpaudit.cli.common import with_options
 from fpaudit.cli.options import (
@@ -93,9 +93,11 @@ def test_a_command_is_declared_once_and_the_app_registers_it_so() -> None:
         # --config where (and only where) a config file may set the command
         shown = {p.name for p in registered[command.command].params}
         assert (CONFIG_FIELD in shown) == command.config, command.command
-        # the renderer is one the command's module draws with
+        # the renderer is one the command's module draws with, itself or through the
+        # formatters it picks (fpaudit.cli.formatters)
         module = sys.modules[command.function.__module__]
-        assert command.renderer in vars(module).values(), command.command
+        drawn_with = [*vars(module).values(), *vars(formatters).values()]
+        assert command.renderer in drawn_with, command.command
 
 
 def test_a_renderer_of_its_own_is_named_for_its_command() -> None:

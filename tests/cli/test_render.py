@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fpaudit.cli import render, render_run
+from fpaudit.cli import formatters, render, render_run
 from fpaudit.numerics.formats import FORMATS
 from fpaudit.report.runinfo import Finding, ScalerInfo, SkipStatistics
 
@@ -138,7 +138,7 @@ def test_findings(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_formats_json_is_the_formats_own_numbers(capsys: pytest.CaptureFixture[str]) -> None:
-    render.formats(FORMATS.values(), as_json=True)
+    formatters.FORMATS.chosen(as_json=True).write(FORMATS.values())
     rows = json.loads(capsys.readouterr().out)
     assert [row["format"] for row in rows] == list(FORMATS)
     fp16 = next(row for row in rows if row["format"] == "fp16")
@@ -154,7 +154,7 @@ def test_formats_json_is_the_formats_own_numbers(capsys: pytest.CaptureFixture[s
 
 
 def test_formats_table_writes_powers_of_two(capsys: pytest.CaptureFixture[str]) -> None:
-    render.formats([FORMATS["fp16"], FORMATS["fp8_e4m3fn"]], as_json=False)
+    render.formats([FORMATS["fp16"], FORMATS["fp8_e4m3fn"]])
     lines = capsys.readouterr().out.splitlines()
     rows = {
         cells[0]: cells[1:]

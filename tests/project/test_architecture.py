@@ -27,6 +27,7 @@ PRESENTATION = {
     "fpaudit.cli.commands_report",
     "fpaudit.cli.commands_run",
     "fpaudit.cli.common",
+    "fpaudit.cli.formatters",  # picks a renderer (or JSON) per result
     *RENDERERS,
     "fpaudit.__main__",
 }

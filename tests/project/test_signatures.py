@@ -24,8 +24,8 @@ JSON_BOUNDARY = {"to_dict", "to_meta", "entries", "from_dict", "from_meta"}
 # Keyword arguments handed through to torch, Dynamo or Inductor as they came: their keys
 # are torch's, not fpaudit's.
 PASS_THROUGH = {
-    "fpaudit.capture._torch_patches.Call.arguments",
-    "fpaudit.capture._torch_patches.Call.extra",
+    "fpaudit.capture.torch_patches.Call.arguments",
+    "fpaudit.capture.torch_patches.Call.extra",
     "fpaudit.capture.compiled.compiled_backend(options)",
     "fpaudit.capture.compiled.inductor_options->",
     "fpaudit.capture.compiled.mode_options->",
@@ -177,7 +177,7 @@ def test_the_records_of_issue_36_are_typed() -> None:
 def test_the_capture_and_report_records_of_issue_36_are_typed() -> None:
     # what the capture writes into a report and the report hands its readers
     typed = {
-        "fpaudit.capture._torch_patches.scaler_settings->": "ScalerInfo",
+        "fpaudit.capture.torch_patches.scaler_settings->": "ScalerInfo",
         "fpaudit.capture.autocast.probe->": "AutocastPrediction",
         "fpaudit.capture.autocast.predict(prediction)": "AutocastPrediction | None",
         "fpaudit.capture.compiled_receiver.CompiledReceiver.info->": "CompiledInfo | None",
