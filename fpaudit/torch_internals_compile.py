@@ -24,10 +24,16 @@ tests on 2.10.0 and 2.15.0.
   ``torch._inductor.ir.NoneLayout`` (an op that writes into another buffer, as a
   ``scatter_add`` fallback into the zeros MaxPool's backward starts from: it stores
   nothing of its own, and the buffer it mutates is read as any other).
-* ``torch._inductor.config``: ``post_grad_custom_post_pass`` (fpaudit's pass copies the
-  post-grad graph, whose node metadata names modules; it changes nothing),
-  ``fx_graph_cache`` (off for the backward, so that the scheduler runs and says which
-  buffers it stores).
+* ``GraphLowering.module``: the graph Inductor lowers (the post-grad graph, whose node
+  metadata names modules), read in the same ``codegen`` call.
+* ``torch._inductor.config.fx_graph_cache``: Inductor's FX graph cache stays as the user
+  has it, so a backward graph cached by a plain ``torch.compile`` run (or an earlier
+  fpaudit run) is loaded, not compiled; it is turned off only to compile once more a
+  graph loaded from the cache whose stored buffers fpaudit has not recorded yet (a
+  cached graph's scheduler does not run, so it cannot say which buffers it stores).
+* ``CompiledFxGraph._fx_graph_cache_key`` and ``.source_code``: the FX graph cache's key
+  of a compiled graph (set on a cache miss and on a hit) and its generated code, which
+  key and check what fpaudit remembers of the graph's stored buffers.
 * ``torch._functorch.config.enable_autograd_cache``: off while fpaudit compiles, so a
   cached forward/backward pair never skips fpaudit's backward compiler.
 * ``CompiledFxGraph.current_callable``: the compiled backward's boxed callable,
@@ -60,7 +66,7 @@ tests on 2.10.0 and 2.15.0.
 from __future__ import annotations
 
 import contextlib
-import copy
+import hashlib
 import inspect
 import re
 import sys
@@ -75,6 +81,7 @@ import torch
 from torch import fx, nn
 
 __all__ = [
+    "CachedGraph",
     "StoredBuffer",
     "compile_backend",
     "compiled_module_parts",
@@ -100,6 +107,16 @@ class StoredBuffer:
     node: str | None
     origins: tuple[str, ...]
     unreadable: str | None = None
+
+
+@dataclass(frozen=True)
+class CachedGraph:
+    """Where Inductor's FX graph cache keeps a compiled graph: its cache key and the
+    SHA-256 of its generated code (two compiles under one key that made other code are
+    told apart)."""
+
+    key: str
+    code: str
 
 
 def eager_module(model: nn.Module) -> nn.Module | None:
@@ -167,14 +184,14 @@ def _read_buffer(name: str, buffer: Any) -> list[StoredBuffer]:
 
 
 @contextlib.contextmanager
-def _reading_stored(into: list[list[StoredBuffer]]) -> Iterator[None]:
+def _reading_stored(into: list[tuple[fx.GraphModule, list[StoredBuffer]]]) -> Iterator[None]:
     from torch._inductor.graph import GraphLowering
 
     original = GraphLowering.codegen
 
     def codegen(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        into.append(_stored(self))
+        into.append((self.module, _stored(self)))
         return result
 
     with _LOCK:
@@ -185,7 +202,8 @@ def _reading_stored(into: list[list[StoredBuffer]]) -> Iterator[None]:
             GraphLowering.codegen = original  # type: ignore[method-assign]
 
 
-BufferPlan = Callable[[fx.GraphModule, list[StoredBuffer]], list[str]]
+BufferPlan = Callable[[fx.GraphModule, list[StoredBuffer], CachedGraph | None], list[str]]
+Recall = Callable[[CachedGraph], list[str] | None]
 Observe = Callable[[str, Any], None]
 Boxed = Callable[[list[Any]], Any]  # a compiled graph's callable: it takes its inputs as a list
 Wrap = Callable[[Boxed, Boxed], Boxed]
@@ -198,10 +216,15 @@ def inductor_backward(
     plan: BufferPlan,
     observe: Observe,
     wrap: Wrap,
+    recall: Recall,
 ) -> Any:
     """Compile backward graph ``gm`` with Inductor exactly as ``torch.compile`` does (the
-    same graph, so the same fusions, reductions and kernels), reading which buffers its
-    scheduler stores; ``plan(post_grad_graph, stored)`` picks the buffer names to observe.
+    same graph, so the same fusions, reductions and kernels; Inductor's FX graph cache
+    as the user has it). Where the scheduler ran, ``plan(post_grad_graph, stored,
+    cached)`` picks the buffer names to observe (``cached``: where the cache keeps the
+    graph, None where it does not). A graph loaded from the cache ran no scheduler:
+    ``recall(cached)`` gives the names fpaudit's plan picked for it before, and only
+    where it has none is the graph compiled once more, with the cache off.
     A twin of the compiled wrapper function, run with the very kernels the compile made,
     calls ``observe(name, buffer)`` at the last moment each of those buffers holds its
     value (before it is freed, before its memory is reused, or before the function
@@ -210,21 +233,21 @@ def inductor_backward(
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    stored: list[list[StoredBuffer]] = []
-    post_grad: list[fx.GraphModule] = []
-
-    def keep(graph: fx.Graph) -> None:
-        post_grad.append(copy.deepcopy(graph.owning_module))  # type: ignore[arg-type]
-
-    # A custom post-grad pass that only copies the graph changes no decision of
-    # Inductor's; the FX graph cache stays off so that the scheduler runs (a cached
-    # graph would not say which buffers it stores).
-    with (
-        config.patch(fx_graph_cache=False, post_grad_custom_post_pass=keep),
-        _reading_stored(stored),
-    ):
+    lowered: list[tuple[fx.GraphModule, list[StoredBuffer]]] = []
+    with _reading_stored(lowered):
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-    names = plan(post_grad[-1], stored[-1]) if stored and post_grad else []
+    cached = _cached(compiled)
+    names = None
+    if not lowered:  # loaded from the cache: no scheduler ran
+        names = recall(cached) if cached is not None else None
+        if names is None:  # (a hit runs no pass on gm: it is the graph it was given)
+            with config.patch(fx_graph_cache=False), _reading_stored(lowered):
+                compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            code = _code_digest(compiled)
+            key = cached.key if cached is not None else None
+            cached = CachedGraph(key, code) if key is not None and code is not None else None
+    if names is None:
+        names = plan(*lowered[-1], cached) if lowered else []
     if not names:
         return compiled
     plain = getattr(compiled, "current_callable", None)
@@ -235,6 +258,27 @@ def inductor_backward(
         )
     compiled.current_callable = wrap(plain, _observed_twin(plain, names, observe))  # type: ignore[attr-defined]
     return compiled
+
+
+def _code_digest(compiled: Any) -> str | None:
+    """The SHA-256 of ``compiled``'s generated code, its ``# AOT ID: ['3_backward']``
+    comment aside (a count of the process's compiles: a graph loaded from the cache
+    keeps the number of the process that compiled it)."""
+    source = getattr(compiled, "source_code", None)
+    if not isinstance(source, str):
+        return None
+    code = "".join(
+        line for line in source.splitlines(keepends=True) if not line.startswith("# AOT ID:")
+    )
+    return hashlib.sha256(code.encode()).hexdigest()
+
+
+def _cached(compiled: Any) -> CachedGraph | None:
+    """Where Inductor's FX graph cache keeps ``compiled`` (None: the cache is off, or
+    the graph cannot be cached)."""
+    key = getattr(compiled, "_fx_graph_cache_key", None)
+    code = _code_digest(compiled)
+    return CachedGraph(key, code) if isinstance(key, str) and code is not None else None
 
 
 _DEL = re.compile(r"(?:^|;)\s*del\s+(\w+(?:\s*,\s*\w+)*)")

@@ -37,9 +37,11 @@ Known limitations:
   line (``compiled.not_covered``), and ``gate`` finds a compiled report that observed
   nothing to have measured nothing.
 * The compiled forward is not observed (``--forward`` covers eager forward only).
-* A backward graph is compiled with Inductor's FX graph cache off (the scheduler has
-  to run to say what it stores): a graph cached by a plain ``torch.compile`` run is
-  compiled once more under fpaudit.
+* A backward graph Inductor loads from its FX graph cache runs no scheduler, so it
+  cannot say what it stores: what fpaudit learned of it when it was compiled is kept
+  beside the cache (:mod:`fpaudit.capture.compiled_plans`). A graph cached by a plain
+  ``torch.compile`` run and never compiled under fpaudit is compiled once more by the
+  first fpaudit run that meets it; every later run loads it.
 * A buffer is histogrammed while the backward runs, before it is freed: memory is
   what the compiled backward uses, plus the histogram's own work.
 """
@@ -61,10 +63,13 @@ import torch
 from torch import fx, nn
 
 from fpaudit import torch_internals_compile as _compile_internals
+from fpaudit.capture import compiled_plans
+from fpaudit.capture.compiled_plans import BackwardPlan, CompiledSite, GraphModulePath
 
 __all__ = [
     "COMPILED_NODE",
     "CompiledSite",
+    "GraphModulePath",
     "InPlace",
     "compile",
     "compiled_backend",
@@ -104,27 +109,7 @@ _VIEWS = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class GraphModulePath:
-    """A module as a compiled graph names it: ``path`` below the module whose frame
-    Dynamo compiled (``L['self']``: whichever instance ran the graph, ``frame`` true),
-    or below the module ``torch.compile`` was given (``frame`` false)."""
-
-    path: str
-    frame: bool
-
-
 _OWN = GraphModulePath("", True)  # the traced frame's module itself
-
-
-@dataclass(frozen=True)
-class CompiledSite:
-    """One stored value of a compiled backward: its module, the op that made it, and
-    whether it scales with the loss."""
-
-    module: GraphModulePath
-    op: str
-    scales_with_loss: bool
 
 
 @dataclass(frozen=True)
@@ -370,23 +355,41 @@ def compiled_backend(
             )
             return _compile_internals.plain_backward(gm, example_inputs, kwargs)
         holder: list[CompiledGraph] = []
+        stacks = compiled_plans.module_stacks(gm)  # (before Inductor's passes change gm)
 
-        def plan(post_grad: fx.GraphModule, stored: list[Any]) -> list[str]:
+        def use(found: BackwardPlan) -> list[str]:
+            sites = dict(zip(found.names, found.sites, strict=True))
+            holder.append(CompiledGraph(reference, sites, found.fused_away))
+            for line in found.unreadable:
+                _not_covered_line(line)
+            return list(found.names)
+
+        def plan(
+            post_grad: fx.GraphModule,
+            stored: list[Any],
+            cached: _compile_internals.CachedGraph | None,
+        ) -> list[str]:
             names, sites, fused = plan_graph(post_grad, stored)
-            holder.append(CompiledGraph(reference, dict(zip(names, sites, strict=True)), fused))
-            for buffer in stored:
-                if buffer.unreadable is not None:
-                    _not_covered_line(
-                        f"a compiled backward's buffer {buffer.name} could not be read "
-                        f"({buffer.unreadable}): its values are not observed"
-                    )
-            return names
+            unreadable = tuple(
+                f"a compiled backward's buffer {buffer.name} could not be read "
+                f"({buffer.unreadable}): its values are not observed"
+                for buffer in stored
+                if buffer.unreadable is not None
+            )
+            found = BackwardPlan(tuple(names), tuple(sites), fused, unreadable)
+            if cached is not None:  # a later run that loads this graph from the cache
+                compiled_plans.remember(cached, stacks, found)
+            return use(found)
+
+        def recall(cached: _compile_internals.CachedGraph) -> list[str] | None:
+            found = compiled_plans.recall(cached, stacks)
+            return None if found is None else use(found)
 
         spare = copy.deepcopy(gm)  # Inductor's passes change the graph they compile
         with _observing():  # compiling (lazily, inside backward) is not the model's work
             try:
                 return _compile_internals.inductor_backward(
-                    gm, example_inputs, kwargs, plan, _observe(holder), _observer(holder)
+                    gm, example_inputs, kwargs, plan, _observe(holder), _observer(holder), recall
                 )
             except Exception as error:
                 if _compile_internals.is_missing_compiler(error):

@@ -295,8 +295,11 @@ def test_a_backward_graph_that_cannot_be_compiled_observed_runs_as_inductor_comp
 
 
 def test_a_buffer_that_cannot_be_read_is_named_and_the_others_observed(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    # an empty Inductor cache: the graph is compiled here, its buffers read here (one
+    # cached with its plan by an earlier test would be loaded, its buffers not read)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     read = compile_internals._read_buffer
 
     def unreadable_extern(name: str, buffer: Any) -> Any:
