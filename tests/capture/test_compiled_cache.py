@@ -22,7 +22,7 @@ import fpaudit
 from fpaudit import torch_internals_compile as compile_internals
 from fpaudit.capture import compiled_plans
 from fpaudit.capture.compiled import COMPILED_NODE
-from fpaudit.capture.compiled_plans import BackwardPlan, CompiledSite
+from fpaudit.capture.compiled_plans import BackwardPlan, CompiledSite, GraphModulePath
 from fpaudit.report.records import KIND_BACKWARD
 from fpaudit.report.store import Report
 
@@ -137,8 +137,11 @@ def test_the_same_graph_under_other_module_names_is_named_as_its_own_model(
 # -- the plan store: a plan is recalled only for the code and names it was made for ------
 PLAN = BackwardPlan(
     ("buf1", "buf4"),
-    (CompiledSite("fc_in", "aten.mm.default", True), CompiledSite("act", "aten.mul.Tensor", True)),
-    {"act": ("aten.erf.default",)},
+    (
+        CompiledSite(GraphModulePath("fc_in", False), "aten.mm.default", True),
+        CompiledSite(GraphModulePath("act", True), "aten.mul.Tensor", True),
+    ),
+    {GraphModulePath("act", True): ("aten.erf.default",)},
     ("a compiled backward's buffer buf7 could not be read (...): its values are not observed",),
 )
 
