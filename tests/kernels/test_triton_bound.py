@@ -129,13 +129,20 @@ def test_arguments_of_one_class_get_one_compiled_kernel_from_the_jit(
 
 def test_the_multi_tensor_launch_is_bound_too(stand_in: ModuleType) -> None:
     table = _table()
-    tensors = [torch.ones(5000), torch.full((3,), 2.0), torch.zeros(0), torch.ones(16)]
+    # a program counts a segment of one tensor (at most SEGMENT values): one more value
+    # than a segment is two programs
+    tensors = [
+        torch.ones(stand_in.SEGMENT + 1),
+        torch.full((3,), 2.0),
+        torch.zeros(0),
+        torch.ones(16),
+    ]
     assert stand_in.histogram_add_many(tensors, table, [0, 1, 2, 3]) == 1
     first = LAUNCHES[-1]
     assert stand_in.histogram_add_many(tensors, table, [0, 1, 2, 3]) == 1
     assert (stand_in.MANY.launches, stand_in.MANY.bound) == (2, 1)
     second = LAUNCHES[-1]
-    assert first[:6] == second[:6] and first[:3] == (4, 1, 1)  # 2 + 1 + 0 + 1 blocks
+    assert first[:6] == second[:6] and first[:3] == (4, 1, 1)  # 2 + 1 + 0 + 1 segments
     assert [type(a) for a in second[9:]] == [torch.Tensor, torch.Tensor, int, int]
 
 
