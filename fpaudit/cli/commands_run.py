@@ -241,7 +241,7 @@ def scan_command(model_file: ModelFileArgument, options: ScanArgs) -> None:
         from fpaudit.report.store import Report
 
         report = Report.read(out_path)  # every rank's part, merged
-        ended = report.meta.get("batches_ended_on")
+        ended = report.info.settings.get("batches_ended_on")
         if ended:  # a one-shot generator shorter on some ranks: all stopped together
             sys.stderr.write(
                 f"fpaudit: note: the batches of rank {', '.join(map(str, ended))} ended after "

@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -81,7 +82,7 @@ from fpaudit.report.records import (
     BLOCK_COUNT_COLUMNS,
     ReportBuilder,
 )
-from fpaudit.report.runinfo import RunInfo
+from fpaudit.report.runinfo import Environment, RunInfo, RunMeta
 from fpaudit.report.schema import (
     BINS_SCHEMA,
     META_FILE,
@@ -111,7 +112,7 @@ _V3_BLOCKS_SCHEMA = blocks_schema(pa.int64())
 T = TypeVar("T")
 
 
-def run_metadata(model: Any = None) -> dict[str, Any]:
+def run_metadata(model: Any = None) -> Environment:
     """Versions, time and device of this run (no file paths, no user data)."""
     import torch
 
@@ -125,23 +126,24 @@ def run_metadata(model: Any = None) -> dict[str, Any]:
     device_name = platform.processor() or platform.machine()
     if device.startswith("cuda") and torch.cuda.is_available():
         device_name = torch.cuda.get_device_name(torch.device(device))
-    return {
-        "fpaudit_version": __version__,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "device": device,
-        "device_name": device_name,
-    }
+    return Environment(
+        fpaudit_version=__version__,
+        torch_version=torch.__version__,
+        python_version=platform.python_version(),
+        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        device=device,
+        device_name=device_name,
+    )
 
 
 @dataclass
 class Report:
-    """An in-memory report: metadata, the three tables every report has (``records``,
-    ``bins``, ``steps``) and the optional ones (``origins``, ``blocks``): pandas
-    DataFrames."""
+    """An in-memory report: the run it describes (``info``, a :class:`RunInfo`: the stored
+    truth, meta.json only its JSON form), the three tables every report has
+    (``records``, ``bins``, ``steps``) and the optional ones (``origins``, ``blocks``):
+    pandas DataFrames."""
 
-    meta: dict[str, Any]
+    info: RunInfo
     records: pd.DataFrame
     bins: pd.DataFrame
     steps: pd.DataFrame
@@ -149,23 +151,25 @@ class Report:
     origins: pd.DataFrame | None = field(default=None, compare=False)  # scan --origins
 
     @property
-    def info(self) -> RunInfo:
-        """The run this report describes, typed (read from ``meta`` each time, so an
-        update of ``meta`` shows at once)."""
-        return RunInfo.from_meta(self.meta)
+    def meta(self) -> Mapping[str, Any]:
+        """meta.json's object for this report, as the writer writes it without the file's
+        own entries (the JSON edge, read-only: change the report through ``info``)."""
+        return MappingProxyType(self.info.to_meta())
 
     def record_run(
-        self, run: RunInfo, settings: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+        self, run: RunInfo, settings: Mapping[str, Any], command_line: RunMeta | None = None
     ) -> None:
-        """How every writer ends a run: stamp ``run`` on the metadata, then the command's
-        own ``settings`` (its options as it ran), then the caller's ``meta``, which wins."""
-        self.meta.update({**run.to_meta(), **settings, **(meta or {})})
+        """How every writer ends a run: ``run``'s ending (``RunInfo.ended``, and run's
+        scaler, findings and skips) on this report's info, with the command's own
+        ``settings`` (its options as it ran; no field's name) and the ``command_line``'s
+        entries (``RunInfo.ended_as``)."""
+        run = dataclasses.replace(run, settings=dict(settings))
+        self.info = self.info.ended_as(run, command_line)
 
     def update_info(self, **fields: Any) -> None:
-        """Set the :class:`RunInfo` ``fields`` named (``report.update_info(formats=("fp16",))``)
-        in the metadata, leaving the others as they are; an unknown name is a TypeError."""
-        info = dataclasses.replace(self.info, **fields)
-        self.meta.update(info.entries(*fields))
+        """Set the :class:`RunInfo` ``fields`` named (``report.update_info(formats=("fp16",))``),
+        leaving the others as they are; an unknown name is a TypeError."""
+        self.info = dataclasses.replace(self.info, **fields)
 
     @property
     def complete(self) -> bool:
@@ -208,9 +212,8 @@ class Report:
         records = self.records[keep]
         records = records.assign(record_id=np.arange(len(records), dtype=np.int32))
         steps = self.steps[self.steps["rank"] == rank]
-        meta = {**self.meta, "ranks": 1, "rank": rank}
         part = Report(
-            meta,
+            dataclasses.replace(self.info, ranks=1, rank=rank),
             records.reset_index(drop=True),
             bins.reset_index(drop=True),
             steps.reset_index(drop=True),
@@ -254,11 +257,14 @@ class Report:
 
     @classmethod
     def from_builder(
-        cls, builder: ReportBuilder, meta: dict[str, Any], steps: dict[str, Any] | None = None
+        cls,
+        builder: ReportBuilder,
+        environment: Environment | None = None,
+        steps: dict[str, Any] | None = None,
     ) -> Report:
-        """The report ``builder`` has collected so far (see ``ReportBuilder.columns``);
-        ``steps`` replaces its steps table (``fpaudit run`` knows more steps than it
-        captured)."""
+        """The report ``builder`` has collected so far (see ``ReportBuilder.columns``),
+        made in ``environment``; ``steps`` replaces its steps table (``fpaudit run`` knows
+        more steps than it captured)."""
         records, bins, own_steps = builder.columns()
         offsets_to_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
         binade, cls_of = layout.bin_binade_and_class(offsets_to_bins)
@@ -266,14 +272,14 @@ class Report:
         bins["binade"] = binade[offsets].astype(np.int16)
         bins["cls"] = cls_of[offsets].astype(np.int8)
         # Through Arrow, so in-memory frames have exactly the dtypes a read gives.
-        meta = {
-            **meta,
-            "steps": builder.steps,
-            "window": builder.window,
-            "modules": list(builder.modules),
-        }
+        info = RunInfo(
+            environment=environment,
+            steps=builder.steps,
+            window=builder.window,
+            modules=tuple(builder.modules),
+        )
         return cls(
-            meta,
+            info,
             frame(records, RECORDS_SCHEMA),
             frame(bins, BINS_SCHEMA, BIN_COLUMNS),
             frame(own_steps if steps is None else steps, STEPS_SCHEMA),
@@ -330,8 +336,11 @@ class Report:
             fsync(file)
         return files
 
-    def write_meta(self, directory: Path, files: dict[str, dict[str, Any]], **extra: Any) -> None:
-        meta = {**self.meta, **extra}
+    def write_meta(
+        self, directory: Path, files: dict[str, dict[str, Any]], info: RunInfo | None = None
+    ) -> None:
+        """meta.json: ``info`` (default: this report's) as JSON, and the file's entries."""
+        meta = (info or self.info).to_meta()
         meta["schema_version"] = SCHEMA_VERSION
         meta["histogram"] = histogram_layout()
         meta["files"] = files
@@ -376,6 +385,7 @@ class Report:
         if not root.is_dir():
             raise ReportError(f"report {root} is not a directory")
         meta = read_meta(root)
+        info = RunInfo.from_meta(meta)
         ranks = meta.get("ranks", 1)
         prefixes = [""] if ranks == 1 else [rank_prefix(r) for r in range(ranks)]
         parts = []
@@ -389,7 +399,7 @@ class Report:
                     tables[name] = upgrade_steps(read_table(root, name, V4_STEPS, meta, prefix))
                 else:
                     tables[name] = read_table(root, name, schema, meta, prefix)
-            part = cls(meta, tables["records"], tables["bins"], tables["steps"], path=root)
+            part = cls(info, tables["records"], tables["bins"], tables["steps"], path=root)
             for name, schema in OPTIONAL_TABLES.items():
                 if f"{prefix}{name}.parquet" in meta["files"]:
                     if name == "blocks" and meta["schema_version"] == 3:
@@ -403,7 +413,7 @@ class Report:
                     setattr(part, name, table)
             check_consistency(part, root / prefix if prefix else root)
             parts.append(part)
-        return parts[0] if len(parts) == 1 else _merge_ranks(parts, meta, root)
+        return parts[0] if len(parts) == 1 else _merge_ranks(parts, info, root)
 
 
 _READ_ATTEMPTS = 100  # reads while the directory keeps being replaced (at most ~4 s of waits)
@@ -414,7 +424,7 @@ def rank_prefix(rank: int) -> str:
     return f"rank-{rank:05d}/"
 
 
-def _merge_ranks(parts: list[Report], meta: dict[str, Any], root: Path) -> Report:
+def _merge_ranks(parts: list[Report], info: RunInfo, root: Path) -> Report:
     """One report from the ranks' parts: record ids renumbered, so that every analysis
     merges ranks exactly (counts add, amax is the max over ranks)."""
     offsets = np.cumsum([0] + [len(p.records) for p in parts[:-1]])
@@ -429,7 +439,7 @@ def _merge_ranks(parts: list[Report], meta: dict[str, Any], root: Path) -> Repor
     }
     for name in ("records", "bins"):
         merged[name]["record_id"] = merged[name]["record_id"].astype(np.int32)
-    report = Report(meta, merged["records"], merged["bins"], merged["steps"], path=root)
+    report = Report(info, merged["records"], merged["bins"], merged["steps"], path=root)
     for name in OPTIONAL_TABLES:  # part i holds rank i's tables (rank_prefix(i))
         present = [(rank, t) for rank, p in enumerate(parts) if (t := getattr(p, name)) is not None]
         if not present:

@@ -232,7 +232,7 @@ def as_trained(report: Report) -> Report:
     at scale ``2**0`` every value keeps the fate it had at the loss scale its step
     trained at (a report of a run judged as it ran, step by step)."""
     records = report.records.assign(loss_scale=1.0)
-    return Report(report.meta, records, report.bins, report.steps, report.path, report.origins)
+    return Report(report.info, records, report.bins, report.steps, report.path, report.origins)
 
 
 def default_scope(report: Report, include_loss: bool = False) -> Scope:

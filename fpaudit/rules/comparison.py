@@ -246,13 +246,19 @@ def notes(base: Report, new: Report) -> tuple[str, ...]:
             f"steps differ: BASE ran {steps[0]}, NEW {steps[1]} (fractions compare; counts do not)"
         )
     for key, what in (("torch_version", "torch releases"), ("device", "devices")):
-        values = (base.meta.get(key), new.meta.get(key))
+        values = (_environment(base, key), _environment(new, key))
         if values[0] != values[1]:
             said.append(f"{what} differ: BASE {values[0]}, NEW {values[1]}")
     dtypes = (base.info.amp_dtype or "none", new.info.amp_dtype or "none")
     if dtypes[0] != dtypes[1]:
         said.append(f"autocast dtypes differ: BASE {dtypes[0]}, NEW {dtypes[1]}")
     return tuple(said)
+
+
+def _environment(report: Report, key: str) -> str | None:
+    """The run's environment entry ``key`` (None for a report that has none)."""
+    environment = report.info.environment
+    return None if environment is None else str(getattr(environment, key))
 
 
 def _steps(report: Report) -> int:

@@ -14,6 +14,7 @@ and, at the run's scale, lose more to underflow.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -108,7 +109,7 @@ def drift(
     # steps, and a cube of bins per step is hundreds of MB to allocate and sum again).
     step_of_record = report.records["step"].to_numpy(dtype=np.int64)
     by_window = Report(
-        report.meta,
+        report.info,
         report.records.assign(**{_WINDOW: (step_of_record - first) // window_steps}),
         report.bins,
         report.steps,
@@ -178,7 +179,10 @@ def window_report(report: Report, first_step: int, last_step: int) -> Report:
     steps = report.steps
     in_range = (steps["step"] >= first_step) & (steps["step"] <= last_step)
     return Report(
-        {**report.meta, "window_of_run": [first_step, last_step]},
+        dataclasses.replace(
+            report.info,
+            settings={**report.info.settings, "window_of_run": [first_step, last_step]},
+        ),
         kept.reset_index(drop=True),
         bins_kept.reset_index(drop=True),
         steps[in_range].reset_index(drop=True),
