@@ -24,8 +24,8 @@ from fpaudit.report.records import KIND_BACKWARD
 if TYPE_CHECKING:
     import pandas as pd
 
+    from fpaudit.report.data import ReportData
     from fpaudit.report.runinfo import Finding, ScalerInfo, SkipStatistics
-    from fpaudit.report.store import Report
     from fpaudit.rules.analysis import LeftOut
     from fpaudit.rules.drift import Drift, Window
     from fpaudit.rules.origins import Origins
@@ -44,7 +44,7 @@ def json_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
     ]
 
 
-def reading_format(report: Report, name: str | None = None) -> Format:
+def reading_format(report: ReportData, name: str | None = None) -> Format:
     """The format a report is read in: ``name``, else the first its scan summarised, else fp16."""
     if name is None:
         formats = report.info.formats
@@ -52,18 +52,18 @@ def reading_format(report: Report, name: str | None = None) -> Format:
     return get_format(name)
 
 
-def run_format(report: Report, name: str | None = None) -> Format:
+def run_format(report: ReportData, name: str | None = None) -> Format:
     """The format a run's report is judged in: ``name``, else its autocast dtype, else fp16."""
     return get_format(name if name is not None else report.info.amp or "fp16")
 
 
-def report_headroom(report: Report) -> int:
+def report_headroom(report: ReportData) -> int:
     """The headroom the report's scan used, else the declared default."""
     stored = report.info.headroom_bits
     return DEFAULT_HEADROOM_BITS if stored is None else stored
 
 
-def recommended_log2(report: Report, fmt: Format) -> int:
+def recommended_log2(report: ReportData, fmt: Format) -> int:
     """log2 of the scale recommended for ``fmt`` at the report's own headroom (0 when
     nothing limits it): the scale ``show`` and ``show --origins`` read at by default."""
     from fpaudit.rules.recommendation import recommend
@@ -169,7 +169,7 @@ class ScanSummary:
 
 
 def format_summary(
-    report: Report, fmt: Format, headroom_bits: int, *, include_loss: bool = False
+    report: ReportData, fmt: Format, headroom_bits: int, *, include_loss: bool = False
 ) -> FormatSummary:
     from fpaudit.rules import analysis
     from fpaudit.rules.drift import drift
@@ -186,7 +186,7 @@ def format_summary(
 
 
 def scan_summary(
-    report: Report, formats: list[Format], headroom_bits: int, *, include_loss: bool = False
+    report: ReportData, formats: list[Format], headroom_bits: int, *, include_loss: bool = False
 ) -> ScanSummary:
     """A scan's summary in each of ``formats``."""
     problems = ~report.steps["loss_finite"]
@@ -224,7 +224,7 @@ class RunSummary:
 
 
 def run_summary(
-    report: Report,
+    report: ReportData,
     fmt: Format,
     headroom_bits: int,
     *,
@@ -294,7 +294,7 @@ class ModuleView:
 
 
 def module_view(
-    report: Report,
+    report: ReportData,
     fmt: Format,
     log2_scale: int | None,
     *,
@@ -340,7 +340,7 @@ class RecommendationView:
 
 
 def recommendation_view(
-    report: Report,
+    report: ReportData,
     fmt: Format,
     headroom_bits: int,
     *,
@@ -390,7 +390,7 @@ class OriginsView:
         }
 
 
-def origins_view(report: Report, fmt: Format, log2_scale: int | None) -> OriginsView:
+def origins_view(report: ReportData, fmt: Format, log2_scale: int | None) -> OriginsView:
     """The report's origins (it must have them) at ``log2_scale``, ``None``: the
     recommended scale at the report's headroom."""
     from fpaudit.rules import origins
@@ -422,7 +422,7 @@ class StepsView:
         }
 
 
-def steps_view(report: Report) -> StepsView:
+def steps_view(report: ReportData) -> StepsView:
     info = report.info
     return StepsView(
         training=info.training,
@@ -432,7 +432,7 @@ def steps_view(report: Report) -> StepsView:
     )
 
 
-def worst_blocks(report: Report, recipe: str, kind: str = KIND_BACKWARD) -> pd.DataFrame:
+def worst_blocks(report: ReportData, recipe: str, kind: str = KIND_BACKWARD) -> pd.DataFrame:
     """``recipe``'s block statistics per module, the most flushed first."""
     from fpaudit.rules.blockplan import block_table
 
