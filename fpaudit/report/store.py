@@ -48,7 +48,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import pandas as pd
@@ -132,6 +132,13 @@ def run_metadata(model: Any = None) -> Environment:
     )
 
 
+class FileEntry(TypedDict):
+    """meta.json's entry of one table file: its row count and SHA-256, checked on read."""
+
+    rows: int
+    sha256: str
+
+
 @dataclass
 class Report(ReportData):
     """A report as read from and written to its directory (the I/O of :class:`ReportData`,
@@ -162,11 +169,11 @@ class Report(ReportData):
             self.path = target
         return target
 
-    def write_tables(self, directory: Path, prefix: str = "") -> dict[str, dict[str, Any]]:
+    def write_tables(self, directory: Path, prefix: str = "") -> dict[str, FileEntry]:
         """Write the three tables every report has, and the optional ones present,
         under ``directory / prefix``; their checksummed entries."""
         (directory / prefix).mkdir(parents=True, exist_ok=True)
-        files: dict[str, dict[str, Any]] = {}
+        files: dict[str, FileEntry] = {}
         for name, schema in {**TABLES, **OPTIONAL_TABLES}.items():
             frame: pd.DataFrame | None = getattr(self, name)
             if frame is None:
@@ -184,7 +191,7 @@ class Report(ReportData):
         return files
 
     def write_meta(
-        self, directory: Path, files: dict[str, dict[str, Any]], info: RunInfo | None = None
+        self, directory: Path, files: dict[str, FileEntry], info: RunInfo | None = None
     ) -> None:
         """meta.json: ``info`` (default: this report's) as JSON, and the file's entries."""
         meta = (info or self.info).to_meta()

@@ -67,8 +67,6 @@ REPORT_FILES = {
     # STEP_COLUMNS, as pyarrow takes them, checked against the steps schema by frame()
     "fpaudit.report.data.ReportData.from_builder(steps)",
     "fpaudit.capture.audit.Audit.build_report(steps)",
-    "fpaudit.report.store.Report.write_tables->",
-    "fpaudit.report.store.Report.write_meta(files)",
     "fpaudit.integrations.AuditSession.finish(meta)",
     "fpaudit.rules.summary.json_rows->",  # a table's rows as JSON: the columns are the schema's
     "fpaudit.rules.summary.ModuleView.rows->",
