@@ -20,6 +20,7 @@ from fpaudit.defaults import DRIFT_BINADES
 from fpaudit.numerics.formats import Format, get_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.report.records import KIND_BACKWARD
+from fpaudit.report.tables import Key, Steps
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -122,12 +123,12 @@ def worst_modules(at_1: pd.DataFrame, at_scale: pd.DataFrame, top: int) -> tuple
     recommendation judges), in table order among equals; in a live ``--shadow`` report,
     the largest fraction the device really lost."""
     judged = "judged_underflow_fraction"
-    merged = at_1.merge(at_scale, on="module", suffixes=("_at_1", "_at_s"))
+    merged = at_1.merge(at_scale, on=Key.module, suffixes=("_at_1", "_at_s"))
     live = bool((merged["shadow_nonzero_at_1"] > 0).any())
     key = "lost_fraction_at_1" if live else f"{judged}_at_1"
     worst = merged.sort_values(key, ascending=False, kind="stable").head(top)
     columns = (
-        "module", "nonzero_at_1", f"{judged}_at_1", f"{judged}_at_s", "amax_at_1",
+        Key.module, "nonzero_at_1", f"{judged}_at_1", f"{judged}_at_s", "amax_at_1",
         "lost_at_1", "lost_fraction_at_1",
     )  # fmt: skip
     return tuple(
@@ -189,7 +190,7 @@ def scan_summary(
     report: ReportData, formats: list[Format], headroom_bits: int, *, include_loss: bool = False
 ) -> ScanSummary:
     """A scan's summary in each of ``formats``."""
-    problems = ~report.steps["loss_finite"]
+    problems = ~report.steps[Steps.loss_finite]
     return ScanSummary(
         steps_run=report.info.steps_run or 0,
         captured=report.info.steps or 0,
@@ -310,7 +311,7 @@ def module_view(
     if log2_scale is None:
         log2_scale = recommended_log2(report, fmt)
         scale_source = "recommended"
-    group = ("module",) if by == "module" else ("module", "node", "op")
+    group = (Key.module,) if by == "module" else (Key.module, Key.node, Key.op)
     # the values recommend and gate count: in a live report, those held in its dtype
     scope = analysis.Scope(kinds=(kind,), include_loss=True, dtypes=analysis.live_dtypes(report))
     table = analysis.range_loss(report, fmt, log2_scale, scope=scope, by=group)
