@@ -36,7 +36,7 @@ def report_from(
         builder.add_step(
             StepRecords.from_histograms(records), loss=1.0, loss_scale=loss_scale, seconds=0.0
         )
-    return Report.from_builder(builder, {})
+    return Report.from_builder(builder)
 
 
 def report_of_steps(values: list[torch.Tensor], *, loss_scale: float = 1.0) -> Report:
@@ -52,7 +52,7 @@ def report_of_steps(values: list[torch.Tensor], *, loss_scale: float = 1.0) -> R
             loss_scale=loss_scale,
             seconds=0.0,
         )
-    return Report.from_builder(builder, {})
+    return Report.from_builder(builder)
 
 
 def bins_per_module(

@@ -198,7 +198,7 @@ def test_an_error_crosses_ranks_with_its_parameters(
 # -- gate verdicts -----------------------------------------------------------------
 def test_gate_reasons_name_the_library_options_and_render_as_flags() -> None:
     report = report_from({"a": UNDERFLOWS})
-    report.meta["complete"] = False
+    report.update_info(complete=False)
     result = gate(report, "fp16", 0.001, log2_scale=0)
     reasons = result.reasons
     assert any("the limit 0.1% (max_underflow)" in reason for reason in reasons), reasons
@@ -229,7 +229,7 @@ def test_nonfinite_and_empty_reasons_name_the_library_options() -> None:
 
 def test_measured_nothing_names_the_selection_fields() -> None:
     report = report_from({"a": torch.zeros(N)})
-    report.meta["selection"] = {"modules": ["a", "b"], "exclude_ops": ["x"]}
+    report.update_info(selection={"modules": ("a", "b"), "exclude_ops": ("x",)})
     result = gate(report, "fp16", 0.5, log2_scale=0)
     (nothing,) = [f for f in result.failures if "nothing-measured" in f.kinds]
     assert "the scan's selection was modules a b; exclude_ops x; " in nothing.reason

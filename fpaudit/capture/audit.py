@@ -402,7 +402,7 @@ class Audit:
         last = self._builder.last_step()
         if last is None:
             return None
-        step = Report.from_builder(last, {})
+        step = Report.from_builder(last)
         return step_view(step, fmt, top, self._metric_modules, self._builder.skipped_steps)
 
     def step_rows(self) -> dict[str, list[Any]]:

@@ -675,7 +675,7 @@ def report_notes(
     reason = report.incompleteness() if incomplete else None
     if reason is not None:
         sys.stderr.write(f"fpaudit: note: this report is incomplete: {reason}\n")
-    out_of_range = report.info.out_of_range
+    out_of_range = report.info.out_of_range or 0
     if out_of_range > 0:
         sys.stderr.write(
             f"fpaudit: note: {count(out_of_range)} recorded fp64 value(s) lay outside fp32's "

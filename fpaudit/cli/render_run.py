@@ -168,7 +168,7 @@ def run_summary(
     # a loop without torch.optim: each step ends at the script's own update
     kind = (
         "optimizer step(s)"
-        if report.meta.get("optimizers")
+        if report.info.settings.get("optimizers")
         else "step(s) (no torch.optim optimizer: the script's own updates)"
     )
     console.print(

@@ -223,17 +223,17 @@ class AuditSession:
         first = next(model.parameters(), None) if model is not None else None
         steps = (self.steps, max(steps_run, 0))
         run = RunInfo.ended(self.command, stopped_by, steps, self.selection.describe(), amp_dtype)
+        report.update_info(formats=tuple(formats))
         report.record_run(
             run,
             {
-                "formats": list(formats),
                 "every": self.every,
                 "capture_dtype": str(first.dtype).removeprefix("torch.")
                 if first is not None
                 else None,
                 "model_class": type(model).__name__ if model is not None else None,
+                **(meta or {}),  # the integration's own (its trainer's settings)
             },
-            meta,
         )
         self.report = report
         self.path = self._write(report, stopped_by)

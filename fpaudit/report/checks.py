@@ -40,7 +40,7 @@ from fpaudit.report.schema import (
 )
 
 if TYPE_CHECKING:
-    from fpaudit.report.store import Report
+    from fpaudit.report.data import ReportData
 
 _INT32_MAX = 2**31 - 1  # steps are int32 in the tables
 _FP32_MAX = float(np.finfo(np.float32).max)
@@ -161,7 +161,7 @@ def read_table(
     return table.to_pandas(split_blocks=True, self_destruct=True)  # no second copy
 
 
-def check_consistency(report: Report, root: Path) -> None:
+def check_consistency(report: ReportData, root: Path) -> None:
     bins, records = report.bins, report.records
     ids = records["record_id"].to_numpy()
     if not np.array_equal(ids, np.arange(len(ids))):
@@ -196,7 +196,7 @@ def check_consistency(report: Report, root: Path) -> None:
         raise ReportError(f"{root}: records and bins disagree on element counts")
     scales = records["loss_scale"].to_numpy()
     # fp32 numbers from 2**-149 up (a GradScaler's scale is an fp32 tensor); powers of two
-    # unless a training script chose otherwise (see Report.inexact_scales).
+    # unless a training script chose otherwise (see ReportData.inexact_scales).
     valid = (scales >= 2.0**-149) & (scales <= float(np.finfo(np.float32).max))
     if len(scales) and not bool(np.all(valid)):
         raise ReportError(

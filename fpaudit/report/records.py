@@ -14,68 +14,22 @@ from typing import Any, Generic, NamedTuple, Protocol, Self, TypeVar
 import numpy as np
 
 from fpaudit.numerics import layout
+from fpaudit.report.tables import Bins, Blocks, Key, Origins, Records, Steps
 
 K = TypeVar("K")
 C = TypeVar("C", bound="Mergeable")
 
-# The columns of the records and steps tables (report.py turns them into the
-# versioned Parquet schema; the order is the order in the files).
-# What names a record, declared once: the op output a value is (kind, module, autograd
-# node, op, output index) and the dtype it was stored in. RecordKey adds whether the value
-# scales with the loss; the records and block tables lay these columns out in this order.
-KEY_COLUMNS = {
-    "kind": "string",
-    "module": "string",
-    "node": "string",
-    "op": "string",
-    "output": "int16",
-    "dtype": "string",
-}
-OP_KEY_COLUMNS = tuple(name for name in KEY_COLUMNS if name != "dtype")  # an op, any dtype
+# The columns of every table, read from their classes in tables.py (each column named
+# once there; schema.py turns them into the versioned Arrow schemas; the order is the
+# order in the files). What names a record (Key): the op output a value is (kind, module,
+# autograd node, op, output index) and the dtype it was stored in. RecordKey adds whether
+# the value scales with the loss; the records and block tables lay these columns out in
+# this order.
+KEY_COLUMNS = Key.columns()
+OP_KEY_COLUMNS = tuple(name for name in KEY_COLUMNS if name != Key.dtype)  # an op, any dtype
 
-RECORD_COLUMNS = {
-    "record_id": "int32",  # numbers the records of one rank: 0, 1, 2, ...
-    "rank": "int16",  # the torch.distributed rank that recorded it (0 in one process)
-    "step": "int32",  # the (first) step the record covers
-    "steps": "int32",  # how many captured steps it covers (--window)
-    **KEY_COLUMNS,
-    "scales_with_loss": "bool",
-    "calls": "int64",
-    "elements": "int64",
-    "zeros": "int64",
-    "infs": "int64",
-    "nans": "int64",
-    "amax": "float64",
-    "loss_scale": "float64",
-    # --shadow: the op re-run in fp32 on the same inputs, upcast
-    "shadow_calls": "int64",  # outputs compared with their fp32 re-run (0: not shadowed)
-    "shadow_nonzero": "int64",  # nonzero elements of the fp32 re-runs
-    "lost": "int64",  # nonzero in the fp32 re-run, zero in the real output
-    "overflowed": "int64",  # finite in the fp32 re-run, inf or NaN in the real output
-}
-STEP_COLUMNS = {
-    "step": "int32",
-    "rank": "int16",
-    "loss": "float64",  # fpaudit run: the sum of the losses backpropagated in the step
-    "loss_finite": "bool",
-    "loss_scale": "float64",  # the scale in force during the step
-    "scale_after": "float64",  # the scale after the scaler's update (static: the same)
-    "skipped": "bool",  # the optimizer step was skipped: inf/NaN gradients
-    "optimizer_step": "bool",  # an optimizer step was taken
-    "grad_norm": "float64",  # clip_grad_norm_'s total norm, unscaled (NaN: not clipped by norm)
-    "clip_max_norm": "float64",  # its max_norm (NaN: none)
-    "clipped": "bool",  # clip_grad_norm_ scaled the gradients down, clip_grad_value_ clamped
-    "clip_value": "float64",  # clip_grad_value_'s clip_value (NaN: no clipping by value)
-    "clipped_fraction": "float64",  # the fraction of gradient elements it clamped (NaN: none)
-    "grad_amax": "float64",  # largest |parameter gradient|, unscaled (inf/NaN: overflowed;
-    # NaN also: not measured)
-    "backward_calls": "int32",
-    "captured": "bool",  # backward ops were recorded in this step (records exist)
-    "records": "int32",
-    "nonfinite_grads": "int64",
-    "first_nonfinite": "string",  # --forward: the module and op that first produced inf/NaN
-    "seconds": "float64",
-}
+RECORD_COLUMNS = Records.columns()
+STEP_COLUMNS = Steps.columns()
 STEP_DEFAULTS: dict[str, Any] = {
     "rank": 0,
     "scale_after": None,  # None: the step's loss_scale
@@ -97,12 +51,7 @@ STEP_DEFAULTS: dict[str, Any] = {
 step without records (``fpaudit run`` between captures) starts from."""
 # Block-scaled statistics (--recipe): one row per (step, record key, recipe); the
 # counts are fpaudit.kernels.blockstats.COUNT_COLUMNS, the histograms lists of counts.
-BLOCK_KEY_COLUMNS = {
-    "rank": "int16",
-    "step": "int32",
-    **KEY_COLUMNS,
-    "recipe": "string",
-}
+BLOCK_KEY_COLUMNS = Blocks.columns()
 
 
 @dataclass(frozen=True)
@@ -132,24 +81,7 @@ class BlockCounts:
 
 BLOCK_COUNT_COLUMNS = tuple(item.name for item in fields(BlockCounts))
 # The origins table (`scan --origins`): one row per op call that may make inf/NaN.
-ORIGIN_COLUMNS: dict[str, str] = {
-    "step": "int32",
-    "sequence": "int32",  # execution order within the step (1, 2, ...), forward then backward
-    "phase": "string",  # forward or backward
-    "module": "string",
-    "node": "string",  # the autograd node (backward)
-    "op": "string",
-    "output": "int16",
-    "dtype": "string",
-    "scales_with_loss": "bool",
-    "loss_scale": "float64",  # the scale the step ran under
-    "elements": "int64",
-    "nonfinite": "int64",  # inf or NaN elements of the output
-    "amax": "float64",  # largest finite output magnitude
-    "inputs_nonfinite": "bool",  # some floating input held inf or NaN
-    "input_amax_scaled": "float64",  # largest finite magnitude of inputs scaled with the loss
-    "input_amax_fixed": "float64",  # ... of inputs that require grad (not scaled)
-}
+ORIGIN_COLUMNS: dict[str, str] = Origins.columns()
 ORIGINS_TABLE = "origins"
 
 BLOCK_HISTOGRAM_COLUMNS = ("scale_codes", "dynamic_range")
@@ -158,7 +90,7 @@ BLOCK_HISTOGRAM_COLUMNS = ("scale_codes", "dynamic_range")
 BLOCK_HISTOGRAM_WIDTHS = {"scale_codes": 256, "dynamic_range": 277}
 # In memory, bins keep what analysis needs; lower and upper are derived from
 # (binade, cls) when a report is written, for users of the plain Parquet files.
-BIN_COLUMNS = ("record_id", "binade", "cls", "count")
+BIN_COLUMNS = (Bins.record_id, Bins.binade, Bins.cls, Bins.count)
 
 KIND_BACKWARD = "backward"  # an output of an op that ran in backward
 KIND_GRAD = "grad"  # a parameter's final .grad, as a GradScaler sees it

@@ -27,6 +27,7 @@ __all__ = [
     "AMP_NAMES",
     "AutocastPrediction",
     "CompiledInfo",
+    "Environment",
     "Finding",
     "OpDtypes",
     "RunInfo",
@@ -35,8 +36,8 @@ __all__ = [
     "SkipStatistics",
 ]
 
-# Written by every command that writes a report, None included (readers have always
-# found them there); the other fields are written only when set.
+# Written by every command that writes a report (whenever ``command`` is set), None
+# included (readers have always found them there); the other fields when set.
 _ALWAYS = (
     "command",
     "steps_requested",
@@ -48,13 +49,24 @@ _ALWAYS = (
 )  # and "amp", derived from amp_dtype
 
 
-# Not stamped by to_meta (a run's end must not overwrite them with defaults): written
-# with the tables (Report.from_builder, the capture through Report.update_info) or by
-# the command beside the run's fields.
-_READ_ONLY = (
-    "steps", "modules", "out_of_range", "recipes", "formats", "headroom_bits", "include_loss",
-    "findings", "autocast", "compiled",
-)  # fmt: skip
+# Written together whenever ``argv`` is set (the command line's RunMeta), None included.
+_COMMAND_LINE = ("argv", "config", "options", "headroom_bits")
+
+
+# Written whenever the command is ``run`` (its scaler None when it had none).
+_RUN = ("scaler", "findings", "training")
+
+
+# Written with the tables (Report.from_builder), whenever ``steps`` is set.
+_BUILDER = ("steps", "modules", "window")
+
+
+# What a run's end sets (Report.record_run): the fields RunInfo.ended fills, and run's.
+_ENDED = (*_ALWAYS, "model_file", "script", *_RUN)
+
+
+# Entries of meta.json that are the file's, not the run's: the writer stamps them.
+FILE_KEYS = ("schema_version", "histogram", "files")
 
 
 @dataclass(frozen=True)
@@ -249,6 +261,31 @@ class CompiledInfo:
         )
 
 
+@dataclass(frozen=True)
+class Environment:
+    """Where a run ran (``fpaudit.report.store.run_metadata``; no file paths, no user data):
+    the versions, when the report was made, and the device. meta.json keeps each entry at
+    its top level."""
+
+    fpaudit_version: str
+    torch_version: str
+    python_version: str
+    created: str
+    device: str
+    device_name: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> Environment | None:
+        """The entries of ``meta``; None when one is missing or not a string."""
+        values = [meta.get(item.name) for item in dataclasses.fields(cls)]
+        if not all(isinstance(value, str) for value in values):
+            return None
+        return cls(*map(str, values))
+
+
 def _record(cls: Any, value: Any) -> Any:
     """meta.json's entry ``value`` as the record ``cls``; None when it is none."""
     if not isinstance(value, dict):
@@ -323,7 +360,7 @@ class RunInfo:
     # Recorded with the tables (Report.from_builder, capture); not stamped by to_meta.
     steps: int | None = None  # captured steps
     modules: tuple[str, ...] = ()  # module names in network order
-    out_of_range: int = 0  # fp64 values outside fp32's range (binned as zero or inf)
+    out_of_range: int | None = None  # fp64 values outside fp32's range (zero or inf bins)
     recipes: tuple[str, ...] = ()  # block-scaled recipes audited (--recipe)
     # run: the loss scaler's settings and skip statistics (fpaudit.run.training)
     scaler: ScalerInfo | None = None
@@ -338,6 +375,25 @@ class RunInfo:
     autocast: AutocastPrediction | None = None
     # torch.compile (fpaudit.capture.compiled); None when nothing compiled ran
     compiled: CompiledInfo | None = None
+    # Where it ran (run_metadata) and how the records were kept (ReportBuilder's --window)
+    environment: Environment | None = None
+    window: int | None = None
+    # The command line (scan's and run's RunMeta): as typed, its config file, its options;
+    # written together (with headroom_bits) whenever ``argv`` is set
+    argv: str | None = None
+    config: str | None = None
+    options: Mapping[str, Any] | None = None
+    # Several ranks: how many wrote the report (fpaudit.run.distributed), or, for one
+    # rank's part (Report.for_rank), which rank it is
+    ranks: int | None = None
+    rank: int | None = None
+    # The schema version of the file it was read from (None: not read; the writer stamps
+    # its own, with the histogram layout and the files' checksums)
+    schema_version: int | None = None
+    # The writing command's own entries (its options as it ran: scan's seed and device,
+    # run's optimizers, an integration's trainer settings), JSON values as meta.json keeps
+    # them; no rule decides on them. A typed field's key is never among them.
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def ended(
@@ -367,10 +423,16 @@ class RunInfo:
             **where,  # type: ignore[arg-type]  # model_file or script: str fields
         )
 
+    def __post_init__(self) -> None:
+        taken = set(self.settings) & _KEYS
+        if taken:
+            raise ValueError(f"settings {sorted(taken)} are run info fields: set the fields")
+
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> RunInfo:
-        """The typed view of ``meta`` (checked on read by ``fpaudit.report.store``); a field
-        of the wrong type reads as its default."""
+        """The typed view of ``meta`` (checked on read by ``fpaudit.report.checks``); a
+        field of the wrong type reads as its default, an entry no field holds is one of
+        the ``settings``."""
 
         def of(name: str, *types: type) -> Any:
             value = meta.get(name)
@@ -383,6 +445,7 @@ class RunInfo:
 
         selection = meta.get("selection")
         complete = meta.get("complete", True)
+        options = meta.get("options")
         return cls(
             command=of("command", str),
             steps_requested=of("steps_requested", int),
@@ -399,7 +462,7 @@ class RunInfo:
             script=of("script", str),
             steps=of("steps", int),
             modules=strings("modules"),
-            out_of_range=of("out_of_range", int) or 0,
+            out_of_range=of("out_of_range", int),
             recipes=strings("recipes"),
             scaler=_record(ScalerInfo, meta.get("scaler")),
             training=_record(SkipStatistics, meta.get("training")),
@@ -409,17 +472,46 @@ class RunInfo:
             autocast=_record(AutocastPrediction, meta.get("autocast")),
             compiled=_record(CompiledInfo, meta.get("compiled")),
             findings=_findings(meta.get("findings")),
+            environment=Environment.from_meta(meta),
+            window=of("window", int),
+            argv=of("argv", str),
+            config=of("config", str),
+            options=dict(options) if isinstance(options, dict) else None,
+            ranks=of("ranks", int),
+            rank=of("rank", int),
+            schema_version=of("schema_version", int),
+            settings={k: v for k, v in meta.items() if k not in _KEYS and k not in FILE_KEYS},
         )
 
     def to_meta(self) -> dict[str, Any]:
-        """The metadata entries of this run (JSON types), to merge into ``Report.meta``."""
+        """meta.json's object for this run (JSON types; the writer adds the file's entries,
+        ``FILE_KEYS``): each field under its key when it is set (``_ALWAYS``, the command
+        line's and run's entries, None included, as the commands have always written them),
+        then the command's own ``settings``."""
         names = [
             item.name
             for item in dataclasses.fields(self)
-            if item.name not in _READ_ONLY  # written with the tables, or beside these
-            and (item.name in _ALWAYS or getattr(self, item.name) is not None)
+            if item.name not in ("environment", "settings") and self._written(item.name)
         ]
-        return {**self.entries(*names), "amp": self.amp}
+        meta = dict(self.settings)
+        if self.environment is not None:
+            meta.update(self.environment.to_dict())
+        meta.update(self.entries(*names))
+        if self.command is not None:
+            meta["amp"] = self.amp
+        return meta
+
+    def _written(self, name: str) -> bool:
+        if name in _ALWAYS:
+            return self.command is not None
+        if name in _COMMAND_LINE:
+            return self.argv is not None or getattr(self, name) is not None
+        if name in _RUN and self.command == "run":
+            return True
+        if name in _BUILDER:
+            return self.steps is not None
+        value = getattr(self, name)
+        return value is not None and value != ()
 
     def entries(self, *names: str) -> dict[str, Any]:
         """The metadata entries of the fields ``names`` (JSON types: a tuple as a list),
@@ -438,6 +530,29 @@ class RunInfo:
             meta[name] = value
         return meta
 
+    def ended_as(self, run: RunInfo, command_line: RunMeta | None = None) -> RunInfo:
+        """This run (its tables' fields, what the capture set) ended as ``run`` says: the
+        fields a run's end sets (``RunInfo.ended``'s, and for ``fpaudit run`` its scaler,
+        findings and skips) from ``run``, its ``settings`` added to these, and the
+        ``command_line``'s entries (its formats when it names them)."""
+        ended = _ENDED if run.command == "run" else _ENDED[: -len(_RUN)]
+        info = dataclasses.replace(
+            self,
+            **{name: getattr(run, name) for name in ended},
+            settings={**self.settings, **run.settings},
+        )
+        if command_line is None:
+            return info
+        return dataclasses.replace(
+            info,
+            argv=command_line.argv,
+            config=command_line.config,
+            options=dict(command_line.options),
+            headroom_bits=command_line.headroom_bits,
+            formats=command_line.formats if command_line.formats is not None else info.formats,
+            include_loss=command_line.include_loss,
+        )
+
     @property
     def amp(self) -> str | None:
         """ "fp16" or "bf16" when autocast ran (from ``amp_dtype``), else None."""
@@ -447,3 +562,15 @@ class RunInfo:
     def source(self) -> str:
         """The model file or training script the run audited ("" when neither)."""
         return self.model_file or self.script or ""
+
+
+# Every meta.json key a field of RunInfo (or its Environment) holds, "amp" derived
+_KEYS = frozenset(
+    [
+        item.name
+        for item in dataclasses.fields(RunInfo)
+        if item.name not in ("environment", "settings")
+    ]
+    + [item.name for item in dataclasses.fields(Environment)]
+    + ["amp"]
+)

@@ -13,12 +13,10 @@ from fpaudit.report.records import (
     BLOCK_COUNT_COLUMNS,
     BLOCK_HISTOGRAM_COLUMNS,
     BLOCK_KEY_COLUMNS,
-    ORIGIN_COLUMNS,
     ORIGINS_TABLE,
-    RECORD_COLUMNS,
-    STEP_COLUMNS,
     STEP_DEFAULTS,
 )
+from fpaudit.report.tables import Bins, Origins, Records, Steps, Table
 
 SCHEMA_VERSION = 5
 
@@ -51,28 +49,25 @@ _ARROW_TYPES = {
 }
 
 
-RECORDS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in RECORD_COLUMNS.items()])
+def schema_of(table: type[Table]) -> pa.Schema:
+    """The Arrow schema of a table's class (``fpaudit.report.tables``): its columns, in
+    order, with their types."""
+    return pa.schema([(name, _ARROW_TYPES[t]) for name, t in table.columns().items()])
 
 
-BINS_SCHEMA = pa.schema(
-    [
-        ("record_id", pa.int32()),
-        ("binade", pa.int16()),
-        ("cls", pa.int8()),
-        ("lower", pa.float64()),
-        ("upper", pa.float64()),
-        ("count", pa.int64()),
-    ]
-)
+RECORDS_SCHEMA = schema_of(Records)
 
 
-STEPS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in STEP_COLUMNS.items()])
+BINS_SCHEMA = schema_of(Bins)
+
+
+STEPS_SCHEMA = schema_of(Steps)
 
 
 TABLES = {"records": RECORDS_SCHEMA, "bins": BINS_SCHEMA, "steps": STEPS_SCHEMA}
 
 
-ORIGINS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in ORIGIN_COLUMNS.items()])
+ORIGINS_SCHEMA = schema_of(Origins)
 
 
 def blocks_schema(counts: pa.DataType) -> pa.Schema:

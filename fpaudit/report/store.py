@@ -32,23 +32,23 @@ A report is written to a temporary directory beside the target, fsynced and
 renamed into place, so a crash never leaves a half-written report. Reading
 never unpickles or executes anything: JSON and Parquet only. The schema lives in
 ``schema.py``, the directory mechanics (staging, the swap, pins, locks) in ``files.py``,
-the checks of what is read in ``checks.py``; ``Report`` here ties them together.
+the checks of what is read in ``checks.py``, the data itself (what the rules take) in
+``data.py``'s ``ReportData`` and each table's columns in ``tables.py``; ``Report`` here
+ties them together: a ``ReportData`` that reads and writes itself, with meta.json as the
+JSON form of its ``RunInfo``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import json
-import math
 import os
 import platform
 import shutil
 import time
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict
 
 import numpy as np
 import pandas as pd
@@ -66,6 +66,7 @@ from fpaudit.report.checks import (
     upgrade_steps,
     upgrade_v1,
 )
+from fpaudit.report.data import ReportData
 from fpaudit.report.files import (
     Pin,
     check_target,
@@ -77,11 +78,9 @@ from fpaudit.report.files import (
 )
 from fpaudit.report.outputs import loop_words, symlink_loop
 from fpaudit.report.records import (
-    BIN_COLUMNS,
     BLOCK_COUNT_COLUMNS,
-    ReportBuilder,
 )
-from fpaudit.report.runinfo import RunInfo
+from fpaudit.report.runinfo import Environment, RunInfo
 from fpaudit.report.schema import (
     BINS_SCHEMA,
     META_FILE,
@@ -93,7 +92,6 @@ from fpaudit.report.schema import (
     V1_TABLES,
     V4_STEPS,
     blocks_schema,
-    frame,
     histogram_layout,
 )
 
@@ -108,10 +106,9 @@ __all__ = [
 
 
 _V3_BLOCKS_SCHEMA = blocks_schema(pa.int64())
-T = TypeVar("T")
 
 
-def run_metadata(model: Any = None) -> dict[str, Any]:
+def run_metadata(model: Any = None) -> Environment:
     """Versions, time and device of this run (no file paths, no user data)."""
     import torch
 
@@ -125,164 +122,27 @@ def run_metadata(model: Any = None) -> dict[str, Any]:
     device_name = platform.processor() or platform.machine()
     if device.startswith("cuda") and torch.cuda.is_available():
         device_name = torch.cuda.get_device_name(torch.device(device))
-    return {
-        "fpaudit_version": __version__,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "device": device,
-        "device_name": device_name,
-    }
+    return Environment(
+        fpaudit_version=__version__,
+        torch_version=torch.__version__,
+        python_version=platform.python_version(),
+        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        device=device,
+        device_name=device_name,
+    )
+
+
+class FileEntry(TypedDict):
+    """meta.json's entry of one table file: its row count and SHA-256, checked on read."""
+
+    rows: int
+    sha256: str
 
 
 @dataclass
-class Report:
-    """An in-memory report: metadata, the three tables every report has (``records``,
-    ``bins``, ``steps``) and the optional ones (``origins``, ``blocks``): pandas
-    DataFrames."""
-
-    meta: dict[str, Any]
-    records: pd.DataFrame
-    bins: pd.DataFrame
-    steps: pd.DataFrame
-    path: Path | None = field(default=None, compare=False)
-    origins: pd.DataFrame | None = field(default=None, compare=False)  # scan --origins
-
-    @property
-    def info(self) -> RunInfo:
-        """The run this report describes, typed (read from ``meta`` each time, so an
-        update of ``meta`` shows at once)."""
-        return RunInfo.from_meta(self.meta)
-
-    def record_run(
-        self, run: RunInfo, settings: Mapping[str, Any], meta: Mapping[str, Any] | None = None
-    ) -> None:
-        """How every writer ends a run: stamp ``run`` on the metadata, then the command's
-        own ``settings`` (its options as it ran), then the caller's ``meta``, which wins."""
-        self.meta.update({**run.to_meta(), **settings, **(meta or {})})
-
-    def update_info(self, **fields: Any) -> None:
-        """Set the :class:`RunInfo` ``fields`` named (``report.update_info(formats=("fp16",))``)
-        in the metadata, leaving the others as they are; an unknown name is a TypeError."""
-        info = dataclasses.replace(self.info, **fields)
-        self.meta.update(info.entries(*fields))
-
-    @property
-    def complete(self) -> bool:
-        """False when the run was interrupted (the report then holds the completed steps)."""
-        return self.info.complete
-
-    def inexact_scales(self) -> list[float]:
-        """The loss scales of captured values that are not powers of two (a training
-        script's own choice, seen by ``fpaudit run``). Counts at another scale shift such
-        values by whole binades as if the scale were 2**floor(log2 S), so they may be off
-        by one binade; amax, and so the recommendation, divide by S exactly."""
-        scales = np.unique(self.records["loss_scale"].to_numpy(dtype=np.float64))
-        return [float(s) for s in scales if math.frexp(float(s))[0] != 0.5]
-
-    def incompleteness(self) -> str | None:
-        """Why the report is incomplete, in words, or None."""
-        info = self.info
-        if info.complete:
-            return None
-        by = info.stopped_by or "an interruption"
-        done, asked = info.steps_run, info.steps_requested
-        steps = (
-            f" after {done} of {asked} step(s)" if done is not None and asked is not None else ""
-        )
-        return f"the run was stopped by {by}{steps}"
-
-    @property
-    def ranks(self) -> list[int]:
-        """The torch.distributed ranks that recorded this report ([0] for one process)."""
-        return sorted({int(r) for r in self.steps["rank"]} | {int(r) for r in self.records["rank"]})
-
-    def for_rank(self, rank: int) -> Report:
-        """What one rank recorded, as a report of its own (record ids renumbered; the
-        optional tables keep that rank's rows)."""
-        keep = (self.records["rank"] == rank).to_numpy()
-        new_id = np.full(len(keep), -1, dtype=np.int64)
-        new_id[keep] = np.arange(int(keep.sum()))
-        bins = self.bins[keep[self.bins["record_id"].to_numpy()]]
-        bins = bins.assign(record_id=new_id[bins["record_id"].to_numpy()].astype(np.int32))
-        records = self.records[keep]
-        records = records.assign(record_id=np.arange(len(records), dtype=np.int32))
-        steps = self.steps[self.steps["rank"] == rank]
-        meta = {**self.meta, "ranks": 1, "rank": rank}
-        part = Report(
-            meta,
-            records.reset_index(drop=True),
-            bins.reset_index(drop=True),
-            steps.reset_index(drop=True),
-        )
-        for name in OPTIONAL_TABLES:
-            table: pd.DataFrame | None = getattr(self, name)
-            if table is not None:
-                mine = self._rank_of_rows(name, table) == rank
-                setattr(part, name, table[mine].reset_index(drop=True))
-        return part
-
-    def _rank_of_rows(self, name: str, table: pd.DataFrame) -> np.ndarray:
-        """The rank that recorded each row of optional table ``name``: its ``rank`` column
-        where it has one, else what the merge of ranks noted, else this report's one rank
-        (-1 where a report of several ranks does not know)."""
-        if "rank" in table.columns:
-            column: np.ndarray = table["rank"].to_numpy(dtype=np.int64)
-            return column
-        noted = self._table_ranks.get(name)
-        if noted is not None:
-            return noted
-        ranks = self.ranks
-        return np.full(len(table), ranks[0] if len(ranks) == 1 else -1, dtype=np.int64)
-
-    # Values derived from the tables (fpaudit.rules.analysis's condensed histograms), by key;
-    # valid while the tables are unchanged. Filled only through ``cached``.
-    _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
-    blocks: pd.DataFrame | None = field(default=None, compare=False)
-    """Block-scaled statistics (``--recipe``), or None when no recipe was audited."""
-    # Per optional table without a rank column (origins), the rank of each row, noted
-    # when the ranks' parts of a report are merged (``for_rank`` splits them again).
-    _table_ranks: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
-
-    def cached(self, key: Hashable, compute: Callable[[], T]) -> T:
-        """``compute()``, computed once per ``key`` for this report (a derived value
-        such as a condensed histogram: several scales and formats cost one pass)."""
-        if key not in self._cache:
-            self._cache[key] = compute()
-        result: T = self._cache[key]
-        return result
-
-    @classmethod
-    def from_builder(
-        cls, builder: ReportBuilder, meta: dict[str, Any], steps: dict[str, Any] | None = None
-    ) -> Report:
-        """The report ``builder`` has collected so far (see ``ReportBuilder.columns``);
-        ``steps`` replaces its steps table (``fpaudit run`` knows more steps than it
-        captured)."""
-        records, bins, own_steps = builder.columns()
-        offsets_to_bins = np.arange(layout.FIRST_FINITE_BIN, layout.INF_BIN)
-        binade, cls_of = layout.bin_binade_and_class(offsets_to_bins)
-        offsets = bins.pop("offset")
-        bins["binade"] = binade[offsets].astype(np.int16)
-        bins["cls"] = cls_of[offsets].astype(np.int8)
-        # Through Arrow, so in-memory frames have exactly the dtypes a read gives.
-        meta = {
-            **meta,
-            "steps": builder.steps,
-            "window": builder.window,
-            "modules": list(builder.modules),
-        }
-        return cls(
-            meta,
-            frame(records, RECORDS_SCHEMA),
-            frame(bins, BINS_SCHEMA, BIN_COLUMNS),
-            frame(own_steps if steps is None else steps, STEPS_SCHEMA),
-        )
-
-    @property
-    def recipes(self) -> list[str]:
-        """The recipes whose block statistics this report holds (meta ``recipes``)."""
-        return list(self.info.recipes)
+class Report(ReportData):
+    """A report as read from and written to its directory (the I/O of :class:`ReportData`,
+    which is what the rules take)."""
 
     # -- writing ---------------------------------------------------------
     def write(self, path: str | os.PathLike[str], *, force: bool = False) -> Path:
@@ -309,11 +169,11 @@ class Report:
             self.path = target
         return target
 
-    def write_tables(self, directory: Path, prefix: str = "") -> dict[str, dict[str, Any]]:
+    def write_tables(self, directory: Path, prefix: str = "") -> dict[str, FileEntry]:
         """Write the three tables every report has, and the optional ones present,
         under ``directory / prefix``; their checksummed entries."""
         (directory / prefix).mkdir(parents=True, exist_ok=True)
-        files: dict[str, dict[str, Any]] = {}
+        files: dict[str, FileEntry] = {}
         for name, schema in {**TABLES, **OPTIONAL_TABLES}.items():
             frame: pd.DataFrame | None = getattr(self, name)
             if frame is None:
@@ -330,8 +190,11 @@ class Report:
             fsync(file)
         return files
 
-    def write_meta(self, directory: Path, files: dict[str, dict[str, Any]], **extra: Any) -> None:
-        meta = {**self.meta, **extra}
+    def write_meta(
+        self, directory: Path, files: dict[str, FileEntry], info: RunInfo | None = None
+    ) -> None:
+        """meta.json: ``info`` (default: this report's) as JSON, and the file's entries."""
+        meta = (info or self.info).to_meta()
         meta["schema_version"] = SCHEMA_VERSION
         meta["histogram"] = histogram_layout()
         meta["files"] = files
@@ -376,6 +239,7 @@ class Report:
         if not root.is_dir():
             raise ReportError(f"report {root} is not a directory")
         meta = read_meta(root)
+        info = RunInfo.from_meta(meta)
         ranks = meta.get("ranks", 1)
         prefixes = [""] if ranks == 1 else [rank_prefix(r) for r in range(ranks)]
         parts = []
@@ -389,7 +253,7 @@ class Report:
                     tables[name] = upgrade_steps(read_table(root, name, V4_STEPS, meta, prefix))
                 else:
                     tables[name] = read_table(root, name, schema, meta, prefix)
-            part = cls(meta, tables["records"], tables["bins"], tables["steps"], path=root)
+            part = cls(info, tables["records"], tables["bins"], tables["steps"], path=root)
             for name, schema in OPTIONAL_TABLES.items():
                 if f"{prefix}{name}.parquet" in meta["files"]:
                     if name == "blocks" and meta["schema_version"] == 3:
@@ -403,7 +267,7 @@ class Report:
                     setattr(part, name, table)
             check_consistency(part, root / prefix if prefix else root)
             parts.append(part)
-        return parts[0] if len(parts) == 1 else _merge_ranks(parts, meta, root)
+        return parts[0] if len(parts) == 1 else _merge_ranks(parts, info, root)
 
 
 _READ_ATTEMPTS = 100  # reads while the directory keeps being replaced (at most ~4 s of waits)
@@ -414,7 +278,7 @@ def rank_prefix(rank: int) -> str:
     return f"rank-{rank:05d}/"
 
 
-def _merge_ranks(parts: list[Report], meta: dict[str, Any], root: Path) -> Report:
+def _merge_ranks(parts: list[Report], info: RunInfo, root: Path) -> Report:
     """One report from the ranks' parts: record ids renumbered, so that every analysis
     merges ranks exactly (counts add, amax is the max over ranks)."""
     offsets = np.cumsum([0] + [len(p.records) for p in parts[:-1]])
@@ -429,7 +293,7 @@ def _merge_ranks(parts: list[Report], meta: dict[str, Any], root: Path) -> Repor
     }
     for name in ("records", "bins"):
         merged[name]["record_id"] = merged[name]["record_id"].astype(np.int32)
-    report = Report(meta, merged["records"], merged["bins"], merged["steps"], path=root)
+    report = Report(info, merged["records"], merged["bins"], merged["steps"], path=root)
     for name in OPTIONAL_TABLES:  # part i holds rank i's tables (rank_prefix(i))
         present = [(rank, t) for rank, p in enumerate(parts) if (t := getattr(p, name)) is not None]
         if not present:

@@ -45,8 +45,9 @@ import pandas as pd
 
 from fpaudit.numerics import layout
 from fpaudit.numerics.formats import Fate, Format, as_format, fate
+from fpaudit.report.data import ReportData
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
-from fpaudit.report.store import Report
+from fpaudit.report.tables import Bins, Key, Records, Steps
 
 # Below _T_MIN every value underflows, above _T_MAX every value overflows, for
 # every format (bf16's round-to-zero edge is 2**-134; fp32 overflows at 2**128).
@@ -59,7 +60,14 @@ UNSCALED_MIN = layout.BINADE_MIN - 127
 UNSCALED_MAX = layout.BINADE_MAX + 149
 N_UNSCALED = UNSCALED_MAX - UNSCALED_MIN + 1
 
-SHADOW_COLUMNS = ("shadow_calls", "shadow_nonzero", "lost", "overflowed")
+SHADOW_COLUMNS = (
+    Records.shadow_calls,
+    Records.shadow_nonzero,
+    Records.lost,
+    Records.overflowed,
+)
+# The records' counts a condensed group sums
+_RECORD_COUNTS = (Records.elements, Records.zeros, Records.infs, Records.nans)
 COUNT_COLUMNS = (
     "elements",
     "zeros",
@@ -148,11 +156,11 @@ class Scope:
     dtypes: tuple[str, ...] = ()  # only records of these dtypes (live mode); empty: all
 
     def mask(self, records: pd.DataFrame) -> np.ndarray:
-        mask = records["kind"].isin(self.kinds).to_numpy(copy=True)
+        mask = records[Records.kind].isin(self.kinds).to_numpy(copy=True)
         if not self.include_loss:
-            mask &= (records["module"] != LOSS_MODULE).to_numpy()
+            mask &= (records[Records.module] != LOSS_MODULE).to_numpy()
         if self.dtypes:
-            mask &= records["dtype"].isin(self.dtypes).to_numpy()
+            mask &= records[Records.dtype].isin(self.dtypes).to_numpy()
         selected: np.ndarray = mask
         return selected
 
@@ -163,17 +171,19 @@ class Scope:
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 
 
-def held_dtype(report: Report) -> str | None:
+def held_dtype(report: ReportData) -> str | None:
     """The low-precision dtype most backward values were held in (autocast or a
     ``.half()`` model), or None when backward ran in fp32."""
     records = report.records
-    low = records[(records["kind"] == KIND_BACKWARD) & records["dtype"].isin(LOW_PRECISION_DTYPES)]
+    low = records[
+        (records[Records.kind] == KIND_BACKWARD) & records[Records.dtype].isin(LOW_PRECISION_DTYPES)
+    ]
     if low.empty:
         return None
-    return str(low.groupby("dtype")["elements"].sum().idxmax())
+    return str(low.groupby(Records.dtype)[Records.elements].sum().idxmax())
 
 
-def live_dtypes(report: Report) -> tuple[str, ...]:
+def live_dtypes(report: ReportData) -> tuple[str, ...]:
     """In a live (--amp) report, the low-precision dtype the recommendation is about."""
     dtype = report.info.amp_dtype
     return (dtype,) if dtype is not None else ()
@@ -189,17 +199,17 @@ class LeftOut:
     format_dtype: str | None  # the dtype judged (None: nothing is left out)
 
 
-def left_out(report: Report, scope: Scope) -> LeftOut:
+def left_out(report: ReportData, scope: Scope) -> LeftOut:
     """What ``scope``'s dtype filter leaves out of ``scope``'s kinds and modules."""
     if not scope.dtypes:
         return LeftOut(0, (), None)
     records = dataclasses.replace(scope, dtypes=()).select(report.records)
-    out = records[~records["dtype"].isin(scope.dtypes)]
-    nonzero = out["elements"] - out["zeros"] - out["infs"] - out["nans"]
-    return LeftOut(int(nonzero.sum()), tuple(sorted(set(out["dtype"]))), scope.dtypes[0])
+    out = records[~records[Records.dtype].isin(scope.dtypes)]
+    nonzero = out[Records.elements] - out[Records.zeros] - out[Records.infs] - out[Records.nans]
+    return LeftOut(int(nonzero.sum()), tuple(sorted(set(out[Records.dtype]))), scope.dtypes[0])
 
 
-def nonfinite_steps(report: Report) -> list[int]:
+def nonfinite_steps(report: ReportData) -> list[int]:
     """The steps whose loss or parameter gradients held inf or NaN and whose optimizer step
     no loss scaler skipped, in order. A scaler skipping such a step is doing its job, so
     only a report with a loss scaler (``fpaudit run`` with a GradScaler) excuses its
@@ -207,35 +217,37 @@ def nonfinite_steps(report: Report) -> list[int]:
     steps = report.steps
     if steps.empty:
         return []
-    excused = steps["skipped"].to_numpy(dtype=bool) & (report.info.scaler is not None)
-    broken = ~steps["loss_finite"].to_numpy(dtype=bool)
-    broken |= steps["nonfinite_grads"].to_numpy(dtype=np.int64) > 0
-    return sorted({int(step) for step in steps.loc[broken & ~excused, "step"]})
+    excused = steps[Steps.skipped].to_numpy(dtype=bool) & (report.info.scaler is not None)
+    broken = ~steps[Steps.loss_finite].to_numpy(dtype=bool)
+    broken |= steps[Steps.nonfinite_grads].to_numpy(dtype=np.int64) > 0
+    return sorted({int(step) for step in steps.loc[broken & ~excused, Steps.step]})
 
 
-def trained_log2_scales(report: Report, scope: Scope = Scope()) -> tuple[int, int] | None:
+def trained_log2_scales(report: ReportData, scope: Scope = Scope()) -> tuple[int, int] | None:
     """For a ``fpaudit run`` report, the smallest and largest log2 loss scale its captured
     steps trained at (values in ``scope`` that scale with the loss); None for any other
     report, or one with no such value."""
     if report.info.command != "run":
         return None
     records = scope.select(report.records)
-    scales = records.loc[records["scales_with_loss"], "loss_scale"].to_numpy(dtype=np.float64)
+    scales = records.loc[records[Records.scales_with_loss], Records.loss_scale].to_numpy(
+        dtype=np.float64
+    )
     if not len(scales):
         return None
     log2 = np.frexp(scales)[1] - 1
     return int(log2.min()), int(log2.max())
 
 
-def as_trained(report: Report) -> Report:
+def as_trained(report: ReportData) -> ReportData:
     """``report`` with each record's values taken as unscaled at loss scale 1, so that
     at scale ``2**0`` every value keeps the fate it had at the loss scale its step
     trained at (a report of a run judged as it ran, step by step)."""
     records = report.records.assign(loss_scale=1.0)
-    return Report(report.meta, records, report.bins, report.steps, report.path, report.origins)
+    return ReportData(report.info, records, report.bins, report.steps, report.path, report.origins)
 
 
-def default_scope(report: Report, include_loss: bool = False) -> Scope:
+def default_scope(report: ReportData, include_loss: bool = False) -> Scope:
     """What recommendations and gates judge: backward values inside the model, and in a
     live report only the values the device really held in the low-precision dtype."""
     return Scope(include_loss=include_loss, dtypes=live_dtypes(report))
@@ -312,12 +324,14 @@ class Condensed:
 
     def total(self) -> Condensed:
         """Everything in one group."""
-        sums = self.groups[["elements", "zeros", "infs", "nans", *SHADOW_COLUMNS]].sum()
-        dtypes = sorted({d for joined in self.groups["dtype"] for d in joined.split(",") if d})
+        sums = self.groups[[*_RECORD_COUNTS, *SHADOW_COLUMNS]].sum()
+        dtypes = sorted(
+            {d for joined in self.groups[Records.dtype] for d in joined.split(",") if d}
+        )
         groups = pd.DataFrame(
             {
                 **{name: [int(sums[name])] for name in sums.index},
-                "amax": [float(self.groups["amax"].max()) if len(self.groups) else 0.0],
+                "amax": [float(self.groups[Records.amax].max()) if len(self.groups) else 0.0],
                 "dtype": [",".join(dtypes)],
             }
         )
@@ -331,7 +345,9 @@ def _cells(counts: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return np.asarray(np.einsum("gbc,bc->g", counts, mask.astype(np.int64)), dtype=np.int64)
 
 
-def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("module",)) -> Condensed:
+def condense(
+    report: ReportData, scope: Scope = Scope(), by: Sequence[str] = (Key.module,)
+) -> Condensed:
     """Sum the in-scope bins of ``report`` per group of ``by`` (one pass over the bins).
 
     Results are cached on the report, so several scales and formats cost one pass.
@@ -339,12 +355,12 @@ def condense(report: Report, scope: Scope = Scope(), by: Sequence[str] = ("modul
     return report.cached(("condense", scope, tuple(by)), lambda: _condense(report, scope, by))
 
 
-def _condense(report: Report, scope: Scope, by: Sequence[str]) -> Condensed:
+def _condense(report: ReportData, scope: Scope, by: Sequence[str]) -> Condensed:
     by = list(by)
     groups, group_of_record = _groups(report.records, scope, by)
     scaled, fixed = _binned_cells(report, group_of_record, len(groups))
     result = Condensed(groups, scaled, fixed)
-    return _in_network_order(result, report) if "module" in by else result
+    return _in_network_order(result, report) if Key.module in by else result
 
 
 def _groups(records: pd.DataFrame, scope: Scope, by: list[str]) -> tuple[pd.DataFrame, np.ndarray]:
@@ -369,38 +385,40 @@ def _groups(records: pd.DataFrame, scope: Scope, by: list[str]) -> tuple[pd.Data
         values = selected[column].to_numpy(dtype=np.int64)
         return np.bincount(group_of_selected, weights=values, minlength=n_groups).astype(np.int64)
 
-    for column in ("elements", "zeros", "infs", "nans", *SHADOW_COLUMNS):
+    for column in (*_RECORD_COUNTS, *SHADOW_COLUMNS):
         groups[column] = per_group(column)
     dtype_sets: list[set[str]] = [set() for _ in range(n_groups)]
-    for group, dtype in zip(group_of_selected, selected["dtype"].to_numpy(), strict=True):
+    for group, dtype in zip(group_of_selected, selected[Records.dtype].to_numpy(), strict=True):
         dtype_sets[group].add(str(dtype))
-    groups["dtype"] = [",".join(sorted(d)) for d in dtype_sets]
+    groups[Records.dtype] = [",".join(sorted(d)) for d in dtype_sets]
     amax = np.zeros(n_groups)
-    unscaled_amax = selected["amax"].to_numpy(dtype=np.float64) / np.where(
-        selected["scales_with_loss"].to_numpy(dtype=bool), selected["loss_scale"].to_numpy(), 1.0
+    unscaled_amax = selected[Records.amax].to_numpy(dtype=np.float64) / np.where(
+        selected[Records.scales_with_loss].to_numpy(dtype=bool),
+        selected[Records.loss_scale].to_numpy(),
+        1.0,
     )
     np.maximum.at(amax, group_of_selected, unscaled_amax)
-    groups["amax"] = amax
+    groups[Records.amax] = amax
     return groups, group_of_record
 
 
 def _binned_cells(
-    report: Report, group_of_record: np.ndarray, n_groups: int
+    report: ReportData, group_of_record: np.ndarray, n_groups: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each group's bin counts: (groups, unscaled binades, classes) of the values that
     scale with the loss, in unscaled units, and (groups, binades, classes) of the others."""
     records = report.records
-    scales = records["scales_with_loss"].to_numpy(dtype=bool)
-    loss_scale = records["loss_scale"].to_numpy(dtype=np.float64)
+    scales = records[Records.scales_with_loss].to_numpy(dtype=bool)
+    loss_scale = records[Records.loss_scale].to_numpy(dtype=np.float64)
     log2_loss_scale = np.frexp(loss_scale)[1].astype(np.int64) - 1
     # One pass over the bins, in chunks so that temporaries stay small and reused
     # (fresh 80 MB arrays cost more in page faults than the arithmetic).
     # Record ids number the records (checked on read).
     bins = report.bins
-    all_records = bins["record_id"].to_numpy()
-    all_binades = bins["binade"].to_numpy()
-    all_classes = bins["cls"].to_numpy()
-    all_counts = bins["count"].to_numpy()
+    all_records = bins[Bins.record_id].to_numpy()
+    all_binades = bins[Bins.binade].to_numpy()
+    all_classes = bins[Bins.cls].to_numpy()
+    all_counts = bins[Bins.count].to_numpy()
     scaled_cells = n_groups * N_UNSCALED * layout.N_CLASSES
     fixed_cells = n_groups * layout.N_BINADES * layout.N_CLASSES
     # One index space: the scaled cube, then the fixed one. Per record, the offset
@@ -428,10 +446,10 @@ def _binned_cells(
     )
 
 
-def _in_network_order(condensed: Condensed, report: Report) -> Condensed:
+def _in_network_order(condensed: Condensed, report: ReportData) -> Condensed:
     """``condensed``'s groups sorted by module in network order (stable within a module)."""
     order = {name: i for i, name in enumerate(report.info.modules)}
-    rank = condensed.groups["module"].map(lambda m: order.get(m, len(order))).to_numpy()
+    rank = condensed.groups[Records.module].map(lambda m: order.get(m, len(order))).to_numpy()
     permutation = np.argsort(rank, kind="stable")
     return Condensed(
         condensed.groups.iloc[permutation].reset_index(drop=True),
@@ -441,12 +459,12 @@ def _in_network_order(condensed: Condensed, report: Report) -> Condensed:
 
 
 def range_loss(
-    report: Report,
+    report: ReportData,
     fmt: Format | str,
     log2_scale: int,
     *,
     scope: Scope = Scope(),
-    by: Sequence[str] = ("module",),
+    by: Sequence[str] = (Key.module,),
 ) -> pd.DataFrame:
     """Counts and fractions at scale ``2**log2_scale``, one row per group of ``by``.
 
@@ -501,14 +519,16 @@ class Totals:
         return dataclasses.asdict(self)
 
 
-def totals(report: Report, fmt: Format | str, log2_scale: int, *, scope: Scope = Scope()) -> Totals:
+def totals(
+    report: ReportData, fmt: Format | str, log2_scale: int, *, scope: Scope = Scope()
+) -> Totals:
     """:func:`range_loss` for everything in scope, as one record."""
-    condensed = condense(report, scope, ("module",)).total()
+    condensed = condense(report, scope, (Key.module,)).total()
     return Totals.from_row(condensed.at(as_format(fmt), log2_scale).iloc[0])
 
 
 def module_table(
-    report: Report, fmt: Format | str, log2_scale: int, *, scope: Scope = Scope()
+    report: ReportData, fmt: Format | str, log2_scale: int, *, scope: Scope = Scope()
 ) -> pd.DataFrame:
     """Per-module range loss at ``2**log2_scale``, in network order."""
-    return range_loss(report, fmt, log2_scale, scope=scope, by=("module",))
+    return range_loss(report, fmt, log2_scale, scope=scope, by=(Key.module,))

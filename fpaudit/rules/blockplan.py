@@ -42,15 +42,15 @@ import pandas as pd
 
 from fpaudit.errors import Named, OptionError, UsageError
 from fpaudit.numerics.recipes import RECIPES, Recipe, as_recipe
+from fpaudit.report.data import ReportData
 from fpaudit.report.records import BLOCK_COUNT_COLUMNS, KIND_BACKWARD, KIND_OPERAND, LOSS_MODULE
-from fpaudit.report.store import Report
 from fpaudit.text import percent
 
 KEEP_FORMAT = "bf16"  # what a module no recipe passes stays in
 LIMITS = ("flush_fraction", "saturate_fraction")
 
 
-def _blocks(report: Report, recipe: Recipe) -> pd.DataFrame:
+def _blocks(report: ReportData, recipe: Recipe) -> pd.DataFrame:
     if report.blocks is None or recipe.name not in report.recipes:
         recorded = ", ".join(report.recipes) or "none"
         raise UsageError(
@@ -62,7 +62,7 @@ def _blocks(report: Report, recipe: Recipe) -> pd.DataFrame:
 
 
 def block_table(
-    report: Report,
+    report: ReportData,
     recipe: Recipe | str,
     by: tuple[str, ...] = ("module",),
     kind: str | None = KIND_BACKWARD,
@@ -97,7 +97,7 @@ def block_table(
     return table.reset_index(drop=True)
 
 
-def scale_code_histogram(report: Report, recipe: Recipe | str) -> np.ndarray:
+def scale_code_histogram(report: ReportData, recipe: Recipe | str) -> np.ndarray:
     """How many blocks got each scale code (256 counts), over the whole report."""
     blocks = _blocks(report, as_recipe(recipe))
     if not len(blocks):
@@ -106,7 +106,7 @@ def scale_code_histogram(report: Report, recipe: Recipe | str) -> np.ndarray:
     return counts.astype(np.int64)
 
 
-def flush_matrix(report: Report, recipes: list[Recipe | str]) -> pd.DataFrame:
+def flush_matrix(report: ReportData, recipes: list[Recipe | str]) -> pd.DataFrame:
     """Flush fraction per module (rows, report order) and recipe (columns)."""
     columns = {}
     for recipe in recipes:
@@ -159,7 +159,7 @@ def _check_fraction(value: float, name: str) -> None:
 
 
 def block_gate(
-    report: Report,
+    report: ReportData,
     recipe: Recipe | str,
     max_flush: float,
     max_saturate: float = 0.0,
@@ -281,7 +281,7 @@ class RecipePlan:
 
 
 def plan(
-    report: Report, recipes: list[Recipe | str], max_flush: float, max_saturate: float = 0.0
+    report: ReportData, recipes: list[Recipe | str], max_flush: float, max_saturate: float = 0.0
 ) -> RecipePlan:
     """Per candidate module (one whose backward GEMM operands were recorded), the
     cheapest of ``recipes`` whose flush and saturation fractions on those operands stay

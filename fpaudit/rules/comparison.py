@@ -30,8 +30,8 @@ from typing import Any
 
 from fpaudit.errors import Named, UsageError
 from fpaudit.numerics.formats import Format, get_format
+from fpaudit.report.data import ReportData
 from fpaudit.report.records import LOSS_MODULE
-from fpaudit.report.store import Report
 from fpaudit.rules import analysis
 from fpaudit.rules.recommendation import recommend
 
@@ -100,7 +100,7 @@ class RunChange:
         return data
 
 
-def run_change(base: Report, new: Report) -> RunChange | None:
+def run_change(base: ReportData, new: ReportData) -> RunChange | None:
     """The scalers' change between two ``fpaudit run`` reports; None unless both are."""
     from fpaudit.rules.findings import skip_statistics
 
@@ -197,7 +197,7 @@ RECOMMENDED, BASE, NEW = "recommended", "base", "new"
 SCALE_NAMES = (RECOMMENDED, BASE, NEW)
 
 
-def common_format(base: Report, new: Report, name: str | None = None) -> Format:
+def common_format(base: ReportData, new: ReportData, name: str | None = None) -> Format:
     """The format both reports are read in: ``name``, else NEW's first summarised format
     that BASE summarised too (fp16 when neither names one); none in common is refused."""
     if name is not None:
@@ -216,7 +216,7 @@ def common_format(base: Report, new: Report, name: str | None = None) -> Format:
     return get_format(shared[0])
 
 
-def refusal(base: Report, new: Report) -> str | None:
+def refusal(base: ReportData, new: ReportData) -> str | None:
     """Why the two reports cannot be compared at all, else None."""
     if _same_report(base, new):
         return f"BASE and NEW are the same report ({new.path}); compare two different reports"
@@ -231,13 +231,13 @@ def refusal(base: Report, new: Report) -> str | None:
     return None
 
 
-def _same_report(base: Report, new: Report) -> bool:
+def _same_report(base: ReportData, new: ReportData) -> bool:
     if base.path is None or new.path is None:
         return base is new
     return base.path.resolve() == new.path.resolve()
 
 
-def notes(base: Report, new: Report) -> tuple[str, ...]:
+def notes(base: ReportData, new: ReportData) -> tuple[str, ...]:
     """What differs between the reports without blocking a comparison, one line each."""
     said = []
     steps = (_steps(base), _steps(new))
@@ -246,7 +246,7 @@ def notes(base: Report, new: Report) -> tuple[str, ...]:
             f"steps differ: BASE ran {steps[0]}, NEW {steps[1]} (fractions compare; counts do not)"
         )
     for key, what in (("torch_version", "torch releases"), ("device", "devices")):
-        values = (base.meta.get(key), new.meta.get(key))
+        values = (_environment(base, key), _environment(new, key))
         if values[0] != values[1]:
             said.append(f"{what} differ: BASE {values[0]}, NEW {values[1]}")
     dtypes = (base.info.amp_dtype or "none", new.info.amp_dtype or "none")
@@ -255,7 +255,13 @@ def notes(base: Report, new: Report) -> tuple[str, ...]:
     return tuple(said)
 
 
-def _steps(report: Report) -> int:
+def _environment(report: ReportData, key: str) -> str | None:
+    """The run's environment entry ``key`` (None for a report that has none)."""
+    environment = report.info.environment
+    return None if environment is None else str(getattr(environment, key))
+
+
+def _steps(report: ReportData) -> int:
     done = report.info.steps_run
     if done is not None:
         return done
@@ -263,8 +269,8 @@ def _steps(report: Report) -> int:
 
 
 def compare(
-    base: Report,
-    new: Report,
+    base: ReportData,
+    new: ReportData,
     fmt: Format | str | None = None,
     *,
     log2_scale: int | str | None = None,
@@ -333,7 +339,7 @@ def compare(
     )
 
 
-def _headroom(report: Report, given: int | None) -> int:
+def _headroom(report: ReportData, given: int | None) -> int:
     from fpaudit.rules.summary import report_headroom
 
     return report_headroom(report) if given is None else given
@@ -471,7 +477,7 @@ class BlockComparison:
         }
 
 
-def compare_blocks(base: Report, new: Report, recipe: str) -> BlockComparison:
+def compare_blocks(base: ReportData, new: ReportData, recipe: str) -> BlockComparison:
     """BASE's and NEW's block statistics of ``recipe`` per module (backward values,
     ``<loss>`` left out, as ``gate --recipe`` judges them); both reports must hold it."""
     from fpaudit.rules.blockplan import block_table

@@ -84,8 +84,8 @@ from fpaudit import defaults
 from fpaudit.errors import OptionError, ReportError
 from fpaudit.numerics import layout
 from fpaudit.numerics.formats import Format, get_format
+from fpaudit.report.data import ReportData
 from fpaudit.report.records import KIND_BACKWARD, KIND_FORWARD, LOSS_MODULE, OP_KEY_COLUMNS
-from fpaudit.report.store import Report
 from fpaudit.rules import fp8_policies
 
 POLICIES: tuple[str, ...] = fp8_policies.POLICIES  # declared in their own registry
@@ -352,7 +352,9 @@ class _Series:
     notes: tuple[str, ...]
 
 
-def _records_to_replay(report: Report) -> tuple[np.ndarray, np.ndarray, pd.DataFrame, list[str]]:
+def _records_to_replay(
+    report: ReportData,
+) -> tuple[np.ndarray, np.ndarray, pd.DataFrame, list[str]]:
     """The steps replayed (the first rank's), which records take part (forward and
     backward ops of that rank, not the loss), those records, and notes on what the
     replay cannot see."""
@@ -384,7 +386,7 @@ def _records_to_replay(report: Report) -> tuple[np.ndarray, np.ndarray, pd.DataF
     return steps, keep, selected, notes
 
 
-def _series(report: Report, fmt: Format | None) -> _Series:
+def _series(report: ReportData, fmt: Format | None) -> _Series:
     steps, keep, selected, notes = _records_to_replay(report)
     records = report.records
     grouped = selected.groupby(list(OP_KEY_COLUMNS), sort=False, dropna=False)
@@ -480,7 +482,7 @@ def _replay(series: _Series, settings: Settings) -> Replay:
     )
 
 
-def replay(report: Report, settings: Settings, fmt: Format | None = None) -> Replay:
+def replay(report: ReportData, settings: Settings, fmt: Format | None = None) -> Replay:
     """Replay ``settings`` over ``report`` (``fmt`` None: Transformer Engine's HYBRID)."""
     replayed = _replay(_series(report, fmt), settings)
     if not replayed.exact:
@@ -520,7 +522,7 @@ class Sweep:
 
 
 def sweep(
-    report: Report,
+    report: ReportData,
     policy: str = "te-delayed",
     *,
     amax_compute_algo: str = "max",

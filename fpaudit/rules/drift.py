@@ -14,6 +14,7 @@ and, at the run's scale, lose more to underflow.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -24,7 +25,8 @@ from fpaudit import defaults
 from fpaudit.bounds import AT_LEAST_1
 from fpaudit.numerics import limits
 from fpaudit.numerics.formats import Format
-from fpaudit.report.store import Report
+from fpaudit.report.data import ReportData
+from fpaudit.report.tables import Bins, Records, Steps
 from fpaudit.rules import analysis
 from fpaudit.rules.recommendation import log2_scale_for, loss_counter
 
@@ -79,7 +81,7 @@ class Drift:
 
 
 def drift(
-    report: Report,
+    report: ReportData,
     fmt: Format,
     headroom_bits: int = limits.DEFAULT_HEADROOM_BITS,
     *,
@@ -92,31 +94,31 @@ def drift(
     AT_LEAST_1.check("window_steps", window_steps)  # None: about ten windows
     scope = analysis.default_scope(report, include_loss)
     records = scope.select(report.records)
-    steps = report.steps["step"].to_numpy(dtype=np.int64)
+    steps = report.steps[Steps.step].to_numpy(dtype=np.int64)
     first = int(steps.min()) if len(steps) else 0
     last = int(steps.max()) if len(steps) else -1
     if window_steps is None:
         window_steps = max(1, math.ceil((last - first + 1) / DEFAULT_WINDOWS))
 
-    scaling = records[records["scales_with_loss"]]
-    unscaled = scaling["amax"] / scaling["loss_scale"]
+    scaling = records[records[Records.scales_with_loss]]
+    unscaled = scaling[Records.amax] / scaling[Records.loss_scale]
     run_amax = float(unscaled.max()) if len(unscaled) and unscaled.max() > 0 else 0.0
     run_counter = loss_counter(analysis.condense(report, scope), fmt)
     run_k, _ = log2_scale_for(run_amax, fmt, headroom_bits, run_counter)
 
     # One pass over the bins grouped by window (not by step: a long run has thousands of
     # steps, and a cube of bins per step is hundreds of MB to allocate and sum again).
-    step_of_record = report.records["step"].to_numpy(dtype=np.int64)
-    by_window = Report(
-        report.meta,
+    step_of_record = report.records[Records.step].to_numpy(dtype=np.int64)
+    by_window = ReportData(
+        report.info,
         report.records.assign(**{_WINDOW: (step_of_record - first) // window_steps}),
         report.bins,
         report.steps,
     )
     condensed = analysis.condense(by_window, scope, (_WINDOW,))
     window_of_group = condensed.groups[_WINDOW].to_numpy(dtype=np.int64)
-    steps_in_scope = records["step"].to_numpy(dtype=np.int64)
-    window_of_record = (scaling["step"].to_numpy(dtype=np.int64) - first) // window_steps
+    steps_in_scope = records[Records.step].to_numpy(dtype=np.int64)
+    window_of_record = (scaling[Records.step].to_numpy(dtype=np.int64) - first) // window_steps
     windows: list[Window] = []
     for w in range((last - first) // window_steps + 1 if last >= first else 0):
         lo, hi = first + w * window_steps, first + (w + 1) * window_steps - 1
@@ -142,8 +144,8 @@ def drift(
                 captured_steps=len(captured),
                 amax=amax,
                 log2_scale=k,
-                limiting_module=str(limiter["module"]) if limiter is not None else None,
-                limiting_op=str(limiter["op"]) if limiter is not None else None,
+                limiting_module=str(limiter[Records.module]) if limiter is not None else None,
+                limiting_op=str(limiter[Records.op]) if limiter is not None else None,
                 underflow_fraction=float(own["judged_underflow_fraction"]),
                 underflow_at_run_scale=float(at_run["judged_underflow_fraction"]),
             )
@@ -163,22 +165,25 @@ def drift(
 _WINDOW = "_drift_window"
 
 
-def window_report(report: Report, first_step: int, last_step: int) -> Report:
+def window_report(report: ReportData, first_step: int, last_step: int) -> ReportData:
     """What ``report`` recorded in steps ``first_step..last_step`` (record ids renumbered)."""
     records = report.records
-    keep = ((records["step"] >= first_step) & (records["step"] <= last_step)).to_numpy()
+    keep = ((records[Records.step] >= first_step) & (records[Records.step] <= last_step)).to_numpy()
     new_id = np.full(len(records), -1, dtype=np.int64)
     new_id[keep] = np.arange(int(keep.sum()))
     bins = report.bins
-    bin_records = bins["record_id"].to_numpy()
+    bin_records = bins[Bins.record_id].to_numpy()
     bins_kept = bins[keep[bin_records]].copy()
-    bins_kept["record_id"] = new_id[bins_kept["record_id"].to_numpy()].astype(np.int32)
+    bins_kept[Bins.record_id] = new_id[bins_kept[Bins.record_id].to_numpy()].astype(np.int32)
     kept = records[keep].copy()
-    kept["record_id"] = np.arange(len(kept), dtype=np.int32)
+    kept[Records.record_id] = np.arange(len(kept), dtype=np.int32)
     steps = report.steps
-    in_range = (steps["step"] >= first_step) & (steps["step"] <= last_step)
-    return Report(
-        {**report.meta, "window_of_run": [first_step, last_step]},
+    in_range = (steps[Steps.step] >= first_step) & (steps[Steps.step] <= last_step)
+    return ReportData(
+        dataclasses.replace(
+            report.info,
+            settings={**report.info.settings, "window_of_run": [first_step, last_step]},
+        ),
         kept.reset_index(drop=True),
         bins_kept.reset_index(drop=True),
         steps[in_range].reset_index(drop=True),

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fpaudit.report.runinfo import Finding, SkipStatistics
+from fpaudit.report.tables import Steps
 from fpaudit.text import power
 
 __all__ = [
@@ -234,9 +235,9 @@ def scheduler_findings(
     :func:`skip_statistics`) are the scaler's design, not the script's mistake: the
     PyTorch AMP recipe steps its scheduler on them too, and is not flagged."""
     found = Findings()
-    calibration = skip_statistics(np.array(table["skipped"], dtype=bool)).calibration_steps
-    calibrating = set(table["step"][:calibration])
-    skipped = dict(zip(table["step"], table["skipped"], strict=True))
+    calibration = skip_statistics(np.array(table[Steps.skipped], dtype=bool)).calibration_steps
+    calibrating = set(table[Steps.step][:calibration])
+    skipped = dict(zip(table[Steps.step], table[Steps.skipped], strict=True))
     for site, attempt, name in calls:
         if skipped.get(attempt, False) and attempt not in calibrating:
             found.add(
@@ -257,13 +258,13 @@ def scale_findings(
     from the steps table's ``step``, ``loss_scale``, ``scale_after`` and ``skipped``;
     each finding is placed at ``site`` (the script's ``scaler.update()``)."""
     found = Findings()
-    if not table["step"]:
+    if not table[Steps.step]:
         return []
-    steps = np.array(table["step"])
-    before = np.array(table["loss_scale"])
-    after = np.array(table["scale_after"])
+    steps = np.array(table[Steps.step])
+    before = np.array(table[Steps.loss_scale])
+    after = np.array(table[Steps.scale_after])
     backoff = after < before
-    stats = skip_statistics(np.array(table["skipped"], dtype=bool))
+    stats = skip_statistics(np.array(table[Steps.skipped], dtype=bool))
     # Backing off from the initial scale until gradients fit is calibration, not decay.
     runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats.calibration_steps)]
     for start, end in [(start, end) for start, end in runs if end - start > max_backoffs]:

@@ -55,8 +55,9 @@ from fpaudit.bounds import FRACTION
 from fpaudit.errors import Named, UsageError, Wording
 from fpaudit.numerics.formats import Format, as_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
+from fpaudit.report.data import ReportData
 from fpaudit.report.runinfo import Finding
-from fpaudit.report.store import Report
+from fpaudit.report.tables import Records, Steps
 from fpaudit.rules import analysis, comparison
 from fpaudit.rules.comparison import Change
 from fpaudit.rules.recommendation import recommend
@@ -89,7 +90,7 @@ SCALE_NAMES = (BY_RECOMMENDATION, BY_BASELINE, BY_TRAINING)
 
 
 def _scale_name(
-    given: int | str | None, baseline: Report | None, trained: tuple[int, int] | None
+    given: int | str | None, baseline: ReportData | None, trained: tuple[int, int] | None
 ) -> str | None:
     """The named scale to judge at (None: a number was given), checked against what the
     report and the baseline hold."""
@@ -199,7 +200,7 @@ class GatePolicy:
     allow_errors: bool = _shown(False, "errors_allowed", "error_findings")
     max_increase: float | None = _shown(None, "max_increase", "baseline")
 
-    def check(self, baseline: Report | None) -> None:
+    def check(self, baseline: ReportData | None) -> None:
         """A gate needs a limit: ``max_underflow``, or a ``baseline`` with ``max_increase``."""
         max_underflow, max_increase = self.max_underflow, self.max_increase
         FRACTION.check("max_underflow", max_underflow)
@@ -295,7 +296,7 @@ def _json_value(value: Any, flags: bool) -> Any:
 
 
 def gate(
-    report: Report,
+    report: ReportData,
     fmt: Format | str,
     max_underflow: float | None,
     *,
@@ -307,7 +308,7 @@ def gate(
     allow_nonfinite: bool = False,
     fail_unscalable: bool = False,
     allow_errors: bool = False,
-    baseline: Report | None = None,
+    baseline: ReportData | None = None,
     max_increase: float | None = None,
 ) -> GateResult:
     """Judge ``report`` at ``2**log2_scale`` or at a scale named in :data:`SCALE_NAMES`
@@ -325,12 +326,12 @@ def gate(
 
 
 def judge(
-    report: Report,
+    report: ReportData,
     fmt: Format | str,
     policy: GatePolicy,
     *,
     log2_scale: int | str | None = None,
-    baseline: Report | None = None,
+    baseline: ReportData | None = None,
 ) -> GateResult:
     """:func:`gate` with its parameters as one :class:`GatePolicy`."""
     fmt = as_format(fmt)
@@ -434,7 +435,7 @@ class _Evidence:
 
 
 def _all_evidence(
-    report: Report,
+    report: ReportData,
     scope: analysis.Scope,
     overall: analysis.Totals,
     allow_nonfinite: bool,
@@ -450,7 +451,7 @@ def _all_evidence(
 
 
 def _baseline_failures(
-    baseline: Report, fmt: Format, log2_scale: int, policy: GatePolicy
+    baseline: ReportData, fmt: Format, log2_scale: int, policy: GatePolicy
 ) -> list[Failure]:
     """The evidence rules, the complete rule and the error findings, on the baseline:
     each failure said as the baseline's (``BASELINE``)."""
@@ -466,12 +467,12 @@ def _baseline_failures(
     ]
 
 
-def _errors(report: Report) -> list[Finding]:
+def _errors(report: ReportData) -> list[Finding]:
     """The run's error findings (``fpaudit run``'s misuse rules of severity ``error``)."""
     return [finding for finding in report.info.findings if finding.severity == "error"]
 
 
-def _run_failures(report: Report, allow_incomplete: bool, allow_errors: bool) -> list[Failure]:
+def _run_failures(report: ReportData, allow_incomplete: bool, allow_errors: bool) -> list[Failure]:
     """An interrupted run (unless allowed), then one failure per error finding (unless
     allowed)."""
     failures = [] if report.complete or allow_incomplete else [_INCOMPLETE_FAILURE]
@@ -520,7 +521,7 @@ def _regression_failure(change: Change, limit: float, where: str) -> Failure:
 
 
 def _range_failures(
-    report: Report,
+    report: ReportData,
     fmt: Format,
     log2_scale: int,
     scope: analysis.Scope,
@@ -646,36 +647,39 @@ def _finding_failure(finding: Finding) -> Failure:
     )
 
 
-def _steps_run(report: Report) -> int:
+def _steps_run(report: ReportData) -> int:
     done = report.info.steps_run
     if done is not None:
         return done
-    return int(report.steps["step"].nunique()) if len(report.steps) else 0
+    return int(report.steps[Steps.step].nunique()) if len(report.steps) else 0
 
 
-def _nonfinite(report: Report, scope: analysis.Scope) -> tuple[int, int]:
+def _nonfinite(report: ReportData, scope: analysis.Scope) -> tuple[int, int]:
     """Inf/NaN backward values in scope and steps with an inf/NaN loss, leaving out
     the steps whose optimizer step a loss scaler skipped (what a scaler is for). Only a
     report with a loss scaler (``fpaudit run`` with a GradScaler) excuses skipped steps:
     a scan skips the optimizer on inf/NaN because the run is broken."""
     steps = report.steps
-    excused = steps["skipped"].to_numpy(dtype=bool)
+    excused = steps[Steps.skipped].to_numpy(dtype=bool)
     if report.info.scaler is None:
         excused = np.zeros(len(steps), dtype=bool)
-    skipped = set(steps.loc[excused, "step"].astype(int))
+    skipped = set(steps.loc[excused, Steps.step].astype(int))
     records = scope.select(report.records)
     counted = np.ones(len(records), dtype=bool)
     if skipped:
-        single = records["steps"].to_numpy() == 1
-        in_skipped = records["step"].astype(int).isin(skipped).to_numpy()
+        single = records[Records.steps].to_numpy() == 1
+        in_skipped = records[Records.step].astype(int).isin(skipped).to_numpy()
         counted &= ~(single & in_skipped)
-    values = records["infs"].to_numpy()[counted].sum() + records["nans"].to_numpy()[counted].sum()
-    bad_loss = ~steps["loss_finite"].to_numpy(dtype=bool) & ~excused
+    values = (
+        records[Records.infs].to_numpy()[counted].sum()
+        + records[Records.nans].to_numpy()[counted].sum()
+    )
+    bad_loss = ~steps[Steps.loss_finite].to_numpy(dtype=bool) & ~excused
     return int(values), int(bad_loss.sum())
 
 
 def _evidence(
-    report: Report,
+    report: ReportData,
     overall: analysis.Totals,
     steps_run: int,
     nonfinite: int,
@@ -741,7 +745,7 @@ def _evidence(
     return failures
 
 
-def _nothing_reason(report: Report, overall: analysis.Totals) -> Wording:
+def _nothing_reason(report: ReportData, overall: analysis.Totals) -> Wording:
     """Why the scope holds no nonzero finite value, as far as the report tells."""
     globs: list[str | Named] = []  # Selection's fields: "modules a b" (--module a b)
     for key, value in (report.info.selection or {}).items():
@@ -766,7 +770,9 @@ def _nothing_reason(report: Report, overall: analysis.Totals) -> Wording:
     )
 
 
-def judged_module_table(report: Report, result: GateResult, *, include_loss: bool = False) -> Any:
+def judged_module_table(
+    report: ReportData, result: GateResult, *, include_loss: bool = False
+) -> Any:
     """Per module, the numbers at the scale ``result`` judged ``report`` at (a run judged at
     the scales it trained at: each value at its step's), in ``result``'s format and scope."""
     scope = analysis.default_scope(report, include_loss)

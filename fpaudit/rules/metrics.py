@@ -30,9 +30,10 @@ import numpy as np
 from fpaudit import defaults
 from fpaudit.numerics.formats import as_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
+from fpaudit.report.data import ReportData
 from fpaudit.report.records import KIND_BACKWARD, LOSS_MODULE
 from fpaudit.report.runinfo import AMP_NAMES
-from fpaudit.report.store import Report
+from fpaudit.report.tables import Bins, Key, Records, Steps
 from fpaudit.rules import analysis, blockplan
 from fpaudit.rules.drift import window_report
 from fpaudit.rules.recommendation import choose_scale
@@ -107,12 +108,12 @@ class StepView:
     as a report (for :func:`bin_series`) and the modules with a series of their own."""
 
     metrics: StepMetrics
-    window: Report
+    window: ReportData
     modules: tuple[str, ...]
 
 
 def step_view(
-    step: Report,
+    step: ReportData,
     fmt: str | None,
     top: int,
     chosen: dict[tuple[str, int], list[str]],
@@ -148,7 +149,7 @@ def _judged_log2(scale: float) -> int:
     return math.frexp(scale)[1] - 1
 
 
-def worst_modules(report: Report, fmt: str, top: int) -> list[str]:
+def worst_modules(report: ReportData, fmt: str, top: int) -> list[str]:
     """The ``top`` modules of the whole report with the highest underflow fraction at S=1
     (ties: the model's order)."""
     if top <= 0:
@@ -156,11 +157,11 @@ def worst_modules(report: Report, fmt: str, top: int) -> list[str]:
     table = analysis.module_table(report, fmt, 0, scope=analysis.default_scope(report))
     table = table[table["nonzero"] > 0]
     order = np.argsort(-table["judged_underflow_fraction"].to_numpy(), kind="stable")
-    return [str(m) for m in table["module"].to_numpy()[order][:top]]
+    return [str(m) for m in table[Key.module].to_numpy()[order][:top]]
 
 
 def step_metrics(
-    report: Report,
+    report: ReportData,
     fmt: str = "fp16",
     *,
     top: int = DEFAULT_TOP,
@@ -174,44 +175,44 @@ def step_metrics(
 
 
 def each_step(
-    report: Report,
+    report: ReportData,
     fmt: str = "fp16",
     *,
     top: int = DEFAULT_TOP,
     headroom_bits: int = DEFAULT_HEADROOM_BITS,
     modules: Sequence[str] | None = None,
-) -> Iterator[tuple[StepMetrics, Report]]:
+) -> Iterator[tuple[StepMetrics, ReportData]]:
     """:func:`step_metrics`, each with the step's own report (its records alone), for a
     writer that also draws the step's histograms (:func:`bin_series`)."""
     name = as_format(fmt).name
     modules = list(modules) if modules is not None else worst_modules(report, name, top)
     skipped = dict(skipped_series(report))
     for _, row in _steps(report).iterrows():
-        if not bool(row["captured"]):
+        if not bool(row[Steps.captured]):
             continue
-        step = int(row["step"])
+        step = int(row[Steps.step])
         window = window_report(report, step, step)
-        values = _window_metrics(window, name, modules, headroom_bits, float(row["loss_scale"]))
+        values = _window_metrics(window, name, modules, headroom_bits, float(row[Steps.loss_scale]))
         values[SKIPPED_STEPS] = skipped[step]
         yield StepMetrics(step, values), window
 
 
-def _steps(report: Report) -> Any:
-    return report.steps.drop_duplicates("step").sort_values("step")
+def _steps(report: ReportData) -> Any:
+    return report.steps.drop_duplicates(Steps.step).sort_values(Steps.step)
 
 
-def skipped_series(report: Report) -> list[tuple[int, float]]:
+def skipped_series(report: ReportData) -> list[tuple[int, float]]:
     """``fpaudit/skipped_steps`` at each captured step of ``report``: (step, optimizer
     steps skipped for inf/NaN gradients up to and including it)."""
     steps = _steps(report)
-    skipped = np.cumsum(steps["skipped"].to_numpy(dtype=bool))
-    captured = steps["captured"].to_numpy(dtype=bool)
-    numbers = steps["step"].to_numpy(dtype=np.int64)
+    skipped = np.cumsum(steps[Steps.skipped].to_numpy(dtype=bool))
+    captured = steps[Steps.captured].to_numpy(dtype=bool)
+    numbers = steps[Steps.step].to_numpy(dtype=np.int64)
     return [(int(n), float(k)) for n, k, c in zip(numbers, skipped, captured, strict=True) if c]
 
 
 def _window_metrics(
-    window: Report, fmt: str, modules: list[str], headroom_bits: int, loss_scale: float
+    window: ReportData, fmt: str, modules: list[str], headroom_bits: int, loss_scale: float
 ) -> dict[str, float]:
     scope = analysis.default_scope(window)
     k = _judged_log2(loss_scale)
@@ -230,21 +231,21 @@ def _window_metrics(
     if chosen is not None:
         values[f"fpaudit/{fmt}/recommended_log2_scale"] = float(chosen)
     if modules:
-        table = analysis.module_table(window, fmt, k, scope=scope).set_index("module")
+        table = analysis.module_table(window, fmt, k, scope=scope).set_index(Key.module)
         for module in modules:
             if module in table.index and int(table.at[module, "nonzero"]) > 0:
                 fraction = float(table.at[module, "judged_underflow_fraction"])
                 values[f"fpaudit/{fmt}/module_underflow/{module_tag(module)}"] = fraction
     for recipe in window.recipes:
-        blocks = blockplan.block_table(window, recipe, by=("module",))
-        blocks = blocks[blocks["module"] != LOSS_MODULE]
+        blocks = blockplan.block_table(window, recipe, by=(Key.module,))
+        blocks = blocks[blocks[Key.module] != LOSS_MODULE]
         nonzero = float(blocks["nonzero"].sum())
         flushed = float(blocks["flushed"].sum())
         values[f"fpaudit/{recipe}/flush"] = flushed / nonzero if nonzero else 0.0
     return values
 
 
-def bin_series(window: Report, module: str) -> tuple[np.ndarray, np.ndarray]:
+def bin_series(window: ReportData, module: str) -> tuple[np.ndarray, np.ndarray]:
     """One step's backward values of ``module`` as a binade histogram, in unscaled units
     (the report's own bins; a value that scales with the loss shifted down by its
     record's loss scale): the upper edge of each binade (``2**(b+1)``, lowest first) from
@@ -254,19 +255,21 @@ def bin_series(window: Report, module: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def bin_series_of(
-    window: Report, modules: Sequence[str]
+    window: ReportData, modules: Sequence[str]
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """:func:`bin_series` of each of ``modules``, from one join of the bins with the
     records (a dashboard draws several modules a step)."""
     records = window.records
-    mine = records[(records["kind"] == KIND_BACKWARD) & records["module"].isin(list(modules))]
-    columns = ["record_id", "module", "loss_scale", "scales_with_loss"]
-    rows = window.bins.merge(mine[columns], on="record_id")
-    scale_log2 = np.frexp(rows["loss_scale"].to_numpy(dtype=np.float64))[1] - 1
-    shift = np.where(rows["scales_with_loss"].to_numpy(dtype=bool), scale_log2, 0)
-    binades = rows["binade"].to_numpy(dtype=np.int64) - shift
-    counts = rows["count"].to_numpy(dtype=np.float64)
-    names = rows["module"].to_numpy()
+    mine = records[
+        (records[Records.kind] == KIND_BACKWARD) & records[Records.module].isin(list(modules))
+    ]
+    columns = [Records.record_id, Records.module, Records.loss_scale, Records.scales_with_loss]
+    rows = window.bins.merge(mine[columns], on=Bins.record_id)
+    scale_log2 = np.frexp(rows[Records.loss_scale].to_numpy(dtype=np.float64))[1] - 1
+    shift = np.where(rows[Records.scales_with_loss].to_numpy(dtype=bool), scale_log2, 0)
+    binades = rows[Bins.binade].to_numpy(dtype=np.int64) - shift
+    counts = rows[Bins.count].to_numpy(dtype=np.float64)
+    names = rows[Records.module].to_numpy()
     found: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for module in modules:
         here = names == module

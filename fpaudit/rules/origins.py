@@ -44,6 +44,7 @@ import numpy as np
 
 from fpaudit.numerics.formats import FP32, Format
 from fpaudit.report.records import ORIGIN_COLUMNS as COLUMNS
+from fpaudit.report.tables import Origins as OriginCalls
 
 if TYPE_CHECKING:  # pandas only where a table is built or read, not in capture
     import pandas as pd
@@ -79,11 +80,11 @@ def is_sentinel(values: Any) -> np.ndarray:
 def deliberate(table: pd.DataFrame) -> np.ndarray:
     """Per op call of an origins table: are its inf/NaN (or huge values) deliberate,
     written by a constant op or carried from a finfo sentinel, rather than computed?"""
-    constant = np.fromiter((is_constant_op(op) for op in table["op"]), bool, len(table))
+    constant = np.fromiter((is_constant_op(op) for op in table[OriginCalls.op]), bool, len(table))
     sentinel = (
-        is_sentinel(table["amax"])
-        | is_sentinel(table["input_amax_scaled"])
-        | is_sentinel(table["input_amax_fixed"])
+        is_sentinel(table[OriginCalls.amax])
+        | is_sentinel(table[OriginCalls.input_amax_scaled])
+        | is_sentinel(table[OriginCalls.input_amax_fixed])
     )
     either: np.ndarray = constant | sentinel
     return either
@@ -122,14 +123,26 @@ class Origins:
         }
 
 
-_SHOWN = ["step", "sequence", "phase", "module", "op", "node", "output", "dtype", "nonfinite",
-          "elements", "largest_finite_input"]  # fmt: skip
+_SHOWN = [
+    OriginCalls.step,
+    OriginCalls.sequence,
+    OriginCalls.phase,
+    OriginCalls.module,
+    OriginCalls.op,
+    OriginCalls.node,
+    OriginCalls.output,
+    OriginCalls.dtype,
+    OriginCalls.nonfinite,
+    OriginCalls.elements,
+    "largest_finite_input",
+]
 
 
 def _with_input(frame: pd.DataFrame) -> pd.DataFrame:
     frame = frame.copy()
     frame["largest_finite_input"] = np.maximum(
-        frame["input_amax_scaled"].to_numpy(), frame["input_amax_fixed"].to_numpy()
+        frame[OriginCalls.input_amax_scaled].to_numpy(),
+        frame[OriginCalls.input_amax_fixed].to_numpy(),
     )
     return frame
 
@@ -139,21 +152,25 @@ def live(table: pd.DataFrame) -> Origins:
     wrote them by design, and how many carried them on."""
     import pandas as pd
 
-    bad = table[table["nonfinite"] > 0]
-    made = bad[~bad["inputs_nonfinite"]]
+    bad = table[table[OriginCalls.nonfinite] > 0]
+    made = bad[~bad[OriginCalls.inputs_nonfinite]]
     by_design = deliberate(made)
     blamed = _with_input(made[~by_design])
-    carried = bad[bad["inputs_nonfinite"]]
+    carried = bad[bad[OriginCalls.inputs_nonfinite]]
     propagation = (
-        carried.groupby("step", sort=True).size().rename("op_calls").reset_index()
+        carried.groupby(OriginCalls.step, sort=True).size().rename("op_calls").reset_index()
         if not carried.empty
-        else pd.DataFrame({"step": pd.Series(dtype="int32"), "op_calls": pd.Series(dtype="int64")})
+        else pd.DataFrame(
+            {OriginCalls.step: pd.Series(dtype="int32"), "op_calls": pd.Series(dtype="int64")}
+        )
     )
     return Origins(_ordered(blamed), propagation, _ordered(_with_input(made[by_design])))
 
 
 def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame.sort_values(["step", "sequence"], kind="stable").reset_index(drop=True)[_SHOWN]
+    return frame.sort_values([OriginCalls.step, OriginCalls.sequence], kind="stable").reset_index(
+        drop=True
+    )[_SHOWN]
 
 
 def reaches_overflow(fmt: Format, values: np.ndarray) -> np.ndarray:
@@ -166,14 +183,14 @@ def reaches_overflow(fmt: Format, values: np.ndarray) -> np.ndarray:
 def predicted(table: pd.DataFrame, fmt: Format, scale: float) -> pd.DataFrame:
     """Op calls whose values reach ``fmt``'s overflow edge at ``scale`` while their
     inputs do not, in execution order; ``first`` marks each step's first one."""
-    backward = (table["phase"] == "backward").to_numpy()
-    unscale = table["loss_scale"].to_numpy(dtype=np.float64)
+    backward = (table[OriginCalls.phase] == "backward").to_numpy()
+    unscale = table[OriginCalls.loss_scale].to_numpy(dtype=np.float64)
     factor = np.where(backward, scale / unscale, 1.0)
-    scales = table["scales_with_loss"].to_numpy(dtype=bool) & backward
-    output = table["amax"].to_numpy(dtype=np.float64) * np.where(scales, factor, 1.0)
+    scales = table[OriginCalls.scales_with_loss].to_numpy(dtype=bool) & backward
+    output = table[OriginCalls.amax].to_numpy(dtype=np.float64) * np.where(scales, factor, 1.0)
     inputs = np.maximum(
-        table["input_amax_scaled"].to_numpy(dtype=np.float64) * factor,
-        table["input_amax_fixed"].to_numpy(dtype=np.float64),
+        table[OriginCalls.input_amax_scaled].to_numpy(dtype=np.float64) * factor,
+        table[OriginCalls.input_amax_fixed].to_numpy(dtype=np.float64),
     )
     hit = reaches_overflow(fmt, output) & ~reaches_overflow(fmt, inputs)
     # backward values that do not scale with the loss (computed from saved forward values
@@ -182,14 +199,16 @@ def predicted(table: pd.DataFrame, fmt: Format, scale: float) -> pd.DataFrame:
     # constants and torch.finfo(float32) sentinels (attention masks) are not computed
     # values: an fp16 run uses fp16's own finfo there
     hit &= ~deliberate(table)
-    hit &= ~table["inputs_nonfinite"].to_numpy(dtype=bool)
+    hit &= ~table[OriginCalls.inputs_nonfinite].to_numpy(dtype=bool)
     frame = _with_input(table[hit]).assign(
         value_at_scale=output[hit], largest_input_at_scale=inputs[hit]
     )
-    frame = frame.sort_values(["step", "sequence"], kind="stable").reset_index(drop=True)
-    frame["first"] = ~frame["step"].duplicated()
-    shown = [c for c in _SHOWN if c not in ("nonfinite",)]
-    return frame[[*shown, "amax", "value_at_scale", "largest_input_at_scale", "first"]]
+    frame = frame.sort_values([OriginCalls.step, OriginCalls.sequence], kind="stable").reset_index(
+        drop=True
+    )
+    frame["first"] = ~frame[OriginCalls.step].duplicated()
+    shown = [c for c in _SHOWN if c != OriginCalls.nonfinite]
+    return frame[[*shown, OriginCalls.amax, "value_at_scale", "largest_input_at_scale", "first"]]
 
 
 def _rows(frame: pd.DataFrame) -> list[dict[str, Any]]:

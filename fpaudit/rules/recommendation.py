@@ -36,7 +36,8 @@ from typing import Any
 
 from fpaudit.numerics.formats import Format, as_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS, LOG2_SCALE_MAX, LOG2_SCALE_MIN
-from fpaudit.report.store import Report
+from fpaudit.report.data import ReportData
+from fpaudit.report.tables import Key, Records
 from fpaudit.rules import analysis
 
 
@@ -189,13 +190,13 @@ def loss_counter(condensed: analysis.Condensed, fmt: Format) -> Callable[[int], 
 
 
 def choose_scale(
-    report: Report, fmt: Format, headroom_bits: int, scope: analysis.Scope
+    report: ReportData, fmt: Format, headroom_bits: int, scope: analysis.Scope
 ) -> ScaleChoice:
     """The scale alone (no tables at it): what a per-step dashboard needs of a
     recommendation, and the start of :func:`recommend`."""
     records = scope.select(report.records)
-    records = records[records["scales_with_loss"]]
-    unscaled = records["amax"] / records["loss_scale"]
+    records = records[records[Records.scales_with_loss]]
+    unscaled = records[Records.amax] / records[Records.loss_scale]
     if records.empty or not (unscaled > 0).any():
         return ScaleChoice(None, LimitedBy.NO_NONZERO_VALUES)
     limiter = records.loc[unscaled.idxmax()]
@@ -204,11 +205,13 @@ def choose_scale(
     k, limited_by = log2_scale_for(amax, fmt, headroom_bits, counter)
     ceiling, _ = log2_scale_for(amax, fmt, headroom_bits)
     assert k is not None  # amax > 0
-    return ScaleChoice(k, limited_by, amax, str(limiter["module"]), str(limiter["op"]), ceiling)
+    return ScaleChoice(
+        k, limited_by, amax, str(limiter[Records.module]), str(limiter[Records.op]), ceiling
+    )
 
 
 def recommend(
-    report: Report,
+    report: ReportData,
     fmt: Format | str,
     headroom_bits: int = DEFAULT_HEADROOM_BITS,
     *,
@@ -282,12 +285,12 @@ def recommend(
 
 
 def unscalable(
-    report: Report, fmt: Format | str, scope: analysis.Scope | None = None
+    report: ReportData, fmt: Format | str, scope: analysis.Scope | None = None
 ) -> list[UnscalableOp]:
     """The values that underflow or overflow ``fmt`` at every scale (they do not scale
     with the loss), per autograd node and op, largest count first."""
     scope = scope or analysis.default_scope(report)
-    table = analysis.range_loss(report, fmt, 0, scope=scope, by=("module", "node", "op"))
+    table = analysis.range_loss(report, fmt, 0, scope=scope, by=(Key.module, Key.node, Key.op))
     table = table[(table["unscalable_underflow"] > 0) | (table["unscalable_overflow"] > 0)]
     groups: dict[tuple[str, str], UnscalableOp] = {}
     for row in table.itertuples():
@@ -307,8 +310,8 @@ def _modules(at_1: Any, at_scale: Any) -> list[ModuleUnderflow]:
     at_1 = at_1.assign(underflow_fraction=at_1["judged_underflow_fraction"])
     at_scale = at_scale.assign(underflow_fraction=at_scale["judged_underflow_fraction"])
     shadow = ["lost", "shadow_nonzero", "lost_fraction"]
-    merged = at_1[["module", "underflow_fraction", "amax", *shadow]].merge(
-        at_scale[["module", "underflow_fraction"]], on="module", suffixes=("_at_1", "")
+    merged = at_1[[Key.module, "underflow_fraction", "amax", *shadow]].merge(
+        at_scale[[Key.module, "underflow_fraction"]], on=Key.module, suffixes=("_at_1", "")
     )
     return [
         ModuleUnderflow(

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from fpaudit.numerics.formats import Format
-from fpaudit.report.store import Report
+from fpaudit.report.data import ReportData
+from fpaudit.report.tables import Records, Steps
 from fpaudit.rules import analysis, scalers
 from fpaudit.rules.recommendation import recommend
 
@@ -90,28 +91,30 @@ class Thresholds:
     real_skipped: np.ndarray  # bool
 
 
-def observed(report: Report) -> bool:
+def observed(report: ReportData) -> bool:
     """Do the report's skips tell real overflow in low precision? (run, or a live scan)"""
     info = report.info
     return info.command == "run" or bool(info.amp_dtype)
 
 
-def thresholds(report: Report, fmt: Format, scope: analysis.Scope) -> Thresholds:
+def thresholds(report: ReportData, fmt: Format, scope: analysis.Scope) -> Thresholds:
     """The overflow threshold of every step of ``report`` (see the module docstring)."""
     steps = report.steps  # several ranks share one scaler trajectory (DDP): take the first's
-    steps = steps[steps["rank"] == steps["rank"].min()].sort_values("step", kind="stable")
-    index = steps["step"].to_numpy(dtype=np.int64)
-    real_scale = steps["loss_scale"].to_numpy(dtype=np.float64)
-    skipped = steps["skipped"].to_numpy(dtype=bool) | (
-        steps["nonfinite_grads"].to_numpy(dtype=np.int64) > 0
+    steps = steps[steps[Steps.rank] == steps[Steps.rank].min()].sort_values(
+        Steps.step, kind="stable"
     )
-    amax = steps["grad_amax"].to_numpy(dtype=np.float64).copy()
+    index = steps[Steps.step].to_numpy(dtype=np.int64)
+    real_scale = steps[Steps.loss_scale].to_numpy(dtype=np.float64)
+    skipped = steps[Steps.skipped].to_numpy(dtype=bool) | (
+        steps[Steps.nonfinite_grads].to_numpy(dtype=np.int64) > 0
+    )
+    amax = steps[Steps.grad_amax].to_numpy(dtype=np.float64).copy()
     amax[~np.isfinite(amax)] = np.nan
     records = scope.select(report.records)
-    records = records[records["scales_with_loss"]]
+    records = records[records[Records.scales_with_loss]]
     if not records.empty:
-        unscaled = records["amax"] / records["loss_scale"]
-        per_step = unscaled.groupby(records["step"]).max()
+        unscaled = records[Records.amax] / records[Records.loss_scale]
+        per_step = unscaled.groupby(records[Records.step]).max()
         position = {step: i for i, step in enumerate(index)}
         for step, value in per_step.items():
             i = position.get(int(step))
@@ -239,17 +242,17 @@ def _json_float(value: float) -> float | None:
 
 
 def _underflow(
-    report: Report, fmt: Format, scope: analysis.Scope, steps: np.ndarray, scale: np.ndarray
+    report: ReportData, fmt: Format, scope: analysis.Scope, steps: np.ndarray, scale: np.ndarray
 ) -> tuple[np.ndarray, int, int]:
     """Per step, the underflow fraction at its scale (captured steps; NaN elsewhere), of the
     values the scale answers for (``analysis``'s ``judged_underflow``, as ``gate`` judges)."""
     fractions = np.full(len(steps), np.nan)
     if report.records.empty:
         return fractions, 0, 0
-    condensed = analysis.condense(report, scope, ("step",))
+    condensed = analysis.condense(report, scope, (Records.step,))
     if condensed.groups.empty:
         return fractions, 0, 0
-    row_of = {int(s): i for i, s in enumerate(condensed.groups["step"])}
+    row_of = {int(s): i for i, s in enumerate(condensed.groups[Records.step])}
     log2 = np.array([math.floor(math.log2(s)) if s > 0 else -150 for s in scale])
     log2 = np.clip(log2, -149, 127)
     underflow = nonzero = 0
@@ -267,7 +270,7 @@ def _underflow(
     return fractions, underflow, nonzero
 
 
-def default_settings(report: Report, policy: str) -> dict[str, float]:
+def default_settings(report: ReportData, policy: str) -> dict[str, float]:
     """The real scaler's settings where the report recorded them (torch policy only)."""
     recorded = report.info.scaler
     if not scalers.REGISTRY[policy].recorded or recorded is None:
@@ -281,7 +284,7 @@ def default_settings(report: Report, policy: str) -> dict[str, float]:
 
 
 def simulate(
-    report: Report,
+    report: ReportData,
     fmt: Format,
     policy: str = "torch",
     overrides: ScalerOverrides = NO_OVERRIDES,

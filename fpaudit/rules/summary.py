@@ -20,12 +20,13 @@ from fpaudit.defaults import DRIFT_BINADES
 from fpaudit.numerics.formats import Format, get_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.report.records import KIND_BACKWARD
+from fpaudit.report.tables import Key, Steps
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from fpaudit.report.data import ReportData
     from fpaudit.report.runinfo import Finding, ScalerInfo, SkipStatistics
-    from fpaudit.report.store import Report
     from fpaudit.rules.analysis import LeftOut
     from fpaudit.rules.drift import Drift, Window
     from fpaudit.rules.origins import Origins
@@ -44,7 +45,7 @@ def json_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
     ]
 
 
-def reading_format(report: Report, name: str | None = None) -> Format:
+def reading_format(report: ReportData, name: str | None = None) -> Format:
     """The format a report is read in: ``name``, else the first its scan summarised, else fp16."""
     if name is None:
         formats = report.info.formats
@@ -52,18 +53,18 @@ def reading_format(report: Report, name: str | None = None) -> Format:
     return get_format(name)
 
 
-def run_format(report: Report, name: str | None = None) -> Format:
+def run_format(report: ReportData, name: str | None = None) -> Format:
     """The format a run's report is judged in: ``name``, else its autocast dtype, else fp16."""
     return get_format(name if name is not None else report.info.amp or "fp16")
 
 
-def report_headroom(report: Report) -> int:
+def report_headroom(report: ReportData) -> int:
     """The headroom the report's scan used, else the declared default."""
     stored = report.info.headroom_bits
     return DEFAULT_HEADROOM_BITS if stored is None else stored
 
 
-def recommended_log2(report: Report, fmt: Format) -> int:
+def recommended_log2(report: ReportData, fmt: Format) -> int:
     """log2 of the scale recommended for ``fmt`` at the report's own headroom (0 when
     nothing limits it): the scale ``show`` and ``show --origins`` read at by default."""
     from fpaudit.rules.recommendation import recommend
@@ -122,12 +123,12 @@ def worst_modules(at_1: pd.DataFrame, at_scale: pd.DataFrame, top: int) -> tuple
     recommendation judges), in table order among equals; in a live ``--shadow`` report,
     the largest fraction the device really lost."""
     judged = "judged_underflow_fraction"
-    merged = at_1.merge(at_scale, on="module", suffixes=("_at_1", "_at_s"))
+    merged = at_1.merge(at_scale, on=Key.module, suffixes=("_at_1", "_at_s"))
     live = bool((merged["shadow_nonzero_at_1"] > 0).any())
     key = "lost_fraction_at_1" if live else f"{judged}_at_1"
     worst = merged.sort_values(key, ascending=False, kind="stable").head(top)
     columns = (
-        "module", "nonzero_at_1", f"{judged}_at_1", f"{judged}_at_s", "amax_at_1",
+        Key.module, "nonzero_at_1", f"{judged}_at_1", f"{judged}_at_s", "amax_at_1",
         "lost_at_1", "lost_fraction_at_1",
     )  # fmt: skip
     return tuple(
@@ -169,7 +170,7 @@ class ScanSummary:
 
 
 def format_summary(
-    report: Report, fmt: Format, headroom_bits: int, *, include_loss: bool = False
+    report: ReportData, fmt: Format, headroom_bits: int, *, include_loss: bool = False
 ) -> FormatSummary:
     from fpaudit.rules import analysis
     from fpaudit.rules.drift import drift
@@ -186,10 +187,10 @@ def format_summary(
 
 
 def scan_summary(
-    report: Report, formats: list[Format], headroom_bits: int, *, include_loss: bool = False
+    report: ReportData, formats: list[Format], headroom_bits: int, *, include_loss: bool = False
 ) -> ScanSummary:
     """A scan's summary in each of ``formats``."""
-    problems = ~report.steps["loss_finite"]
+    problems = ~report.steps[Steps.loss_finite]
     return ScanSummary(
         steps_run=report.info.steps_run or 0,
         captured=report.info.steps or 0,
@@ -224,7 +225,7 @@ class RunSummary:
 
 
 def run_summary(
-    report: Report,
+    report: ReportData,
     fmt: Format,
     headroom_bits: int,
     *,
@@ -294,7 +295,7 @@ class ModuleView:
 
 
 def module_view(
-    report: Report,
+    report: ReportData,
     fmt: Format,
     log2_scale: int | None,
     *,
@@ -310,7 +311,7 @@ def module_view(
     if log2_scale is None:
         log2_scale = recommended_log2(report, fmt)
         scale_source = "recommended"
-    group = ("module",) if by == "module" else ("module", "node", "op")
+    group = (Key.module,) if by == "module" else (Key.module, Key.node, Key.op)
     # the values recommend and gate count: in a live report, those held in its dtype
     scope = analysis.Scope(kinds=(kind,), include_loss=True, dtypes=analysis.live_dtypes(report))
     table = analysis.range_loss(report, fmt, log2_scale, scope=scope, by=group)
@@ -340,7 +341,7 @@ class RecommendationView:
 
 
 def recommendation_view(
-    report: Report,
+    report: ReportData,
     fmt: Format,
     headroom_bits: int,
     *,
@@ -390,7 +391,7 @@ class OriginsView:
         }
 
 
-def origins_view(report: Report, fmt: Format, log2_scale: int | None) -> OriginsView:
+def origins_view(report: ReportData, fmt: Format, log2_scale: int | None) -> OriginsView:
     """The report's origins (it must have them) at ``log2_scale``, ``None``: the
     recommended scale at the report's headroom."""
     from fpaudit.rules import origins
@@ -422,7 +423,7 @@ class StepsView:
         }
 
 
-def steps_view(report: Report) -> StepsView:
+def steps_view(report: ReportData) -> StepsView:
     info = report.info
     return StepsView(
         training=info.training,
@@ -432,7 +433,7 @@ def steps_view(report: Report) -> StepsView:
     )
 
 
-def worst_blocks(report: Report, recipe: str, kind: str = KIND_BACKWARD) -> pd.DataFrame:
+def worst_blocks(report: ReportData, recipe: str, kind: str = KIND_BACKWARD) -> pd.DataFrame:
     """``recipe``'s block statistics per module, the most flushed first."""
     from fpaudit.rules.blockplan import block_table
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import os
 import re
@@ -170,7 +171,8 @@ def _write_parts(report: Report, target: Path, force: bool) -> Path:
             files = {name: e for entry, _ in parts for name, e in entry[1].items()}
             complete = all(done for _, done in parts)
             with output_errors(target):
-                report.write_meta(staging, files, ranks=world, complete=complete)
+                info = dataclasses.replace(report.info, ranks=world, complete=complete)
+                report.write_meta(staging, files, info)
                 finish(staging, target)
         except Exception as error:
             shutil.rmtree(staging, ignore_errors=True)

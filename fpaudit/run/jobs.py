@@ -147,7 +147,7 @@ def scan_to_report(
     from fpaudit.report.store import Report
 
     merged = Report.read(target.path)  # every rank's part
-    ended = merged.meta.get("batches_ended_on")
+    ended = merged.info.settings.get("batches_ended_on")
     return ScanDone(merged, tuple(ended or ()))
 
 

@@ -10,6 +10,7 @@ defines an optimizer and the step's loss and gradients are finite.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -480,12 +481,18 @@ def _record(setup: _Setup, report: Report, ran: _Ran, meta: RunMeta | None) -> N
     steps = (options.steps, ran.steps_run)
     run = RunInfo.ended("scan", stopped_by, steps, options.selection.describe(), held,
                         model_file=str(setup.path))  # fmt: skip
+    environment = report.info.environment
+    if environment is not None:  # the device the scan ran on, named by torch on CUDA
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        environment = dataclasses.replace(
+            environment, device=str(device), device_name=name or environment.device_name
+        )
+        report.update_info(environment=environment)
     report.record_run(
         run,
         {
             "loss_scale": options.loss_scale,
             "seed": options.seed,
-            "device": str(device),
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
             "every": options.every,
             "shadow": options.shadow,
@@ -494,9 +501,6 @@ def _record(setup: _Setup, report: Report, ran: _Ran, meta: RunMeta | None) -> N
             "capture_dtype": str(next(setup.model.parameters()).dtype).removeprefix("torch."),
             "world_size": setup.world,
             **({"batches_ended_on": list(ran.ended_on)} if ran.ended_on else {}),
-            **(
-                {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
-            ),
         },
-        meta.to_dict() if meta is not None else None,
+        meta,
     )

@@ -709,20 +709,23 @@ def _record(
     run = RunInfo.ended(
         "run", stopped_by, steps, selection, amp_dtype, complete=complete, script=str(path)
     )
+    run = dataclasses.replace(
+        run,
+        scaler=monitor.state.scaler_settings,
+        findings=tuple(findings),
+        training=skip_statistics(np.array(table["skipped"], dtype=bool)),
+    )
     report.record_run(
         run,
         {
             "script_args": list(args),
             "capture_every": options.capture_every,
-            "scaler": settings.to_dict() if (settings := monitor.state.scaler_settings) else None,
             "optimizers": monitor.state.optimizers,
             "schedulers": monitor.state.schedulers,
             "models": monitor.capture.models,
             "audited_model": type(monitor.capture.audited_model).__name__
             if monitor.capture.audited_model is not None
             else None,
-            "findings": [f.to_dict() for f in findings],
-            "training": skip_statistics(np.array(table["skipped"], dtype=bool)).to_dict(),
         },
-        meta.to_dict() if meta is not None else None,
+        meta,
     )

@@ -160,7 +160,7 @@ def test_blocks_survive_a_round_trip_and_old_reports_still_read(
         for a, b in zip(again.blocks["scale_codes"], report.blocks["scale_codes"], strict=True)
     )
     # a version 2 report (no block statistics) reads, with no recipes
-    plain = Report(report.meta, report.records, report.bins, report.steps)
+    plain = Report(report.info, report.records, report.bins, report.steps)
     written = plain.write(tmp_path / "v2")
     meta = json.loads((written / "meta.json").read_text())
     meta["schema_version"] = 2
@@ -245,7 +245,7 @@ def test_plan_on_a_hand_built_table(pair_reports: dict[str, Path]) -> None:
     import pandas as pd
 
     report.blocks = pd.DataFrame(rows)
-    report.meta = {**report.meta, "recipes": ["mxfp4", "mxfp8-e4m3", "fp8-block-1x128"]}
+    report.update_info(recipes=("mxfp4", "mxfp8-e4m3", "fp8-block-1x128"))
     result = blockplan.plan(report, ["fp8-block-1x128", "mxfp8-e4m3", "mxfp4"], 0.02, 0.0)
     assert result.recipes == ["mxfp4", "mxfp8-e4m3", "fp8-block-1x128"]
     by_module = {m.module: m for m in result.modules}

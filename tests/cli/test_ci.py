@@ -33,7 +33,7 @@ OVERFLOWS = torch.full((N,), 2.0**20)  # past fp16's largest finite value 65504 
 def make_report(tensors: dict[str, torch.Tensor], *, complete: bool = True) -> Report:
     report = report_from(tensors)
     if not complete:
-        report.meta["complete"] = False
+        report.update_info(complete=False)
     return report
 
 

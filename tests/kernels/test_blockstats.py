@@ -434,7 +434,7 @@ def test_ranks_merge_block_rows_exactly() -> None:
         part.steps["rank"] = rank
         parts.append(part)
         grads.append(layer.weight.grad)
-    merged = _merge_ranks(parts, parts[0].meta, parts[0].path)
+    merged = _merge_ranks(parts, parts[0].info, parts[0].path)
     table = blockplan.block_table(merged, recipe, ("module", "kind", "op"), kind="grad")
     row = table[(table["kind"] == "grad") & (table["op"] == "weight")].iloc[0]
     expected = blockstats.summary(

@@ -240,7 +240,7 @@ def test_a_report_stores_expected_counts_and_reads_older_int_counts(tmp_path: Pa
     plain = _sr_report()
     assert plain.blocks is not None
     plain.blocks = plain.blocks[plain.blocks["recipe"] == "nvfp4"].reset_index(drop=True)
-    plain.meta["recipes"] = ["nvfp4"]
+    plain.update_info(recipes=("nvfp4",))
     plain.write(path)
     blocks_file = path / "blocks.parquet"
     table = pq.read_table(blocks_file)

@@ -194,6 +194,32 @@ def test_imports_run_down_the_rooms(annotations: bool) -> None:
     assert upward == [], "imports up the rooms: " + ", ".join(upward)
 
 
+# What reads and writes report files: the rules take the data (fpaudit.report.data's
+# ReportData, its tables named in fpaudit.report.tables), never these.
+REPORT_IO = {
+    "fpaudit.report.store",
+    "fpaudit.report.files",
+    "fpaudit.report.checks",
+    "fpaudit.report.outputs",
+}
+
+
+@pytest.mark.parametrize("annotations", [False, True], ids=["run", "annotations"])
+def test_no_rule_imports_the_report_io(annotations: bool) -> None:
+    """The rules are pure functions over a report's data: a rules module importing the
+    report's I/O (Parquet files, locks, staging), even for the type checker, fails."""
+    rules = [module for module in MODULES if room(module) == "rules"]
+    assert len(rules) > 10  # the room is found
+    reaching = {
+        f"{module} -> {target}"
+        for module in rules
+        for target in imported(module, annotations) & REPORT_IO
+    }
+    assert not reaching, "rules reading or writing report files: " + ", ".join(sorted(reaching))
+    # and the check sees such an import where there is one
+    assert "fpaudit.report.store" in imported("fpaudit.run.training")
+
+
 LIBRARY = sorted(set(MODULES) - PRESENTATION)
 # The framework an integration plugs into is the user's, with its own imports
 # (Lightning loads rich for its progress bars): it is imported first, and the module

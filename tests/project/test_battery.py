@@ -11,6 +11,7 @@ it); each case runs once per session.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -62,8 +63,8 @@ CLIP_ERROR = {"code": "clip-before-unscale", "severity": "error", "file": "train
 def report(damage: Callable[[Path], None] | None = None, **meta: object) -> Callable[[Path], None]:
     def setup(tmp: Path) -> None:
         built = report_from({"a": torch.tensor([2.0**-30, 1.0]), "b": torch.tensor([1e-3, 0.0])})
-        built.meta.update(meta)
         built.write(tmp / "report")
+        _set_meta(tmp / "report", meta)
         if damage is not None:
             damage(tmp / "report")
 
@@ -80,10 +81,17 @@ def ranked_report(damage: Callable[[Path], None]) -> Callable[[Path], None]:
         files = {}
         for rank in (0, 1):
             files.update(built.write_tables(root, f"rank-{rank:05d}/"))
-        built.write_meta(root, files, ranks=2)
+        built.write_meta(root, files, dataclasses.replace(built.info, ranks=2))
         damage(root)
 
     return setup
+
+
+def _set_meta(root: Path, entries: dict[str, object]) -> None:
+    """meta.json's ``entries`` set as given, well-formed or not (the typed report cannot
+    hold a malformed one: the reader's checks are what these cases test)."""
+    if entries:
+        edit_meta(lambda meta: meta.update(entries))(root)
 
 
 def edit_meta(change: Callable[[dict[str, object]], None]) -> Callable[[Path], None]:
@@ -142,8 +150,8 @@ def values_report(tensors: dict[str, list[float]], **meta: object) -> Callable[[
 
     def setup(tmp: Path) -> None:
         built = report_from({name: torch.tensor(values) for name, values in tensors.items()})
-        built.meta.update(meta)
         built.write(tmp / "report")
+        _set_meta(tmp / "report", meta)
 
     return setup
 

@@ -55,17 +55,17 @@ REPORT_FILES = {
     "fpaudit.report.runinfo.RunMeta.options",
     "fpaudit.report.schema.histogram_layout->",
     "fpaudit.report.schema.frame(columns)",
-    "fpaudit.report.store.run_metadata->",
-    "fpaudit.report.store.Report.meta",
-    "fpaudit.report.store.Report.record_run(settings)",
-    "fpaudit.report.store.Report.record_run(meta)",
-    "fpaudit.report.store.Report.from_builder(meta)",
+    # meta.json's object, derived from Report.info where JSON is written and compared
+    "fpaudit.report.data.ReportData.meta->",
+    # a writing command's own settings (scan's seed, run's optimizers, a trainer's
+    # settings): JSON values no rule decides on, kept as written (RunInfo.settings)
+    "fpaudit.report.runinfo.RunInfo.settings",
+    "fpaudit.report.data.ReportData.record_run(settings)",
+    "fpaudit.report.runinfo.RunInfo.options",  # RunMeta.options, stored
     # the steps table a caller hands the report (fpaudit run's every step): its columns,
     # STEP_COLUMNS, as pyarrow takes them, checked against the steps schema by frame()
-    "fpaudit.report.store.Report.from_builder(steps)",
+    "fpaudit.report.data.ReportData.from_builder(steps)",
     "fpaudit.capture.audit.Audit.build_report(steps)",
-    "fpaudit.report.store.Report.write_tables->",
-    "fpaudit.report.store.Report.write_meta(files)",
     "fpaudit.integrations.AuditSession.finish(meta)",
     "fpaudit.rules.summary.json_rows->",  # a table's rows as JSON: the columns are the schema's
     "fpaudit.rules.summary.ModuleView.rows->",

@@ -55,7 +55,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
         },
         steps=2,
     )
-    report.meta.update(formats=["fp16"], headroom_bits=4)
+    report.update_info(formats=("fp16",), headroom_bits=4)
     return report.write(tmp_path_factory.mktemp("pristine") / "report")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -240,7 +241,7 @@ def test_window_keeps_loss_scales_apart_and_reports_an_open_window() -> None:
             loss_scale=scale,
             seconds=0.0,
         )
-    records = Report.from_builder(builder, {}).records
+    records = Report.from_builder(builder).records
     # Window 1 (steps 0-2): scale 1 (2 steps) and scale 2 (1 step); window 2 still open: step 3.
     assert list(zip(records["step"], records["steps"], records["loss_scale"], strict=True)) == [
         (0, 2, 1.0), (0, 1, 2.0), (3, 1, 2.0)
@@ -252,7 +253,7 @@ def test_window_keeps_loss_scales_apart_and_reports_an_open_window() -> None:
         loss_scale=2.0,
         seconds=0.0,
     )
-    assert list(Report.from_builder(builder, {}).records["steps"]) == [
+    assert list(Report.from_builder(builder).records["steps"]) == [
         2,
         1,
         1,
@@ -343,7 +344,7 @@ def test_for_rank_keeps_that_ranks_rows_of_every_optional_table(tmp_path: Path) 
         part.origins = table_from_columns(_origin_rows(module, origin_steps))
         part.blocks = frame(_block_rows(rank, module), BLOCKS_SCHEMA)
         parts.append(part)
-    merged = _merge_ranks(parts, {**parts[0].meta, "ranks": 2}, tmp_path)
+    merged = _merge_ranks(parts, dataclasses.replace(parts[0].info, ranks=2), tmp_path)
     assert set(OPTIONAL_TABLES) == {"origins", "blocks"}  # both are checked below
     assert merged.origins is not None and len(merged.origins) == 3
     for rank, module, origin_steps in ((0, "a", [0, 1]), (1, "b", [1])):
@@ -402,8 +403,8 @@ def test_the_last_step_alone_is_what_the_whole_report_holds_of_it() -> None:
     builder = _builder_of(steps, window=1)
     last = builder.last_step()
     assert last is not None
-    alone = Report.from_builder(last, {})
-    whole = window_report(Report.from_builder(builder, {}), 2, 2)
+    alone = Report.from_builder(last)
+    whole = window_report(Report.from_builder(builder), 2, 2)
     assert alone.records.drop(columns="record_id").equals(whole.records.drop(columns="record_id"))
     assert alone.bins.equals(whole.bins)  # renumbered from 0 in both
     assert alone.steps["step"].tolist() == [2]
@@ -415,6 +416,6 @@ def test_with_a_window_the_last_step_is_its_window_so_far() -> None:
     builder = _builder_of([[1.0, 2.0], [4.0], [8.0, 16.0, 32.0]], window=2)
     last = builder.last_step()  # step 2 opens the second window: it alone so far
     assert last is not None
-    records = Report.from_builder(last, {}).records
+    records = Report.from_builder(last).records
     assert records["elements"].tolist() == [3, 3] and records["steps"].tolist() == [1, 1]
     assert ReportBuilder(modules=["a"]).last_step() is None

@@ -61,8 +61,9 @@ def test_info_follows_the_metadata_and_wrong_types_read_as_defaults() -> None:
     import torch
 
     report = report_from({"a": torch.tensor([1.0])})
-    report.meta.update({"steps_run": True, "amp_dtype": 3, "script": "train.py"})
-    info = report.info
+    # as read from a meta.json (the JSON edge: RunInfo.from_meta)
+    meta = {**report.meta, "steps_run": True, "amp_dtype": 3, "script": "train.py"}
+    info = RunInfo.from_meta(meta)
     assert info.steps_run is None and info.amp_dtype is None  # a bool is no step count
     assert info.source == "train.py"
 
@@ -88,22 +89,31 @@ def test_the_commands_settings_and_findings_read_typed_and_are_not_rewritten() -
     assert info.findings == (
         Finding("scheduler-on-skipped-step", "warning", "t.py", 9, "m", steps=(3,), count=1),
     )
-    assert not {"formats", "headroom_bits", "include_loss", "findings"} & set(info.to_meta())
+    # a run's end (Report.record_run) leaves them as they are
+    ended = info.ended_as(RunInfo(command="scan", steps_run=1))
+    assert (ended.formats, ended.headroom_bits, ended.include_loss, ended.findings) == (
+        info.formats, info.headroom_bits, info.include_loss, info.findings,
+    )  # fmt: skip
     # a bool is no headroom, a number no include_loss: each reads as unset
     wrong = RunInfo.from_meta({"headroom_bits": True, "include_loss": 1, "findings": {}})
     assert (wrong.headroom_bits, wrong.include_loss, wrong.findings) == (None, None, ())
 
 
-def test_record_run_stamps_the_run_then_the_settings_then_the_callers_meta() -> None:
+def test_record_run_stamps_the_run_the_settings_and_the_command_line() -> None:
+    import pytest
     import torch
 
     report = report_from({"a": torch.tensor([1.0])})
     run = RunInfo(command="scan", steps_requested=4, steps_run=2, complete=False)
-    report.record_run(run, {"seed": 0, "every": 2}, {"every": 3, "argv": "fpaudit scan m.py"})
+    line = RunMeta(argv="fpaudit scan m.py", config=None, options={"every": 3}, headroom_bits=4)
+    report.record_run(run, {"seed": 0, "every": 2}, line)
     assert report.info.steps_run == 2 and report.info.complete is False
-    assert report.meta["seed"] == 0
-    assert report.meta["every"] == 3  # the caller's meta wins over the command's settings
-    assert report.meta["argv"] == "fpaudit scan m.py"
+    assert report.meta["seed"] == 0 and report.meta["every"] == 2
+    assert report.meta["argv"] == "fpaudit scan m.py" and report.info.argv == line.argv
+    assert report.info.headroom_bits == 4 and report.meta["options"] == {"every": 3}
+    # a setting cannot override a typed field: no raw key wins over the record
+    with pytest.raises(ValueError, match="formats"):
+        report.record_run(run, {"formats": ["bf16"]})
 
 
 def test_a_run_ends_complete_unless_something_stopped_it() -> None:
@@ -209,8 +219,8 @@ def test_the_autocast_prediction_and_compiled_info_write_meta_jsons_form_back() 
     for key, written in (("autocast", AUTOCAST_BY_HAND), ("autocast", AUTOCAST_FAILED),
                          ("compiled", COMPILED_BY_HAND)):  # fmt: skip
         report = report_from({"a": torch.tensor([1.0])})
-        report.meta[key] = json.loads(json.dumps(written))  # as read from meta.json
-        record = getattr(report.info, key)
+        read = RunInfo.from_meta({key: json.loads(json.dumps(written))})  # as from meta.json
+        record = getattr(read, key)
         assert record is not None and record.to_dict() == written
         assert list(record.to_dict()) == list(written)  # in the order they were written
         report.update_info(**{key: record})
@@ -233,6 +243,7 @@ def test_a_malformed_autocast_or_compiled_entry_reads_as_none() -> None:
     import torch
 
     report = report_from({"a": torch.tensor([1.0])})
-    report.meta.update(autocast={"modules": {"fc": {"addmm": {"compute": ["fp16"]}}}},
-                       compiled=["not", "a", "dict"])  # fmt: skip
-    assert report.info.autocast is None and report.info.compiled is None
+    info = RunInfo.from_meta({**report.meta,  # as read from meta.json
+                              "autocast": {"modules": {"fc": {"addmm": {"compute": ["fp16"]}}}},
+                              "compiled": ["not", "a", "dict"]})  # fmt: skip
+    assert info.autocast is None and info.compiled is None

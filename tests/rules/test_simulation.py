@@ -50,7 +50,7 @@ def scope_of(report: Report):  # type: ignore[no-untyped-def]
 def test_observed_overflow_pins_the_threshold_at_the_real_scale() -> None:
     # Recorded at S = 2^10: 1.0 is 2^-10 unscaled.
     report = report_of_steps([torch.tensor([1.0])] * 3, loss_scale=2.0**10)
-    report.meta["command"] = "run"
+    report.update_info(command="run")
     report.steps["skipped"] = [False, True, False]
     limits = thresholds(report, FP16, scope_of(report))
     # amax alone says 65520 / 2^-10 = 67092480; the run saw step 1 overflow at 2^10.
@@ -62,7 +62,7 @@ def test_observed_overflow_pins_the_threshold_at_the_real_scale() -> None:
 def test_a_clean_step_at_a_scale_above_the_estimate_moves_the_threshold_up() -> None:
     # 131072 recorded at S = 2^15 is 4 unscaled.
     report = report_of_steps([torch.tensor([131072.0])], loss_scale=2.0**15)
-    report.meta["command"] = "run"
+    report.update_info(command="run")
     # estimate 65520 / 4 = 16380 < 2^15, yet the run did not overflow at 2^15: it wins.
     limits = thresholds(report, FP16, scope_of(report))
     assert limits.threshold[0] == math.nextafter(2.0**15, math.inf)

@@ -38,7 +38,7 @@ def hand_report(steps: int = 6) -> Report:
             records[key] = hist.host()
         builder.add_step(StepRecords.from_histograms(records), loss=1.0, loss_scale=1.0,
                          seconds=0.0)  # fmt: skip
-    return Report.from_builder(builder, {"modules": ["a", "b"]})
+    return Report.from_builder(builder)
 
 
 def test_plan_keeps_out_exactly_the_failing_modules_at_the_largest_same_set_scale() -> None:
