@@ -21,11 +21,16 @@ steps table holds wall-clock seconds) become ``<env>`` and ``<sha256>``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import sys
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 
@@ -45,7 +50,6 @@ class Ran:
 def _invoke(args: list[str]) -> Ran:
     """``fpaudit ARGS`` in-process, its stdout and stderr captured (COLUMNS pinned, so
     rich lays tables out the same on every terminal)."""
-    import contextlib
     import io
 
     from fpaudit.cli.commands import run
@@ -53,12 +57,32 @@ def _invoke(args: list[str]) -> Ran:
     out, err = io.StringIO(), io.StringIO()
     columns = os.environ.pop("COLUMNS", None)  # the pipe width, whatever the terminal
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _as_a_process():
             code = run(args)
     finally:
         if columns is not None:
             os.environ["COLUMNS"] = columns
     return Ran(code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _as_a_process() -> Iterator[None]:
+    """Warnings as a fresh ``python`` process tells them: Python's default filters and
+    each warning written to stderr (pytest's warnings plugin records them instead, so a
+    script's own warning would be missing from its output only under pytest)."""
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                         ResourceWarning):  # fmt: skip
+            warnings.filterwarnings("ignore", category=category, append=True)
+
+        def to_stderr(message: Warning | str, category: type[Warning], filename: str,
+                      lineno: int, file: TextIO | None = None, line: str | None = None) -> None:  # fmt: skip
+            sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+        warnings.showwarning = to_stderr
+        yield
 
 
 @dataclass(frozen=True)
