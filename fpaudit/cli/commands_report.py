@@ -96,6 +96,26 @@ def _show_origins(report_path: Path, options: ShowArgs) -> None:
         )
 
 
+def _show_skips(report_path: Path, options: ShowArgs) -> None:
+    """``show --skips``: each skipped step's origin, and the verdict on them."""
+    from fpaudit.report.store import Report
+    from fpaudit.rules.skips import report_skip_verdict
+    from fpaudit.rules.summary import run_format
+
+    report = Report.read(report_path)
+    render.report_notes(report)
+    verdict = report_skip_verdict(report, run_format(report, options.format))
+    if verdict is None:
+        raise UsageError(
+            f"{report_path} has no loss scaler's skips: only `fpaudit run` of a script "
+            "with an enabled GradScaler records them"
+        )
+    if options.json:
+        render.print_json(verdict.to_dict())
+    else:
+        render_show.skips_view(verdict)
+
+
 def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
     """Per-module table of zeros, underflow, flush and overflow at a scale (or --steps).
 
@@ -106,6 +126,9 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
 
     if options.origins:
         _show_origins(report_path, options)
+        return
+    if options.skips:
+        _show_skips(report_path, options)
         return
     if options.steps:
         report = Report.read(report_path)

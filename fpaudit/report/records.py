@@ -151,6 +151,24 @@ ORIGIN_COLUMNS: dict[str, str] = {
     "input_amax_fixed": "float64",  # ... of inputs that require grad (not scaled)
 }
 ORIGINS_TABLE = "origins"
+# The skips table (`fpaudit run` with a loss scaler, from version 6): one row per step the
+# scaler skipped, with where its inf/NaN came from (fpaudit.run.skips, fpaudit.rules.skips).
+SKIP_COLUMNS: dict[str, str] = {
+    "step": "int32",
+    "rank": "int16",
+    "loss_scale": "float64",  # the scale in force
+    "loss_finite": "bool",  # False: the forward already made inf/NaN
+    "nonfinite_params": "int64",  # parameters whose gradient held inf/NaN (-1: not checked)
+    "params_checked": "int64",  # parameters the scaler checked
+    "params": "string",  # the first of them, in backward order, comma-separated
+    "op_step": "int32",  # the captured step the op was seen in (this or the next; -1: none)
+    "op_phase": "string",  # forward or backward ("": none named)
+    "op_module": "string",
+    "op": "string",
+    "op_amax": "float64",  # its largest finite |output| at op_scale (NaN: none named)
+    "op_scale": "float64",  # the scale op_step ran under
+}
+SKIPS_TABLE = "skips"
 
 BLOCK_HISTOGRAM_COLUMNS = ("scale_codes", "dynamic_range")
 # Their lengths: one bin per E8M0 scale code; one per binade of a block's max/min ratio,

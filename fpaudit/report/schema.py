@@ -16,14 +16,16 @@ from fpaudit.report.records import (
     ORIGIN_COLUMNS,
     ORIGINS_TABLE,
     RECORD_COLUMNS,
+    SKIP_COLUMNS,
+    SKIPS_TABLE,
     STEP_COLUMNS,
     STEP_DEFAULTS,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 
 META_FILE = "meta.json"
@@ -75,6 +77,9 @@ TABLES = {"records": RECORDS_SCHEMA, "bins": BINS_SCHEMA, "steps": STEPS_SCHEMA}
 ORIGINS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in ORIGIN_COLUMNS.items()])
 
 
+SKIPS_SCHEMA = pa.schema([(name, _ARROW_TYPES[t]) for name, t in SKIP_COLUMNS.items()])
+
+
 def blocks_schema(counts: pa.DataType) -> pa.Schema:
     return pa.schema(
         [(name, _ARROW_TYPES[t]) for name, t in BLOCK_KEY_COLUMNS.items()]
@@ -89,8 +94,13 @@ BLOCKS_SCHEMA = blocks_schema(pa.float64())
 
 # Optional tables, written only when present and read only when listed in meta.json's
 # files (older reports have none): scan --origins's op calls (fpaudit.rules.origins) and,
-# from version 3, block-scaled statistics when recipes were audited (fpaudit.kernels.blockstats).
-OPTIONAL_TABLES = {ORIGINS_TABLE: ORIGINS_SCHEMA, "blocks": BLOCKS_SCHEMA}
+# from version 3, block-scaled statistics when recipes were audited (fpaudit.kernels.blockstats),
+# from version 6, the skipped steps of `fpaudit run` with their origins (fpaudit.run.skips).
+OPTIONAL_TABLES = {
+    ORIGINS_TABLE: ORIGINS_SCHEMA,
+    "blocks": BLOCKS_SCHEMA,
+    SKIPS_TABLE: SKIPS_SCHEMA,
+}
 
 
 DERIVED_BIN_COLUMNS = ("lower", "upper")

@@ -60,6 +60,7 @@ from fpaudit.report.store import Report
 from fpaudit.rules import analysis, comparison
 from fpaudit.rules.comparison import Change
 from fpaudit.rules.recommendation import recommend
+from fpaudit.rules.skips import CALIBRATION, report_skip_verdict
 from fpaudit.text import count, module_label, percent, scale_text
 
 # Failure kinds, in the order a rendering lists them.
@@ -68,6 +69,7 @@ OVERFLOW = "overflow"
 LOST = "lost"
 NOTHING_MEASURED = "nothing-measured"
 NONFINITE = "nonfinite"
+PERSISTENT_SKIPS = "persistent-skips"  # a loss scaler's skips say the run is broken
 NO_STEPS = "no-steps"
 INCOMPLETE = "incomplete"
 UNSCALABLE = "unscalable"
@@ -372,6 +374,7 @@ def judge(
     failures += evidence.failures + _run_failures(
         report, policy.allow_incomplete, policy.allow_errors
     )
+    failures += _skip_failures(report, fmt, policy.allow_nonfinite)
     if baseline is not None:
         failures += _baseline_failures(baseline, fmt, log2_scale, policy)
     return GateResult(
@@ -739,6 +742,27 @@ def _evidence(
             )
         )
     return failures
+
+
+def _skip_failures(report: Report, fmt: Format, allow_nonfinite: bool) -> list[Failure]:
+    """A run whose loss scaler's skips are persistent (``rules.skips``): its numbers are
+    of a broken run, whatever they say (the skipped steps' inf/NaN are excused above)."""
+    verdict = report_skip_verdict(report, fmt)
+    if verdict is None or not verdict.persistent or allow_nonfinite:
+        return []
+    later = [s for s in verdict.skips if s.origin != CALIBRATION]
+    return [
+        Failure(
+            EVIDENCE,
+            (PERSISTENT_SKIPS,),
+            Wording(
+                f"the loss scaler's skips are persistent ({len(later):,} after calibration): "
+                f"{verdict.reason}; pass ",
+                Named("allow_nonfinite", True),
+                " to judge the run anyway",
+            ),
+        )
+    ]
 
 
 def _nothing_reason(report: Report, overall: analysis.Totals) -> Wording:
