@@ -165,7 +165,7 @@ class Audit:
         origins: bool = False,
         recipes: Sequence[Recipe | str] = (),
         module_hooks: bool = True,
-        name_first_nonfinite: bool = False,
+        name_nonfinite: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
@@ -179,9 +179,7 @@ class Audit:
         self.loss_scale = loss_scale
         # scan --origins: per op call, did it make inf/NaN (fpaudit.capture.origin_probe)
         self.origins: OriginTracker | None = OriginTracker() if origins else None
-        self._context = CaptureContext(
-            shadow=shadow, origins=self.origins, name_first_nonfinite=name_first_nonfinite
-        )
+        self._context = CaptureContext(shadow, self.origins, name_first_nonfinite=name_nonfinite)
         self._mode: BackwardMode | None = None
         self._clock = ModuleClock(model)
         self._provenance = Provenance()

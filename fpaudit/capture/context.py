@@ -35,10 +35,10 @@ class CaptureContext:
     """
 
     shadow: bool = False
-    name_first_nonfinite: bool = False
     origins: OriginTracker | None = None
     grad_mode_means_recompute: bool = False
     optimizer_steps: int = 0
+    name_first_nonfinite: bool = False
 
     def backward_started(self, create_graph: bool) -> None:
         """An outermost backward starts; a step that raised never ran its post hook, so

@@ -60,7 +60,7 @@ from fpaudit.report.store import Report
 from fpaudit.rules import analysis, comparison
 from fpaudit.rules.comparison import Change
 from fpaudit.rules.recommendation import recommend
-from fpaudit.rules.skips import CALIBRATION, report_skip_verdict
+from fpaudit.rules.skips import report_skip_verdict
 from fpaudit.text import count, module_label, percent, scale_text
 
 # Failure kinds, in the order a rendering lists them.
@@ -750,19 +750,9 @@ def _skip_failures(report: Report, fmt: Format, allow_nonfinite: bool) -> list[F
     verdict = report_skip_verdict(report, fmt)
     if verdict is None or not verdict.persistent or allow_nonfinite:
         return []
-    later = [s for s in verdict.skips if s.origin != CALIBRATION]
-    return [
-        Failure(
-            EVIDENCE,
-            (PERSISTENT_SKIPS,),
-            Wording(
-                f"the loss scaler's skips are persistent ({len(later):,} after calibration): "
-                f"{verdict.reason}; pass ",
-                Named("allow_nonfinite", True),
-                " to judge the run anyway",
-            ),
-        )
-    ]
+    said = f"the loss scaler's skips are persistent: {verdict.reason}; pass "
+    wording = Wording(said, Named("allow_nonfinite", True), " to judge the run anyway")
+    return [Failure(EVIDENCE, (PERSISTENT_SKIPS,), wording)]
 
 
 def _nothing_reason(report: Report, overall: analysis.Totals) -> Wording:

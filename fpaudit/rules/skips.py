@@ -26,6 +26,7 @@ were captured, or whose next step was captured and broke too.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ import numpy as np
 
 from fpaudit import defaults
 from fpaudit.numerics.formats import Format
+from fpaudit.report.records import KIND_BACKWARD
 from fpaudit.rules.findings import skip_statistics
 from fpaudit.text import power
 
@@ -48,9 +50,11 @@ __all__ = [
     "ORIGINS",
     "PERSISTENT",
     "RANGE",
+    "ReplayedSkip",
     "SkipOrigin",
     "SkipVerdict",
     "origins_of_steps",
+    "replayed_skip_origins",
     "report_skip_verdict",
     "skip_verdict",
 ]
@@ -324,3 +328,48 @@ def report_skip_verdict(report: Report, fmt: Format) -> SkipVerdict | None:
         steps = steps[steps["rank"] == ranks[0]]
         skips = skips[skips["rank"] == ranks[0]] if skips is not None else None
     return skip_verdict(steps, skips, report.info.scaler, fmt)
+
+
+@dataclass(frozen=True)
+class ReplayedSkip:
+    """A skip of a replayed scaler (``simulate``): its step, the replayed scale, and what
+    overflowed there as the records show it: the captured op whose largest value reaches
+    the format's overflow edge at that scale (``source`` ``records``), else what the run
+    itself saw skip at that step (``run``: its op or first parameter, at its own scale)."""
+
+    step: int
+    scale: float
+    culprit: str
+    source: str  # "records" or "run"
+    value_at_scale: float = math.nan  # records: the op's largest |value| at ``scale``
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["value_at_scale"] = self.value_at_scale if math.isfinite(self.value_at_scale) else None
+        return data
+
+
+def replayed_skip_origins(
+    report: Report, fmt: Format, steps: Sequence[int], scales: Sequence[float]
+) -> list[ReplayedSkip]:
+    """What overflowed at each replayed skip (``steps``, at ``scales``), where the report
+    shows it (see :class:`ReplayedSkip`); steps it does not show are left out."""
+    records = report.records
+    records = records[(records["kind"] == KIND_BACKWARD) & records["scales_with_loss"]]
+    records = records[records["steps"] == 1]  # a --window record is not one step's
+    seen = report_skip_verdict(report, fmt)
+    by_step = {skip.step: skip for skip in seen.skips} if seen is not None else {}
+    found = []
+    for step, scale in zip(steps, scales, strict=True):
+        mine = records[records["step"] == step]
+        values = (mine["amax"] / mine["loss_scale"] * scale).to_numpy(dtype=np.float64)
+        if len(values) and values.max() >= fmt.overflow_edge:
+            top = mine.iloc[int(np.argmax(values))]
+            label = f"{top['module'] or '(root)'} {top['op']}"
+            found.append(ReplayedSkip(int(step), float(scale), label, "records",
+                                      float(values.max())))  # fmt: skip
+            continue
+        run = by_step.get(int(step))
+        if run is not None and run.culprit:
+            found.append(ReplayedSkip(int(step), float(scale), run.culprit, "run"))
+    return found

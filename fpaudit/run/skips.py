@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NAMED_PARAMETERS",
+    "AfterSkip",
     "BackwardOrder",
     "GradientFlags",
     "ParameterFlags",
@@ -80,19 +81,24 @@ def gradient_maxima(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[i
 
 
 class BackwardOrder:
-    """Parameters in the order a backward produced their gradients (learned once)."""
+    """Parameters in the order a backward produced their gradients, learned from the first
+    :data:`GRAPHS_LEARNED` backward graphs (a GAN's second model's too), then kept."""
+
+    GRAPHS_LEARNED = 8
 
     def __init__(self) -> None:
         self._rank: dict[int, int] = {}
-        self.learned = False
+        self.learned = 0  # graphs replayed
 
     def learn(self, tensors: Any) -> None:
         """Replay the engine on the graph of ``tensors`` (what ``backward`` was given)."""
+        if self.learned >= self.GRAPHS_LEARNED:
+            return
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or ())
         nodes = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if not nodes:
             return
-        self.learned = True
+        self.learned += 1
         dependencies: dict[Any, int] = {}
         seen = set(nodes)
         stack = list(nodes)
@@ -127,6 +133,24 @@ class BackwardOrder:
         return sorted(range(len(params)), key=lambda i: self._rank.get(id(params[i]), unreached))
 
 
+class AfterSkip:
+    """Which steps are captured, with their forward, after a skip: the step after each
+    skip once a step with a scaler went through (calibration is over), ``budget`` times."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.calibrated = False
+
+    def due(self, scaled: bool, skipped: bool) -> bool:
+        """A step ended (``scaled``: a scaler took part; ``skipped``: it skipped the
+        optimizer): is the next one captured (does the inf persist, and from where)?"""
+        if skipped and self.calibrated and self.budget > 0:
+            self.budget -= 1
+            return True
+        self.calibrated |= scaled and not skipped
+        return False
+
+
 @dataclass
 class StepFlags:
     """One step's flags: the parameters checked, in backward order, by name, and the
@@ -155,6 +179,18 @@ class GradientFlags:
         self._names: dict[int, str] = {}
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         self._permutations: dict[tuple[int, ...], tuple[list[str], torch.Tensor]] = {}
+
+    def note_gradients(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor | None:
+        """Note the (parameter, gradient) ``pairs`` a scaler checks now; the largest
+        ``|grad|`` of them all, from the same per-gradient maxima (None: none)."""
+        found = gradient_maxima([grad for _, grad in pairs])
+        if found is None:
+            return None
+        maxima, kept = found
+        self.note([pairs[i][0] for i in kept], maxima)
+        return maxima.max()
 
     def note(self, params: Sequence[torch.Tensor], maxima: torch.Tensor) -> None:
         """``maxima``: the largest ``|grad|`` of each of ``params`` (a device vector)."""

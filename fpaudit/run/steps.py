@@ -27,7 +27,7 @@ from fpaudit.capture.recorder import MadeNonfinite
 from fpaudit.report.records import STEP_COLUMNS, STEP_DEFAULTS
 from fpaudit.report.runinfo import ScalerInfo
 from fpaudit.rules.findings import CallLog, SchedulerCall, Site, SpanScale
-from fpaudit.run.skips import GradientFlags, StepFlags, gradient_maxima
+from fpaudit.run.skips import AfterSkip, GradientFlags, StepFlags
 
 __all__ = ["RunState", "ScalarLog", "Span", "Step", "steps_table"]
 
@@ -186,8 +186,7 @@ class RunState:
     ) -> None:
         self.capture_every = capture_every
         self.max_steps = max_steps
-        self.captures_after_skip = capture_after_skip  # left to take
-        self.calibrated = False  # a step with a scaler went through: skips now are not calibration
+        self.after_skip = AfterSkip(capture_after_skip)
         self.log = ScalarLog()
         self.steps: list[Step] = []
         self.optimizers: list[str] = []  # class names, in the order they first stepped
@@ -209,7 +208,6 @@ class RunState:
         self.scheduler_calls: list[SchedulerCall] = []
         self.schedulers: list[str] = []  # class names, in the order they first stepped
         self.flags = GradientFlags()  # per step, the parameters with inf/NaN gradients
-        self._orders_learned = 0  # backward graphs replayed for the gradients' order
         self.step = self.new_step(0)
 
     # -- steps -----------------------------------------------------------------
@@ -246,12 +244,8 @@ class RunState:
         if self.max_steps is not None and len(self.steps) >= self.max_steps:
             self.done = True
         self.step = self.new_step(step.index + 1)
-        if step.scaler_skipped and self.calibrated and self.captures_after_skip > 0:
-            # the step after a skip: does the inf persist at the backed-off scale, from where
-            self.captures_after_skip -= 1
+        if self.after_skip.due(step.scaler is not None, step.scaler_skipped):
             self.step.capture = self.step.capture_forward = True
-        elif step.scaler is not None and not step.scaler_skipped:
-            self.calibrated = True
 
     def attempt(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer`` is about to step (by itself or through ``scaler.step``)."""
@@ -290,17 +284,10 @@ class RunState:
             self.step.grad_amax = None
         params = [p for group in optimizer.param_groups for p in group["params"]]
         pairs = [(p, g) for p in params if (g := patches.raw_grad(p)) is not None]
-        if not checked:
+        if checked:
+            self.note_amax_of([], self.flags.note_gradients(pairs))
+        else:
             self.note_amax_of([g for _, g in pairs])
-            return
-        found = gradient_maxima([g for _, g in pairs])
-        if found is None:
-            return
-        maxima, kept = found
-        self.flags.note([pairs[i][0] for i in kept], maxima)
-        amax = maxima.max()
-        step = self.step
-        step.grad_amax = amax if step.grad_amax is None else torch.maximum(step.grad_amax, amax)
 
     def root_grads(self) -> list[torch.Tensor]:
         """The gradients of the parameters of the top-level modules called (a loop
@@ -324,8 +311,8 @@ class RunState:
                     return patches.raw_grad(param) is None
         return False
 
-    def note_amax_of(self, grads: list[torch.Tensor]) -> None:
-        amax = patches.amax(grads)
+    def note_amax_of(self, grads: list[torch.Tensor], amax: torch.Tensor | None = None) -> None:
+        amax = patches.amax(grads) if amax is None else amax
         if amax is None:
             return
         step = self.step
@@ -377,8 +364,7 @@ class RunState:
     def scaler_stepped(
         self, scaler: Any, optimizer: torch.optim.Optimizer, skipped: bool = False
     ) -> None:
-        """``scaler.step(optimizer)`` returned; ``skipped``: it did not step ``optimizer``."""
-        self.step.scaler_skipped |= skipped
+        self.step.scaler_skipped |= skipped  # it did not step ``optimizer``
         found = patches.found_inf(scaler, optimizer)
         if found is not None:
             current = self.step.found_inf
@@ -395,9 +381,8 @@ class RunState:
         LBFGS evaluates several times a step: the step's loss is the first one's)."""
         step = self.step
         step.backward_calls += 1
-        if self.scaler_settings is not None and self._orders_learned < 8:
-            self._orders_learned += 1  # the first few graphs (a GAN's second model's too)
-            self.flags.order.learn(tensors)
+        if self.scaler_settings is not None:
+            self.flags.order.learn(tensors)  # the first few graphs
         if step.loss_from_scale or step.loss_from_closure:
             return
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:

@@ -210,7 +210,7 @@ class BackwardCapture:
                 window=self.options.window,
                 recipes=self.options.recipes,
                 module_hooks=False,  # the monitor's global hooks tell it of module calls
-                name_first_nonfinite=True,  # the op a skipped step's inf/NaN came from
+                name_nonfinite=True,  # the op that first made a skipped step's inf/NaN
             )
             self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
         elif module is not self.audited_model:

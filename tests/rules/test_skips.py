@@ -114,3 +114,22 @@ def test_each_steps_origin_is_one_rule() -> None:
     assert origins_of_steps(pd.Series(skipped).to_numpy(), pd.Series(finite).to_numpy()) == [
         "calibration", "calibration", "", "forward", "backward", "",
     ]  # fmt: skip
+
+
+def test_a_replayed_skip_names_the_op_that_overflows_at_the_replayed_scale() -> None:
+    import torch
+
+    from fpaudit.rules.simulation import ScalerOverrides, simulate
+
+    from ..reports import report_of_steps
+
+    # step 1 holds 2^10: at a static 2^6 it is 2^16 = 65536, past fp16's overflow edge 65520
+    # (torch's own cast agrees); steps 0 and 2 hold 1.0: 2^6, far inside
+    assert torch.isinf(torch.tensor(2.0**16).half()) and not torch.isinf(torch.tensor(64.0).half())
+    report = report_of_steps([torch.tensor([1.0]), torch.tensor([2.0**10]), torch.tensor([1.0])])
+    result = simulate(report, FP16, "static", ScalerOverrides(init_scale=2.0**6),
+                      static_scale=2.0**6)  # fmt: skip
+    assert [(s.step, s.scale, s.culprit, s.source, s.value_at_scale) for s in result.skip_origins] == [
+        (1, 2.0**6, "a aten.mul.Tensor", "records", 65536.0),
+    ]  # fmt: skip
+    assert result.to_dict()["skip_origins"][0]["culprit"] == "a aten.mul.Tensor"
