@@ -17,6 +17,7 @@ SCAN_STEPS = 10
 SCAN_EVERY = 1  # capture every K-th step only
 
 RUN_CAPTURE_EVERY = 10  # record every backward op on every K-th step; 0: never
+RUN_CAPTURE_AFTER_SKIP = 3  # capture (with its forward) the step after a skip, N times a run
 RUN_MAX_BACKOFFS = 5  # more consecutive scale back-offs than this is a finding
 RUN_MAX_SKIP_RATE = 0.02  # a higher skip rate after calibration is a finding
 

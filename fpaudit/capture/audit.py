@@ -98,7 +98,7 @@ from fpaudit.capture.mode import BackwardMode
 from fpaudit.capture.optimizer_hooks import optimizer_steps_counted
 from fpaudit.capture.origin_probe import OriginTracker
 from fpaudit.capture.provenance import Provenance
-from fpaudit.capture.recorder import Recorder, registrations_watched
+from fpaudit.capture.recorder import MadeNonfinite, Recorder, registrations_watched
 from fpaudit.capture.selection import Selection
 from fpaudit.kernels.blockstats import BlockRecorder
 from fpaudit.numerics.recipes import Recipe, as_recipe
@@ -131,6 +131,7 @@ class StepSummary:
     loss_finite: bool
     nonfinite_grads: int  # inf/NaN elements in parameter gradients
     records: int
+    made_nonfinite: MadeNonfinite | None = None  # name_first_nonfinite: the op that did
 
 
 class Audit:
@@ -164,6 +165,7 @@ class Audit:
         origins: bool = False,
         recipes: Sequence[Recipe | str] = (),
         module_hooks: bool = True,
+        name_nonfinite: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"audit() needs an nn.Module, got {type(model).__name__}")
@@ -177,7 +179,7 @@ class Audit:
         self.loss_scale = loss_scale
         # scan --origins: per op call, did it make inf/NaN (fpaudit.capture.origin_probe)
         self.origins: OriginTracker | None = OriginTracker() if origins else None
-        self._context = CaptureContext(shadow=shadow, origins=self.origins)
+        self._context = CaptureContext(shadow, self.origins, name_first_nonfinite=name_nonfinite)
         self._mode: BackwardMode | None = None
         self._clock = ModuleClock(model)
         self._provenance = Provenance()
@@ -363,6 +365,7 @@ class Audit:
             loss_finite=loss_value is None or math.isfinite(loss_value),
             nonfinite_grads=nonfinite_grads,
             records=len(records.keys),
+            made_nonfinite=collected.made_nonfinite,
         )
 
     def mark_optimizer_step(self, stepped: bool, skipped: bool = False) -> None:

@@ -30,12 +30,15 @@ class CaptureContext:
     for ``create_graph``, which turns grad mode on for the backward's own ops).
     ``optimizer_steps``: optimizer steps running now (an optimizer stepping inside
     backward), whose work is not the model's gradient.
+    ``name_first_nonfinite``: also mark which backward op first made inf/NaN in a step
+    (``fpaudit run``: where a skipped step's overflow came from).
     """
 
     shadow: bool = False
     origins: OriginTracker | None = None
     grad_mode_means_recompute: bool = False
     optimizer_steps: int = 0
+    name_first_nonfinite: bool = False
 
     def backward_started(self, create_graph: bool) -> None:
         """An outermost backward starts; a step that raised never ran its post hook, so

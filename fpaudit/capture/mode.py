@@ -191,7 +191,8 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self._forward = clock.forward_frames  # this thread's modules in forward (in_forward)
         # --recipe: the modules whose backward GEMMs' operands get block statistics
         self._gemm_modules = weight_modules(model) if recorder.blocks is not None else None
-        self._lean = self._origins is None and self._gemm_modules is None
+        self._mark_made = context.name_first_nonfinite  # fpaudit run: a skip's op
+        self._lean = self._origins is None and self._gemm_modules is None and not self._mark_made
 
     def enter_nested(self, node: torch.autograd.graph.Node | None) -> None:
         """A backward inside backward: reentrant checkpointing runs the graph it rebuilt
@@ -377,6 +378,7 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
                 (record(KIND_BACKWARD, module, node_name, info.name, index, scaled, tensor), tensor)
                 for index, tensor in outputs
             ]
+            _mark_made_nonfinite(self._mark_made, self._recorder, args, places)
         elif self._origins is None and self._gemm_modules is None:
             return  # nothing that can be recorded (indices, masks, counts)
         else:
@@ -457,3 +459,22 @@ class BackwardMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         for (place, real), shadow in zip(places, shadows, strict=False):
             if place is not None and real.dtype in _LOW_PRECISION and shadow.shape == real.shape:
                 place[0].add_shadow(place[1], real, shadow)
+
+
+def _mark_made_nonfinite(
+    wanted: bool,
+    recorder: Recorder,
+    args: tuple[Any, ...],
+    places: list[tuple[Place | None, torch.Tensor]],
+) -> None:
+    """Where ``wanted`` (fpaudit run: the op a skip came from), mark the outputs of a
+    backward op that made inf/NaN from finite inputs, in the same op numbering as
+    forward's: the step's first such op, either pass, is named."""
+    if not wanted:
+        return
+    sequence = recorder.next_forward_op()
+    made = [tensor for _, tensor in places]
+    for place, tensor in places:
+        if place is not None:
+            clean = inputs_clean(args, made, tensor.device)
+            place[0].mark_nonfinite(place[1], tensor, sequence, clean)

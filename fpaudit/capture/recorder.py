@@ -189,6 +189,15 @@ class _GradientAdds:
 
 
 @dataclass(frozen=True)
+class MadeNonfinite:
+    """The op that first made inf/NaN in a step (forward or backward, as marked): its
+    record key and the largest finite magnitude of its outputs in the step."""
+
+    key: RecordKey
+    amax: float
+
+
+@dataclass(frozen=True)
 class Collected:
     """A closed step's records, as brought to the host, with the values of the tensors
     given to :meth:`Recorder.collect` (None: no tensor given)."""
@@ -197,6 +206,7 @@ class Collected:
     first_nonfinite: str  # "module op" of the first forward op that made inf/NaN, or ""
     loss: float | None
     loss_scale: float | None
+    made_nonfinite: MadeNonfinite | None = None  # that op's key and largest finite value
 
 
 class Recorder:
@@ -448,12 +458,13 @@ class Recorder:
             rows = blocks[0]
         else:
             rows = np.concatenate(blocks) if blocks else np.zeros((0, histogram.WIDTH), np.int64)
-        records, first_nonfinite = _step_records(
+        records, made = _step_records(
             keys, rows, np.concatenate(calls) if calls else np.zeros(0, dtype=np.int64),
             nonzero, key_columns, keep_rows,
         )  # fmt: skip
         self._forward_ops = 0
-        return Collected(records, first_nonfinite, loss_value, scale_value)
+        first_nonfinite = f"{made.key.module or '(root)'} {made.key.op}" if made else ""
+        return Collected(records, first_nonfinite, loss_value, scale_value, made)
 
     def _columns_of(self, device: torch.device, row_keys: list[RecordKey]) -> dict[str, np.ndarray]:
         """``row_keys`` as columns, as ``ReportBuilder`` makes them, made again only when
@@ -486,9 +497,9 @@ def _step_records(
     nonzero: NonzeroBins | None,
     key_columns: dict[str, np.ndarray] | None,
     keep_rows: bool,
-) -> tuple[StepRecords, str]:
+) -> tuple[StepRecords, MadeNonfinite | None]:
     """A closed step's records from its table ``rows`` (or what the kernel read of them,
-    ``nonzero``), and the "module op" of its first forward op that made inf/NaN ("")."""
+    ``nonzero``), and its first op that made inf/NaN (None)."""
     if nonzero is None:
         amax_bits = rows[:, histogram.AMAX_COLUMN]
         shadow = rows[:, histogram.SHADOW_COLUMNS].copy()
@@ -506,8 +517,8 @@ def _step_records(
         nonzero=nonzero,
         key_columns=key_columns,
     )
-    first_nonfinite = ""
+    made = None
     if len(scores) and scores.max() > 0:
-        first = keys[int(np.argmax(scores))]
-        first_nonfinite = f"{first.module or '(root)'} {first.op}"
-    return records, first_nonfinite
+        row = int(np.argmax(scores))
+        made = MadeNonfinite(keys[row], float(records.amax[row]))
+    return records, made

@@ -88,6 +88,23 @@ def _show_origins(report_path: Path, options: ShowArgs) -> None:
     formatters.ORIGINS.chosen(options.json, top=options.top or 10).write(view)
 
 
+def _show_skips(report_path: Path, options: ShowArgs) -> None:
+    """``show --skips``: each skipped step's origin, and the verdict on them."""
+    from fpaudit.report.store import Report
+    from fpaudit.rules.skips import report_skip_verdict
+    from fpaudit.rules.summary import run_format
+
+    report = Report.read(report_path)
+    render.report_notes(report)
+    verdict = report_skip_verdict(report, run_format(report, options.format))
+    if verdict is None:
+        raise UsageError(
+            f"{report_path} has no loss scaler's skips: only `fpaudit run` of a script "
+            "with an enabled GradScaler records them"
+        )
+    formatters.SKIPS.chosen(options.json).write(verdict)
+
+
 def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
     """Per-module table of zeros, underflow, flush and overflow at a scale (or --steps).
 
@@ -98,6 +115,9 @@ def show_command(report_path: ReportArgument, options: ShowArgs) -> None:
 
     if options.origins:
         _show_origins(report_path, options)
+        return
+    if options.skips:
+        _show_skips(report_path, options)
         return
     if options.steps:
         report = Report.read(report_path)

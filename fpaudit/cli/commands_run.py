@@ -222,7 +222,7 @@ def _run_summary(report: Report, fmt: Format, options: RunArgs) -> None:
     render.report_notes(report, incomplete=False, one_compiled_line=True)
     render_run.run_summary(
         str(options.out), report, list(summary.findings), summary.recommendation, summary.drift,
-        summary.nonfinite_steps,
+        summary.nonfinite_steps, summary.skips,
     )  # fmt: skip
     _block_summaries(report, specs.default_int("scan", "top"))
 

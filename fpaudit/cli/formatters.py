@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from fpaudit.rules.delayed import Sweep as DelayedSweep
     from fpaudit.rules.gating import GateResult
     from fpaudit.rules.simulation import Simulation
+    from fpaudit.rules.skips import SkipVerdict
     from fpaudit.rules.summary import ModuleView, OriginsView, RecommendationView, StepsView
     from fpaudit.run.fp16plan import Fp16Plan
     from fpaudit.run.verify import Verification
@@ -189,6 +190,7 @@ RECIPES: Outputs[Iterable[Recipe]] = Outputs(render_blocks.recipes, _recipe_rows
 MODULES: Outputs[ModuleView] = Outputs(_modules, lambda view: view.rows())
 STEPS: Outputs[StepsView] = Outputs(_steps)
 ORIGINS: Outputs[OriginsView] = Outputs(_origins)
+SKIPS: Outputs[SkipVerdict] = Outputs(render_show.skips_view)
 BLOCKS: Outputs[pd.DataFrame] = Outputs(_blocks, render_blocks.block_rows)
 RECOMMENDATION: Outputs[RecommendationView] = Outputs(_recommendation)
 SIMULATION: Outputs[Simulation] = Outputs(render_simulate.simulation)

@@ -387,6 +387,11 @@ class RunArgs(CommandOptions):
     capture_every: int = Option(
         defaults.RUN_CAPTURE_EVERY, "Record every backward op on every K-th step; 0: never"
     )()
+    capture_after_skip: int = Option(
+        defaults.RUN_CAPTURE_AFTER_SKIP,
+        "Capture the step after a skip (past calibration), forward too, at most N times; 0: never",
+        bounds=Bounds(minimum=0),
+    )()
     window: int = WINDOW()
     format: str | None = REPORT_FORMAT()
     headroom_bits: int = HEADROOM_BITS()
@@ -438,6 +443,11 @@ class ShowArgs(CommandOptions):
     limit: int = Option(40, "With --steps: rows shown, first and last", bounds=Bounds(minimum=2))()
     origins: bool = flag(
         "The ops that made inf/NaN (scan --origins), and those predicted at --scale",
+        off="",
+        default=False,
+    )()
+    skips: bool = flag(
+        "Each skipped step's origin and the run's skip verdict (fpaudit run)",
         off="",
         default=False,
     )()

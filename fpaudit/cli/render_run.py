@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from fpaudit.report.runinfo import Finding, ScalerInfo, SkipStatistics
     from fpaudit.rules.drift import Drift
     from fpaudit.rules.recommendation import Recommendation
+    from fpaudit.rules.skips import SkipOrigin, SkipVerdict
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -97,6 +98,53 @@ def skip_lines(stats: SkipStatistics, scaler: ScalerInfo | None) -> list[str]:
     return lines
 
 
+SKIPS_SHOWN = 10  # skips after calibration listed by run; show --skips lists them all
+
+
+def skip_origin_line(skip: SkipOrigin) -> str:
+    """One skipped step's origin: forward or backward, the parameters, the op."""
+    where = f"step {skip.step} at {power(skip.loss_scale)}: "
+    if skip.origin == "forward":
+        where += "forward (the loss was inf/NaN)"
+    elif skip.origin == "backward":
+        where += "backward (finite loss, inf/NaN gradients)"
+    else:
+        where += "calibration"
+    if skip.nonfinite_params >= 0:
+        named = ", ".join(skip.params)
+        more = skip.nonfinite_params - len(skip.params)
+        where += (
+            f"; {skip.nonfinite_params} of {skip.params_checked} parameter gradient(s) inf/NaN"
+            + (f", first {named}" if named else "")
+            + (f" (+{more} more)" if more > 0 else "")
+        )
+    if skip.op:
+        seen = "" if skip.op_step == skip.step else f" in the next step ({skip.op_step}, captured)"
+        where += f"; first made by {skip.op_phase} op {skip.op_label}{seen}"
+        if skip.op_amax > 0 and math.isfinite(skip.edge_binades):
+            side = "over" if skip.edge_binades > 0 else "under"
+            where += (
+                f", its largest finite value {skip.op_amax:.4g} at {power(skip.op_scale)}, "
+                f"{abs(skip.edge_binades):.2f} binade(s) {side} the format's largest"
+            )
+        elif skip.op_amax == 0:
+            where += ", no finite nonzero output left"
+    return where
+
+
+def skip_verdict_lines(verdict: SkipVerdict, shown: int = SKIPS_SHOWN) -> list[str | Text]:
+    """Each skip after calibration (the first ``shown``), then the run's verdict."""
+    later = [skip for skip in verdict.skips if skip.origin != "calibration"]
+    lines: list[str | Text] = [f"  {skip_origin_line(skip)}" for skip in later[:shown]]
+    if shown and len(later) > shown:
+        lines.append(f"  … {len(later) - shown} more skip(s): fpaudit show REPORT --skips")
+    if verdict.verdict == "none":
+        return lines
+    style = {"persistent": "red", "range": "yellow"}.get(verdict.verdict, "")
+    lines.append(Text(f"Skip verdict: {verdict.verdict}: {verdict.reason}.", style=style))
+    return lines
+
+
 def nonfinite_lines(steps: Sequence[int]) -> list[str]:
     """The steps whose loss or gradients were inf or NaN that no loss scaler skipped."""
     if not steps:
@@ -160,6 +208,7 @@ def run_summary(
     rec: Recommendation | None,
     drift_result: Drift | None,
     nonfinite_steps: Sequence[int] = (),
+    skips: SkipVerdict | None = None,
 ) -> None:
     console = stdout()
     info = report.info
@@ -177,6 +226,9 @@ def run_summary(
     assert info.training is not None  # fpaudit run records it
     for line in skip_lines(info.training, info.scaler):
         console.print(line)
+    if skips is not None:
+        for verdict_line in skip_verdict_lines(skips):
+            console.print(verdict_line)
     if info.scaler is not None:  # without a scaler the scale is 1 throughout: nothing to draw
         for line in scale_lines(steps):
             console.print(line)

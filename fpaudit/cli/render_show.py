@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fpaudit.cli.render import stdout
-from fpaudit.cli.render_run import findings, scale_lines, skip_lines
+from fpaudit.cli.render_run import findings, scale_lines, skip_lines, skip_verdict_lines
 from fpaudit.numerics.formats import Format
 from fpaudit.text import module_label, percent, power, scale_text
 
@@ -21,6 +21,37 @@ if TYPE_CHECKING:
 
     from fpaudit.report.runinfo import Finding
     from fpaudit.rules.origins import Origins as OriginsResult
+    from fpaudit.rules.skips import SkipVerdict
+
+
+def skips_view(verdict: SkipVerdict) -> None:
+    """``show --skips``: a row per skipped step (its origin, the parameters whose
+    gradients held inf/NaN, the op that made it first where a capture saw it), then the
+    verdict."""
+    console = stdout()
+    grid = Table(title=f"skipped steps ({verdict.format})", title_justify="left")
+    names = ["step", "scale", "origin", "inf/NaN grads", "first parameters", "first op",
+             "seen at", "op amax", "vs max"]  # fmt: skip
+    for name in names:
+        grid.add_column(name, justify="left" if name in names[2:7] else "right")
+    for skip in verdict.skips:
+        counted = skip.nonfinite_params >= 0
+        grid.add_row(
+            str(skip.step),
+            power(skip.loss_scale),
+            skip.origin,
+            f"{skip.nonfinite_params} of {skip.params_checked}" if counted else "",
+            ", ".join(skip.params),
+            f"{skip.op_phase} {skip.op_label}" if skip.op else "",
+            "" if skip.op_step is None else f"step {skip.op_step}, {power(skip.op_scale)}",
+            f"{skip.op_amax:.4g}" if skip.op and math.isfinite(skip.op_amax) else "",
+            f"{skip.edge_binades:+.2f} binades" if math.isfinite(skip.edge_binades) else "",
+        )
+    console.print(grid)
+    counts = ", ".join(f"{n} {origin}" for origin, n in verdict.counts().items())
+    console.print(f"{len(verdict.skips)} skipped step(s): {counts}.")
+    for line in skip_verdict_lines(verdict, shown=0):
+        console.print(line)
 
 
 def steps_view(report: Any, limit: int, items: Sequence[Finding]) -> None:

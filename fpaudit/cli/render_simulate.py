@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from fpaudit.rules.simulation import Simulation
 
 
+REPLAYED_SKIPS_SHOWN = 8
+
+
 def simulation(result: Simulation) -> None:
     console = stdout()
     policy, static = result.policy, result.static
@@ -67,6 +70,14 @@ def simulation(result: Simulation) -> None:
                 style="yellow",
             )
         )
+    for skip in result.skip_origins[:REPLAYED_SKIPS_SHOWN]:
+        if skip.source == "records":
+            what = f"{skip.culprit} reaches {skip.value_at_scale:.4g} there (captured values)"
+        else:
+            what = f"{skip.culprit} (what the run saw make inf/NaN at that step)"
+        console.print(f"  replayed skip at step {skip.step} ({power(skip.scale)}): {what}")
+    if len(result.skip_origins) > REPLAYED_SKIPS_SHOWN:
+        console.print(f"  … {len(result.skip_origins) - REPLAYED_SKIPS_SHOWN} more (--json)")
     for note in result.notes:
         console.print(f"Note: {note}")
 

@@ -37,6 +37,7 @@ from fpaudit.rules.metrics import (
     bin_series_of,
     each_step,
     module_tag,
+    skip_origin_series,
     skipped_series,
     worst_modules,
 )
@@ -216,6 +217,9 @@ class LiveWriter:
     def _write_skips(self, report: Report) -> None:
         for step, skipped in skipped_series(report):
             self.writer.add_scalar(SKIPPED_STEPS, skipped, step)
+        for step, by_origin in skip_origin_series(report):
+            for name, count in by_origin.items():
+                self.writer.add_scalar(name, count, step)
 
     def _guarded(self, write: Any) -> None:
         try:

@@ -40,7 +40,8 @@ T = TypeVar("T")
 class ReportData:
     """An in-memory report: the run it describes (``info``, a :class:`RunInfo`: the stored
     truth, meta.json only its JSON form), the three tables every report has
-    (``records``, ``bins``, ``steps``) and the optional ones (``origins``, ``blocks``):
+    (``records``, ``bins``, ``steps``) and the optional ones (``origins``, ``blocks``,
+    ``skips``):
     pandas DataFrames."""
 
     info: RunInfo
@@ -143,6 +144,8 @@ class ReportData:
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     blocks: pd.DataFrame | None = field(default=None, compare=False)
     """Block-scaled statistics (``--recipe``), or None when no recipe was audited."""
+    skips: pd.DataFrame | None = field(default=None, compare=False)
+    """``fpaudit run``'s skipped steps and their origins (version 6), or None."""
     # Per optional table without a rank column (origins), the rank of each row, noted
     # when the ranks' parts of a report are merged (``for_rank`` splits them again).
     _table_ranks: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)

@@ -14,7 +14,7 @@ from typing import Any, Generic, NamedTuple, Protocol, Self, TypeVar
 import numpy as np
 
 from fpaudit.numerics import layout
-from fpaudit.report.tables import Bins, Blocks, Key, Origins, Records, Steps
+from fpaudit.report.tables import Bins, Blocks, Key, Origins, Records, Skips, Steps
 
 K = TypeVar("K")
 C = TypeVar("C", bound="Mergeable")
@@ -83,6 +83,9 @@ BLOCK_COUNT_COLUMNS = tuple(item.name for item in fields(BlockCounts))
 # The origins table (`scan --origins`): one row per op call that may make inf/NaN.
 ORIGIN_COLUMNS: dict[str, str] = Origins.columns()
 ORIGINS_TABLE = "origins"
+# The skips table (`fpaudit run` with a loss scaler, from version 6): `report.tables.Skips`.
+SKIP_COLUMNS: dict[str, str] = Skips.columns()
+SKIPS_TABLE = "skips"
 
 BLOCK_HISTOGRAM_COLUMNS = ("scale_codes", "dynamic_range")
 # Their lengths: one bin per E8M0 scale code; one per binade of a block's max/min ratio,

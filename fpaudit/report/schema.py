@@ -14,14 +14,15 @@ from fpaudit.report.records import (
     BLOCK_HISTOGRAM_COLUMNS,
     BLOCK_KEY_COLUMNS,
     ORIGINS_TABLE,
+    SKIPS_TABLE,
     STEP_DEFAULTS,
 )
-from fpaudit.report.tables import Bins, Origins, Records, Steps, Table
+from fpaudit.report.tables import Bins, Origins, Records, Skips, Steps, Table
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 
 META_FILE = "meta.json"
@@ -70,6 +71,9 @@ TABLES = {"records": RECORDS_SCHEMA, "bins": BINS_SCHEMA, "steps": STEPS_SCHEMA}
 ORIGINS_SCHEMA = schema_of(Origins)
 
 
+SKIPS_SCHEMA = schema_of(Skips)
+
+
 def blocks_schema(counts: pa.DataType) -> pa.Schema:
     return pa.schema(
         [(name, _ARROW_TYPES[t]) for name, t in BLOCK_KEY_COLUMNS.items()]
@@ -84,8 +88,13 @@ BLOCKS_SCHEMA = blocks_schema(pa.float64())
 
 # Optional tables, written only when present and read only when listed in meta.json's
 # files (older reports have none): scan --origins's op calls (fpaudit.rules.origins) and,
-# from version 3, block-scaled statistics when recipes were audited (fpaudit.kernels.blockstats).
-OPTIONAL_TABLES = {ORIGINS_TABLE: ORIGINS_SCHEMA, "blocks": BLOCKS_SCHEMA}
+# from version 3, block-scaled statistics when recipes were audited (fpaudit.kernels.blockstats),
+# from version 6, the skipped steps of `fpaudit run` with their origins (fpaudit.run.skips).
+OPTIONAL_TABLES = {
+    ORIGINS_TABLE: ORIGINS_SCHEMA,
+    "blocks": BLOCKS_SCHEMA,
+    SKIPS_TABLE: SKIPS_SCHEMA,
+}
 
 
 DERIVED_BIN_COLUMNS = ("lower", "upper")

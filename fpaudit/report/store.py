@@ -1,7 +1,7 @@
 """The report: a directory of Parquet tables plus ``meta.json``, written only here
 (other outputs, JUnit files and images, go through ``fpaudit.report.outputs.write_atomically``).
 
-Schema version 5 (documented in docs/report-format.md; version 1 reports,
+Schema version 6 (documented in docs/report-format.md; version 1 reports,
 whose steps table lacks the training-loop columns, versions 2 to 4, whose steps
 table lacks clipping by value, version 2 reports, which
 have no block statistics, and version 3 reports, whose block counts are int64,
@@ -24,6 +24,9 @@ are read too):
     the scale-code and dynamic-range histograms as lists. From version 4 the
     counts are float64: whole numbers, except a stochastic-rounding recipe's
     expected counts (``nvfp4-sr``); version 3 wrote int64, read as float64.
+``skips.parquet`` (only ``fpaudit run`` with a loss scaler; version 6)
+    One row per skipped step: the parameters whose gradients held inf/NaN, whether
+    the loss was finite, and the op that first made inf/NaN where a capture saw it.
 ``meta.json``
     Versions, device, command, config, module order, and per file its row
     count and SHA-256, checked on every read.

@@ -168,6 +168,26 @@ class Origins(Table):
     input_amax_fixed = Column("float64", "... of inputs that require grad (not scaled)")
 
 
+class Skips(Table):
+    """``fpaudit run`` with a loss scaler (from version 6): one row per step the scaler
+    skipped, with where its inf/NaN came from (``fpaudit.run.skips``,
+    ``fpaudit.rules.skips``)."""
+
+    step = Column("int32")
+    rank = Column("int16")
+    loss_scale = Column("float64", "the scale in force")
+    loss_finite = Column("bool", "False: the forward already made inf/NaN")
+    nonfinite_params = Column("int64", "parameters whose gradient held inf/NaN (-1: not checked)")
+    params_checked = Column("int64", "parameters the scaler checked")
+    params = Column("string", "the first of them, in backward order, comma-separated")
+    op_step = Column("int32", "the captured step the op was seen in (this or the next; -1: none)")
+    op_phase = Column("string", "forward or backward (empty: none named)")
+    op_module = Column("string")
+    op = Column("string")
+    op_amax = Column("float64", "its largest finite |output| at op_scale (NaN: none named)")
+    op_scale = Column("float64", "the scale op_step ran under")
+
+
 class Blocks(Key, key_after="step"):
     """``--recipe``: one row per (step, record key, recipe); its key columns here, then
     the counts (``records.BLOCK_COUNT_COLUMNS``) and the histograms

@@ -61,6 +61,7 @@ from fpaudit.report.tables import Records, Steps
 from fpaudit.rules import analysis, comparison
 from fpaudit.rules.comparison import Change
 from fpaudit.rules.recommendation import recommend
+from fpaudit.rules.skips import report_skip_verdict
 from fpaudit.text import count, module_label, percent, scale_text
 
 # Failure kinds, in the order a rendering lists them.
@@ -69,6 +70,7 @@ OVERFLOW = "overflow"
 LOST = "lost"
 NOTHING_MEASURED = "nothing-measured"
 NONFINITE = "nonfinite"
+PERSISTENT_SKIPS = "persistent-skips"  # a loss scaler's skips say the run is broken
 NO_STEPS = "no-steps"
 INCOMPLETE = "incomplete"
 UNSCALABLE = "unscalable"
@@ -373,6 +375,7 @@ def judge(
     failures += evidence.failures + _run_failures(
         report, policy.allow_incomplete, policy.allow_errors
     )
+    failures += _skip_failures(report, fmt, policy.allow_nonfinite)
     if baseline is not None:
         failures += _baseline_failures(baseline, fmt, log2_scale, policy)
     return GateResult(
@@ -743,6 +746,17 @@ def _evidence(
             )
         )
     return failures
+
+
+def _skip_failures(report: ReportData, fmt: Format, allow_nonfinite: bool) -> list[Failure]:
+    """A run whose loss scaler's skips are persistent (``rules.skips``): its numbers are
+    of a broken run, whatever they say (the skipped steps' inf/NaN are excused above)."""
+    verdict = report_skip_verdict(report, fmt)
+    if verdict is None or not verdict.persistent or allow_nonfinite:
+        return []
+    said = f"the loss scaler's skips are persistent: {verdict.reason}; pass "
+    wording = Wording(said, Named("allow_nonfinite", True), " to judge the run anyway")
+    return [Failure(EVIDENCE, (PERSISTENT_SKIPS,), wording)]
 
 
 def _nothing_reason(report: ReportData, overall: analysis.Totals) -> Wording:

@@ -37,6 +37,7 @@ from fpaudit.report.tables import Bins, Key, Records, Steps
 from fpaudit.rules import analysis, blockplan
 from fpaudit.rules.drift import window_report
 from fpaudit.rules.recommendation import choose_scale
+from fpaudit.rules.skips import ORIGINS, origins_of_steps
 
 # A metric name in MLflow holds only letters, digits and ``_-. :/``, and MLflow's file
 # store keeps each metric in a file named by it: no name is the folder of another (so the
@@ -79,6 +80,11 @@ METRICS = (
     ),
     Metric("fpaudit/loss_scale_log2", "log2 of the loss scale the step ran at (0: no scaler)"),
     Metric(SKIPPED_STEPS, "optimizer steps skipped for inf/NaN gradients so far"),
+    Metric(
+        "fpaudit/skips_{origin}",
+        "reports of `fpaudit run` with a GradScaler: of those, the skips by origin so far "
+        "(`calibration`, `forward`: the loss was inf/NaN, `backward`: only the gradients)",
+    ),
     Metric(
         "fpaudit/{format}/module_underflow/{module}",
         "per module, for the `top` modules losing the most: its underflow fraction at the "
@@ -187,6 +193,7 @@ def each_step(
     name = as_format(fmt).name
     modules = list(modules) if modules is not None else worst_modules(report, name, top)
     skipped = dict(skipped_series(report))
+    by_origin = dict(skip_origin_series(report))
     for _, row in _steps(report).iterrows():
         if not bool(row[Steps.captured]):
             continue
@@ -194,6 +201,7 @@ def each_step(
         window = window_report(report, step, step)
         values = _window_metrics(window, name, modules, headroom_bits, float(row[Steps.loss_scale]))
         values[SKIPPED_STEPS] = skipped[step]
+        values.update(by_origin.get(step, {}))
         yield StepMetrics(step, values), window
 
 
@@ -209,6 +217,31 @@ def skipped_series(report: ReportData) -> list[tuple[int, float]]:
     captured = steps[Steps.captured].to_numpy(dtype=bool)
     numbers = steps[Steps.step].to_numpy(dtype=np.int64)
     return [(int(n), float(k)) for n, k, c in zip(numbers, skipped, captured, strict=True) if c]
+
+
+def skip_origin_series(report: ReportData) -> list[tuple[int, dict[str, float]]]:
+    """``fpaudit/skips_{origin}`` at each captured step of a report with a loss scaler
+    (none without one): the skips of each origin up to and including the step."""
+    if report.info.scaler is None:
+        return []
+    steps = _steps(report)
+    origins = np.array(
+        origins_of_steps(
+            steps["skipped"].to_numpy(dtype=bool), steps["loss_finite"].to_numpy(dtype=bool)
+        )
+    )
+    counts = {origin: np.cumsum(origins == origin) for origin in ORIGINS}
+    captured = steps["captured"].to_numpy(dtype=bool)
+    numbers = steps["step"].to_numpy(dtype=np.int64)
+    return [
+        (int(numbers[i]), {skip_metric(o): float(counts[o][i]) for o in ORIGINS})
+        for i in np.flatnonzero(captured)
+    ]
+
+
+def skip_metric(origin: str) -> str:
+    """The metric of the skips of ``origin`` so far (beside, not under, skipped_steps)."""
+    return f"fpaudit/skips_{origin}"
 
 
 def _window_metrics(

@@ -34,6 +34,7 @@ from fpaudit.report.data import ReportData
 from fpaudit.report.tables import Records, Steps
 from fpaudit.rules import analysis, scalers
 from fpaudit.rules.recommendation import recommend
+from fpaudit.rules.skips import ReplayedSkip, replayed_skip_origins
 
 SOURCE_OBSERVED = "observed"  # the threshold was pinned by what the run saw
 SOURCE_AMAX = "amax"  # estimated from the step's amax
@@ -209,6 +210,8 @@ class Simulation:
     policy: Run
     static: Run
     notes: list[str] = field(default_factory=list)
+    # per skip of the replayed policy, what overflowed there where the report shows it
+    skip_origins: list[ReplayedSkip] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         t = self.thresholds
@@ -233,6 +236,7 @@ class Simulation:
             "policy": self.policy.summary().to_dict(),
             "static": self.static.summary().to_dict(),
             "notes": self.notes,
+            "skip_origins": [skip.to_dict() for skip in self.skip_origins],
             "steps": rows,
         }
 
@@ -328,4 +332,9 @@ def simulate(
             "overflow is estimated from amax (the report did not run in low precision): "
             "values that would overflow only inside a low-precision op are not seen"
         )
-    return Simulation(fmt.name, limits, runs[0], runs[1], notes)
+    replayed = runs[0].trajectory
+    skipped = np.flatnonzero(replayed.skipped)
+    origins = replayed_skip_origins(
+        report, fmt, [int(limits.steps[i]) for i in skipped], [replayed.scale[i] for i in skipped]
+    )
+    return Simulation(fmt.name, limits, runs[0], runs[1], notes, origins)

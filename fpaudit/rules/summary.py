@@ -21,6 +21,7 @@ from fpaudit.numerics.formats import Format, get_format
 from fpaudit.numerics.limits import DEFAULT_HEADROOM_BITS
 from fpaudit.report.records import KIND_BACKWARD
 from fpaudit.report.tables import Key, Steps
+from fpaudit.rules.skips import SkipVerdict, report_skip_verdict
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -213,6 +214,7 @@ class RunSummary:
     drift: Drift | None
     findings: tuple[Finding, ...]
     nonfinite_steps: tuple[int, ...] = ()  # loss or gradients inf/NaN, no scaler skipped
+    skips: SkipVerdict | None = None  # the skipped steps' origins and verdict (a scaler)
 
     def to_dict(self) -> dict[str, Any]:
         rec, drifted = self.recommendation, self.drift
@@ -221,6 +223,7 @@ class RunSummary:
             "drift": drifted.to_dict() if drifted is not None else None,
             "findings": [finding.to_dict() for finding in self.findings],
             "nonfinite_steps": list(self.nonfinite_steps),
+            "skips": self.skips.to_dict() if self.skips is not None else None,
         }
 
 
@@ -245,7 +248,8 @@ def run_summary(
     from fpaudit.rules.analysis import nonfinite_steps
 
     broken = tuple(nonfinite_steps(report))
-    return RunSummary(rec, drifted, tuple(report.info.findings), broken)
+    skips = report_skip_verdict(report, fmt)
+    return RunSummary(rec, drifted, tuple(report.info.findings), broken, skips)
 
 
 # -- show, recommend -------------------------------------------------------------------

@@ -23,9 +23,11 @@ import torch
 from torch import nn
 
 from fpaudit.capture import torch_patches as patches
+from fpaudit.capture.recorder import MadeNonfinite
 from fpaudit.report.records import STEP_COLUMNS, STEP_DEFAULTS
 from fpaudit.report.runinfo import ScalerInfo
 from fpaudit.rules.findings import CallLog, SchedulerCall, Site, SpanScale
+from fpaudit.run.skips import AfterSkip, GradientFlags, StepFlags
 
 __all__ = ["RunState", "ScalarLog", "Span", "Step", "steps_table"]
 
@@ -44,18 +46,23 @@ class ScalarLog:
 
     def add(self, value: torch.Tensor) -> int:
         """Keep a copy of ``value`` (so later in-place changes do not show); its slot."""
-        device = value.device
+        return self.add_vector(value.reshape(1))[0]
+
+    def add_vector(self, values: torch.Tensor) -> list[int]:
+        """Keep a copy of the 1-D ``values``; their slots, in order."""
+        device = values.device
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        copy = value.detach().reshape(()).to(dtype=dtype, copy=True)
+        copy = values.detach().reshape(-1).to(dtype=dtype, copy=True)
         pending = self._pending.setdefault(device, [])
         pending.append(copy)
         slot = self._counts.get(device, 0)
-        self._counts[device] = slot + 1
+        self._counts[device] = slot + len(copy)
         if len(pending) == self._CHUNK:
-            self._chunks.setdefault(device, []).append(torch.stack(pending))
+            self._chunks.setdefault(device, []).append(torch.cat(pending))
             pending.clear()
-        self._slots.append((device, slot))
-        return len(self._slots) - 1
+        first = len(self._slots)
+        self._slots += [(device, slot + i) for i in range(len(copy))]
+        return list(range(first, len(self._slots)))
 
     def read(self) -> np.ndarray:
         """Every value added, in order, as float64 (one transfer per device)."""
@@ -63,7 +70,7 @@ class ScalarLog:
         for device, count in self._counts.items():
             parts = list(self._chunks.get(device, []))
             if self._pending.get(device):
-                parts.append(torch.stack(self._pending[device]))
+                parts.append(torch.cat(self._pending[device]))
             values = torch.cat(parts).cpu().numpy().astype(np.float64)
             assert len(values) == count
             per_device[device] = values
@@ -98,6 +105,10 @@ class Step:
     captured: bool = False
     seconds: float = 0.0
     slots: dict[str, int] = field(default_factory=dict)
+    flags: StepFlags | None = None  # which parameters' gradients the scaler found inf/NaN in
+    made_nonfinite: MadeNonfinite | None = None  # captured: the op that first made inf/NaN
+    capture_forward: bool = False  # captured after a skip: its forward ops too
+    scaler_skipped: bool = False  # a scaler's step skipped its optimizer (known on the host)
 
 
 @dataclass
@@ -170,9 +181,12 @@ class RunState:
     span of accumulated gradients, the scalar log and whether the gradients are
     still multiplied by the loss scale. Capture of backward ops is the monitor's."""
 
-    def __init__(self, capture_every: int = 0, max_steps: int | None = None) -> None:
+    def __init__(
+        self, capture_every: int = 0, max_steps: int | None = None, capture_after_skip: int = 0
+    ) -> None:
         self.capture_every = capture_every
         self.max_steps = max_steps
+        self.after_skip = AfterSkip(capture_after_skip)
         self.log = ScalarLog()
         self.steps: list[Step] = []
         self.optimizers: list[str] = []  # class names, in the order they first stepped
@@ -193,6 +207,7 @@ class RunState:
         self.calls = CallLog()  # the script's calls on gradients, judged after the run
         self.scheduler_calls: list[SchedulerCall] = []
         self.schedulers: list[str] = []  # class names, in the order they first stepped
+        self.flags = GradientFlags()  # per step, the parameters with inf/NaN gradients
         self.step = self.new_step(0)
 
     # -- steps -----------------------------------------------------------------
@@ -224,10 +239,13 @@ class RunState:
                 step.slots[name] = self.log.add(value)
         if step.scaler is not None:
             step.slots["scale_after"] = self.scale_slot(step.scaler)
+        step.flags = self.flags.close(self.roots, self.log.add_vector)
         self.steps.append(step)
         if self.max_steps is not None and len(self.steps) >= self.max_steps:
             self.done = True
         self.step = self.new_step(step.index + 1)
+        if self.after_skip.due(step.scaler is not None, step.scaler_skipped):
+            self.step.capture = self.step.capture_forward = True
 
     def attempt(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer`` is about to step (by itself or through ``scaler.step``)."""
@@ -255,13 +273,21 @@ class RunState:
         """Whether ``optimizer``'s step ends the step (no scaler.update() to wait for)."""
         return optimizer is self.primary and not self.step.scaler_stepped
 
-    def note_grad_amax(self, optimizer: torch.optim.Optimizer, replace: bool = False) -> None:
+    def note_grad_amax(
+        self, optimizer: torch.optim.Optimizer, replace: bool = False, checked: bool = False
+    ) -> None:
         """The largest gradient magnitude, as the optimizer sees the gradients (no sync);
-        ``replace``: instead of what was noted before (gradients a closure recomputed)."""
+        ``replace``: instead of what was noted before (gradients a closure recomputed);
+        ``checked``: a scaler checks them for inf/NaN now, so each one's flag is kept
+        (from the same per-gradient maxima: no launch more)."""
         if replace:
             self.step.grad_amax = None
-        grads = [patches.raw_grad(p) for group in optimizer.param_groups for p in group["params"]]
-        self.note_amax_of([g for g in grads if g is not None])
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        pairs = [(p, g) for p in params if (g := patches.raw_grad(p)) is not None]
+        if checked:
+            self.note_amax_of([], self.flags.note_gradients(pairs))
+        else:
+            self.note_amax_of([g for _, g in pairs])
 
     def root_grads(self) -> list[torch.Tensor]:
         """The gradients of the parameters of the top-level modules called (a loop
@@ -285,8 +311,8 @@ class RunState:
                     return patches.raw_grad(param) is None
         return False
 
-    def note_amax_of(self, grads: list[torch.Tensor]) -> None:
-        amax = patches.amax(grads)
+    def note_amax_of(self, grads: list[torch.Tensor], amax: torch.Tensor | None = None) -> None:
+        amax = patches.amax(grads) if amax is None else amax
         if amax is None:
             return
         step = self.step
@@ -335,7 +361,10 @@ class RunState:
         self.step.scaler_stepped = True
         self.attempt(optimizer)
 
-    def scaler_stepped(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    def scaler_stepped(
+        self, scaler: Any, optimizer: torch.optim.Optimizer, skipped: bool = False
+    ) -> None:
+        self.step.scaler_skipped |= skipped  # it did not step ``optimizer``
         found = patches.found_inf(scaler, optimizer)
         if found is not None:
             current = self.step.found_inf
@@ -352,6 +381,8 @@ class RunState:
         LBFGS evaluates several times a step: the step's loss is the first one's)."""
         step = self.step
         step.backward_calls += 1
+        if self.scaler_settings is not None:
+            self.flags.order.learn(tensors)  # the first few graphs
         if step.loss_from_scale or step.loss_from_closure:
             return
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:

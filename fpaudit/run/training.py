@@ -85,6 +85,7 @@ from fpaudit.rules.findings import (
     sorted_findings,
 )
 from fpaudit.run import modelfile
+from fpaudit.run.skips import skips_table
 from fpaudit.run.steps import RunState, ScalarLog, Step, steps_table
 
 if TYPE_CHECKING:
@@ -123,6 +124,8 @@ class RunOptions:
     # defaults: declared once in fpaudit.defaults, which the CLI options read too
     max_steps: int | None = None  # stop after this many optimizer steps
     capture_every: int = defaults.RUN_CAPTURE_EVERY  # 0: never
+    # capture the step after a skip (past calibration) with its forward, this many times
+    capture_after_skip: int = defaults.RUN_CAPTURE_AFTER_SKIP
     window: int = defaults.WINDOW  # merge W consecutive captured steps
     selection: Selection = field(default_factory=Selection)
     max_backoffs: int = defaults.RUN_MAX_BACKOFFS  # more is a finding
@@ -137,6 +140,10 @@ class RunOptions:
         if self.capture_every < 0:
             raise OptionError(
                 "capture_every", f"must be 0 (never) or more, got {self.capture_every}"
+            )
+        if self.capture_after_skip < 0:
+            raise OptionError(
+                "capture_after_skip", f"must be 0 (never) or more, got {self.capture_after_skip}"
             )
         AT_LEAST_1.check("window", self.window)
         AT_LEAST_1.check("max_backoffs", self.max_backoffs)
@@ -178,6 +185,7 @@ class BackwardCapture:
         self.audited_model: nn.Module | None = None
         self.models: list[str] = []  # class names of top-level modules with trainable parameters
         self.open = False
+        self._forward = ExitStack()  # the open capture's forward recording (after a skip)
         self._trainable: dict[int, bool] = {}
 
     def trainable(self, module: nn.Module) -> bool:
@@ -189,8 +197,9 @@ class BackwardCapture:
                 self.models.append(type(module).__name__)
         return known
 
-    def start(self, module: nn.Module) -> None:
-        """A top-level call of ``module`` begins a step to capture."""
+    def start(self, module: nn.Module, forward: bool = False) -> None:
+        """A top-level call of ``module`` begins a step to capture; ``forward``: its
+        forward ops too, until its backward starts (the step after a skip)."""
         if self.open or not self.trainable(module):
             return
         if self.audit is None:
@@ -201,12 +210,19 @@ class BackwardCapture:
                 window=self.options.window,
                 recipes=self.options.recipes,
                 module_hooks=False,  # the monitor's global hooks tell it of module calls
+                name_nonfinite=True,  # the op that first made a skipped step's inf/NaN
             )
             self.options.selection.check_modules(self.audit.module_names)  # a typo stops here
         elif module is not self.audited_model:
             return  # another model: only the first is audited
         self.audit.open()
         self.open = True
+        if forward:
+            self._forward.enter_context(self.audit.forward_pass())
+
+    def end_forward(self) -> None:
+        """The captured step's backward starts (or the capture closes): forward is over."""
+        self._forward.close()
 
     def entered(self, module: nn.Module) -> None:
         """``module`` starts forward: the open capture's module clock notes it."""
@@ -220,17 +236,19 @@ class BackwardCapture:
     def close(self, step: Step) -> None:
         """Gradients are complete (unscale_ or an optimizer step is next): close ``step``."""
         assert self.audit is not None
+        self.end_forward()
         self.open = False
         if step.backward_calls == 0:  # forward only so far (evaluation): try again later
             self.audit.close(discard=True)
             return
         scale = patches.scaler_scale(step.scaler) if step.scaler is not None else None
         try:
-            self.audit.step(
+            summary = self.audit.step(
                 loss=step.loss, index=step.index, loss_scale=1.0 if scale is None else scale
             )
         finally:
             self.audit.close()
+        step.made_nonfinite = summary.made_nonfinite
         step.captured = True
         step.capture = False
         if self.on_captured is not None:
@@ -239,6 +257,7 @@ class BackwardCapture:
     def discard(self) -> None:
         """The run ended inside a step: drop it."""
         if self.open and self.audit is not None:
+            self.end_forward()
             self.open = False
             self.audit.close(discard=True)
 
@@ -253,7 +272,7 @@ class TrainingMonitor:
         on_captured: Callable[[Audit], None] | None = None,
     ) -> None:
         self.options = options
-        self.state = RunState(options.capture_every, options.max_steps)
+        self.state = RunState(options.capture_every, options.max_steps, options.capture_after_skip)
         self.capture = BackwardCapture(options, on_captured)
         self.update_site: tuple[str, int] | None = None
         self._depth = 0  # module call depth
@@ -263,6 +282,7 @@ class TrainingMonitor:
         self._internal = 0  # inside a call whose own .grad reads are not the script's
         self._in_backward = 0
         self._backward_calls_before_step = 0  # at the optimizer step's start (LBFGS)
+        self._optimizer_calls = 0  # optimizer steps begun (a scaler's step that skipped: none)
 
     # -- installation --------------------------------------------------------
     @contextmanager
@@ -339,7 +359,7 @@ class TrainingMonitor:
                 self._maybe_stop()
             self.state.note_root(module)
             if self.state.step.capture and not self._in_backward and torch.is_grad_enabled():
-                self.capture.start(module)
+                self.capture.start(module, forward=self.state.step.capture_forward)
         self.capture.entered(module)
         self._depth += 1
 
@@ -351,6 +371,7 @@ class TrainingMonitor:
 
     def optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_depth += 1
+        self._optimizer_calls += 1
         if self._optimizer_depth > 1:
             return
         self.state.step.stepped = True
@@ -397,7 +418,8 @@ class TrainingMonitor:
         self._close_capture()
         self.state.unscaling(scaler, optimizer, site)
         with self._own_calls():
-            self.state.note_grad_amax(optimizer)  # still scaled: divided by the scale later
+            # still scaled: divided by the scale later; each gradient's inf/NaN flag kept
+            self.state.note_grad_amax(optimizer, checked=True)
             yield
         self.state.unscaled()
 
@@ -411,12 +433,14 @@ class TrainingMonitor:
         self.state.scaler_stepping(scaler, optimizer)
         self._close_capture()
         self._in_scaler_step += 1
+        calls = self._optimizer_calls
         try:  # unscale_ (patched too) runs inside unless the script called it
             with self._own_calls():
                 yield
         finally:
             self._in_scaler_step -= 1
-        self.state.scaler_stepped(scaler, optimizer)
+        # the scaler synced already to decide: no optimizer step began, so it skipped
+        self.state.scaler_stepped(scaler, optimizer, skipped=self._optimizer_calls == calls)
 
     @contextmanager
     def on_update(self, call: Call) -> Iterator[None]:
@@ -435,6 +459,7 @@ class TrainingMonitor:
     @contextmanager
     def on_backward(self, call: Call) -> Iterator[None]:
         self._maybe_stop()
+        self.capture.end_forward()
         self.state.backward_starts(call.arguments["tensors"], in_step=self._optimizer_depth > 0)
         self._in_backward += 1
         try:
@@ -511,6 +536,10 @@ class TrainingMonitor:
         rows = audit.step_rows() if audit is not None else None
         return steps_table(self.state.steps, values, rows), values
 
+    def skips_table(self, table: dict[str, list[Any]], values: np.ndarray) -> dict[str, list[Any]]:
+        """The skips table: each skipped step and where its inf/NaN came from."""
+        return skips_table(self.state.steps, table, values)
+
     def judge(self, table: dict[str, list[Any]], values: np.ndarray) -> list[Finding]:
         """The findings: calls on scaled gradients, scales, skips, schedulers, accumulation."""
         found = grad_call_findings(self.state.calls)
@@ -578,6 +607,10 @@ def run_script(
         for found in monitor.judge(table, values)
     ]
     report = _report_of(monitor, table)
+    if monitor.state.scaler_settings is not None:
+        from fpaudit.report.schema import SKIPS_SCHEMA, frame
+
+        report.skips = frame(monitor.skips_table(table, values), SKIPS_SCHEMA)
     _record(report, monitor, path, args, ending.stopped_by, findings, table, meta)
     interrupted = ending.interrupted
     exit_status = interrupted.exit_code if interrupted is not None else ending.exit_status

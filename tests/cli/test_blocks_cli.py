@@ -50,7 +50,7 @@ def test_scan_reports_the_interleaved_and_sorted_pair(pair_reports: dict[str, Pa
     # Per-tensor E4M3: 2**-20 * 448 = 1.75 * 2**-12 <= 2**-10: 50% in both layouts.
     interleaved = Report.read(pair_reports["interleaved"])
     ordered = Report.read(pair_reports["sorted"])
-    assert interleaved.meta["schema_version"] == SCHEMA_VERSION == 5
+    assert interleaved.meta["schema_version"] == SCHEMA_VERSION == 6
     assert interleaved.recipes == ["mxfp8-e4m3", "fp8-tensor-e4m3"]
     row = _grad_row(interleaved, "mxfp8-e4m3")
     assert (row["flushed"], row["nonzero"], row["flush_fraction"]) == (64, 128, 0.5)

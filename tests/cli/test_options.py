@@ -257,11 +257,12 @@ def test_every_library_option_is_fed_from_its_commands_options() -> None:
     assert unfed == []
 
     run_args = RunArgs(max_steps=4, capture_every=3, window=2, module=("a",), max_backoffs=2,
-                       max_skip_rate=0.5, recipe=("mxfp4",))  # fmt: skip
+                       max_skip_rate=0.5, recipe=("mxfp4",), capture_after_skip=0)  # fmt: skip
     ran = library_options(RunOptions, run_args)
     assert ran == RunOptions(max_steps=4, capture_every=3, window=2,
                              selection=Selection(modules=("a",)), max_backoffs=2,
-                             max_skip_rate=0.5, recipes=("mxfp4",))  # fmt: skip
+                             max_skip_rate=0.5, recipes=("mxfp4",),
+                             capture_after_skip=0)  # fmt: skip
     default_run = RunOptions()
     unfed = [f.name for f in dataclasses.fields(RunOptions)
              if getattr(ran, f.name) == getattr(default_run, f.name)]  # fmt: skip

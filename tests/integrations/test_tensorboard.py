@@ -227,12 +227,18 @@ def test_run_writes_its_captured_steps_and_the_skips_once_it_ends(cli, tmp_path:
     live, after = contents(board), contents(tmp_path / "after")
     assert live == after
     skipped = live["scalars"]["fpaudit/skipped_steps"]
-    assert [step for step, _ in skipped] == [0, 5, 10, 15]
+    # every 5th step, and 11: the step after the skip at 10, past calibration (issue 54)
+    assert [step for step, _ in skipped] == [0, 5, 10, 11, 15]
     report = Report.read(report_dir)
     steps = report.steps.sort_values("step")
     # skips so far at each captured step, counted from the run's own steps table
-    expected = [float(steps[steps["step"] <= s]["skipped"].sum()) for s in (0, 5, 10, 15)]
+    expected = [float(steps[steps["step"] <= s]["skipped"].sum()) for s in (0, 5, 10, 11, 15)]
     assert [value for _, value in skipped] == expected and expected[-1] > 0  # --bugs skips
+    by_origin = [live["scalars"][f"fpaudit/skips_{o}"] for o in ("calibration", "backward")]
+    assert [[v for _, v in series] for series in by_origin] == [
+        [1.0, 6.0, 7.0, 7.0, 7.0],  # calibration: steps 0 to 6 (6 of them by step 5)
+        [0.0, 0.0, 1.0, 1.0, 1.0],  # the overflow at step 10
+    ]  # fmt: skip
 
 
 def test_scan_and_run_name_a_bad_dashboard_directory_before_running(

@@ -331,7 +331,8 @@ def _block_rows(rank: int, module: str) -> dict[str, list[Any]]:
 
 
 def test_for_rank_keeps_that_ranks_rows_of_every_optional_table(tmp_path: Path) -> None:
-    from fpaudit.report.schema import BLOCKS_SCHEMA, OPTIONAL_TABLES, frame
+    from fpaudit.report.records import SKIP_COLUMNS
+    from fpaudit.report.schema import BLOCKS_SCHEMA, OPTIONAL_TABLES, SKIPS_SCHEMA, frame
     from fpaudit.report.store import _merge_ranks
     from fpaudit.rules.origins import table_from_columns
 
@@ -343,9 +344,12 @@ def test_for_rank_keeps_that_ranks_rows_of_every_optional_table(tmp_path: Path) 
         part.steps["rank"] = np.int16(rank)
         part.origins = table_from_columns(_origin_rows(module, origin_steps))
         part.blocks = frame(_block_rows(rank, module), BLOCKS_SCHEMA)
+        blank = {"string": "", "bool": True}
+        skip = {name: [blank.get(kind, 0)] for name, kind in SKIP_COLUMNS.items()}
+        part.skips = frame({**skip, "rank": [rank], "step": [rank + 5]}, SKIPS_SCHEMA)
         parts.append(part)
     merged = _merge_ranks(parts, dataclasses.replace(parts[0].info, ranks=2), tmp_path)
-    assert set(OPTIONAL_TABLES) == {"origins", "blocks"}  # both are checked below
+    assert set(OPTIONAL_TABLES) == {"origins", "blocks", "skips"}  # all are checked below
     assert merged.origins is not None and len(merged.origins) == 3
     for rank, module, origin_steps in ((0, "a", [0, 1]), (1, "b", [1])):
         alone = merged.for_rank(rank)
@@ -354,6 +358,7 @@ def test_for_rank_keeps_that_ranks_rows_of_every_optional_table(tmp_path: Path) 
         assert list(alone.origins["step"]) == origin_steps
         assert list(alone.blocks["module"]) == [module]
         assert list(alone.blocks["zero"]) == [rank + 1]
+        assert alone.skips is not None and list(alone.skips["step"]) == [rank + 5]
         assert list(alone.records["module"]) == [module]
     # a one-rank report keeps its whole optional tables
     single = parts[0].for_rank(0)

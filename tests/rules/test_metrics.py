@@ -86,7 +86,8 @@ def test_a_steps_histogram_is_its_binades_in_unscaled_units() -> None:
 def test_every_metric_name_is_declared_once() -> None:
     names = [m.name for m in metrics.METRICS]
     assert len(names) == len(set(names))
-    declared = {n.format(format="fp16", module="probe", recipe="mxfp8-e4m3") for n in names}
+    filled = {"format": "fp16", "module": "probe", "recipe": "mxfp8-e4m3", "origin": "forward"}
+    declared = {n.format(**filled) for n in names}
     found = metrics.step_metrics(audited(), "fp16", top=1)
     assert set(found[0].values) <= declared
     assert math.isfinite(sum(found[0].values.values()))

@@ -101,6 +101,7 @@ def test_run_summary_judges_nothing_without_records() -> None:
         "drift": None,
         "findings": [],
         "nonfinite_steps": [],
+        "skips": None,  # no loss scaler
     }
 
 
