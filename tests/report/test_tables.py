@@ -14,10 +14,11 @@ from fpaudit.report.schema import (
     OPTIONAL_TABLES,
     ORIGINS_SCHEMA,
     RECORDS_SCHEMA,
+    SKIPS_SCHEMA,
     STEPS_SCHEMA,
     TABLES,
 )
-from fpaudit.report.tables import Bins, Blocks, Key, Origins, Records, Steps, Table
+from fpaudit.report.tables import Bins, Blocks, Key, Origins, Records, Skips, Steps, Table
 
 from ..reports import report_from
 
@@ -25,8 +26,8 @@ from ..reports import report_from
 @pytest.mark.parametrize(
     ("table", "schema"),
     [(Records, RECORDS_SCHEMA), (Bins, BINS_SCHEMA), (Steps, STEPS_SCHEMA),
-     (Origins, ORIGINS_SCHEMA)],
-    ids=["records", "bins", "steps", "origins"],
+     (Origins, ORIGINS_SCHEMA), (Skips, SKIPS_SCHEMA)],
+    ids=["records", "bins", "steps", "origins", "skips"],
 )  # fmt: skip
 def test_each_tables_class_is_its_files_columns_in_order(
     table: type[Table], schema: pa.Schema
@@ -37,7 +38,14 @@ def test_each_tables_class_is_its_files_columns_in_order(
 def test_the_blocks_key_columns_lead_its_file_and_every_table_is_declared() -> None:
     keys = list(Blocks.columns())
     assert BLOCKS_SCHEMA.names[: len(keys)] == keys
-    assert set(TABLES) | set(OPTIONAL_TABLES) == {"records", "bins", "steps", "origins", "blocks"}
+    assert set(TABLES) | set(OPTIONAL_TABLES) == {
+        "records",
+        "bins",
+        "steps",
+        "origins",
+        "blocks",
+        "skips",
+    }
 
 
 def test_the_record_key_is_declared_once_and_spliced_where_the_files_have_it() -> None:
