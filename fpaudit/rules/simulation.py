@@ -335,6 +335,10 @@ def simulate(
     replayed = runs[0].trajectory
     skipped = np.flatnonzero(replayed.skipped)
     origins = replayed_skip_origins(
-        report, fmt, [int(limits.steps[i]) for i in skipped], [replayed.scale[i] for i in skipped]
+        report,
+        fmt,
+        scope,
+        [int(limits.steps[i]) for i in skipped],
+        [replayed.scale[i] for i in skipped],
     )
     return Simulation(fmt.name, limits, runs[0], runs[1], notes, origins)

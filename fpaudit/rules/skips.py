@@ -34,8 +34,8 @@ import numpy as np
 
 from fpaudit import defaults
 from fpaudit.numerics.formats import Format
-from fpaudit.report.records import KIND_BACKWARD
 from fpaudit.report.tables import Records, Skips, Steps
+from fpaudit.rules.analysis import Scope
 from fpaudit.rules.findings import skip_statistics
 from fpaudit.text import power
 
@@ -351,12 +351,18 @@ class ReplayedSkip:
 
 
 def replayed_skip_origins(
-    report: ReportData, fmt: Format, steps: Sequence[int], scales: Sequence[float]
+    report: ReportData,
+    fmt: Format,
+    scope: Scope,
+    steps: Sequence[int],
+    scales: Sequence[float],
 ) -> list[ReplayedSkip]:
     """What overflowed at each replayed skip (``steps``, at ``scales``), where the report
-    shows it (see :class:`ReplayedSkip`); steps it does not show are left out."""
-    records = report.records
-    records = records[(records[Records.kind] == KIND_BACKWARD) & records[Records.scales_with_loss]]
+    shows it (see :class:`ReplayedSkip`); steps it does not show are left out. Only the
+    records ``scope`` covers are candidates, as for the replay's thresholds: not the
+    ``<loss>`` ops, nor, in a live report, values autocast held in fp32."""
+    records = scope.select(report.records)
+    records = records[records[Records.scales_with_loss]]
     records = records[records[Records.steps] == 1]  # a --window record is not one step's
     seen = report_skip_verdict(report, fmt)
     by_step = {skip.step: skip for skip in seen.skips} if seen is not None else {}
@@ -366,7 +372,7 @@ def replayed_skip_origins(
         values = (mine[Records.amax] / mine[Records.loss_scale] * scale).to_numpy(dtype=np.float64)
         if len(values) and values.max() >= fmt.overflow_edge:
             top = mine.iloc[int(np.argmax(values))]
-            label = f"{top['module'] or '(root)'} {top['op']}"
+            label = f"{top[Records.module] or '(root)'} {top[Records.op]}"
             found.append(ReplayedSkip(int(step), float(scale), label, "records",
                                       float(values.max())))  # fmt: skip
             continue
