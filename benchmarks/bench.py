@@ -395,7 +395,8 @@ def measure_read(rows: int, runs: int, tmp: Path) -> dict[str, Any]:
     from fpaudit.report.store import Report
 
     out = tmp / "big-report"
-    report = Report.from_builder(build_big(rows), {"formats": ["fp16"], "headroom_bits": 4})
+    report = Report.from_builder(build_big(rows))
+    report.update_info(formats=("fp16",), headroom_bits=4)
     report.write(out, force=True)
     gate = [*FPAUDIT, "gate", str(out), "--max-underflow", "0.01"]
     recommend = [*FPAUDIT, "recommend", str(out)]

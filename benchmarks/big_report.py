@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--rows", type=int, default=10_000_000)
     args = parser.parse_args(argv)
-    report = Report.from_builder(build(args.rows), {"formats": ["fp16"], "headroom_bits": 4})
+    report = Report.from_builder(build(args.rows))
+    report.update_info(formats=("fp16",), headroom_bits=4)
     report.write(args.out, force=True)
     print(f"{len(report.bins):,} histogram rows, {len(report.records):,} records -> {args.out}")
     return 0

@@ -173,7 +173,7 @@ def test_audit_takes_exactly_audits_parameters_which_help_shows() -> None:
     assert list(own.parameters.values()) == list(inspect.signature(Audit).parameters.values())
     assert list(own.parameters) == [
         "model", "loss_scale", "selection", "window", "shadow", "origins", "recipes",
-        "module_hooks",
+        "module_hooks", "name_nonfinite",
     ]  # fmt: skip
     assert own.return_annotation == "Audit"
     shown = pydoc.render_doc(fpaudit.audit, renderer=pydoc.plaintext)
