@@ -266,7 +266,7 @@ def scale_findings(
     backoff = after < before
     stats = skip_statistics(np.array(table[Steps.skipped], dtype=bool))
     # Backing off from the initial scale until gradients fit is calibration, not decay.
-    runs = [r for r in _runs(backoff) if not (r[0] == 0 and stats.calibration_steps)]
+    runs = [r for r in true_runs(backoff) if not (r[0] == 0 and stats.calibration_steps)]
     for start, end in [(start, end) for start, end in runs if end - start > max_backoffs]:
         found.add(
             "scale-falling",
@@ -319,7 +319,7 @@ def skip_statistics(skipped: np.ndarray) -> SkipStatistics:
     )
 
 
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """[start, end) of every run of True in ``mask``."""
     padded = np.concatenate([[False], mask, [False]]).astype(np.int8)
     edges = np.flatnonzero(np.diff(padded))

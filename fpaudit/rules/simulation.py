@@ -34,7 +34,7 @@ from fpaudit.report.data import ReportData
 from fpaudit.report.tables import Records, Steps
 from fpaudit.rules import analysis, scalers
 from fpaudit.rules.recommendation import recommend
-from fpaudit.rules.skips import ReplayedSkip, replayed_skip_origins
+from fpaudit.rules.skips import ReplayedSkip, replayed_skip_origins, scaler_rank
 
 SOURCE_OBSERVED = "observed"  # the threshold was pinned by what the run saw
 SOURCE_AMAX = "amax"  # estimated from the step's amax
@@ -101,9 +101,7 @@ def observed(report: ReportData) -> bool:
 def thresholds(report: ReportData, fmt: Format, scope: analysis.Scope) -> Thresholds:
     """The overflow threshold of every step of ``report`` (see the module docstring)."""
     steps = report.steps  # several ranks share one scaler trajectory (DDP): take the first's
-    steps = steps[steps[Steps.rank] == steps[Steps.rank].min()].sort_values(
-        Steps.step, kind="stable"
-    )
+    steps = steps[steps[Steps.rank] == scaler_rank(steps)].sort_values(Steps.step, kind="stable")
     index = steps[Steps.step].to_numpy(dtype=np.int64)
     real_scale = steps[Steps.loss_scale].to_numpy(dtype=np.float64)
     skipped = steps[Steps.skipped].to_numpy(dtype=bool) | (

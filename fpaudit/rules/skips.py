@@ -36,7 +36,7 @@ from fpaudit import defaults
 from fpaudit.numerics.formats import Format
 from fpaudit.report.tables import Records, Skips, Steps
 from fpaudit.rules.analysis import Scope
-from fpaudit.rules.findings import skip_statistics
+from fpaudit.rules.findings import skip_statistics, true_runs
 from fpaudit.text import power
 
 if TYPE_CHECKING:
@@ -285,7 +285,7 @@ def _persistent(
         )
     before = steps[Steps.loss_scale].to_numpy(dtype=np.float64)[calibration:]
     after = steps[Steps.scale_after].to_numpy(dtype=np.float64)[calibration:]
-    longest = _longest_run(after < before)
+    longest = max((end - start for start, end in true_runs(after < before)), default=0)
     if longest > max_backoffs:
         return (
             f"the scale backed off {longest} times in a row after calibration: every step "
@@ -312,23 +312,21 @@ def _persistent(
     return None
 
 
-def _longest_run(mask: np.ndarray) -> int:
-    longest = current = 0
-    for value in mask:
-        current = current + 1 if value else 0
-        longest = max(longest, current)
-    return longest
-
-
 def report_skip_verdict(report: ReportData, fmt: Format) -> SkipVerdict | None:
     """:func:`skip_verdict` of a report (of several ranks: the first rank's steps, whose
     scaler decided for every rank); None without a loss scaler."""
     steps, skips = report.steps, report.skips
-    ranks = sorted({int(r) for r in steps[Steps.rank]}) if len(steps) else []
-    if len(ranks) > 1:
-        steps = steps[steps[Steps.rank] == ranks[0]]
-        skips = skips[skips[Skips.rank] == ranks[0]] if skips is not None else None
+    if steps[Steps.rank].nunique() > 1:
+        rank = scaler_rank(steps)
+        steps = steps[steps[Steps.rank] == rank]
+        skips = skips[skips[Skips.rank] == rank] if skips is not None else None
     return skip_verdict(steps, skips, report.info.scaler, fmt)
+
+
+def scaler_rank(steps: pd.DataFrame) -> int | None:
+    """The rank whose loss-scale trajectory stands for every rank's in a steps table (the
+    lowest: the ranks of a DDP run share one scaler's decisions); None when empty."""
+    return int(steps[Steps.rank].min()) if len(steps) else None
 
 
 @dataclass(frozen=True)
