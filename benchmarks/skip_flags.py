@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from fpaudit.capture import _torch_patches as patches
-from fpaudit.run.skips import GradientFlags, gradient_maxima
+from fpaudit.capture import torch_patches as patches
+from fpaudit.run.skips import GradientFlags
 from fpaudit.run.steps import ScalarLog
 
 
@@ -47,7 +47,7 @@ def _one_size(count: int, reps: int, device: torch.device) -> tuple[float, float
         patches.amax(grads)
 
     def now() -> None:
-        found = gradient_maxima(grads)
+        found = patches.gradient_maxima(grads)
         assert found is not None
         maxima, kept = found
         flags.note([params[i] for i in kept], maxima)

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -74,6 +74,7 @@ __all__ = [
     "Watcher",
     "amax",
     "found_inf",
+    "gradient_maxima",
     "install",
     "raw_grad",
     "replace",
@@ -319,20 +320,34 @@ def scheduler_initial_step(scheduler: Any) -> bool:
     return _internals.scheduler_step_count(scheduler) == 0
 
 
+def gradient_maxima(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """``max |g|`` of each strided floating gradient of ``grads`` as one float32 vector on
+    the first one's device (one multi-tensor launch per device, no sync), and the
+    positions in ``grads`` it covers; None if there is none."""
+    kept = [i for i, g in enumerate(grads) if g.layout == torch.strided and g.is_floating_point()]
+    if not kept:
+        return None
+    by_device: dict[torch.device, list[int]] = {}
+    for i in kept:
+        by_device.setdefault(grads[i].device, []).append(i)
+    first = grads[kept[0]].device
+    parts, order = [], []
+    for device, positions in by_device.items():
+        maxima = _internals.foreach_amax([grads[i] for i in positions])
+        stacked = torch.stack([m.float() for m in maxima])
+        parts.append(stacked if device == first else stacked.to(first, non_blocking=True))
+        order += positions
+    vector = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if len(by_device) > 1:  # back to the order of ``grads``
+        back = sorted(range(len(order)), key=order.__getitem__)
+        vector = vector[torch.tensor(back, device=first)]
+    return vector, kept
+
+
 def amax(grads: list[torch.Tensor]) -> torch.Tensor | None:
     """The largest ``|g|`` over ``grads`` as a 0-dim tensor (no sync); None if none."""
-    grads = [g for g in grads if g.layout == torch.strided and g.is_floating_point()]
-    if not grads:
-        return None
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_device.setdefault(grad.device, []).append(grad)
-    maxima = [
-        torch.stack([n.float() for n in _internals.foreach_amax(group)]).max()
-        for group in by_device.values()
-    ]
-    device = maxima[0].device
-    return torch.stack([m.to(device) for m in maxima]).max()
+    found = gradient_maxima(grads)
+    return None if found is None else found[0].max()
 
 
 # -- patching ---------------------------------------------------------------------

@@ -36,6 +36,7 @@ from torch import nn
 from fpaudit import torch_internals as _internals
 from fpaudit.capture.clock import model_name, wrapped_paths
 from fpaudit.capture.recorder import MadeNonfinite
+from fpaudit.capture.torch_patches import gradient_maxima
 from fpaudit.report.records import KIND_FORWARD, SKIP_COLUMNS
 
 if TYPE_CHECKING:
@@ -48,36 +49,11 @@ __all__ = [
     "GradientFlags",
     "ParameterFlags",
     "StepFlags",
-    "gradient_maxima",
     "skips_table",
 ]
 
 NAMED_PARAMETERS = 5
 """Parameters named per skipped step (all of them are counted)."""
-
-
-def gradient_maxima(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
-    """``max |g|`` of each strided floating gradient of ``grads`` as one float32 vector on
-    the first one's device (one multi-tensor launch per device, no sync), and the
-    positions in ``grads`` it covers; None if there is none."""
-    kept = [i for i, g in enumerate(grads) if g.layout == torch.strided and g.is_floating_point()]
-    if not kept:
-        return None
-    by_device: dict[torch.device, list[int]] = {}
-    for i in kept:
-        by_device.setdefault(grads[i].device, []).append(i)
-    first = grads[kept[0]].device
-    parts, order = [], []
-    for device, positions in by_device.items():
-        maxima = _internals.foreach_amax([grads[i] for i in positions])
-        stacked = torch.stack([m.float() for m in maxima])
-        parts.append(stacked if device == first else stacked.to(first, non_blocking=True))
-        order += positions
-    vector = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if len(by_device) > 1:  # back to the order of ``grads``
-        back = sorted(range(len(order)), key=order.__getitem__)
-        vector = vector[torch.tensor(back, device=first)]
-    return vector, kept
 
 
 class BackwardOrder:

@@ -78,6 +78,22 @@ def test_kernel_speed_times_every_thread_count_side_by_side(tmp_path: Path) -> N
         assert all(f"bf16 {layout} 4K: " in result.stdout for layout in layouts)
 
 
+def test_skip_flags_benchmark_times_both_per_parameter_count() -> None:
+    """benchmarks/skip_flags.py (two parameter counts, a few steps): a row per count,
+    each with the step's time before and with the flags, and what the flags added."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "skip_flags.py")]
+    command += ["--params", "2", "6", "--reps", "5"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [
+        line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["2"], ["6"])
+    ]
+    assert [row[0] for row in rows] == ["2", "6"]
+    for _, before, flagged, added in rows:
+        assert float(before) > 0 and float(flagged) > 0
+        assert float(added) == pytest.approx(float(flagged) - float(before), abs=0.15)
+
+
 def test_host_overhead_measures_each_variant_and_the_first_step() -> None:
     """benchmarks/host_overhead.py runs (the small models, one round): every variant is
     timed, the audited ones after their warm-up steps, and the first step apart."""
